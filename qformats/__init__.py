@@ -1,0 +1,7 @@
+"""qformats: exact low-precision formats (FP8, FPx EyMz, MX, NVFP4, INT2-8) as pure JAX transforms."""
+
+from qformats.errors import CheckpointError, FormatError, KernelError, ModelError, QFormatsError, SchemeError
+from qformats.formats import E8M0, E8M0Format, FloatFormat, IntFormat, get_format
+from qformats.codec import code_table, decode, encode, encode_e8m0
+
+__version__ = "0.1.0"
