@@ -1,0 +1,1 @@
+"""compressed-tensors / HF safetensors checkpoint I/O, whole-checkpoint quantization and the qformats CLI."""
