@@ -12,9 +12,12 @@ SPECIALS = ("ieee", "fn", "fnuz", "finite")
 
 
 def _default_specials(ebits: int, mbits: int) -> str:
-    """OCP rule ("automatic OCP definition"): 8-bit e4m3 -> fn, other 8-bit -> ieee, fewer bits -> finite."""
+    """OCP rule ("automatic OCP definition"): 8-bit e4m3 -> fn, other 8-bit -> ieee, fewer bits -> finite.
+
+    An 8-bit format with no mantissa bit has no room for an IEEE NaN and gets "fn".
+    """
     if 1 + ebits + mbits == 8:
-        return "fn" if (ebits, mbits) == (4, 3) else "ieee"
+        return "fn" if (ebits, mbits) == (4, 3) or mbits == 0 else "ieee"
     return "finite"
 
 
