@@ -5,3 +5,6 @@ from qformats.formats import E8M0, E8M0Format, FloatFormat, IntFormat, get_forma
 from qformats.codec import code_table, decode, encode, encode_e8m0
 
 __version__ = "0.1.0"
+from qformats.schemes import QuantScheme, SchemeSet
+from qformats.qarray import QArray
+from qformats.quantize import dequantize, fake_quantize, quantize

@@ -1,0 +1,135 @@
+"""QArray: the quantized array pytree (packed codes, contracted scales, static scheme and logical shape)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qformats.codec import decode
+from qformats.errors import SchemeError
+from qformats.formats import IntFormat
+from qformats.packing import unpack
+from qformats.schemes import QuantScheme
+
+
+@jax.tree_util.register_pytree_node_class
+class QArray:
+    """A quantized array.
+
+    Layout (the interchange layout, identical to compressed-tensors' `[out, in]` storage for a Flax kernel
+    quantized along axis 0): the reduction axis `axis` is moved last, giving the transposed logical shape
+    `tshape = shape[:axis] + shape[axis+1:] + (K,)`, K = shape[axis]. Then
+
+      codes:        uint8 `tshape[:-1] + (ceil(K * bits / 8),)`, codes packed little-endian along the last
+                    axis (`qformats.packing.pack`); 8-bit formats unpacked (int8 for int8, else uint8 bit
+                    patterns). Integer codes are stored offset: u = q - qmin (q + 2^(bits-1) when signed).
+      scale:        contracted, never expanded: tensor `[1]`; channel/token `tshape[:-1] + (1,)`; group and
+                    tensor_group `tshape[:-1] + (K / g,)`; block (2-D) `[ceil(O/bh), ceil(K/bw)]`. Its dtype
+                    is the scheme's scale format (float32/bf16/f16, float8_e4m3fn, or uint8 E8M0 codes).
+      zero_point:   int8, shaped like scale (asymmetric integer schemes only).
+      global_scale: float32 `[1]` (tensor_group / NVFP4 only).
+
+    Reconstruction: x = (value(code) - zero_point) * scale / global_scale, scale expanded over its group,
+    then the reduction axis moved back. `scheme`, `shape`, `dtype` and `axis` are static (pytree aux data).
+    """
+
+    def __init__(self, codes, scale, zero_point, global_scale, *, scheme: QuantScheme,
+                 shape: Tuple[int, ...], dtype, axis: int):
+        self.codes = codes
+        self.scale = scale
+        self.zero_point = zero_point
+        self.global_scale = global_scale
+        self.scheme = scheme
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = jnp.dtype(dtype)
+        self.axis = int(axis)
+
+    # ---- pytree ----------------------------------------------------------------------------------------
+    def tree_flatten(self):
+        return ((self.codes, self.scale, self.zero_point, self.global_scale),
+                (self.scheme, self.shape, self.dtype.name, self.axis))
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        scheme, shape, dtype, axis = aux
+        return cls(*children, scheme=scheme, shape=shape, dtype=dtype, axis=axis)
+
+    # ---- facts -----------------------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def tshape(self) -> Tuple[int, ...]:
+        """The logical shape with the reduction axis moved last."""
+        s = list(self.shape)
+        k = s.pop(self.axis)
+        return tuple(s) + (k,)
+
+    @property
+    def format(self):
+        return self.scheme.format
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually stored: codes + scale + zero point + global scale."""
+        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                   for a in (self.codes, self.scale, self.zero_point, self.global_scale) if a is not None)
+
+    @property
+    def dense_nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return (f"QArray(shape={self.shape}, dtype={self.dtype.name}, axis={self.axis}, "
+                f"scheme={self.scheme.describe()!r}, nbytes={self.nbytes})")
+
+    # ---- views -----------------------------------------------------------------------------------------
+    def element_codes(self) -> jax.Array:
+        """Unpacked codes, uint8 (int8 for int8), shape `tshape`."""
+        bits = self.scheme.bits
+        if bits == 8:
+            return self.codes
+        return unpack(self.codes, bits, self.tshape[-1])
+
+    def element_values(self, dtype=jnp.float32) -> jax.Array:
+        """Element values before scaling (integers for int formats, with zero point not yet applied)."""
+        fmt = self.scheme.format
+        c = self.element_codes()
+        if isinstance(fmt, IntFormat):
+            if c.dtype == jnp.int8:
+                return c.astype(dtype)
+            return (c.astype(jnp.int32) + fmt.qmin).astype(dtype)
+        return decode(c, fmt, dtype=dtype)
+
+    def scale_values(self, dtype=jnp.float32) -> jax.Array:
+        """The contracted scale as floats (E8M0 codes decoded to 2^(e-127)), global scale not applied."""
+        if self.scheme.scale_format == "e8m0":
+            return decode(self.scale, "e8m0", dtype=dtype)
+        return self.scale.astype(dtype)
+
+    def expanded_scale(self, dtype=jnp.float32) -> jax.Array:
+        """The effective scale broadcast to `tshape` (a derived view; never stored)."""
+        from qformats.quantize import _expand  # local: quantize imports this module
+        s = self.scale_values(jnp.float32)
+        if self.global_scale is not None:
+            s = s / self.global_scale.astype(jnp.float32)
+        return _expand(s, self.scheme, self.tshape).astype(dtype)
+
+    def check(self) -> None:
+        """Validate shapes of all parts against the scheme (non-jit; raises SchemeError)."""
+        from qformats.quantize import expected_shapes
+        want = expected_shapes(self.scheme, self.shape, self.axis)
+        for part in ("codes", "scale", "zero_point", "global_scale"):
+            arr, exp = getattr(self, part), want.get(part)
+            if (arr is None) != (exp is None) or (arr is not None and tuple(arr.shape) != exp):
+                raise SchemeError(f"QArray {self.scheme.describe()} shape {self.shape}: {part} expected "
+                                  f"shape {exp}, found {None if arr is None else tuple(arr.shape)}")
+
+
+def _unused(_: Optional[int]) -> None:  # pragma: no cover
+    pass
