@@ -8,3 +8,5 @@ __version__ = "0.1.0"
 from qformats.schemes import QuantScheme, SchemeSet
 from qformats.qarray import QArray
 from qformats.quantize import dequantize, fake_quantize, quantize
+from qformats.presets import presets
+from qformats.dispatch import qdot, register_kernel, set_kernels_enabled

@@ -36,7 +36,8 @@ class QuantScheme:
         (2^(ceil(log2 amax) - emax_elem)), "even" (round amax's mantissa to the element's precision,
         then floor), "ct" (compressed-tensors' MX rule: round amax to a power of two at the element's
         mantissa threshold, then 127 + floor(log2) - floor(log2 max_elem)).
-      dynamic: activations quantized at run time (True) or with static calibrated scales (False).
+      dynamic: activations quantized at run time (True) or with static calibrated scales (False);
+        "local" (NVFP4 activations): group scales at run time under a static, calibrated global scale.
     """
 
     format: Format
@@ -46,9 +47,11 @@ class QuantScheme:
     symmetric: bool = True
     scale_format: str = "float32"
     scale_rule: str = "absmax"
-    dynamic: bool = False
+    dynamic: "bool | str" = False
 
     def __post_init__(self):
+        if self.dynamic not in (True, False, "local"):
+            raise SchemeError(f"QuantScheme: dynamic must be True, False or 'local', got {self.dynamic!r}")
         fmt = get_format(self.format)
         object.__setattr__(self, "format", fmt)
         if isinstance(fmt, E8M0Format):

@@ -1,0 +1,93 @@
+"""Preset scheme sets under compressed-tensors' names, plus the FPx weight-only presets the torch side dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Dict, Iterator
+
+from qformats.errors import SchemeError
+from qformats.schemes import QuantScheme, SchemeSet
+
+
+def _int_w(bits: int, group: int = 128, symmetric: bool = True) -> QuantScheme:
+    return QuantScheme(f"int{bits}", "group", group_size=group, symmetric=symmetric, scale_format="input")
+
+
+def _int_tok(bits: int) -> QuantScheme:
+    return QuantScheme(f"int{bits}", "token", scale_format="input", dynamic=True)
+
+
+def _mx(fmt: str, dynamic: bool = False) -> QuantScheme:
+    return QuantScheme(fmt, "group", group_size=32, scale_format="e8m0", scale_rule="ct", dynamic=dynamic)
+
+
+_FP8 = "fp8_e4m3fn"
+_NVFP4_W = QuantScheme("fp4_e2m1", "tensor_group", group_size=16, scale_format="fp8_e4m3fn")
+_NVFP4_A = QuantScheme("fp4_e2m1", "tensor_group", group_size=16, scale_format="fp8_e4m3fn", dynamic="local")
+
+
+def _build() -> Dict[str, SchemeSet]:
+    p: Dict[str, SchemeSet] = {}
+
+    def add(name, w=None, a=None):
+        p[name] = SchemeSet(name, weights=w, input_activations=a)
+
+    # -- compressed-tensors 0.20 PRESET_SCHEMES, same names and semantics --
+    add("W4A16_ASYM", _int_w(4, symmetric=False))
+    w8a8 = (QuantScheme("int8", "channel", scale_format="input"), _int_tok(8))
+    add("W8A8", *w8a8)
+    add("INT8", *w8a8)
+    add("W4AFP8", _int_w(4), QuantScheme(_FP8, "token", scale_format="input", dynamic=True))
+    add("FP8", QuantScheme(_FP8, "tensor", scale_format="input"), QuantScheme(_FP8, "tensor", scale_format="input"))
+    add("FP8_DYNAMIC", QuantScheme(_FP8, "channel", scale_format="input"),
+        QuantScheme(_FP8, "token", scale_format="input", dynamic=True))
+    add("FP8_BLOCK", QuantScheme(_FP8, "block", block=(128, 128), scale_format="input"),
+        QuantScheme(_FP8, "group", group_size=128, scale_format="input", dynamic=True))
+    add("NVFP4A16", _NVFP4_W)
+    add("NVFP4", _NVFP4_W, _NVFP4_A)
+    add("MXFP4A16", _mx("fp4_e2m1"))
+    add("MXFP4", _mx("fp4_e2m1"), _mx("fp4_e2m1", dynamic=True))
+    add("MXFP4XFP8", _mx("fp4_e2m1"), QuantScheme(_FP8, "group", group_size=128, scale_format="input", dynamic=True))
+    add("MXFP6A16", _mx("fp6_e2m3"))
+    add("MXFP6A8", _mx("fp6_e2m3"), _mx(_FP8, dynamic=True))
+    add("MXFP8A16", _mx(_FP8))
+    add("MXFP8", _mx(_FP8), _mx(_FP8, dynamic=True))
+    for wb in range(2, 9):
+        add(f"W{wb}A16", _int_w(wb))
+        for ab in (4, 8):
+            if wb <= ab:
+                add(f"W{wb}A{ab}", _int_w(wb), _int_tok(ab))
+    # -- FPx weight-only (Quant-LLM / torchao fpx, removed from torchao in Jan 2026) --
+    # per-output-channel scale = amax / max_elem, stored in the weight's dtype; _G32/_G128 group variants.
+    for name, fmt in (("FP8_E4M3", _FP8), ("FP6_E3M2", "fp6_e3m2"), ("FP6_E2M3", "fp6_e2m3"),
+                      ("FP5_E2M2", "fp5_e2m2"), ("FP5_E3M1", "fp5_e3m1"), ("FP4_E2M1", "fp4_e2m1"),
+                      ("FP4_E3M0", "fp4_e3m0")):
+        add(name, QuantScheme(fmt, "channel", scale_format="input"))
+        for g in (32, 128):
+            add(f"{name}_G{g}", QuantScheme(fmt, "group", group_size=g, scale_format="input"))
+    return p
+
+
+class Presets(Mapping):
+    """Read-only mapping preset name -> SchemeSet; names are case-insensitive; unknown names raise SchemeError."""
+
+    def __init__(self, table: Dict[str, SchemeSet]):
+        self._t = table
+
+    def __getitem__(self, name: str) -> SchemeSet:
+        key = str(name).upper()
+        if key not in self._t:
+            raise SchemeError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(self._t))}")
+        return self._t[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._t)
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def __contains__(self, name) -> bool:
+        return str(name).upper() in self._t
+
+
+presets = Presets(_build())
