@@ -55,7 +55,7 @@ def _build() -> Dict[str, SchemeSet]:
     for wb in range(2, 9):
         add(f"W{wb}A16", _int_w(wb))
         for ab in (4, 8):
-            if wb <= ab:
+            if wb <= ab and (wb, ab) != (8, 8):  # W8A8 is the channel-wise INT8 preset above
                 add(f"W{wb}A{ab}", _int_w(wb), _int_tok(ab))
     # -- FPx weight-only (Quant-LLM / torchao fpx, removed from torchao in Jan 2026) --
     # per-output-channel scale = amax / max_elem, stored in the weight's dtype; _G32/_G128 group variants.

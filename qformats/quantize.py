@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qformats import rounding as R
 from qformats.codec import encode
 from qformats.errors import SchemeError
 from qformats.formats import FloatFormat, IntFormat
@@ -219,11 +220,11 @@ def _dequantize_jit(q: QArray, dtype) -> jax.Array:
     view, _ = _grouped(vals, scheme)
     s = q.scale_values(sdt)
     if q.global_scale is not None:
-        s = s / q.global_scale.astype(sdt)
+        s = R.div(s, q.global_scale, sdt)
     s = _keepdims(s, scheme, view.ndim)
     if q.zero_point is not None:
-        view = view - _keepdims(q.zero_point, scheme, view.ndim).astype(sdt)
-    out = _ungroup(view * s, scheme, q.tshape).astype(dtype)
+        view = R.sub(view, _keepdims(q.zero_point, scheme, view.ndim), sdt)
+    out = _ungroup(R.mul(view, s, sdt), scheme, q.tshape).astype(dtype)
     return jnp.moveaxis(out, -1, q.axis)
 
 

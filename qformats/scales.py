@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qformats import rounding as R
 from qformats.formats import FloatFormat, IntFormat
 from qformats.schemes import QuantScheme
 
@@ -86,7 +87,7 @@ def e8m0_code(amax: jax.Array, fmt: FloatFormat, rule: str) -> jax.Array:
         unb = jnp.clip(ex - 127 - fmt.emax, -127, 128)
         code = unb + 127
     elif rule == "rceil":
-        descale = jax.lax.bitcast_convert_type(bits, jnp.float32) / np.float32(fmt.max)
+        descale = R.div(jax.lax.bitcast_convert_type(bits, jnp.float32), np.float32(fmt.max), jnp.float32)
         db = _f32_bits(descale)
         dex = (db >> 23).astype(jnp.int32)
         dm = db & 0x7FFFFF
@@ -125,7 +126,7 @@ def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *
     Symmetric absmax: s = amax / ((qmax - qmin) / 2), computed in x's dtype for scale_format "input" and
     NVFP4 (as compressed-tensors computes it), else in float32; zero scales -> eps of the scale dtype.
     Asymmetric int: s = (max - min) / (qmax - qmin), z = round(clamp(qmin - min / s, qmin, qmax)).
-    NVFP4: g = 448 * 6 / max(amax_tensor, tiny) (NaN/inf -> 1), s = fp8(clamp(g * amax / 6, +-448)).
+    NVFP4: g = (1 / max(amax_tensor, tiny)) * 448 * 6 (torch's rounding; NaN/inf -> 1), s = fp8(clamp(g * amax / 6, +-448)).
     E8M0: see `e8m0_code`.
     """
     xd = view.dtype
@@ -154,8 +155,8 @@ def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *
         if scale is None:
             mn = jnp.minimum(jnp.min(view, axis=red_axes, keepdims=True), 0).astype(cdt)
             mx = jnp.maximum(jnp.max(view, axis=red_axes, keepdims=True), 0).astype(cdt)
-            s = (mx - mn) / jnp.asarray(fmt.qmax - fmt.qmin, cdt)
-            zf = jnp.clip(jnp.asarray(fmt.qmin, cdt) - mn / s, fmt.qmin, fmt.qmax)
+            s = R.div(R.sub(mx, mn, cdt), fmt.qmax - fmt.qmin, cdt)
+            zf = jnp.clip(R.sub(fmt.qmin, R.div(mn, s, cdt), cdt), fmt.qmin, fmt.qmax)
             s = s.astype(sdt)
             s = jnp.where(s == 0, jnp.asarray(_eps(sdt), sdt), s)
             z = jnp.where(jnp.isnan(zf), 0, jnp.round(zf)).astype(jnp.int8)
@@ -163,31 +164,32 @@ def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *
             s = jnp.asarray(scale).astype(sdt)
             z = jnp.asarray(zero_point).astype(jnp.int8)
         pdt = jnp.promote_types(xd, sdt)
-        return ScaleResult(s, z, None, lambda x: x.astype(pdt) / s.astype(pdt) + z.astype(pdt))
+        return ScaleResult(s, z, None, lambda x: R.add(R.div(x, s, pdt), z, pdt))
 
     # -- NVFP4: fp8 group scales under a float32 global scale ------------------------------------------------------
     if scheme.strategy == "tensor_group":
         if global_scale is None:
             amax_t = jnp.max(jnp.abs(view)).astype(xd)
             tiny = jnp.asarray(jnp.finfo(xd).tiny, xd)
-            g = (jnp.asarray(NVFP4_GLOBAL_NUMERATOR, xd) / jnp.maximum(amax_t, tiny)).astype(jnp.float32)
+            # torch evaluates `2688 / t` as t.reciprocal() * 2688, each op rounded to t's dtype
+            g = R.mul(R.div(1.0, jnp.maximum(amax_t, tiny), xd), NVFP4_GLOBAL_NUMERATOR, xd).astype(jnp.float32)
             g = jnp.where(jnp.isfinite(g), g, 1.0).reshape(1)
         else:
             g = jnp.asarray(global_scale, jnp.float32).reshape(1)
         if scale is None:
             amax = jnp.max(jnp.abs(view), axis=red_axes, keepdims=True).astype(cdt)
-            s32 = g * (amax / half).astype(jnp.float32)
+            s32 = g * R.div(amax, half, cdt).astype(jnp.float32)
             s = jnp.clip(s32, -FP8_MAX, FP8_MAX).astype(fp8)
             s = jnp.where(s.astype(jnp.float32) == 0, jnp.asarray(0.125, fp8), s)
         else:
             s = jnp.asarray(scale).astype(fp8)
-        eff = s.astype(jnp.float32) / g
-        return ScaleResult(s, None, g, lambda x: x.astype(jnp.float32) / eff)
+        eff = R.div(s, g, jnp.float32)
+        return ScaleResult(s, None, g, lambda x: R.div(x, eff, jnp.float32))
 
     # -- symmetric absmax --------------------------------------------------------------------------------------
     if scale is None:
         amax = jnp.max(jnp.abs(view), axis=red_axes, keepdims=True).astype(cdt)
-        s = amax / half
+        s = R.div(amax, half, cdt)
         if sdt == fp8:
             s = jnp.clip(s.astype(jnp.float32), -FP8_MAX, FP8_MAX)
         s = s.astype(sdt)
@@ -195,4 +197,4 @@ def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *
     else:
         s = jnp.asarray(scale).astype(sdt)
     pdt = jnp.promote_types(xd, jnp.float32 if sdt == fp8 else sdt)
-    return ScaleResult(s, None, None, lambda x: x.astype(pdt) / s.astype(pdt))
+    return ScaleResult(s, None, None, lambda x: R.div(x, s, pdt))

@@ -1,0 +1,9 @@
+"""qformats.nn: quantized Flax layers and in-place model quantization by path rules (NNX and linen)."""
+
+from qformats.nn.modules import CalibStat, QLinear, QuantStat, quantize_weight
+from qformats.nn.rules import Rule, resolve_scheme
+from qformats.nn.transform import convert, quantize_model, quantized_layers
+from qformats.nn.stats import param_bytes
+
+__all__ = ["QLinear", "QuantStat", "CalibStat", "Rule", "quantize_model", "convert", "quantized_layers",
+           "quantize_weight", "resolve_scheme", "param_bytes"]

@@ -1,0 +1,92 @@
+"""Rules: regex on "/"-joined module paths → scheme set; first match wins; all validated before use."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from typing import List, Optional, Sequence, Tuple, Union
+
+from qformats.errors import ModelError, SchemeError
+from qformats.presets import presets
+from qformats.schemes import QuantScheme, SchemeSet
+
+SchemeLike = Union[str, SchemeSet, QuantScheme, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Quantize modules whose path fully matches `pattern` (`re.fullmatch` on e.g. "encoder/layers/0/
+    attention/query") with `scheme`: a preset name ("FP8_DYNAMIC", "W4A16", ...), a SchemeSet, a
+    QuantScheme (weight-only), or None to leave matching modules as they are."""
+
+    pattern: str
+    scheme: SchemeLike = None
+
+
+def resolve_scheme(scheme: SchemeLike) -> Optional[SchemeSet]:
+    """Preset name | SchemeSet | QuantScheme (weights only) | None → SchemeSet or None (SchemeError if unknown)."""
+    if scheme is None or isinstance(scheme, SchemeSet):
+        return scheme
+    if isinstance(scheme, QuantScheme):
+        return SchemeSet(scheme.describe(), weights=scheme)
+    if isinstance(scheme, str):
+        return presets[scheme]
+    raise SchemeError(f"expected a preset name, SchemeSet, QuantScheme or None, got {type(scheme).__name__}")
+
+
+def compile_rules(rules: Sequence) -> List[Tuple[Rule, "re.Pattern", Optional[SchemeSet]]]:
+    """Check every rule (regex compiles, scheme exists) → [(rule, compiled, scheme set)]; ModelError otherwise.
+
+    A bare string or (pattern, scheme) tuple is accepted as a Rule.
+    """
+    if isinstance(rules, (Rule, str)):
+        rules = [rules]
+    out = []
+    for i, r in enumerate(rules):
+        if isinstance(r, tuple):
+            r = Rule(*r)
+        if not isinstance(r, Rule):
+            raise ModelError(f"rule #{i}: expected a Rule(pattern, scheme), got {r!r}")
+        try:
+            rx = re.compile(r.pattern)
+        except re.error as e:
+            raise ModelError(f"rule #{i} {r.pattern!r}: the pattern is not a valid regex ({e})") from e
+        try:
+            ss = resolve_scheme(r.scheme)
+        except SchemeError as e:
+            raise ModelError(f"rule #{i} {r.pattern!r}: {e}") from e
+        if ss is not None and ss.weights is None:
+            raise ModelError(f"rule #{i} {r.pattern!r}: scheme {ss.name!r} quantizes no weights")
+        out.append((r, rx, ss))
+    return out
+
+
+def match(compiled, path: str):
+    """Index and scheme set of the first rule matching `path`, or (None, None)."""
+    for i, (_, rx, ss) in enumerate(compiled):
+        if rx.fullmatch(path):
+            return i, ss
+    return None, None
+
+
+def warn_unused(compiled, used: set) -> None:
+    for i, (r, _, _) in enumerate(compiled):
+        if i not in used:
+            warnings.warn(f"qformats.nn: rule #{i} {r.pattern!r} matched no Linear module", stacklevel=3)
+
+
+def check_fit(path: str, in_features: int, ss: SchemeSet, *, static_acts: bool) -> None:
+    """ModelError naming `path` when the layer's shape or the activation scheme does not fit."""
+    w = ss.weights
+    if w.strategy == "token":
+        raise ModelError(f"{path}: weight scheme {w.describe()} uses strategy 'token', which is for activations")
+    for what, s in (("weight", w), ("activation", ss.input_activations)):
+        if s is not None and s.strategy in ("group", "tensor_group") and in_features % s.group_size:
+            raise ModelError(f"{path}: {what} group size {s.group_size} of {ss.name} ({s.describe()}) does not "
+                             f"divide in_features = {in_features}")
+    a = ss.input_activations
+    if a is not None and a.strategy == "block":
+        raise ModelError(f"{path}: activation scheme {a.describe()} uses 'block', which needs a 2-D weight")
+    if static_acts and a is not None and a.dynamic is not True and a.strategy not in ("tensor", "tensor_group"):
+        raise ModelError(f"{path}: static activation scheme {a.describe()} must be per-tensor to be calibrated")

@@ -1,0 +1,145 @@
+"""quantize_model / convert: swap nnx.Linear for QLinear in place by rules; calibrate; QAT → packed."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+
+from flax import nnx
+
+from qformats.errors import ModelError
+from qformats.nn.modules import QLinear
+from qformats.nn.rules import check_fit, compile_rules, match, warn_unused
+from qformats.observers import get_observer
+
+
+def _path_str(path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _references(model: nnx.Module, kind) -> dict:
+    """id(module of type `kind`) → (first path, module, [(parent, key), ...]) over the whole graph.
+
+    A shared module appears once with every place that refers to it, so swapping it keeps it shared.
+    """
+    found = {}
+    for path, node in nnx.iter_modules(model):
+        if isinstance(node, kind) and id(node) not in found:
+            found[id(node)] = (_path_str(path), node, [])
+    for _, parent in nnx.iter_modules(model):
+        for key, value in list(vars(parent).items()):
+            if isinstance(value, kind) and id(value) in found:
+                found[id(value)][2].append((parent, key))
+            elif isinstance(value, (list, dict)):  # plain containers held as attributes
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                for k, v in items:
+                    if isinstance(v, kind) and id(v) in found:
+                        found[id(v)][2].append((value, k))
+    return found
+
+
+def _set(parent, key, new) -> None:
+    if isinstance(parent, nnx.List):
+        parent[int(key)] = new
+    elif isinstance(parent, nnx.Module):
+        setattr(parent, key, new)
+    else:
+        parent[key] = new
+
+
+def _default_forward(model, batch):
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibration_data: Optional[Iterable] = None,
+                   *, weight_search: Optional[str] = None, observer: Any = "minmax",
+                   forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True) -> nnx.Module:
+    """Swap every `nnx.Linear` whose path matches a rule for a `QLinear`, in place; returns `model`.
+
+    Args:
+      model: an NNX module; Linear layers may sit in attributes, `nnx.List` / `nnx.Dict`, and be shared.
+      rules: `Rule(pattern, scheme)`s, first full match on the "/"-joined path wins (scheme None: skip).
+      mode: "ptq" (pack weights now) or "qat" (float weights, fake-quantized forward; see `convert`).
+      calibration_data: iterable of batches; each is run through the model (`forward(model, batch)`,
+        default `model(**batch)` / `model(*batch)` / `model(batch)`) with observers on the inputs of the
+        swapped layers, giving static activation scales (for schemes with dynamic=False / "local") and
+        the per-feature E[x^2] that `weight_search="mse"` weights its error with.
+      weight_search: None (round-to-nearest) or "mse" (per-group clipping search, `observers.mse_quantize`).
+      observer: "minmax" | "moving_average" | "percentile" | "mse" | an `observers.Observer`.
+
+    Everything (regexes, preset names, shapes against schemes) is checked before the first swap; on a
+    bad rule or a layer that does not fit, ModelError names the rule or module path and the model is
+    unchanged. Rules matching no Linear are reported with a warning.
+    """
+    if mode not in ("ptq", "qat"):
+        raise ModelError(f"quantize_model: mode must be 'ptq' or 'qat', got {mode!r}")
+    compiled = compile_rules(rules)
+    calibrating = calibration_data is not None
+    plan: List[Tuple[str, nnx.Linear, list, Any]] = []
+    used = set()
+    for path, lin, parents in _references(model, nnx.Linear).values():
+        i, ss = match(compiled, path)
+        if i is None:
+            continue
+        used.add(i)
+        if ss is None:
+            continue
+        kernel = lin.kernel.get_value()
+        if getattr(kernel, "ndim", 2) != 2:
+            raise ModelError(f"{path}: expected a 2-D Linear kernel, found shape {tuple(kernel.shape)}")
+        check_fit(path, int(kernel.shape[0]), ss, static_acts=calibrating)
+        plan.append((path, lin, parents, ss))
+    warn_unused(compiled, used)
+    observers = {}
+    for path, _, _, ss in plan:
+        a = ss.input_activations
+        if a is not None:
+            try:
+                observers[path] = get_observer(observer, a)
+            except Exception as e:
+                raise ModelError(f"{path}: {e}") from e
+        if not calibrating and a is not None and a.dynamic is not True:
+            warnings.warn(f"qformats.nn: {path}: {ss.name} has static activation scales but no calibration_data "
+                          "was given; using dynamic scales of the same granularity", stacklevel=2)
+
+    # -- swap (one layer at a time: only one float + packed copy of a weight is alive at once) --
+    swapped = []
+    for path, lin, parents, ss in plan:
+        if calibrating:
+            obs = observers.get(path) or get_observer("minmax", ss.weights)
+            new = QLinear.from_linear(lin, ss, mode="calibrate", path=path, observer=obs)
+        else:
+            new = QLinear.from_linear(lin, ss, mode=mode, path=path, weight_search=weight_search)
+        for parent, key in parents:
+            _set(parent, key, new)
+        swapped.append(new)
+
+    if calibrating:
+        fwd = forward or _default_forward
+        step = nnx.jit(lambda m, b: (fwd(m, b), None)[1]) if jit else (lambda m, b: fwd(m, b))
+        n = 0
+        for batch in calibration_data:
+            step(model, batch)
+            n += 1
+        if n == 0:
+            raise ModelError("quantize_model: calibration_data gave no batches")
+        for q in swapped:
+            q.finalize(mode, weight_search=weight_search)
+    return model
+
+
+def convert(model: nnx.Module, *, weight_search: Optional[str] = None) -> nnx.Module:
+    """Every QAT QLinear → packed PTQ QLinear, in place (outputs identical on the XLA path); returns model."""
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, QLinear):
+            m.convert(weight_search)
+    return model
+
+
+def quantized_layers(model: nnx.Module) -> dict:
+    """path → QLinear for every quantized layer (first path of shared ones)."""
+    return {p: m for p, m, _ in _references(model, QLinear).values()}

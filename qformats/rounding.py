@@ -1,0 +1,60 @@
+"""Explicitly rounded float arithmetic: compute in float32, round once to bf16/f16, as torch does per op.
+
+XLA allows excess precision by default (`xla_allow_excess_precision`): a bf16 division may stay in float32
+through a fused computation. compressed-tensors rounds every intermediate to the tensor's dtype, so ops
+whose result must match it bit for bit go through `rnd`, which `lax.reduce_precision` pins in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_F16_MIN_NORMAL = np.float32(2.0 ** -14)
+
+
+def rnd(v: jax.Array, dtype) -> jax.Array:
+    """v (float32) rounded to nearest-even in `dtype` (float32, bfloat16 or float16), returned as `dtype`.
+
+    bf16: reduce_precision(8, 7). f16: reduce_precision(5, 10) for normals; XLA's reduce_precision flushes
+    f16 subnormals, so |v| < 2^-14 is rounded as round_half_even(v * 2^24) * 2^-24 (exact in float32).
+    """
+    dtype = jnp.dtype(dtype)
+    v = v.astype(jnp.float32)
+    if dtype == jnp.float32:
+        return v
+    if dtype == jnp.bfloat16:
+        return jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7).astype(dtype)
+    if dtype == jnp.float16:
+        normal = jax.lax.reduce_precision(v, exponent_bits=5, mantissa_bits=10)
+        sub = jnp.round(v * np.float32(2.0 ** 24)) * np.float32(2.0 ** -24)
+        return jnp.where(jnp.abs(v) < _F16_MIN_NORMAL, sub, normal).astype(dtype)
+    raise TypeError(f"rnd: unsupported dtype {dtype}")
+
+
+def div(a, b, dtype) -> jax.Array:
+    """a / b, correctly rounded in float32, then rounded once to `dtype` (torch's per-op semantics).
+
+    XLA:CPU rewrites `x / broadcast(s)` into `x * broadcast(1 / s)`, which is off by an ulp for about half
+    of all inputs; the divisor is broadcast to the full shape behind an optimization barrier so the
+    division stays a true IEEE division.
+    """
+    a = jnp.asarray(a).astype(jnp.float32)
+    b = jnp.asarray(b).astype(jnp.float32)
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    a = jnp.broadcast_to(a, shape)
+    b = jax.lax.optimization_barrier(jnp.broadcast_to(b, shape))
+    return rnd(a / b, dtype)
+
+
+def mul(a, b, dtype) -> jax.Array:
+    return rnd(jnp.asarray(a).astype(jnp.float32) * jnp.asarray(b).astype(jnp.float32), dtype)
+
+
+def add(a, b, dtype) -> jax.Array:
+    return rnd(jnp.asarray(a).astype(jnp.float32) + jnp.asarray(b).astype(jnp.float32), dtype)
+
+
+def sub(a, b, dtype) -> jax.Array:
+    return rnd(jnp.asarray(a).astype(jnp.float32) - jnp.asarray(b).astype(jnp.float32), dtype)
