@@ -1,0 +1,240 @@
+"""Write QArrays as a compressed-tensors checkpoint (0.20 layout): tensors, config.json, index, other files.
+
+`CompressedWriter` streams: tensors go to a `ShardedWriter` as they come, one module at a time, and
+`finish` writes config.json (the source config plus `quantization_config` exactly as compressed-tensors
+0.20 serializes it, `json.dump(indent=2, sort_keys=True)`) and copies the other files (tokenizer, ...).
+`write_compressed` is the one-call form. Both write into a temp directory renamed into place at the end
+(`atomic_directory`): an exception leaves no partial DST and an existing DST is refused unless `overwrite`.
+
+Tensors per weight (torch layout `[N, K]` = the QArray's `tshape`):
+  naive/int/float-quantized, mxfp8-quantized: `weight` (I8 or F8_E4M3), `weight_scale`, [`weight_zero_point`]
+  pack-quantized: `weight_packed` I32 `[N, ceil(K*b/32)]` (dense little-endian), `weight_shape` I64,
+                  `weight_scale`, [`weight_zero_point` I32 packed along dim 0]
+  nvfp4-pack-quantized: `weight_packed` U8 `[N, K/2]`, `weight_scale` F8_E4M3, `weight_global_scale` F32 [1]
+  mxfp4/mxfp6-pack-quantized: `weight_packed` U8, `weight_scale` U8 (E8M0)
+  fpx-pack-quantized (our extension): `weight_packed` U8, `weight_scale`, `weight_shape` I64
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from converters.ct_config import FPX_FORMAT, format_for, serialize_quantization_config
+from converters.safetensors_io import INDEX_FILE, ShardedWriter, atomic_directory, read_json
+from qformats.errors import CheckpointError, QFormatsError
+from qformats.formats import IntFormat
+from qformats.packing import pack_int32, unpack
+from qformats.qarray import QArray
+from qformats.schemes import SchemeSet
+
+__all__ = ["CompressedWriter", "copy_extra_files", "qarray_to_tensors", "write_compressed", "write_config"]
+
+_SKIP_COPY = {"config.json", INDEX_FILE}
+
+
+def qarray_to_tensors(q: QArray, fmt: str, where: str = "weight") -> Dict[str, np.ndarray]:
+    """The compressed-tensors tensors (local names) of one 2-D QArray stored in format `fmt`."""
+    if not isinstance(q, QArray):
+        raise CheckpointError(f"{where}: expected a QArray, found {type(q).__name__}")
+    if q.ndim != 2:
+        raise CheckpointError(f"{where}: expected a 2-D (Linear) QArray, found shape {q.shape}")
+    try:
+        q.check()
+    except QFormatsError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    s = q.scheme
+    n, k = q.tshape
+    bits = s.bits
+    codes = np.asarray(q.codes)
+    scale = np.asarray(q.scale)
+    out: Dict[str, np.ndarray] = {}
+    if fmt in ("naive-quantized", "int-quantized", "float-quantized", "mxfp8-quantized"):
+        if isinstance(s.format, IntFormat):
+            if bits == 8:
+                out["weight"] = codes.astype(np.int8)
+            else:
+                u = np.asarray(unpack(codes, bits, k)).astype(np.int16)
+                out["weight"] = (u + s.format.qmin).astype(np.int8)
+        else:
+            out["weight"] = codes.view(_ml("float8_e4m3fn"))
+        out["weight_scale"] = scale
+    elif fmt == "pack-quantized":
+        if bits == 8:
+            b = (codes.astype(np.int16) + 128).astype(np.uint8)
+        else:
+            b = codes.astype(np.uint8)
+        words = -(-k * bits // 32)
+        padded = np.zeros((n, 4 * words), np.uint8)
+        padded[:, : b.shape[1]] = b
+        out["weight_packed"] = padded.view("<i4").astype(np.int32)
+        out["weight_shape"] = np.array([n, k], np.int64)
+        out["weight_scale"] = scale
+    elif fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp6-pack-quantized", FPX_FORMAT):
+        out["weight_packed"] = codes.astype(np.uint8)
+        out["weight_scale"] = scale
+        if fmt == "nvfp4-pack-quantized":
+            out["weight_global_scale"] = np.asarray(q.global_scale, np.float32).reshape(1)
+        if fmt == FPX_FORMAT:
+            out["weight_shape"] = np.array([n, k], np.int64)
+    else:
+        raise CheckpointError(f"{where}: cannot write format {fmt!r}")
+    if q.zero_point is not None:
+        zp = np.asarray(q.zero_point).astype(np.int8)
+        if fmt == "pack-quantized" and s.strategy in ("group", "channel"):
+            u = (zp.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
+            out["weight_zero_point"] = np.asarray(pack_int32(u, bits, axis=0)).astype(np.int32)
+        else:
+            out["weight_zero_point"] = zp
+    return out
+
+
+def _ml(name: str) -> np.dtype:
+    import ml_dtypes
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def copy_extra_files(src_dir: Path, dst_dir: Path) -> List[str]:
+    """Copy everything in src_dir except weights (*.safetensors, *.bin, the index) and config.json."""
+    copied = []
+    if src_dir is None or not Path(src_dir).is_dir():
+        return copied
+    for p in sorted(Path(src_dir).iterdir()):
+        if p.name in _SKIP_COPY or p.suffix in (".safetensors", ".bin", ".pt", ".pth") or \
+                p.name.endswith(".index.json") or p.name.startswith(".") or (dst_dir / p.name).exists():
+            continue
+        try:
+            if p.is_dir():
+                shutil.copytree(p, dst_dir / p.name)
+            else:
+                shutil.copy2(p, dst_dir / p.name)
+        except OSError as e:
+            raise CheckpointError(f"{p}: cannot copy it to {dst_dir} ({e.strerror or e})") from None
+        copied.append(p.name)
+    return copied
+
+
+def write_config(dst_dir: Path, base: Optional[Mapping[str, Any]], qconfig: Optional[Dict[str, Any]]) -> None:
+    """config.json = base + quantization_config, dumped as compressed-tensors does (indent 2, sorted keys)."""
+    cfg = dict(base or {})
+    if qconfig is None:
+        cfg.pop("quantization_config", None)
+    else:
+        cfg["quantization_config"] = qconfig
+    try:
+        text = json.dumps(cfg, indent=2, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{dst_dir / 'config.json'}: the config is not JSON-serializable ({e})") from None
+    try:
+        (dst_dir / "config.json").write_text(text)
+    except OSError as e:
+        raise CheckpointError(f"{dst_dir / 'config.json'}: cannot write it ({e.strerror or e})") from None
+
+
+class CompressedWriter:
+    """Streams tensors and QArrays into a compressed-tensors checkpoint directory (already created; use
+    `atomic_directory` around it). `add_dense(name, array)`, `add_qarray(module, q, scheme_set)`, then
+    `finish(base_config, ignore=..., targets=..., copy_from=...)`."""
+
+    def __init__(self, dst_dir: "str | os.PathLike", max_shard_size: "int | str" = "5GB"):
+        self.dst_dir = Path(dst_dir)
+        self._w = ShardedWriter(self.dst_dir, max_shard_size)
+        self._groups: List[Tuple[Tuple[Any, Any, Any], SchemeSet, List[str]]] = []
+        self.dense_bytes = 0  # bytes the quantized weights had dense
+        self.written_bytes = 0
+
+    def add_dense(self, name: str, array: Any) -> None:
+        arr = np.asarray(array)
+        self._w.add(name, arr)
+        self.written_bytes += arr.nbytes
+
+    def add_qarray(self, module: str, q: QArray, scheme_set: Optional[SchemeSet] = None) -> str:
+        """Write the weight of `module` (a 2-D QArray) in the format its scheme calls for; returns the format."""
+        ia = scheme_set.input_activations if scheme_set is not None else None
+        oa = scheme_set.output_activations if scheme_set is not None else None
+        fmt = format_for(q.scheme, ia)
+        prefix = f"{module}." if module else ""
+        for local, arr in qarray_to_tensors(q, fmt, f"{self.dst_dir}: module {module!r}").items():
+            self._w.add(prefix + local, arr)
+            self.written_bytes += arr.nbytes
+        self.dense_bytes += q.dense_nbytes
+        key = (q.scheme, ia, oa)
+        for k, _, mods in self._groups:
+            if k == key:
+                mods.append(module)
+                break
+        else:
+            name = scheme_set.name if scheme_set is not None else q.scheme.describe()
+            self._groups.append((key, SchemeSet(name, q.scheme, ia, oa), [module]))
+        return fmt
+
+    def quantization_config(self, ignore: Sequence[str] = (), targets: Optional[Sequence[str]] = None
+                            ) -> Optional[Dict[str, Any]]:
+        """`targets` (default ["Linear"]) when all quantized modules share one scheme; else one group per
+        scheme with `re:^<module>$` targets."""
+        if not self._groups:
+            return None
+        if len(self._groups) == 1:
+            groups = [(list(targets or ["Linear"]), self._groups[0][1])]
+        else:
+            groups = [([f"re:^{re.escape(m)}$" for m in mods], ss) for _, ss, mods in self._groups]
+        return serialize_quantization_config(groups, list(ignore))
+
+    def finish(self, base_config: Optional[Mapping[str, Any]] = None, *, ignore: Sequence[str] = (),
+               targets: Optional[Sequence[str]] = None, copy_from: "str | os.PathLike | None" = None
+               ) -> Dict[str, Any]:
+        self._w.finish()
+        qc = self.quantization_config(ignore, targets)
+        write_config(self.dst_dir, base_config, qc)
+        if copy_from is not None:
+            copy_extra_files(Path(copy_from), self.dst_dir)
+        return qc or {}
+
+    def abort(self) -> None:
+        self._w.abort()
+
+
+def write_compressed(dst: "str | os.PathLike", tensors: Mapping[str, Any], schemes: "SchemeSet | Mapping[str, SchemeSet] | None" = None,
+                     *, ignore: Sequence[str] = (), targets: Optional[Sequence[str]] = None,
+                     config: Optional[Mapping[str, Any]] = None, copy_from: "str | os.PathLike | None" = None,
+                     max_shard_size: "int | str" = "5GB", overwrite: bool = False) -> Path:
+    """Write a compressed-tensors checkpoint at `dst`.
+
+    Args:
+      tensors: full tensor name -> array or QArray. A QArray must be a module's `weight` ("a.b.weight") or a
+        Flax `kernel` ("a.b.kernel"); it is written under the module "a.b" in the format its scheme calls for.
+        Everything else is written as is (biases, norms, embeddings, static `input_scale`s, ...).
+      schemes: the SchemeSet (for the input/output activation args of the config), or module -> SchemeSet.
+      ignore: names for quantization_config.ignore (the Linear modules left dense, e.g. ["lm_head"]).
+      targets: config group targets when there is one scheme (default ["Linear"]).
+      config: the model's config.json dict (quantization_config is added); copy_from: a directory whose
+        other files (tokenizer, generation config, ...) are copied.
+    Returns the path written.
+    """
+    dst = Path(dst)
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        w = CompressedWriter(tmp, max_shard_size)
+        try:
+            for name in sorted(tensors):
+                v = tensors[name]
+                if isinstance(v, QArray):
+                    mod, _, local = name.rpartition(".")
+                    if local not in ("weight", "kernel"):
+                        raise CheckpointError(f"{dst}: tensor {name!r}: a QArray must be a module's 'weight' or "
+                                              f"'kernel', found {local!r}")
+                    ss = schemes.get(mod) if isinstance(schemes, Mapping) else schemes
+                    w.add_qarray(mod, v, ss)
+                else:
+                    w.add_dense(name, v)
+            w.finish(config, ignore=ignore, targets=targets, copy_from=copy_from)
+        except BaseException:
+            w.abort()
+            raise
+    return dst
+
