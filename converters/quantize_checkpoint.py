@@ -1,0 +1,259 @@
+"""Whole-checkpoint quantization: a dense HF safetensors checkpoint -> a compressed-tensors checkpoint, streaming.
+
+Which tensors are quantized (no torch model, so module classes are inferred from names and shapes):
+  - a "Linear" weight is a 2-D floating `<module>.weight` whose module path has no component containing
+    "embed" or "norm" (case-insensitive): BERT's query/key/value/dense, LLaMA's q/k/v/o/gate/up/down_proj
+    and lm_head are Linear; word/position embeddings and LayerNorm/RMSNorm are not;
+  - an "Embedding" target selects 2-D `*.weight`s with "embed" in a path component;
+  - a `re:` target is a regex matched (re.match, as compressed-tensors does) against the module path, and
+    selects that module's 2-D floating weight whatever its name;
+  - `ignore` entries are exact module paths, `re:` regexes, or a last path component ("lm_head" also
+    ignores "model.lm_head"). An ignore entry or target that matches nothing gives a warning.
+A weight whose shape does not fit the scheme (e.g. in_features not a multiple of the group size) is left
+dense with a warning and added to `ignore`, as llm-compressor users do by hand.
+
+Streaming: one tensor is read (memory-mapped), quantized, written to the current shard and dropped before the
+next; peak memory is about the largest tensor times a small constant plus one shard buffer. Same-shape
+weights reuse one jit-compiled quantize (qformats.quantize is jitted on shape, dtype and scheme).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, TextIO
+
+from converters.ct_write import CompressedWriter
+from converters.safetensors_io import atomic_directory, open_checkpoint, parse_size, read_json
+from qformats.errors import CheckpointError, QFormatsError
+from qformats.presets import presets
+from qformats.quantize import quantize
+from qformats.schemes import SchemeSet
+
+__all__ = ["QuantizeSummary", "is_linear_weight", "quantize_checkpoint", "select_modules"]
+
+_FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+def _components(module: str) -> List[str]:
+    return [p.lower() for p in module.split(".")] if module else []
+
+
+def is_linear_weight(module: str, shape, dtype: str) -> bool:
+    """The rule for "Linear": 2-D floating weight, no path component containing 'embed' or 'norm'."""
+    return len(shape) == 2 and dtype in _FLOAT_DTYPES and not any(
+        "embed" in c or "norm" in c for c in _components(module))
+
+
+def _matches_target(module: str, shape, dtype: str, target: str) -> bool:
+    if len(shape) != 2 or dtype not in _FLOAT_DTYPES:
+        return False
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    if target == "Linear":
+        return is_linear_weight(module, shape, dtype)
+    if target == "Embedding":
+        return any("embed" in c for c in _components(module))
+    return target == module
+
+
+def _ignored(module: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return module == pattern or module.endswith("." + pattern)
+
+
+def select_modules(infos: Dict[str, Any], targets: Sequence[str], ignore: Sequence[str]):
+    """(quantize, ignored_linears, unused_ignore, unused_targets) over tensor name -> TensorInfo."""
+    chosen, ignored = [], []
+    used_t, used_i = set(), set()
+    for name in sorted(infos):
+        mod, _, local = name.rpartition(".")
+        if local != "weight":
+            continue
+        info = infos[name]
+        hit = [t for t in targets if _matches_target(mod, info.shape, info.dtype, t)]
+        if not hit:
+            continue
+        used_t.update(hit)
+        ig = [p for p in ignore if _ignored(mod, p)]
+        if ig:
+            used_i.update(ig)
+            ignored.append(mod)
+        else:
+            chosen.append(mod)
+    return chosen, ignored, [p for p in ignore if p not in used_i], [t for t in targets if t not in used_t]
+
+
+@dataclasses.dataclass
+class QuantizeSummary:
+    src: str
+    dst: str
+    scheme: str
+    quantized: int
+    dense_tensors: int
+    src_bytes: int
+    dst_bytes: int
+    quantized_dense_bytes: int
+    quantized_stored_bytes: int
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.src_bytes / max(self.dst_bytes, 1)
+
+    def text(self) -> str:
+        return (f"quantized {self.quantized} weights with {self.scheme} ({self.dense_tensors} other tensors kept): "
+                f"{_fmt(self.src_bytes)} -> {_fmt(self.dst_bytes)} (x{self.ratio:.2f}; quantized weights "
+                f"{_fmt(self.quantized_dense_bytes)} -> {_fmt(self.quantized_stored_bytes)}, "
+                f"x{self.quantized_dense_bytes / max(self.quantized_stored_bytes, 1):.2f}) in {self.seconds:.1f}s "
+                f"-> {self.dst}")
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n}"  # pragma: no cover
+
+
+class _Progress:
+    """A one-line text progress bar on stderr: tensors done / total and bytes read."""
+
+    def __init__(self, total_tensors: int, total_bytes: int, stream: Optional[TextIO], width: int = 30):
+        self.n, self.b = 0, 0
+        self.tn, self.tb = total_tensors, total_bytes
+        self.stream = stream
+        self.width = width
+        self.t0 = time.monotonic()
+        self._last = 0.0
+
+    def update(self, nbytes: int, force: bool = False) -> None:
+        self.n += 1
+        self.b += nbytes
+        if self.stream is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < 0.1 and self.n < self.tn:
+            return
+        self._last = now
+        frac = self.b / self.tb if self.tb else 1.0
+        fill = int(round(frac * self.width))
+        rate = self.b / max(now - self.t0, 1e-9)
+        self.stream.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {self.n}/{self.tn} tensors "
+                          f"{_fmt(self.b)}/{_fmt(self.tb)} {_fmt(rate)}/s")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _as_scheme_set(scheme: "str | SchemeSet") -> SchemeSet:
+    if isinstance(scheme, SchemeSet):
+        return scheme
+    try:
+        return presets[scheme]
+    except QFormatsError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", scheme: "str | SchemeSet",
+                        ignore: Sequence[str] = ("lm_head",), targets: Sequence[str] = ("Linear",),
+                        max_shard_size: "int | str" = "5GB", overwrite: bool = False,
+                        progress: "bool | TextIO" = True) -> QuantizeSummary:
+    """Quantize the Linear weights of the dense safetensors checkpoint `src` into a compressed-tensors
+    checkpoint at `dst` (see the module docstring for the selection rule).
+
+    Args:
+      scheme: a preset name (qformats.presets, compressed-tensors' names such as "W4A16", "NVFP4A16", or
+        our FPx ones) or a SchemeSet. Weights are quantized data-free (min-max); static activation scales
+        (FP8, NVFP4 input) need calibration and are not written.
+      ignore / targets: see the module docstring. max_shard_size: e.g. "5GB", "500MiB".
+      overwrite: replace an existing dst (atomically) instead of refusing.
+      progress: True for a progress bar on stderr, False for none, or a text stream.
+    Returns a QuantizeSummary (its `.text()` is printed at the end when progress is on).
+    """
+    t0 = time.monotonic()
+    ss = _as_scheme_set(scheme)
+    if ss.weights is None:
+        raise CheckpointError(f"scheme {ss.name!r} quantizes no weights")
+    for t in targets:
+        if not isinstance(t, str):
+            raise CheckpointError(f"targets: expected strings, found {t!r}")
+    src = Path(src)
+    dst = Path(dst)
+    parse_size(max_shard_size)
+    stream = sys.stderr if progress is True else (progress or None)
+    src_dir = src if src.is_dir() else src.parent
+    cfg_path = src_dir / "config.json"
+    base_cfg = read_json(cfg_path) if cfg_path.exists() else {}
+    if not isinstance(base_cfg, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object, found {type(base_cfg).__name__}")
+    if base_cfg.get("quantization_config"):
+        raise CheckpointError(f"{cfg_path}: expected a dense checkpoint, found a quantization_config "
+                              f"(quant_method {base_cfg['quantization_config'].get('quant_method')!r})")
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"{dst}: expected a new path for the checkpoint, found it exists "
+                              f"(pass overwrite=True / --overwrite to replace it)")
+    with open_checkpoint(src) as ck:
+        infos = {n: ck.info(n) for n in ck.keys()}
+        chosen, ignored, unused_ignore, unused_targets = select_modules(infos, list(targets), list(ignore))
+        for p in unused_ignore if tuple(ignore) != ("lm_head",) else ():  # the default may match nothing
+            warnings.warn(f"{src}: ignore entry {p!r} matches no targeted module", stacklevel=2)
+        for t in unused_targets:
+            warnings.warn(f"{src}: target {t!r} matches no weight", stacklevel=2)
+        if not chosen:
+            raise CheckpointError(f"{src}: no weight matches targets {list(targets)} (minus ignore "
+                                  f"{list(ignore)}); nothing to quantize")
+        chosen_set = set(chosen)
+        src_bytes = sum(i.nbytes for i in infos.values())
+        prog = _Progress(len(infos), src_bytes, stream)
+        qdense = qstored = 0
+        nq = 0
+        skipped: List[str] = []
+        with atomic_directory(dst, overwrite=overwrite) as tmp:
+            w = CompressedWriter(tmp, max_shard_size)
+            try:
+                for name in sorted(infos):
+                    mod, _, local = name.rpartition(".")
+                    info = infos[name]
+                    if local == "weight" and mod in chosen_set:
+                        arr = ck.get(name)
+                        try:
+                            q = quantize(arr, ss.weights, axis=-1)
+                        except QFormatsError as e:
+                            warnings.warn(f"{ck.file_of(name)}: tensor {name!r} shape {list(info.shape)} left dense: "
+                                          f"{e}", stacklevel=2)
+                            skipped.append(mod)
+                            w.add_dense(name, arr)
+                            prog.update(info.nbytes)
+                            continue
+                        w.add_qarray(mod, q, ss)
+                        qdense += info.nbytes
+                        qstored += q.nbytes
+                        nq += 1
+                        del q, arr
+                    else:
+                        w.add_dense(name, ck.get(name))
+                    prog.update(info.nbytes)
+                prog.close()
+                w.finish(base_cfg, ignore=sorted(ignored + skipped), targets=list(targets), copy_from=src_dir)
+            except BaseException:
+                w.abort()
+                raise
+    dst_bytes = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
+    summary = QuantizeSummary(str(src), str(dst), ss.name, nq, len(infos) - nq, src_bytes, dst_bytes, qdense,
+                              qstored, time.monotonic() - t0)
+    if stream is not None:
+        stream.write(summary.text() + "\n")
+        stream.flush()
+    return summary
+
