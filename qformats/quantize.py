@@ -230,7 +230,8 @@ def _dequantize_jit(q: QArray, dtype) -> jax.Array:
 
 def fake_quantize(x, scheme: QuantScheme, axis: int = -1) -> jax.Array:
     """dequantize(quantize(x)) with a straight-through gradient: d/dx = 1 where x is inside the
-    representable range (|x / s| within the format's range), 0 where it was clipped."""
+    representable range (x / s + z within [-max, max] for floats, [qmin - 1/2, qmax + 1/2] for integers),
+    0 where it was clipped."""
     x = jnp.asarray(x)
     axis = _norm_axis(axis, x.ndim, "fake_quantize")
     return _fake_quantize(x, scheme, axis)
@@ -263,8 +264,8 @@ _fake_quantize.defvjp(_fq_fwd, _fq_bwd)
 
 def _value_range(scheme: QuantScheme) -> Tuple[float, float]:
     f = scheme.format
-    if isinstance(f, IntFormat):
-        return float(f.qmin), float(f.qmax)
+    if isinstance(f, IntFormat):  # values that round into [qmin, qmax] are inside
+        return f.qmin - 0.5, f.qmax + 0.5
     assert isinstance(f, FloatFormat)
     return -f.max, f.max
 

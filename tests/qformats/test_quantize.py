@@ -1,0 +1,169 @@
+"""quantize/dequantize/fake_quantize properties: shapes, storage bytes, pytree behaviour, errors, gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qformats import (FormatError, QArray, QuantScheme, SchemeError, dequantize, fake_quantize, presets,
+                      quantize)
+from qformats.quantize import expected_shapes
+
+KEY = jax.random.key(0)
+W = jax.random.normal(KEY, (256, 96), jnp.float32) * 0.05  # a Flax kernel [in, out]
+
+SCHEMES = {
+    "FP8_DYNAMIC": presets["FP8_DYNAMIC"].weights,
+    "FP8_BLOCK": presets["FP8_BLOCK"].weights,
+    "W4A16": presets["W4A16"].weights,
+    "W4A16_ASYM": presets["W4A16_ASYM"].weights,
+    "W3A16": presets["W3A16"].weights,
+    "NVFP4A16": presets["NVFP4A16"].weights,
+    "MXFP4A16": presets["MXFP4A16"].weights,
+    "MXFP6A16": presets["MXFP6A16"].weights,
+    "FP6_E3M2": presets["FP6_E3M2"].weights,
+    "FP5_E2M2_G32": presets["FP5_E2M2_G32"].weights,
+    "int8_tensor": QuantScheme("int8", "tensor"),
+    "fp4_e3m0_bf16scale": QuantScheme("fp4_e3m0", "group", group_size=32, scale_format="bfloat16"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_shapes_bytes_and_roundtrip(name):
+    scheme = SCHEMES[name]
+    q = quantize(W, scheme, axis=0)
+    q.check()
+    assert q.shape == W.shape and q.axis == 0 and q.dtype == W.dtype
+    shapes = expected_shapes(scheme, W.shape, 0)
+    assert q.codes.shape == shapes["codes"] == (96, (256 * scheme.bits + 7) // 8)
+    # storage is packed codes + contracted scales: the real size
+    nbytes = q.codes.size * q.codes.dtype.itemsize + q.scale.size * q.scale.dtype.itemsize
+    nbytes += 0 if q.zero_point is None else q.zero_point.size
+    nbytes += 0 if q.global_scale is None else 4
+    assert q.nbytes == nbytes < W.nbytes
+    y = dequantize(q)
+    assert y.shape == W.shape and y.dtype == W.dtype
+    rel = float(jnp.linalg.norm(y - W) / jnp.linalg.norm(W))
+    assert rel < {8: 0.04, 6: 0.1, 5: 0.12, 4: 0.2, 3: 0.4}[scheme.bits]
+    # requantizing the dequantized values with the same scales reproduces the codes exactly
+    q2 = quantize(y, scheme, axis=0, scale=q.scale, zero_point=q.zero_point, global_scale=q.global_scale)
+    np.testing.assert_array_equal(np.asarray(q2.codes), np.asarray(q.codes))
+
+
+def test_int4_packed_takes_half_of_int8():
+    q8 = quantize(W, presets["W8A16"].weights, axis=0)
+    q4 = quantize(W, presets["W4A16"].weights, axis=0)
+    assert q4.codes.nbytes * 2 == q8.codes.nbytes
+
+
+def test_scale_is_contracted_not_expanded():
+    q = quantize(W, presets["W4A16"].weights, axis=0)
+    assert q.scale.shape == (96, 2)
+    assert q.expanded_scale().shape == (96, 256)
+
+
+def test_axis_semantics_match_transpose():
+    a = quantize(W, presets["W4A16"].weights, axis=0)
+    b = quantize(W.T, presets["W4A16"].weights, axis=-1)
+    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+    np.testing.assert_array_equal(np.asarray(dequantize(a)), np.asarray(dequantize(b)).T)
+
+
+def test_pytree_jit_vmap_device_put():
+    scheme = presets["NVFP4A16"].weights
+    q = quantize(W, scheme, axis=0)
+    leaves, tree = jax.tree_util.tree_flatten(q)
+    assert len(leaves) == 3  # codes, scale, global scale (no zero point)
+    q_back = jax.tree_util.tree_unflatten(tree, leaves)
+    np.testing.assert_array_equal(np.asarray(dequantize(q_back)), np.asarray(dequantize(q)))
+    f = jax.jit(lambda q, x: x @ dequantize(q))
+    x = jnp.ones((3, 256))
+    np.testing.assert_allclose(np.asarray(f(q, x)), np.asarray(x @ dequantize(q)), rtol=1e-5, atol=1e-5)  # dot order only
+    qd = jax.device_put(q, jax.devices()[0])
+    assert isinstance(qd, QArray)
+    stacked = jax.vmap(lambda w: quantize(w, scheme, axis=0))(jnp.stack([W, 2 * W]))
+    assert stacked.codes.shape == (2,) + q.codes.shape
+    ys = jax.vmap(dequantize)(stacked)
+    np.testing.assert_array_equal(np.asarray(ys[0]), np.asarray(dequantize(q)))
+
+
+def test_sharding_places_pytree():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    q = jax.device_put(quantize(W, presets["W4A16"].weights, axis=0), sh)
+    assert q.codes.sharding == sh
+
+
+def test_all_zero_groups_give_nonzero_scales_and_no_nan():
+    z = jnp.zeros((128, 64), jnp.float32)
+    for name in ["FP8_DYNAMIC", "W4A16", "W4A16_ASYM", "NVFP4A16", "MXFP4A16", "MXFP8A16", "FP6_E3M2"]:
+        q = quantize(z, presets[name].weights, axis=0)
+        s = np.asarray(q.scale_values())
+        assert np.all(s != 0), name
+        y = np.asarray(dequantize(q))
+        assert np.all(y == 0) and not np.any(np.isnan(y)), name
+
+
+def test_bfloat16_and_float16_inputs():
+    for dt in (jnp.bfloat16, jnp.float16):
+        q = quantize(W.astype(dt), presets["FP8_DYNAMIC"].weights, axis=0)
+        assert q.scale.dtype == dt and dequantize(q).dtype == dt
+
+
+def test_fake_quantize_forward_and_straight_through_gradient():
+    scheme = QuantScheme("int4", "channel")
+    x = jnp.linspace(-1.0, 1.0, 64).reshape(4, 16)
+    np.testing.assert_array_equal(np.asarray(fake_quantize(x, scheme)),
+                                  np.asarray(dequantize(quantize(x, scheme))))
+    g = jax.grad(lambda v: jnp.sum(fake_quantize(v, scheme) * 3.0))(x)
+    np.testing.assert_array_equal(np.asarray(g), 3.0)  # absmax scale: everything is inside the range
+    # with a static scale that clips, gradients outside the range are zero
+    g2 = jax.grad(lambda v: jnp.sum(fake_quantize(v, QuantScheme("fp8_e4m3fn", "tensor")) ** 2))(x)
+    assert np.all(np.isfinite(np.asarray(g2)))
+
+
+def test_fake_quantize_clipped_gradient_zero():
+    from qformats.quantize import _fq_bwd, _fq_fwd
+    x = jnp.array([[0.1, 0.5, 100.0]])
+    scheme = QuantScheme("int4", "channel")
+    _, inside = _fq_fwd(x, scheme, 1)
+    assert np.asarray(inside).all()  # absmax never clips
+    (g,) = _fq_bwd(scheme, 1, jnp.array([[True, False, True]]), jnp.ones((1, 3)))
+    np.testing.assert_array_equal(np.asarray(g), [[1, 0, 1]])
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (lambda: quantize(W, QuantScheme("int4", "group", group_size=100), axis=0), SchemeError, "does not divide"),
+    (lambda: quantize(jnp.ones(16), QuantScheme("fp8_e4m3fn", "block", block=(8, 8))), SchemeError, "2-D"),
+    (lambda: quantize(jnp.arange(16), QuantScheme("fp8_e4m3fn", "tensor")), SchemeError, "int32"),
+    (lambda: quantize(W, QuantScheme("int4", "channel"), axis=2), SchemeError, "axis 2"),
+    (lambda: quantize(W, "W4A16"), SchemeError, "QuantScheme"),
+    (lambda: QuantScheme("fp4_e2m1", "group"), SchemeError, "group_size"),
+    (lambda: QuantScheme("fp4_e2m1", "block", block=(8,)), SchemeError, "block"),
+    (lambda: QuantScheme("fp4_e2m1", "channel", symmetric=False), SchemeError, "asymmetric"),
+    (lambda: QuantScheme("int4", "group", group_size=32, scale_format="e8m0", scale_rule="floor"), SchemeError,
+     "float element"),
+    (lambda: QuantScheme("fp4_e2m1", "channel", scale_rule="floor"), SchemeError, "does not fit"),
+    (lambda: QuantScheme("fp4_e2m1", "warp"), SchemeError, "strategy"),
+    (lambda: QuantScheme("fp9_e4m4", "channel"), FormatError, r"1 \+ ebits \+ mbits"),
+    (lambda: presets["W4A17"], SchemeError, "valid presets"),
+])
+def test_bad_input_raises_typed_errors(bad, err, match):
+    with pytest.raises(err, match=match):
+        bad()
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3fn", "fp8_e5m2", "fp6_e3m2", "fp4_e2m1", "int4"])
+def test_nan_inf_data_documented_results(name):
+    """One NaN/inf in a channel: absmax becomes NaN/inf. The documented results: for scale_format float32,
+    the scale of that channel is NaN/inf; other channels are unaffected."""
+    x = np.array(W[:, :4]).copy()
+    x[3, 1] = np.nan
+    x[5, 2] = np.inf
+    q = quantize(jnp.asarray(x), QuantScheme(name, "channel"), axis=0)
+    s = np.asarray(q.scale_values()).ravel()
+    assert np.isnan(s[1]) and np.isinf(s[2])
+    y = np.asarray(dequantize(q))
+    np.testing.assert_array_equal(y[:, [0, 3]], np.asarray(dequantize(quantize(W[:, [0, 3]],
+                                                                                 QuantScheme(name, "channel"),
+                                                                                 axis=0))))
