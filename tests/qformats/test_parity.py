@@ -138,3 +138,20 @@ def test_nvfp4_scales_match_torchao_reciprocal_convention():
     got = np.asarray(q.codes)[rows]
     want = t_data.view(torch.uint8).numpy()[rows]
     assert np.mean(got == want) > 0.99
+
+
+ACT_PRESETS = ["W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "W4AFP8", "MXFP8", "MXFP4", "W4A8"]
+
+
+@pytest.mark.parametrize("dtype", sorted(TORCH_DTYPES))
+@pytest.mark.parametrize("preset", ACT_PRESETS)
+def test_dynamic_activations_match_compressed_tensors(preset, dtype):
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+    args = PRESET_SCHEMES[preset]["input_activations"]
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn((2, 5, 256), generator=g) * 3).to(TORCH_DTYPES[dtype])
+    scale, zp = compute_dynamic_scales_and_zp(x, args, module=None)
+    want = ct_quantize(x, scale, None, args)
+    q = quantize(jnp.asarray(x.float().numpy()).astype(dtype), presets[preset].input_activations, axis=-1)
+    np.testing.assert_array_equal(np.asarray(q.element_values(jnp.float32)), want.float().numpy())
+    np.testing.assert_array_equal(np.asarray(q.scale_values(jnp.float32)).ravel(), scale.float().numpy().ravel())
