@@ -1,0 +1,209 @@
+"""compressed-tensors parity, with compressed-tensors itself as the oracle.
+
+read:   CT quantizes + compresses + saves a small model for each preset; our reader's dequantize is
+        bit-identical to CT's per-format decompression.
+quantize_checkpoint: the same dense weights quantized by us give byte-identical tensors and an identical
+        config.json (text) to CT's compression, for every data-free preset.
+write:  QArrays from qformats.quantize written by us are decompressed by CT to exactly our dequantize.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("compressed_tensors")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import ct_oracle as O  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import qformats as qf  # noqa: E402
+from converters.ct_config import parse_quantization_config, scheme_to_args  # noqa: E402
+from converters.ct_read import read_compressed  # noqa: E402
+from converters.ct_write import write_compressed  # noqa: E402
+from converters.quantize_checkpoint import quantize_checkpoint  # noqa: E402
+
+READ_PRESETS = ["FP8", "FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W8A16", "W4A16", "W4A16_ASYM", "W3A16",
+                "NVFP4A16", "MXFP4A16", "MXFP6A16", "MXFP8A16"]
+DATA_FREE = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W8A16", "W4A16", "W4A16_ASYM", "W3A16", "NVFP4A16",
+             "MXFP4A16", "MXFP8A16", "MXFP6A16"]
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+# every preset in bf16; float32 for one preset per arithmetic path (keeps the suite fast on 2 cores)
+F32_SUBSET = {"FP8_BLOCK", "W8A8", "W4A16_ASYM", "W3A16", "NVFP4A16", "MXFP6A16"}
+
+
+def _cases(names):
+    return [(p, d) for p in names for d in DTYPES if d == "bf16" or p in F32_SUBSET]
+
+
+def _np_bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]).astype(np.int64)
+
+
+def _t_bytes(t):
+    return t.flatten().clone().view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(preset, dtype) -> dir with: src/ (dense), ct/ (CT-compressed), and the CT state dict."""
+    cache = {}
+
+    def get(preset, dtag):
+        key = (preset, dtag)
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"{preset}_{dtag}")
+            m = O.make_model(O.LAYERS, DTYPES[dtag])
+            (root / "src").mkdir()
+            save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(root / "src/model.safetensors"))
+            cfg = {"model_type": "tiny", "torch_dtype": str(DTYPES[dtag])[6:]}
+            (root / "src/config.json").write_text(json.dumps(cfg))
+            (root / "src/tokenizer.json").write_text('{"t": 1}')
+            O.quantize_model(m, preset)
+            sd = O.save_compressed(m, root / "ct", cfg)
+            cache[key] = (root, sd)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("preset,dtag", _cases(READ_PRESETS))
+def test_read_bit_identical_to_ct_decompress(built, preset, dtag):
+    root, _ = built(preset, dtag)
+    ref = O.decompress_dir(root / "ct")
+    cm = read_compressed(root / "ct")
+    assert set(ref) == set(cm.qarrays()) == {"model.layers.0.attn.q_proj", "model.layers.0.mlp.up_proj"}
+    for mod, w in ref.items():
+        q = cm.modules[mod]["weight"]
+        assert q.shape == (w.shape[1], w.shape[0]) and q.axis == 0
+        ours = np.asarray(qf.dequantize(q)).T
+        assert ours.dtype.itemsize == w.element_size() and str(ours.dtype) == str(w.dtype)[6:]
+        np.testing.assert_array_equal(_np_bits(ours), O.bits_of(w), err_msg=f"{preset} {mod}")
+    # the rest comes through: biases, the ignored lm_head, activation scales
+    assert "bias" in cm.modules["model.layers.0.attn.q_proj"]
+    assert not hasattr(cm.modules["lm_head"]["weight"], "scheme")
+    if preset == "FP8":
+        assert "input_scale" in cm.modules["model.layers.0.attn.q_proj"]
+    fp = cm.flax_params()
+    assert fp["model"]["layers"]["0"]["attn"]["q_proj"]["kernel"].shape == (128, 64)
+    assert fp["lm_head"]["kernel"].shape == (64, 32)
+
+
+@pytest.mark.parametrize("preset,dtag", _cases(DATA_FREE))
+def test_quantize_checkpoint_byte_identical_to_ct(built, preset, dtag, tmp_path):
+    root, ref = built(preset, dtag)
+    s = quantize_checkpoint(root / "src", tmp_path / "out", preset, progress=False)
+    assert s.quantized == 2 and s.dst_bytes < s.src_bytes
+    ours = load_file(str(tmp_path / "out/model.safetensors"))
+    assert sorted(ours) == sorted(ref)
+    for k, a in ref.items():
+        b = ours[k]
+        assert (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape)), k
+        np.testing.assert_array_equal(_t_bytes(a), _t_bytes(b), err_msg=k)
+    # config.json: the same text compressed-tensors' update_config writes
+    assert (tmp_path / "out/config.json").read_text() == (root / "ct/config.json").read_text()
+    assert (tmp_path / "out/tokenizer.json").read_text() == '{"t": 1}'
+
+
+def test_config_args_match_ct_presets():
+    from compressed_tensors.quantization import preset_name_to_scheme
+    for name in READ_PRESETS + ["NVFP4", "MXFP4", "W4AFP8", "W2A16", "W8A16"]:
+        ct = preset_name_to_scheme(name, ["Linear"]).model_dump()
+        ss = qf.presets[name]
+        assert scheme_to_args(ss.weights) == ct["weights"], name
+        if ss.input_activations is not None:
+            assert scheme_to_args(ss.input_activations, "input_activations") == ct["input_activations"], name
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "NVFP4A16", "MXFP6A16", "FP8_BLOCK", "W4A16_ASYM"])
+def test_write_decompressed_by_ct(preset, tmp_path):
+    rng = np.random.default_rng(1)
+    w1 = (rng.standard_normal((96, 256)) * 0.05).astype(np.float32)
+    w2 = (rng.standard_normal((64, 128)) * 0.02).astype(np.float32)
+    ss = qf.presets[preset]
+    q1, q2 = qf.quantize(w1.T, ss.weights, axis=0), qf.quantize(w2, ss.weights, axis=-1)  # Flax and torch layouts
+    write_compressed(tmp_path / "ck", {"a.weight": q1, "b.kernel": q2, "b.bias": np.zeros(64, np.float32)}, ss,
+                     config={"model_type": "tiny"})
+    ref = O.decompress_dir(tmp_path / "ck")
+    for name, q in (("a", q1), ("b", q2)):
+        ours = np.asarray(qf.dequantize(q, str(ref[name].dtype)[6:]))
+        ours = ours.T if name == "a" else ours
+        np.testing.assert_array_equal(_np_bits(ours), O.bits_of(ref[name]), err_msg=f"{preset} {name}")
+    qc = json.loads((tmp_path / "ck/config.json").read_text())["quantization_config"]
+    parse_quantization_config(qc)
+
+
+@pytest.mark.parametrize("preset", ["FP6_E3M2", "FP5_E2M2_G32", "FP4_E3M0", "FP8_E4M3_G128"])
+def test_fpx_extension_roundtrip(preset, tmp_path):
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((128, 96)) * 0.1).astype(np.float32)  # Flax kernel [in, out]
+    ss = qf.presets[preset]
+    q = qf.quantize(w, ss.weights, axis=0)
+    write_compressed(tmp_path / "ck", {"m.kernel": q}, ss)
+    cfg = json.loads((tmp_path / "ck/config.json").read_text())["quantization_config"]
+    g = cfg["config_groups"]["group_0"]
+    if preset != "FP8_E4M3_G128":
+        assert g["format"] == "fpx-pack-quantized" and "exponent_bits" in g["weights"]
+    r = read_compressed(tmp_path / "ck").modules["m"]["weight"]
+    assert r.scheme == q.scheme and r.shape == q.shape
+    np.testing.assert_array_equal(_np_bits(qf.dequantize(r)), _np_bits(qf.dequantize(q)))
+
+
+def test_mixed_precision_and_sharding(tmp_path):
+    rng = np.random.default_rng(3)
+    wa = rng.standard_normal((128, 64)).astype(np.float32)
+    wb = rng.standard_normal((256, 32)).astype(np.float32)
+    qa = qf.quantize(wa, qf.presets["W4A16"].weights, axis=0)
+    qb = qf.quantize(wb, qf.presets["MXFP4A16"].weights, axis=0)
+    write_compressed(tmp_path / "ck", {"x.a.weight": qa, "x.b.weight": qb,
+                                       "emb.weight": rng.standard_normal((100, 16)).astype(np.float32)},
+                     {"x.a": qf.presets["W4A16"], "x.b": qf.presets["MXFP4A16"]}, max_shard_size=4000)
+    assert (tmp_path / "ck/model.safetensors.index.json").exists()
+    qc = json.loads((tmp_path / "ck/config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision" and len(qc["config_groups"]) == 2
+    cm = read_compressed(tmp_path / "ck")
+    assert cm.formats == {"x.a": "pack-quantized", "x.b": "mxfp4-pack-quantized"}
+    for name, q in (("x.a", qa), ("x.b", qb)):
+        np.testing.assert_array_equal(_np_bits(qf.dequantize(cm.modules[name]["weight"], np.float32)),
+                                      _np_bits(qf.dequantize(q, np.float32)))
+    # compressed-tensors reads each group too
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file as lf
+    sd = {}
+    for f in sorted((tmp_path / "ck").glob("*.safetensors")):
+        sd.update(lf(str(f)))
+    for gname, mod in (("group_0", "x.a"), ("group_1", "x.b")):
+        g = qc["config_groups"][gname]
+        assert g["targets"] == [f"re:^{mod.replace('.', chr(92) + '.')}$"]
+        t = {k.rpartition(".")[2]: v for k, v in sd.items() if k.rpartition(".")[0] == mod}
+        w = BaseCompressor.get_value_from_registry(g["format"]).decompress(t, QuantizationScheme.model_validate(g))
+        q = cm.modules[mod]["weight"]
+        np.testing.assert_array_equal(_np_bits(np.asarray(qf.dequantize(q)).T), O.bits_of(w["weight"]))
+
+
+def test_legacy_pack_layout(tmp_path, built):
+    """A 0.17-style checkpoint (32 // bits values per int32 word) of W3A16 reads the same values."""
+    from qformats.packing import pack_int32, unpack_int32
+    root, _ = built("W3A16", "bf16")
+    dense = read_compressed(root / "ct")
+    sd = load_file(str(root / "ct/model.safetensors"))
+    for mod in dense.qarrays():
+        n, k = sd[mod + ".weight_shape"].tolist()
+        u = unpack_int32(sd[mod + ".weight_packed"].numpy(), 3, k)
+        sd[mod + ".weight_packed"] = torch.from_numpy(np.array(pack_int32(u, 3, legacy=True)))
+    (tmp_path / "old").mkdir()
+    save_file(sd, str(tmp_path / "old/model.safetensors"))
+    cfg = json.loads((root / "ct/config.json").read_text())
+    cfg["quantization_config"]["version"] = "0.17.1"
+    (tmp_path / "old/config.json").write_text(json.dumps(cfg))
+    old = read_compressed(tmp_path / "old")
+    for mod, q in dense.qarrays().items():
+        np.testing.assert_array_equal(_np_bits(qf.dequantize(old.modules[mod]["weight"])), _np_bits(qf.dequantize(q)))
