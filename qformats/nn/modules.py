@@ -69,11 +69,12 @@ class QLinear(nnx.Module):
         self.in_features, self.out_features = (int(d) for d in kernel.shape)
         self.kernel = nnx.Param(kernel)
         self.bias = None if bias is None else nnx.Param(bias)
-        self.input_scale = None
-        self.input_global_scale = None
+        # data attributes that calibration fills in (nnx.data: they may later hold Variables)
+        self.input_scale = nnx.data(None)
+        self.input_global_scale = nnx.data(None)
         self.observer = observer
-        self.calib_amax = None
-        self.calib_sq = None
+        self.calib_amax = nnx.data(None)
+        self.calib_sq = nnx.data(None)
         if mode == "calibrate":
             self._start_calibration(observer)
 

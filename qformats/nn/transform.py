@@ -94,7 +94,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         check_fit(path, int(kernel.shape[0]), ss, static_acts=calibrating)
         plan.append((path, lin, parents, ss))
     warn_unused(compiled, used)
-    observers = {}
+    observers, uncalibrated = {}, []
     for path, _, _, ss in plan:
         a = ss.input_activations
         if a is not None:
@@ -103,8 +103,11 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             except Exception as e:
                 raise ModelError(f"{path}: {e}") from e
         if not calibrating and a is not None and a.dynamic is not True:
-            warnings.warn(f"qformats.nn: {path}: {ss.name} has static activation scales but no calibration_data "
-                          "was given; using dynamic scales of the same granularity", stacklevel=2)
+            uncalibrated.append(path)
+    if uncalibrated:
+        warnings.warn(f"qformats.nn: {len(uncalibrated)} layers ({', '.join(uncalibrated[:3])}"
+                      f"{', ...' if len(uncalibrated) > 3 else ''}) have static activation schemes but no "
+                      "calibration_data was given; using dynamic scales of the same granularity", stacklevel=2)
 
     # -- swap (one layer at a time: only one float + packed copy of a weight is alive at once) --
     swapped = []

@@ -1,0 +1,230 @@
+"""qformats.nn on NNX: QLinear, quantize_model (in place, rules, containers, sharing), calibration, QAT → convert."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from qformats import dequantize, presets, quantize
+from qformats.errors import ModelError
+from qformats.nn import QLinear, QuantStat, Rule, convert, param_bytes, quantize_model, quantized_layers
+from qformats.qarray import QArray
+
+
+class Block(nnx.Module):
+    def __init__(self, shared, rngs):
+        self.shared = shared
+        self.up = nnx.Linear(128, 256, rngs=rngs)
+        self.down = nnx.Linear(256, 128, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.shared(x))))
+
+
+class Toy(nnx.Module):
+    """Linear layers in attributes, an nnx.List, an nnx.Dict, and one shared across blocks."""
+
+    def __init__(self, seed=0):
+        rngs = nnx.Rngs(seed)
+        shared = nnx.Linear(128, 128, rngs=rngs)
+        self.blocks = nnx.List([Block(shared, rngs) for _ in range(2)])
+        self.heads = nnx.Dict({"cls": nnx.Linear(128, 32, rngs=rngs)})
+        self.norm = nnx.LayerNorm(128, rngs=rngs)
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.heads["cls"](self.norm(x))
+
+
+X = jax.random.normal(jax.random.key(1), (4, 128))
+PATHS = ["blocks/0/down", "blocks/0/shared", "blocks/0/up", "blocks/1/down", "blocks/1/up", "heads/cls"]
+
+
+def _manual(model: Toy, x, scheme_name, acts=False):
+    """The reference forward with every kernel replaced by dequantize(quantize(kernel))."""
+    ss = presets[scheme_name]
+
+    def lin(m, x):
+        if acts and ss.input_activations is not None:
+            x = dequantize(quantize(x, ss.input_activations, -1))
+        w = dequantize(quantize(m.kernel.get_value(), ss.weights, 0))
+        y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return y if m.bias is None else y + m.bias.get_value()
+
+    for b in model.blocks:
+        h = lin(b.shared, x)
+        x = x + lin(b.down, jax.nn.gelu(lin(b.up, h)))
+    return lin(model.heads["cls"], model.norm(x))
+
+
+@pytest.mark.parametrize("name", ["W4A16", "FP8_DYNAMIC", "MXFP4A16", "NVFP4A16"])
+def test_ptq_swaps_in_place_and_matches_reference(name):
+    ref_model = Toy()
+    want = _manual(ref_model, X, name, acts=True)
+    model = Toy()
+    ids = id(model), id(model.blocks), id(model.heads)
+    out = quantize_model(model, [Rule(".*", name)])
+    assert out is model and (id(model), id(model.blocks), id(model.heads)) == ids
+    assert sorted(quantized_layers(model)) == PATHS
+    # the shared Linear became one shared QLinear
+    assert isinstance(model.blocks[0].shared, QLinear) and model.blocks[0].shared is model.blocks[1].shared
+    assert isinstance(model.heads["cls"], QLinear)
+    got = nnx.jit(lambda m, x: m(x))(model, X)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_param_bytes_shrink_exactly_to_qarray_nbytes():
+    model = Toy()
+    dense = param_bytes(model)
+    layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, nnx.Linear)]
+    kernel_bytes = sum(m.kernel.get_value().nbytes for m in layers)
+    quantize_model(model, [Rule(".*", "W4A16")])
+    q = quantized_layers(model)
+    assert all(isinstance(m.kernel.get_value(), QArray) for m in q.values())
+    packed = sum(m.kernel.get_value().nbytes for m in q.values())
+    assert param_bytes(model) == dense - kernel_bytes + packed
+
+
+def test_int4_takes_half_of_int8():
+    m4, m8 = Toy(), Toy()
+    quantize_model(m4, [Rule(".*", "W4A16")])
+    quantize_model(m8, [Rule(".*", "W8A16")])
+    k4 = sum(m.kernel.get_value().codes.nbytes for m in quantized_layers(m4).values())
+    k8 = sum(m.kernel.get_value().codes.nbytes for m in quantized_layers(m8).values())
+    assert 2 * k4 == k8
+    assert param_bytes(m4) - param_bytes(m8) == k4 - k8  # same scales and biases, codes halve
+
+
+def test_rules_first_match_wins_none_skips_and_unused_warns():
+    model = Toy()
+    rules = [Rule(r"heads/.*", None), Rule(r"blocks/\d+/up", "W8A16"), Rule(r".*", "FP8_DYNAMIC"),
+             Rule(r"nothing/here", "W4A16")]
+    with pytest.warns(UserWarning, match="nothing/here"):
+        quantize_model(model, rules)
+    q = quantized_layers(model)
+    assert "heads/cls" not in q and isinstance(model.heads["cls"], nnx.Linear)
+    assert q["blocks/0/up"].schemes.name == "W8A16"
+    assert q["blocks/0/down"].schemes.name == "FP8_DYNAMIC"
+
+
+G96 = __import__("qformats").QuantScheme("int4", "group", group_size=96)
+
+
+@pytest.mark.parametrize("rules, msg", [
+    ([Rule("blocks/(", "W4A16")], "not a valid regex"),
+    ([Rule(".*", "W9A99")], "unknown preset"),
+    ([Rule("heads/.*", "W8A16"), Rule(".*", G96)], "blocks/"),  # 128 % 96 → names the path
+])
+def test_bad_rules_raise_and_leave_model_untouched(rules, msg):
+    model = Toy()
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    with pytest.raises(ModelError, match=msg):
+        quantize_model(model, rules)
+    assert not quantized_layers(model)
+    after = jax.tree.map(np.asarray, nnx.state(model))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_group_error_message_names_size_and_features():
+    with pytest.raises(ModelError, match=r"heads/cls: weight group size 96 .* does not divide in_features = 128"):
+        quantize_model(Toy(), [Rule("heads/cls", G96)])
+
+
+def test_qat_grads_reach_every_float_weight_and_convert_is_identical():
+    model = Toy()
+    quantize_model(model, [Rule(".*", "W4A16")], mode="qat")
+    q = quantized_layers(model)
+    assert all(m.mode == "qat" and not isinstance(m.kernel.get_value(), QArray) for m in q.values())
+
+    def loss(m):
+        return jnp.mean(m(X) ** 2)
+
+    grads = nnx.grad(loss)(model)
+    for path, m in q.items():
+        node = grads
+        for part in path.split("/"):
+            node = node[int(part)] if part.isdigit() else node[part]
+        assert float(jnp.abs(node["kernel"].get_value()).sum()) > 0, path
+    # one SGD step changes the weights, then convert: outputs identical
+    opt = nnx.Optimizer(model, __import__("optax").sgd(1e-2), wrt=nnx.Param)
+    opt.update(model, grads)
+    before = model(X)
+    dense_bytes = param_bytes(model)
+    convert(model)
+    assert all(m.mode == "ptq" and isinstance(m.kernel.get_value(), QArray) for m in q.values())
+    np.testing.assert_array_equal(np.asarray(model(X)), np.asarray(before))
+    assert param_bytes(model) < dense_bytes / 3
+
+
+def test_calibration_static_fp8_scale_is_observed_amax():
+    model = Toy()
+    batches = [X * (i + 1) for i in range(3)]
+    quantize_model(model, [Rule("heads/cls", "FP8")], calibration_data=batches)
+    layer = model.heads["cls"]
+    assert layer.mode == "ptq" and layer.calib_amax is None
+    scale = layer.input_scale.get_value()
+    assert isinstance(layer.input_scale, QuantStat) and scale.shape == (1,)
+    # the head's input is the LayerNorm output of the largest batch
+    ref = Toy()
+    h = ref.norm(_trunk(ref, batches[0]))
+    amax = max(float(jnp.max(jnp.abs(ref.norm(_trunk(ref, b))))) for b in batches)
+    np.testing.assert_allclose(float(scale[0]), amax / 448.0, rtol=1e-6)
+    # static scales are used: outputs are those of quantize(x, scale=static)
+    ss = presets["FP8"]
+    xq = dequantize(quantize(h, ss.input_activations, -1, scale=scale))
+    w = dequantize(quantize(ref.heads["cls"].kernel.get_value(), ss.weights, 0))
+    want = xq @ w + ref.heads["cls"].bias.get_value()
+    np.testing.assert_allclose(np.asarray(layer(h)), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _trunk(m, x):
+    for b in m.blocks:
+        x = b(x)
+    return x
+
+
+def test_calibration_nvfp4_global_scale_and_mse_weights_improve():
+    batches = [X, X * 2]
+    rtn, cal = Toy(), Toy()
+    ref = Toy()(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_model(rtn, [Rule(".*", "NVFP4")])
+    quantize_model(cal, [Rule(".*", "NVFP4")], calibration_data=batches, weight_search="mse")
+    g = cal.heads["cls"].input_global_scale.get_value()
+    assert g.shape == (1,) and float(g[0]) > 0
+    err = lambda m: float(jnp.mean((m(X) - ref) ** 2))  # noqa: E731
+    assert err(cal) < err(rtn)
+
+
+def test_without_calibration_static_scheme_warns_and_runs_dynamic():
+    model = Toy()
+    with pytest.warns(UserWarning, match="calibration_data"):
+        quantize_model(model, [Rule(".*", "FP8")])
+    assert model.heads["cls"].input_scale is None
+    assert np.isfinite(np.asarray(model(X))).all()
+
+
+def test_split_merge_and_jit_roundtrip():
+    model = Toy()
+    quantize_model(model, [Rule(".*", "MXFP4A16")])
+    graphdef, state = nnx.split(model)
+    m2 = nnx.merge(graphdef, jax.tree.map(jnp.array, state))
+    np.testing.assert_array_equal(np.asarray(m2(X)), np.asarray(model(X)))
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert any(leaf.dtype == jnp.uint8 for leaf in leaves)
+
+
+def test_qlinear_direct_construction_bias_and_dtype():
+    w = jax.random.normal(jax.random.key(3), (128, 16)) * 0.1
+    b = jnp.arange(16, dtype=jnp.float32)
+    layer = QLinear(quantize(w, presets["W8A16"].weights, 0), b, presets["W8A16"])
+    y = layer(X)
+    want = X @ dequantize(quantize(w, presets["W8A16"].weights, 0)) + b
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ModelError, match="mode"):
+        QLinear(w, None, presets["W8A16"], mode="bogus")
