@@ -245,6 +245,9 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                         w.add_dense(name, ck.get(name))
                     prog.update(info.nbytes)
                 prog.close()
+                if nq == 0:
+                    raise CheckpointError(f"{src}: none of the {len(chosen)} targeted weights fits scheme "
+                                          f"{ss.name!r} (see the warnings); nothing written")
                 w.finish(base_cfg, ignore=sorted(ignored + skipped), targets=list(targets), copy_from=src_dir)
             except BaseException:
                 w.abort()
