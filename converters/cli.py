@@ -43,7 +43,7 @@ def _parser() -> _Parser:
                    help="Linear (default), Embedding, or re:regexes on module paths")
     q.add_argument("--max-shard-size", default="5GB")
     q.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    q.add_argument("--quiet", action="store_true", help="no progress bar (the summary is still printed)")
     d = sub.add_parser("dequantize", help="compressed-tensors checkpoint -> dense safetensors checkpoint")
     d.add_argument("src")
     d.add_argument("dst")
@@ -65,9 +65,11 @@ def _quantize(a) -> int:
         src, dst = model_dir(), a.paths[0]
     else:
         src, dst = a.paths
-    quantize_checkpoint(src, dst, a.scheme, ignore=a.ignore if a.ignore is not None else ["lm_head"],
-                        targets=a.targets or ["Linear"], max_shard_size=a.max_shard_size, overwrite=a.overwrite,
-                        progress=not a.quiet)
+    s = quantize_checkpoint(src, dst, a.scheme, ignore=a.ignore if a.ignore is not None else ["lm_head"],
+                            targets=a.targets or ["Linear"], max_shard_size=a.max_shard_size,
+                            overwrite=a.overwrite, progress=not a.quiet)
+    if a.quiet:  # with the progress bar the summary is already printed
+        print(s.text(), file=sys.stderr)
     return 0
 
 
