@@ -148,9 +148,10 @@ def _round_elements(scaled: jax.Array, scheme: QuantScheme) -> jax.Array:
 # ---- public transforms ----------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scheme", "axis"))
 def _quantize_jit(x: jax.Array, scheme: QuantScheme, axis: int, global_scale, scale, zero_point):
-    xt = jnp.moveaxis(x, axis, -1)
+    # Upcast once (exact): XLA:CPU is slow on bf16/f16 elementwise ops; rounding to x.dtype is explicit.
+    xt = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
     view, red = _grouped(xt, scheme)
-    sr: ScaleResult = compute_scales(view, red, scheme, global_scale=global_scale, scale=scale,
+    sr: ScaleResult = compute_scales(view, red, scheme, dtype=x.dtype, global_scale=global_scale, scale=scale,
                                      zero_point=zero_point)
     codes = _round_elements(sr.apply(view), scheme)
     codes = _ungroup(codes, scheme, xt.shape)

@@ -15,7 +15,8 @@ _F16_MIN_NORMAL = np.float32(2.0 ** -14)
 
 
 def rnd(v: jax.Array, dtype) -> jax.Array:
-    """v (float32) rounded to nearest-even in `dtype` (float32, bfloat16 or float16), returned as `dtype`.
+    """v rounded to nearest-even in `dtype` (float32, bfloat16 or float16), returned as float32 holding the
+    rounded value (XLA:CPU is slow on bf16/f16 elementwise ops; casting the result to `dtype` is exact).
 
     bf16: reduce_precision(8, 7). f16: reduce_precision(5, 10) for normals; XLA's reduce_precision flushes
     f16 subnormals, so |v| < 2^-14 is rounded as round_half_even(v * 2^24) * 2^-24 (exact in float32).
@@ -25,16 +26,16 @@ def rnd(v: jax.Array, dtype) -> jax.Array:
     if dtype == jnp.float32:
         return v
     if dtype == jnp.bfloat16:
-        return jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7).astype(dtype)
+        return jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
     if dtype == jnp.float16:
         normal = jax.lax.reduce_precision(v, exponent_bits=5, mantissa_bits=10)
         sub = jnp.round(v * np.float32(2.0 ** 24)) * np.float32(2.0 ** -24)
-        return jnp.where(jnp.abs(v) < _F16_MIN_NORMAL, sub, normal).astype(dtype)
+        return jnp.where(jnp.abs(v) < _F16_MIN_NORMAL, sub, normal)
     raise TypeError(f"rnd: unsupported dtype {dtype}")
 
 
 def div(a, b, dtype) -> jax.Array:
-    """a / b, correctly rounded in float32, then rounded once to `dtype` (torch's per-op semantics).
+    """a / b, correctly rounded in float32, then rounded once to `dtype` (torch's per-op semantics); f32 out.
 
     XLA:CPU rewrites `x / broadcast(s)` into `x * broadcast(1 / s)`, which is off by an ulp for about half
     of all inputs; the divisor is broadcast to the full shape behind an optimization barrier so the

@@ -107,19 +107,20 @@ def e8m0_code(amax: jax.Array, fmt: FloatFormat, rule: str) -> jax.Array:
     return jnp.where(nan, 255, code).astype(jnp.uint8)
 
 
-def _e8m0_apply(code: jax.Array, rule: str, out_dtype) -> Callable[[jax.Array], jax.Array]:
+def _e8m0_apply(code: jax.Array, rule: str) -> Callable[[jax.Array], jax.Array]:
+    """x -> x / 2^(e-127) in float32; exact (a power-of-two product), so no rounding to x's dtype is needed."""
     c = code.astype(jnp.int32)
     if rule == "rceil":
         # torchao: x * rcp with rcp = 2^(127 - e), and rcp = 1 when e == 0 (all-zero block)
-        return lambda x: jnp.where(c == 0, x.astype(jnp.float32), _times_pow2(x, 127 - c)).astype(out_dtype)
+        return lambda x: jnp.where(c == 0, x.astype(jnp.float32), _times_pow2(x, 127 - c))
     if rule == "ct":
-        return lambda x: _times_pow2(x, 127 - c).astype(out_dtype)
+        return lambda x: _times_pow2(x, 127 - c)
     # torchao FLOOR/CEIL/EVEN: x / max(2^(e-127), 2^-126)
-    return lambda x: _times_pow2(x, 127 - jnp.maximum(c, 1)).astype(out_dtype)
+    return lambda x: _times_pow2(x, 127 - jnp.maximum(c, 1))
 
 
 # ---- the dispatcher --------------------------------------------------------------------------------------------
-def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *, global_scale=None,
+def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *, dtype=None, global_scale=None,
                    scale=None, zero_point=None) -> ScaleResult:
     """Scales of `view` (grouped so each scale reduces over axes `red`), or the given static ones.
 
@@ -129,7 +130,7 @@ def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *
     NVFP4: g = (1 / max(amax_tensor, tiny)) * 448 * 6 (torch's rounding; NaN/inf -> 1), s = fp8(clamp(g * amax / 6, +-448)).
     E8M0: see `e8m0_code`.
     """
-    xd = view.dtype
+    xd = jnp.dtype(dtype or view.dtype)  # the input's dtype: decides rounding; `view` may be upcast to f32
     fmt = scheme.format
     sf = scheme.scale_format
     fp8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -142,8 +143,7 @@ def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *
             code = e8m0_code(amax, fmt, scheme.scale_rule)
         else:
             code = jnp.asarray(scale).astype(jnp.uint8)
-        out = xd if scheme.scale_rule == "ct" else jnp.float32
-        return ScaleResult(code, None, None, _e8m0_apply(code, scheme.scale_rule, out))
+        return ScaleResult(code, None, None, _e8m0_apply(code, scheme.scale_rule))
 
     sdt = xd if sf == "input" else (fp8 if sf == "fp8_e4m3fn" else jnp.dtype(_SCALE_DTYPES[sf]))
     cdt = xd if sf == "input" or scheme.strategy == "tensor_group" else jnp.dtype(jnp.float32)
