@@ -185,6 +185,11 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
     ss = _as_scheme_set(scheme)
     if ss.weights is None:
         raise CheckpointError(f"scheme {ss.name!r} quantizes no weights")
+    for role, act in (("input", ss.input_activations), ("output", ss.output_activations)):
+        if act is not None and act.dynamic is not True:
+            raise CheckpointError(f"scheme {ss.name!r} has static {role} activation scales, which need calibration "
+                                  f"data (a data-free quantize cannot write {role}_scale); use a weight-only or "
+                                  f"dynamic-activation scheme such as FP8_DYNAMIC, W4A16, NVFP4A16, MXFP4A16")
     for t in targets:
         if not isinstance(t, str):
             raise CheckpointError(f"targets: expected strings, found {t!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -207,3 +208,33 @@ def test_legacy_pack_layout(tmp_path, built):
     old = read_compressed(tmp_path / "old")
     for mod, q in dense.qarrays().items():
         np.testing.assert_array_equal(_np_bits(qf.dequantize(old.modules[mod]["weight"])), _np_bits(qf.dequantize(q)))
+
+
+def test_static_activation_presets_refused(tmp_path):
+    from qformats.errors import CheckpointError
+    with pytest.raises(CheckpointError, match="static input activation scales"):
+        quantize_checkpoint(tmp_path, tmp_path / "o", "FP8", progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("preset", ["W4A16_ASYM", "NVFP4A16"])
+def test_transformers_loads_our_checkpoint(preset, tmp_path):
+    """transformers + CompressedTensorsConfig(dequantize=True) loads what quantize_checkpoint writes, and its
+    decompressed weights equal our dequantize bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=256, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.BertModel(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "q", preset, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = transformers.AutoModel.from_pretrained(tmp_path / "q",
+                                                    quantization_config=CompressedTensorsConfig(dequantize=True))
+    sd = lm.state_dict()
+    qs = read_compressed(tmp_path / "q").qarrays()
+    assert len(qs) == 7  # q, k, v, attention.output, intermediate, output, pooler
+    for mod, q in qs.items():
+        np.testing.assert_array_equal(_np_bits(np.asarray(qf.dequantize(q)).T), O.bits_of(sd[mod + ".weight"]),
+                                      err_msg=mod)
