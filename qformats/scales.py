@@ -167,6 +167,8 @@ def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *
         return ScaleResult(s, z, None, lambda x: R.add(R.div(x, s, pdt), z, pdt))
 
     # -- NVFP4: fp8 group scales under a float32 global scale ------------------------------------------------------
+    if scheme.strategy == "tensor_group" and scheme.scale_rule == "torchao":
+        return _nvfp4_torchao(view, red_axes, global_scale, scale)
     if scheme.strategy == "tensor_group":
         if global_scale is None:
             amax_t = jnp.max(jnp.abs(view)).astype(xd)
@@ -198,3 +200,27 @@ def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *
         s = jnp.asarray(scale).astype(sdt)
     pdt = jnp.promote_types(xd, jnp.float32 if sdt == fp8 else sdt)
     return ScaleResult(s, None, None, lambda x: R.div(x, s, pdt))
+
+
+def _nvfp4_torchao(view, red_axes, global_scale, scale) -> ScaleResult:
+    """torchao `nvfp4_quantize(x, 16, per_tensor_scale=amax / 2688)`, in float32 throughout.
+
+    pts = amax / (448 * 6); s = fp8(clamp((amax_G / 6) / pts, 2^-6, 448)); q = x * ((1 / pts) / s).
+    The stored global scale is 1 / pts (compressed-tensors' convention: dequantize = q * s / g).
+    """
+    f32 = jnp.float32
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    if global_scale is None:
+        pts = R.div(jnp.max(jnp.abs(view)), NVFP4_GLOBAL_NUMERATOR, f32)
+        g = R.div(1.0, pts, f32).reshape(1)
+    else:
+        g = jnp.asarray(global_scale, f32).reshape(1)
+        pts = R.div(1.0, g, f32)
+    if scale is None:
+        amax = jnp.max(jnp.abs(view), axis=red_axes, keepdims=True)
+        sbs = R.div(R.div(amax, 6.0, f32), pts, f32)
+        s = jnp.clip(sbs, float(jnp.finfo(fp8).smallest_normal), FP8_MAX).astype(fp8)
+    else:
+        s = jnp.asarray(scale).astype(fp8)
+    rcp = R.div(R.div(1.0, pts, f32), s, f32)
+    return ScaleResult(s, None, g, lambda x: x.astype(f32) * rcp)

@@ -10,7 +10,7 @@ from qformats.formats import E8M0Format, FloatFormat, Format, IntFormat, get_for
 
 STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group")
 SCALE_FORMATS = ("input", "float32", "bfloat16", "float16", "fp8_e4m3fn", "e8m0")
-SCALE_RULES = ("absmax", "floor", "rceil", "ceil", "even", "ct")
+SCALE_RULES = ("absmax", "floor", "rceil", "ceil", "even", "ct", "torchao")
 POW2_RULES = ("floor", "rceil", "ceil", "even", "ct")
 
 
@@ -35,7 +35,9 @@ class QuantScheme:
         2^(floor(log2 amax) - emax_elem)), "rceil" (NVIDIA: 2^ceil(log2(amax / max_elem))), "ceil"
         (2^(ceil(log2 amax) - emax_elem)), "even" (round amax's mantissa to the element's precision,
         then floor), "ct" (compressed-tensors' MX rule: round amax to a power of two at the element's
-        mantissa threshold, then 127 + floor(log2) - floor(log2 max_elem)).
+        mantissa threshold, then 127 + floor(log2) - floor(log2 max_elem)); for "tensor_group" also
+        "torchao" (torchao's `nvfp4_quantize` arithmetic, all in float32: s = fp8(clamp((amax_G / 6) /
+        (amax / 2688), 2^-6, 448)), elements x * ((1 / pts) / s)) besides compressed-tensors' "absmax".
       dynamic: activations quantized at run time (True) or with static calibrated scales (False);
         "local" (NVFP4 activations): group scales at run time under a static, calibrated global scale.
     """
@@ -83,6 +85,8 @@ class QuantScheme:
             raise SchemeError(f"QuantScheme: e8m0 (MX) scales need a float element format, got {fmt.name}")
         if not self.symmetric and not isinstance(fmt, IntFormat):
             raise SchemeError(f"QuantScheme: asymmetric quantization needs an integer format, got {fmt.name}")
+        if self.scale_rule == "torchao" and self.strategy != "tensor_group":
+            raise SchemeError(f"QuantScheme: scale_rule 'torchao' is NVFP4's ('tensor_group'), got {self.strategy!r}")
         if self.strategy == "tensor_group" and self.scale_format != "fp8_e4m3fn":
             raise SchemeError("QuantScheme: 'tensor_group' (NVFP4) stores fp8_e4m3fn group scales, "
                               f"got scale_format {self.scale_format!r}")

@@ -155,3 +155,15 @@ def test_dynamic_activations_match_compressed_tensors(preset, dtype):
     q = quantize(jnp.asarray(x.float().numpy()).astype(dtype), presets[preset].input_activations, axis=-1)
     np.testing.assert_array_equal(np.asarray(q.element_values(jnp.float32)), want.float().numpy())
     np.testing.assert_array_equal(np.asarray(q.scale_values(jnp.float32)).ravel(), scale.float().numpy().ravel())
+
+
+@pytest.mark.parametrize("dtype", sorted(TORCH_DTYPES))
+def test_nvfp4_torchao_rule_matches_nvfp4_quantize_exactly(dtype):
+    nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    w = _weights((128, 512), TORCH_DTYPES[dtype], seed=5)
+    pts = w.float().abs().amax() / (448.0 * 6.0)
+    t_scale, t_data = nv.nvfp4_quantize(w, 16, per_tensor_scale=pts)
+    scheme = QuantScheme("fp4_e2m1", "tensor_group", group_size=16, scale_format="fp8_e4m3fn", scale_rule="torchao")
+    q = quantize(jnp.asarray(w.float().numpy()).astype(dtype), scheme, axis=-1)
+    np.testing.assert_array_equal(np.asarray(q.scale).view(np.uint8), t_scale.view(torch.uint8).numpy().reshape(128, 32))
+    np.testing.assert_array_equal(np.asarray(q.codes), t_data.view(torch.uint8).numpy())
