@@ -48,6 +48,7 @@ the kernel decodes and feeds to one `dot`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Tuple
 
 import jax
@@ -205,6 +206,11 @@ def prepare(q: QArray, block_k: int = 128, n_align: int = 128) -> PreparedWeight
     why = unsupported_reason(q, block_k)
     if why is not None:
         raise KernelError(f"prepare: {why} ({q.scheme.describe() if isinstance(q, QArray) else ''})")
+    return _prepare_jit(q, block_k, n_align)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "n_align"))
+def _prepare_jit(q: QArray, block_k: int, n_align: int) -> PreparedWeight:
     s, fmt = q.scheme, q.scheme.format
     K, N = q.shape
     K_pad = -(-K // block_k) * block_k
@@ -299,7 +305,16 @@ def _decode_float(code: jax.Array, fmt: FloatFormat) -> jax.Array:
 _E4M3 = FloatFormat(4, 3)
 
 
-def scale_values(s: jax.Array, meta: LayoutMeta, gscale: Optional[jax.Array]) -> jax.Array:
+def _div(a: jax.Array, b: jax.Array, barrier: bool) -> jax.Array:
+    """a / b in f32. XLA:CPU rewrites `a / broadcast(b)` into `a * (1 / b)` (an ulp off for half the inputs);
+    with `barrier` the divisor is broadcast behind an optimization barrier, as qformats.rounding.div does,
+    so the division stays IEEE (XLA paths and the interpreter only: Triton has no barrier)."""
+    if barrier:
+        b = jax.lax.optimization_barrier(jnp.broadcast_to(b, jnp.broadcast_shapes(a.shape, b.shape)))
+    return a / b
+
+
+def scale_values(s: jax.Array, meta: LayoutMeta, gscale: Optional[jax.Array], barrier: bool = True) -> jax.Array:
     """Stored scale rows -> f32 effective scales (E8M0 / e4m3 codes decoded, NVFP4 divided by the global)."""
     if meta.scale_kind == "e8m0":
         c = s.astype(jnp.int32)
@@ -308,19 +323,20 @@ def scale_values(s: jax.Array, meta: LayoutMeta, gscale: Optional[jax.Array]) ->
         return jnp.where(c == 255, np.float32(np.nan), v)
     if meta.scale_kind == "e4m3":
         v = _decode_float(s.astype(jnp.int32), _E4M3)
-        return v / gscale if gscale is not None else v
-    v = s.astype(jnp.float32)
-    return v / gscale if gscale is not None else v
+    else:
+        v = s.astype(jnp.float32)
+    return _div(v, gscale, barrier) if gscale is not None else v
 
 
 def dequant_chunk(code: jax.Array, s: jax.Array, z: Optional[jax.Array], gscale: Optional[jax.Array],
-                  meta: LayoutMeta, out_dtype) -> jax.Array:
+                  meta: LayoutMeta, out_dtype, barrier: bool = True) -> jax.Array:
     """Codes [rows, n] with their scale row(s) [1 or rows, n] -> weights in `out_dtype`, rounded as
-    `qformats.dequantize` rounds: (value - zero) * scale in the scale's dtype, then cast."""
+    `qformats.dequantize` rounds: (value - zero) * scale in the scale's dtype, then cast. `barrier`: see
+    `_div` (False inside a compiled Triton kernel)."""
     v = decode_values(code, meta)
     if z is not None:
         v = v - z.astype(jnp.float32)
-    w = v * scale_values(s, meta, gscale)
+    w = v * scale_values(s, meta, gscale, barrier)
     sdt = jnp.dtype(meta.scale_dtype)
     if sdt != jnp.float32:
         w = w.astype(sdt)
@@ -342,8 +358,12 @@ def plane_codes(planes, meta: LayoutMeta) -> jax.Array:
 
 def dequantize_prepared(pw: PreparedWeight, dtype=None) -> jax.Array:
     """The dense weight [K, N] from a PreparedWeight, with the kernel's arithmetic (for tests and fallback)."""
+    return _dequantize_prepared_jit(pw, jnp.dtype(pw.meta.dtype if dtype is None else dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _dequantize_prepared_jit(pw: PreparedWeight, dtype) -> jax.Array:
     meta = pw.meta
-    dtype = jnp.dtype(meta.dtype if dtype is None else dtype)
     code = plane_codes(pw.planes, meta)
     srow = jnp.repeat(pw.scale, meta.group, axis=0)[: meta.K_pad]
     z = None if pw.zero is None else jnp.repeat(pw.zero, meta.group, axis=0)[: meta.K_pad]

@@ -85,7 +85,7 @@ def default_block_sizes(m: int, meta: LayoutMeta, num_sms: int = 132) -> BlockSi
     return BlockSizes(block_m=bm, block_n=bn, split_k=split, num_warps=warps, num_stages=3)
 
 
-def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool):
+def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool, interpret: bool):
     n_planes = len(meta.planes)
     plane_refs = refs[:n_planes]
     rest = list(refs[n_planes:])
@@ -116,7 +116,7 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool)
             row = (kt * bk + r0) // meta.group
             s = s_ref[pl.ds(row, 1), :]
             z = z_ref[pl.ds(row, 1), :] if z_ref is not None else None
-            wts = dequant_chunk(code, s, z, gscale, meta, xdt)
+            wts = dequant_chunk(code, s, z, gscale, meta, xdt, barrier=interpret)
             xc = x_ref[:, pl.ds(kt * bk + r0, cs)]
             acc = acc + jnp.dot(xc, wts, preferred_element_type=jnp.float32)
         return acc
@@ -152,7 +152,8 @@ def _qmatmul_2d(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
     else:
         out_shape = jax.ShapeDtypeStruct((split, m_pad, meta.N_pad), jnp.float32)
         out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
-    kernel = functools.partial(_kernel, meta=meta, tiles_per_split=tiles // split, out_f32=split > 1)
+    kernel = functools.partial(_kernel, meta=meta, tiles_per_split=tiles // split, out_f32=split > 1,
+                               interpret=interpret)
     extra = {}
     if _TritonParams is not None:
         extra["compiler_params"] = _TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages)

@@ -1,0 +1,201 @@
+"""qmatmul (Pallas, interpret=True on CPU) against qformats.dequantize + jnp.dot, its layout, errors,
+dispatch, and the lowering of every kernel variant to Triton IR (cross-platform lowering, no GPU needed)."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+import qformats
+from qformats import KernelError, dequantize, presets, quantize
+from qformats.dispatch import select_kernel
+from qformats.schemes import QuantScheme
+
+import kernels_pallas
+from kernels_pallas import BlockSizes, dequantize_prepared, prepare, qmatmul
+from kernels_pallas.layout import plane_split
+from kernels_pallas.qmatmul import _qmatmul_2d, default_block_sizes
+
+from kernel_cases import SCHEMES, assert_close, awkward_k, make_q, make_x
+
+ALL = sorted(SCHEMES)
+FEW = ["FP6_E3M2", "MXFP4A16", "NVFP4A16", "W4A16_ASYM"]
+F32_TOO = ("NVFP4A16", "W8A16_ASYM", "FP8_BLOCK", "FP5_E3M1")
+
+
+# ---- layout ---------------------------------------------------------------------------------------------------
+def test_plane_split():
+    assert plane_split(8) == ((8, 0),)
+    assert plane_split(6) == ((4, 0), (2, 4))
+    assert plane_split(5) == ((4, 0), (1, 4))
+    assert plane_split(4) == ((4, 0),)
+    assert plane_split(7) == ((4, 0), (2, 4), (1, 6))
+    assert plane_split(3) == ((2, 0), (1, 2))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_prepared_dequantizes_bit_exactly(name):
+    """The kernel's arithmetic (same functions) on the prepared layout equals qformats.dequantize bit for bit."""
+    q = make_q(name, awkward_k(SCHEMES[name]), 200)
+    pw = prepare(q)
+    assert pw.meta.K_pad % pw.meta.block_k == 0 and pw.meta.N_pad % 128 == 0
+    packed_bytes = sum(int(np.prod(p.shape)) for p in pw.planes)
+    assert packed_bytes == pw.meta.K_pad * pw.meta.N_pad * q.scheme.bits // 8  # no wasted bits
+    for dt in (jnp.bfloat16, jnp.float32) if name in F32_TOO else (jnp.bfloat16,):
+        ref = np.asarray(dequantize(q, dt), np.float32)
+        got = np.asarray(dequantize_prepared(pw, dt), np.float32)
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_prepared_layout_is_k_major_planes():
+    """FP6 [K=128, N]: plane 0 holds the low 4 bits of rows r and r+64 in one byte, plane 1 the top 2 bits of
+    rows r, r+32, r+64, r+96."""
+    q = make_q("FP6_E3M2", 128, 16)
+    pw = prepare(q)
+    codes = np.asarray(q.element_codes()).T.astype(np.int32)  # [K, N]
+    p0, p1 = (np.asarray(p).astype(np.int32) for p in pw.planes)
+    assert p0.shape == (64, 128) and p1.shape == (32, 128)
+    np.testing.assert_array_equal(p0[:, :16], (codes[:64] & 15) | (codes[64:] & 15) << 4)
+    want = sum(((codes[32 * i: 32 * i + 32] >> 4) & 3) << (2 * i) for i in range(4))
+    np.testing.assert_array_equal(p1[:, :16], want)
+    assert not p0[:, 16:].any() and not p1[:, 16:].any()
+
+
+# ---- qmatmul vs reference -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ALL)
+def test_all_formats_small_m(name):
+    """Every format at M=3 (one 16-row block), awkward K and N (not multiples of the blocks)."""
+    q = make_q(name, awkward_k(SCHEMES[name]), 200)
+    pw = prepare(q)
+    x = make_x((3, q.shape[0]), jnp.bfloat16)
+    assert_close(qmatmul(x, pw, interpret=True), x, q)
+
+
+@pytest.mark.parametrize("name,m", [(n, m) for n in FEW for m in (1, 16, 64)]
+                         + [(n, 256) for n in FEW[:2]])
+def test_m_sweep(name, m):
+    """M = 1 and 16 share the decode tiling with M = 3 above (one compile); 64 and 256 the prefill one."""
+    q = make_q(name, awkward_k(SCHEMES[name]), 200)
+    x = make_x((m, q.shape[0]), jnp.bfloat16, seed=m + 1)
+    assert_close(qmatmul(x, prepare(q), interpret=True), x, q)
+
+
+@pytest.mark.parametrize("name,xdt", [("FP6_E2M3", jnp.float16), ("W4A16_ASYM", jnp.float32),
+                                      ("MXFP8A16", jnp.float32)])
+def test_x_dtypes(name, xdt):
+    q = make_q(name, awkward_k(SCHEMES[name]), 48)
+    x = make_x((5, q.shape[0]), xdt)
+    y = qmatmul(x, q, interpret=True)
+    assert y.dtype == xdt
+    assert_close(y, x, q)
+
+
+def test_f32_weights_f16_activations_mixed_scale_dtype():
+    """Scale stored in f32 (weights were f32), activations f16: scale applied in f32, then cast to f16."""
+    q = make_q("FP5_E2M2_G32" if "FP5_E2M2_G32" in SCHEMES else "FP5_E2M2", 160, 40, dtype=jnp.float32)
+    x = make_x((2, 160), jnp.float16)
+    assert_close(qmatmul(x, q, interpret=True), x, q)
+
+
+def test_batch_dims_split_k_and_block_sizes():
+    q = make_q("FP6_E3M2", 512, 136)  # 4 K tiles, N_pad 256
+    pw = prepare(q)
+    x = make_x((2, 3, 512), jnp.bfloat16)
+    y = qmatmul(x, pw, interpret=True, block_sizes=BlockSizes(block_m=16, block_n=32, split_k=4))
+    assert y.shape == (2, 3, 136)
+    assert_close(y.reshape(6, 136), x.reshape(6, 512), q)
+    y2 = qmatmul(x, pw, interpret=True, block_sizes={"split_k": 2, "block_n": 128})
+    assert_close(y2.reshape(6, 136), x.reshape(6, 512), q)
+
+
+def test_block_k_256():
+    q = make_q("FP5_E3M1", 300, 40)
+    pw = prepare(q, block_k=256)
+    assert pw.meta.chunk == 32 and pw.meta.K_pad == 512
+    x = make_x((4, 300), jnp.bfloat16)
+    assert_close(qmatmul(x, pw, interpret=True), x, q)
+
+
+def test_default_block_sizes_fill_the_gpu_at_decode():
+    pw = prepare(make_q("FP6_E3M2", 128, 16))
+    bs = default_block_sizes(1, pw.meta)
+    assert bs.block_m == 16
+    from kernels_pallas.layout import LayoutMeta
+    big = LayoutMeta(**{**pw.meta.__dict__, "K": 4096, "K_pad": 4096, "N": 4096, "N_pad": 4096})
+    bs = default_block_sizes(1, big)
+    assert (4096 // bs.block_n) * bs.split_k >= 2 * 132 and (4096 // 128) % bs.split_k == 0
+    assert default_block_sizes(256, big).block_m == 64
+
+
+# ---- bad input --------------------------------------------------------------------------------------------------
+def test_errors_name_shapes_and_formats():
+    q = make_q("FP6_E3M2", 160, 40)
+    with pytest.raises(KernelError, match=r"K = 100.*fp6_e3m2.*K = 160"):
+        qmatmul(jnp.ones((2, 100), jnp.bfloat16), q, interpret=True)
+    with pytest.raises(KernelError, match=r"int32.*fp6_e3m2"):
+        qmatmul(jnp.ones((2, 160), jnp.int32), q, interpret=True)
+    with pytest.raises(KernelError, match=r"block_n=48"):
+        qmatmul(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes=BlockSizes(block_n=48))
+    with pytest.raises(KernelError, match=r"split_k=3"):
+        qmatmul(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes=BlockSizes(split_k=3))
+    g8 = quantize(jnp.ones((64, 8)), QuantScheme("fp4_e2m1", "group", group_size=8), axis=0)
+    with pytest.raises(KernelError, match=r"group 8"):
+        qmatmul(jnp.ones((1, 64)), g8, interpret=True)
+    q1 = quantize(jnp.ones((8, 64)), presets["FP6_E3M2"].weights, axis=1)
+    with pytest.raises(KernelError, match=r"axis 0"):
+        qmatmul(jnp.ones((1, 8)), q1, interpret=True)
+
+
+# ---- dispatch -----------------------------------------------------------------------------------------------
+def test_registered_for_gpu_only_by_default():
+    q = make_q("MXFP4A16", 64, 32)
+    x = jnp.ones((1, 64), jnp.bfloat16)
+    assert "pallas_qmatmul" in qformats.dispatch.registered_kernels()
+    assert select_kernel(x, q, "gpu").name == "pallas_qmatmul"
+    assert select_kernel(x, q, "cpu") is None
+    assert select_kernel(x, q, "tpu") is None
+    assert select_kernel(x.astype(jnp.int8), q, "gpu") is None  # unsupported dtype -> XLA path
+    g8 = quantize(jnp.ones((64, 8)), QuantScheme("fp4_e2m1", "group", group_size=8), axis=0)
+    assert select_kernel(x, g8, "gpu") is None  # no layout -> XLA path
+    tok = quantize(jnp.ones((64, 8)), QuantScheme("int8", "token"), axis=0)
+    assert select_kernel(x, tok, "gpu") is None
+    qformats.set_kernels_enabled(False)
+    try:
+        assert select_kernel(x, q, "gpu") is None
+    finally:
+        qformats.set_kernels_enabled(True)
+
+
+def test_qdot_uses_the_kernel_when_forced_to_interpret(monkeypatch):
+    q = make_q("NVFP4A16", 160, 200)
+    x = make_x((2, 160), jnp.bfloat16)
+    calls = []
+    import kernels_pallas.register as reg
+    orig = reg.qmatmul
+    monkeypatch.setattr(reg, "qmatmul", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    kernels_pallas.set_interpret(True)
+    try:
+        y = qformats.qdot(x, q)
+    finally:
+        kernels_pallas.set_interpret(False)
+    assert calls == [1]
+    assert_close(y, x, q)
+    y_xla = qformats.qdot(x, q)  # CPU, not forced: the XLA path
+    assert_close(y_xla, x, q)
+
+
+# ---- lowering to Triton (runs on CPU: jax lowers the Pallas kernel to Triton IR for "cuda") ---------------
+def _lower_gpu(x, pw, bs):
+    txt = _qmatmul_2d.trace(x, pw, bs=bs, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in txt
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_lowers_to_triton(name):
+    q = make_q(name, awkward_k(SCHEMES[name]), 200)
+    pw = prepare(q)
+    _lower_gpu(jnp.zeros((16, pw.meta.K_pad), jnp.bfloat16), pw, default_block_sizes(16, pw.meta))
+    _lower_gpu(jnp.zeros((64, pw.meta.K_pad), jnp.float32), pw, default_block_sizes(64, pw.meta))
+    tiles = pw.meta.K_pad // pw.meta.block_k
+    _lower_gpu(jnp.zeros((16, pw.meta.K_pad), jnp.float16), pw,
+               BlockSizes(block_m=16, block_n=64, split_k=tiles, num_warps=4, num_stages=4))
