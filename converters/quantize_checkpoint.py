@@ -9,6 +9,10 @@ Which tensors are quantized (no torch model, so module classes are inferred from
     selects that module's 2-D floating weight whatever its name;
   - `ignore` entries are exact module paths, `re:` regexes, or a last path component ("lm_head" also
     ignores "model.lm_head"). An ignore entry or target that matches nothing gives a warning.
+NVFP4 (tensor_group) global scales of vLLM's fused projections are shared as llm-compressor's oneshot does
+(`update_fused_layer_weight_global_scales`): sibling q_proj/k_proj/v_proj, q_a_proj/kv_a_proj_with_mqa and
+gate_proj/up_proj take the smallest of their global scales, i.e. 448*6/amax over the group (fuse_global_scales).
+
 A weight whose shape does not fit the scheme (e.g. in_features not a multiple of the group size) is left
 dense with a warning and added to `ignore`, as llm-compressor users do by hand.
 
@@ -35,7 +39,10 @@ from qformats.presets import presets
 from qformats.quantize import quantize
 from qformats.schemes import SchemeSet
 
-__all__ = ["QuantizeSummary", "is_linear_weight", "quantize_checkpoint", "select_modules"]
+__all__ = ["FUSED_GROUPS", "QuantizeSummary", "is_linear_weight", "quantize_checkpoint", "select_modules"]
+
+#: Sibling modules vLLM fuses into one matmul; under NVFP4 they share one global scale.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
 
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -156,6 +163,37 @@ class _Progress:
             self.stream.flush()
 
 
+def _fused_global_scales(ck, chosen: List[str], ss: SchemeSet) -> Dict[str, Any]:
+    """module -> the shared NVFP4 global scale of its fused group (only groups whose members are all chosen)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    w = ss.weights
+    if w.strategy != "tensor_group":
+        return {}
+    by_parent: Dict[str, Dict[str, str]] = {}
+    for mod in chosen:
+        parent, _, last = mod.rpartition(".")
+        by_parent.setdefault(parent, {})[last] = mod
+    out: Dict[str, Any] = {}
+    for parent, kids in by_parent.items():
+        for group in FUSED_GROUPS:
+            if not all(g in kids for g in group):
+                continue
+            mods = [kids[g] for g in group]
+            arrs = [ck.get(m + ".weight") for m in mods]
+            if len({a.dtype for a in arrs}) != 1 or any(a.shape[-1] % w.group_size for a in arrs):
+                continue
+            amax = max(float(jnp.max(jnp.abs(jnp.asarray(a)))) for a in arrs)
+            # g = 448*6/amax is non-increasing in amax, so min over the group = g(max amax); computing it by
+            # quantizing one group holding amax reuses the exact arithmetic of qformats.quantize.
+            probe = np.zeros((1, w.group_size), np.float32)
+            probe[0, 0] = amax
+            g = quantize(jnp.asarray(probe, arrs[0].dtype), w, axis=-1).global_scale
+            out.update((m, g) for m in mods)
+    return out
+
+
 def _as_scheme_set(scheme: "str | SchemeSet") -> SchemeSet:
     if isinstance(scheme, SchemeSet):
         return scheme
@@ -168,7 +206,7 @@ def _as_scheme_set(scheme: "str | SchemeSet") -> SchemeSet:
 def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", scheme: "str | SchemeSet",
                         ignore: Sequence[str] = ("lm_head",), targets: Sequence[str] = ("Linear",),
                         max_shard_size: "int | str" = "5GB", overwrite: bool = False,
-                        progress: "bool | TextIO" = True) -> QuantizeSummary:
+                        progress: "bool | TextIO" = True, fuse_global_scales: bool = True) -> QuantizeSummary:
     """Quantize the Linear weights of the dense safetensors checkpoint `src` into a compressed-tensors
     checkpoint at `dst` (see the module docstring for the selection rule).
 
@@ -179,6 +217,7 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
       ignore / targets: see the module docstring. max_shard_size: e.g. "5GB", "500MiB".
       overwrite: replace an existing dst (atomically) instead of refusing.
       progress: True for a progress bar on stderr, False for none, or a text stream.
+      fuse_global_scales: share NVFP4 global scales across fused siblings (see the module docstring).
     Returns a QuantizeSummary (its `.text()` is printed at the end when progress is on).
     """
     t0 = time.monotonic()
@@ -219,6 +258,7 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
             raise CheckpointError(f"{src}: no weight matches targets {list(targets)} (minus ignore "
                                   f"{list(ignore)}); nothing to quantize")
         chosen_set = set(chosen)
+        shared_g = _fused_global_scales(ck, chosen, ss) if fuse_global_scales else {}
         src_bytes = sum(i.nbytes for i in infos.values())
         prog = _Progress(len(infos), src_bytes, stream)
         qdense = qstored = 0
@@ -233,7 +273,7 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                     if local == "weight" and mod in chosen_set:
                         arr = ck.get(name)
                         try:
-                            q = quantize(arr, ss.weights, axis=-1)
+                            q = quantize(arr, ss.weights, axis=-1, global_scale=shared_g.get(mod))
                         except QFormatsError as e:
                             warnings.warn(f"{ck.file_of(name)}: tensor {name!r} shape {list(info.shape)} left dense: "
                                           f"{e}", stacklevel=2)

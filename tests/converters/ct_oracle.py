@@ -52,13 +52,13 @@ def make_model(layers: Dict[str, Tuple[int, int]], dtype=torch.bfloat16, seed: i
     return root.to(dtype)
 
 
-def weight_qparams(module: torch.nn.Linear, args) -> None:
+def weight_qparams(module: torch.nn.Linear, args, gs=None) -> None:
     w = module.weight.data
     st = args.strategy
     st = st.value if hasattr(st, "value") else st
-    gs = None
     if st == "tensor_group":
-        gs = generate_gparam(w.min(), w.max())
+        if gs is None:
+            gs = generate_gparam(w.min(), w.max())
         module.weight_global_scale.data.copy_(gs)
     if st == "tensor":
         mn, mx = torch.aminmax(w)
@@ -80,14 +80,27 @@ def weight_qparams(module: torch.nn.Linear, args) -> None:
         module.weight_zero_point.data.copy_(zp.reshape(module.weight_zero_point.shape))
 
 
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 def quantize_model(model: torch.nn.Module, preset: str, ignore: Iterable[str] = ("lm_head",)) -> None:
+    """Apply the preset and compute weight qparams; NVFP4 global scales of q/k/v and gate/up siblings are
+    shared (the minimum), as llm-compressor's update_fused_layer_weight_global_scales does."""
     cfg = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
                              ignore=list(ignore))
     apply_quantization_config(model, cfg)
+    shared = {}
+    for _, parent in model.named_modules():
+        for group in FUSED:
+            kids = [getattr(parent, g, None) for g in group]
+            if all(getattr(k, "quantization_scheme", None) is not None for k in kids):
+                if str(kids[0].quantization_scheme.weights.strategy).endswith("tensor_group"):
+                    g = torch.min(torch.cat([generate_gparam(k.weight.min(), k.weight.max()) for k in kids]))
+                    shared.update((id(k), g.reshape([1])) for k in kids)
     for _, m in model.named_modules():
         sch = getattr(m, "quantization_scheme", None)
         if sch is not None and sch.weights is not None:
-            weight_qparams(m, sch.weights)
+            weight_qparams(m, sch.weights, shared.get(id(m)))
 
 
 def save_compressed(model: torch.nn.Module, out: Path, base_config=None) -> Dict[str, torch.Tensor]:

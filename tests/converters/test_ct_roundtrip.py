@@ -238,3 +238,28 @@ def test_transformers_loads_our_checkpoint(preset, tmp_path):
     for mod, q in qs.items():
         np.testing.assert_array_equal(_np_bits(np.asarray(qf.dequantize(q)).T), O.bits_of(sd[mod + ".weight"]),
                                       err_msg=mod)
+
+
+@pytest.mark.parametrize("dtag", ["bf16"])
+def test_nvfp4_fused_global_scales_like_llm_compressor(dtag, tmp_path):
+    """q/k/v and gate/up share the smallest NVFP4 global scale (llm-compressor's fused-layer rule)."""
+    layers = {f"model.layers.0.self_attn.{n}": (64 if n != "q_proj" else 128, 64) for n in ("q_proj", "k_proj",
+                                                                                             "v_proj", "o_proj")}
+    layers.update({"model.layers.0.mlp.gate_proj": (96, 64), "model.layers.0.mlp.up_proj": (96, 64),
+                   "model.layers.0.mlp.down_proj": (64, 96)})
+    m = O.make_model(layers, DTYPES[dtag], seed=4)
+    with torch.no_grad():
+        m.get_submodule("model.layers.0.self_attn.v_proj").weight.mul_(7)  # a different amax per member
+    (tmp_path / "src").mkdir()
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(tmp_path / "src/model.safetensors"))
+    quantize_checkpoint(tmp_path / "src", tmp_path / "ours", "NVFP4A16", progress=False)
+    O.quantize_model(m, "NVFP4A16")
+    ref = O.save_compressed(m, tmp_path / "ct")
+    ours = load_file(str(tmp_path / "ours/model.safetensors"))
+    assert sorted(ours) == sorted(ref)
+    for k, a in ref.items():
+        np.testing.assert_array_equal(_t_bytes(a), _t_bytes(ours[k]), err_msg=k)
+    g = {k: float(v) for k, v in ours.items() if k.endswith("weight_global_scale")}
+    assert len({g[f"model.layers.0.self_attn.{n}.weight_global_scale"] for n in ("q_proj", "k_proj", "v_proj")}) == 1
+    assert g["model.layers.0.self_attn.o_proj.weight_global_scale"] != g["model.layers.0.self_attn.q_proj."
+                                                                         "weight_global_scale"]
