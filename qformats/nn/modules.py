@@ -93,13 +93,15 @@ class QLinear(nnx.Module):
         if observer is None:
             raise ModelError(f"QLinear {self.path}: calibrate mode needs an observer")
         self.calib_amax = CalibStat(observer.init())
-        self.calib_sq = CalibStat((jnp.zeros((self.in_features,), jnp.float32), jnp.zeros((), jnp.float32)))
+        k = self.in_features
+        self.calib_sq = CalibStat((jnp.zeros((k, k), jnp.float32), jnp.zeros((), jnp.float32)))
 
     def finalize(self, mode: str = "ptq", weight_search: Optional[str] = None) -> None:
         """End calibration: static activation scales from the observer, then the kernel for `mode`.
 
         With weight_search="mse" the per-group clipping search weights errors by E[x_k^2] measured on
-        the calibration batches.
+        the calibration batches, and the result is kept only if the layer's output error on them,
+        tr(dW^T H dW) with H = E[x x^T], is below round-to-nearest's (else RTN is kept).
         """
         if self.mode != "calibrate":
             raise ModelError(f"QLinear {self.path}: finalize() is for a calibrating layer, mode is {self.mode!r}")
@@ -111,13 +113,18 @@ class QLinear(nnx.Module):
             self.input_scale = None if s is None else QuantStat(s)
             self.input_global_scale = None if g is None else QuantStat(g)
         total, n = self.calib_sq.get_value()
-        importance = total / jnp.maximum(n, 1.0)
+        h = total / jnp.maximum(n, 1.0)
         self.calib_amax = None
         self.calib_sq = None
         self.mode = mode
         if mode == "ptq":
-            self.kernel = nnx.Param(quantize_weight(self.kernel.get_value(), self.schemes, weight_search,
-                                                    importance=importance))
+            w = self.kernel.get_value()
+            q = quantize_weight(w, self.schemes, weight_search, importance=jnp.diagonal(h))
+            if weight_search is not None:
+                rtn = quantize_weight(w, self.schemes, None)
+                if output_error(rtn, w, h) <= output_error(q, w, h):
+                    q = rtn
+            self.kernel = nnx.Param(q)
 
     def convert(self, weight_search: Optional[str] = None) -> None:
         """QAT → PTQ in place: pack the float kernel (same quantization the QAT forward pass used)."""
@@ -141,10 +148,10 @@ class QLinear(nnx.Module):
     def __call__(self, x):
         if self.dtype is not None:
             x = x.astype(self.dtype)
-        if self.mode == "calibrate":  # E[x_k^2] per input feature: the weights of the MSE search
+        if self.mode == "calibrate":  # sum x x^T over tokens: H for the MSE search and its output-error check
             total, n = self.calib_sq.get_value()
             xf = x.astype(jnp.float32).reshape(-1, x.shape[-1])
-            self.calib_sq.set_value((total + jnp.sum(xf * xf, axis=0), n + xf.shape[0]))
+            self.calib_sq.set_value((total + xf.T @ xf, n + xf.shape[0]))
         x = self._activations(x)
         k = self.kernel.get_value()
         if self.mode == "ptq":
@@ -170,3 +177,9 @@ def quantize_weight(kernel, schemes: SchemeSet, weight_search: Optional[str] = N
     if weight_search == "mse":
         return mse_quantize(kernel, schemes.weights, 0, importance=importance)
     raise ModelError(f"weight_search must be None or 'mse', got {weight_search!r}")
+
+
+def output_error(q: QArray, w, h) -> float:
+    """tr(dW^T H dW), dW = dequantize(q) - w: the mean squared output error of x @ W for E[x x^T] = H."""
+    d = dequantize(q, jnp.float32) - w.astype(jnp.float32)
+    return float(jnp.sum(d * (h @ d)))
