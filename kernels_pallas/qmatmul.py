@@ -109,7 +109,9 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool,
                 R = bk * w // 8
                 slot, off = divmod(r0, R)
                 b = ref[pl.ds(kt * R + off, cs), :].astype(jnp.int32)
-                part = b if w == 8 else (b >> (slot * w)) & ((1 << w) - 1)
+                part = b >> (slot * w) if slot else b
+                if (slot + 1) * w < 8:  # the top slot of a byte needs no mask
+                    part = part & ((1 << w) - 1)
                 if sh:
                     part = part << sh
                 code = part if code is None else code | part

@@ -33,6 +33,20 @@ def test_plane_split():
     assert plane_split(3) == ((2, 0), (1, 2))
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz", "fp7_e3m3", "fp6_e3m2", "fp6_e2m3",
+                                 "fp5_e2m2", "fp5_e3m1", "fp4_e2m1", "fp4_e3m0", "fp3_e2m0"])
+def test_in_kernel_decode_is_exact_for_every_code(fmt):
+    """The kernel's bit-op decode equals qformats.decode for all 2^bits codes, bit for bit (signs of 0 too)."""
+    from kernels_pallas.layout import _decode_float
+    f = qformats.get_format(fmt)
+    codes = jnp.arange(1 << f.bits, dtype=jnp.int32)
+    got = np.asarray(_decode_float(codes, f))
+    ref = np.asarray(qformats.decode(codes.astype(jnp.uint8), f))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    np.testing.assert_array_equal(got.view(np.uint32)[ok], ref.view(np.uint32)[ok])
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_prepared_dequantizes_bit_exactly(name):
     """The kernel's arithmetic (same functions) on the prepared layout equals qformats.dequantize bit for bit."""
