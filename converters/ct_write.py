@@ -34,7 +34,8 @@ from qformats.packing import pack_int32, unpack
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
 
-__all__ = ["CompressedWriter", "copy_extra_files", "qarray_to_tensors", "write_compressed", "write_config"]
+__all__ = ["CompressedWriter", "copy_extra_files", "flatten_flax_params", "qarray_to_tensors", "write_compressed",
+           "write_config"]
 
 _SKIP_COPY = {"config.json", INDEX_FILE}
 
@@ -92,6 +93,29 @@ def qarray_to_tensors(q: QArray, fmt: str, where: str = "weight") -> Dict[str, n
             out["weight_zero_point"] = np.asarray(pack_int32(u, bits, axis=0)).astype(np.int32)
         else:
             out["weight_zero_point"] = zp
+    return out
+
+
+def flatten_flax_params(params: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """Nested Flax params (dicts, or NNX State / Variables with `.value`) -> flat torch-style tensor names.
+
+    `kernel` becomes `weight`: a QArray is kept as is (its storage is already torch's [out, in]), a dense 2-D
+    kernel [in, out] is transposed to [out, in]. Everything else keeps its name ("a.b.bias", "a.b.scale").
+    The inverse of `converters.ct_read.to_flax_params` for Linear layers.
+    """
+    out: Dict[str, Any] = {}
+    for key, v in params.items():
+        name = f"{prefix}{key}"
+        if hasattr(v, "value") and not isinstance(v, (QArray, np.ndarray)) and not hasattr(v, "items"):
+            v = v.value
+        if isinstance(v, QArray):
+            out[name[: -len("kernel")] + "weight" if str(key) == "kernel" else name] = v
+        elif hasattr(v, "items"):
+            out.update(flatten_flax_params(v, name + "."))
+        elif str(key) == "kernel" and getattr(v, "ndim", 0) == 2:
+            out[name[: -len("kernel")] + "weight"] = np.ascontiguousarray(np.asarray(v).T)
+        else:
+            out[name] = np.asarray(v)
     return out
 
 

@@ -263,3 +263,22 @@ def test_nvfp4_fused_global_scales_like_llm_compressor(dtag, tmp_path):
     assert len({g[f"model.layers.0.self_attn.{n}.weight_global_scale"] for n in ("q_proj", "k_proj", "v_proj")}) == 1
     assert g["model.layers.0.self_attn.o_proj.weight_global_scale"] != g["model.layers.0.self_attn.q_proj."
                                                                          "weight_global_scale"]
+
+
+def test_flax_params_roundtrip(tmp_path):
+    from converters.ct_write import flatten_flax_params
+    rng = np.random.default_rng(9)
+    ss = qf.presets["W8A16"]
+    params = {"enc": {"q": {"kernel": qf.quantize(rng.standard_normal((128, 32)).astype(np.float32), ss.weights,
+                                                  axis=0), "bias": np.zeros(32, np.float32)},
+                      "norm": {"scale": np.ones(32, np.float32)},
+                      "out": {"kernel": rng.standard_normal((32, 16)).astype(np.float32)}}}
+    flat = flatten_flax_params(params)
+    assert sorted(flat) == ["enc.norm.scale", "enc.out.weight", "enc.q.bias", "enc.q.weight"]
+    assert flat["enc.out.weight"].shape == (16, 32)
+    write_compressed(tmp_path / "ck", flat, ss)
+    back = read_compressed(tmp_path / "ck").flax_params()
+    np.testing.assert_array_equal(back["enc"]["out"]["kernel"], params["enc"]["out"]["kernel"])
+    q0, q1 = params["enc"]["q"]["kernel"], back["enc"]["q"]["kernel"]
+    assert q1.shape == q0.shape == (128, 32)
+    np.testing.assert_array_equal(np.asarray(qf.dequantize(q1)), np.asarray(qf.dequantize(q0)))
