@@ -141,6 +141,10 @@ def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *
         if scale is None:
             amax = jnp.max(jnp.abs(view), axis=red_axes, keepdims=True)
             code = e8m0_code(amax, fmt, scheme.scale_rule)
+            if scheme.scale_rule == "ct" and xd == jnp.float16:
+                # compressed-tensors holds 2^(e-127) in the input dtype; below f16's range it is 0, and a zero
+                # scale is replaced by its uint8 scale dtype's "eps", 1 -> code 127.
+                code = jnp.where(code.astype(jnp.int32) < 127 - 24, jnp.uint8(127), code)
         else:
             code = jnp.asarray(scale).astype(jnp.uint8)
         return ScaleResult(code, None, None, _e8m0_apply(code, scheme.scale_rule))
