@@ -9,8 +9,10 @@ applies zero point and scale exactly as `qformats.dequantize` rounds them, casts
 and accumulates `dot(x_chunk, w_chunk)` in f32. With split_k > 1 each split writes an f32 partial sum and
 the partials are added outside the kernel (decode: more programs than 16-row M blocks alone would give).
 
-Shapes: M is padded to block_m (>= 16, Triton's smallest dot), K to the layout's K_pad (zeros, so padded
-codes contribute nothing), N to N_pad; the result is sliced back. Every array a kernel loads or stores is
+Shapes: M is covered by ceil(M / block_m) blocks (block_m >= 16, Triton's smallest dot), the last one
+loading and storing under a row mask, so decode pays no pad; x is zero-padded along K only when K is not
+a multiple of block_k (padded codes then contribute nothing); N is padded to N_pad by `prepare` and the
+result sliced back only when N_pad != N. Every array a kernel loads or stores is
 a power-of-two shape (Triton's requirement); the full-K x block is only ever loaded in chunks.
 
 Numerics: the dequantized weights are bit-identical to `qformats.dequantize(q, x.dtype)`; the products
@@ -85,7 +87,7 @@ def default_block_sizes(m: int, meta: LayoutMeta, num_sms: int = 132) -> BlockSi
     return BlockSizes(block_m=bm, block_n=bn, split_k=split, num_warps=warps, num_stages=3)
 
 
-def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool, interpret: bool):
+def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool, interpret: bool, m: int):
     n_planes = len(meta.planes)
     plane_refs = refs[:n_planes]
     rest = list(refs[n_planes:])
@@ -99,6 +101,10 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool,
     split = pl.program_id(2)
     gscale = g_ref[...] if g_ref is not None else None
     xdt = x_ref.dtype
+    # x is not padded along M (a pad would be one more launch at decode): the last M block masks its rows.
+    row_mask = None
+    if m % bm:
+        row_mask = ((pl.program_id(0) * bm + jnp.arange(bm)) < m)[:, None]
 
     def body(t, acc):
         kt = split * tiles_per_split + t
@@ -119,22 +125,29 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool,
             s = s_ref[pl.ds(row, 1), :]
             z = z_ref[pl.ds(row, 1), :] if z_ref is not None else None
             wts = dequant_chunk(code, s, z, gscale, meta, xdt, barrier=interpret)
-            xc = x_ref[:, pl.ds(kt * bk + r0, cs)]
+            if row_mask is None:
+                xc = x_ref[:, pl.ds(kt * bk + r0, cs)]
+            else:
+                xc = pltriton.load(x_ref.at[:, pl.ds(kt * bk + r0, cs)], mask=row_mask, other=0)
             acc = acc + jnp.dot(xc, wts, preferred_element_type=jnp.float32)
         return acc
 
     acc = jax.lax.fori_loop(0, tiles_per_split, body, jnp.zeros((bm, bn), jnp.float32))
-    o_ref[...] = acc if out_f32 else acc.astype(o_ref.dtype)
+    out = acc if out_f32 else acc.astype(o_ref.dtype)
+    if row_mask is None:
+        o_ref[...] = out
+    else:
+        pltriton.store(o_ref.at[:, :], out, mask=row_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("bs", "interpret"))
 def _qmatmul_2d(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
-    """x [M_pad, K_pad] (already padded) -> y [M_pad, N_pad] in x.dtype."""
+    """x [M, K_pad] (padded along K only) -> y [M, N_pad] in x.dtype."""
     meta = pw.meta
-    m_pad = x.shape[0]
+    m_pad = x.shape[0]  # the true M: the grid covers it with ceil(M / block_m) blocks, the last one masked
     bm, bn, split = bs.block_m, bs.block_n, bs.split_k
     tiles = meta.K_pad // meta.block_k
-    grid = (m_pad // bm, meta.N_pad // bn, split)
+    grid = (-(-m_pad // bm), meta.N_pad // bn, split)
     in_specs = [pl.BlockSpec((bm, meta.K_pad), lambda i, j, s: (i, 0))]
     args = [x]
     for p in pw.planes:
@@ -155,7 +168,7 @@ def _qmatmul_2d(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
         out_shape = jax.ShapeDtypeStruct((split, m_pad, meta.N_pad), jnp.float32)
         out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
     kernel = functools.partial(_kernel, meta=meta, tiles_per_split=tiles // split, out_f32=split > 1,
-                               interpret=interpret)
+                               interpret=interpret, m=m_pad)
     extra = {}
     if _TritonParams is not None:
         extra["compiler_params"] = _TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
@@ -228,9 +241,13 @@ def qmatmul(x: jax.Array, q: Union[QArray, PreparedWeight], *, interpret: Option
     if isinstance(block_sizes, dict):
         block_sizes = dataclasses.replace(default_block_sizes(m, meta), **block_sizes)
     bs = block_sizes or default_block_sizes(m, meta)
-    m_pad = -(-max(m, 1) // bs.block_m) * bs.block_m
-    _check_block_sizes(bs, meta, m_pad)
+    _check_block_sizes(bs, meta, m)
+    if m == 0:
+        return jnp.zeros((*lead, meta.N), x.dtype)
     x2 = x.reshape(m, K)
-    x2 = jnp.pad(x2, ((0, m_pad - m), (0, meta.K_pad - K)))
+    if meta.K_pad != K:
+        x2 = jnp.pad(x2, ((0, 0), (0, meta.K_pad - K)))
     y = _qmatmul_2d(x2, pw, bs, bool(interpret))
-    return y[:m, : meta.N].reshape(*lead, meta.N)
+    if meta.N_pad != meta.N:
+        y = y[:, : meta.N]
+    return y.reshape(*lead, meta.N)
