@@ -38,14 +38,15 @@ def div(a, b, dtype) -> jax.Array:
     """a / b, correctly rounded in float32, then rounded once to `dtype` (torch's per-op semantics); f32 out.
 
     XLA:CPU rewrites `x / broadcast(s)` into `x * broadcast(1 / s)`, which is off by an ulp for about half
-    of all inputs; the divisor is broadcast to the full shape behind an optimization barrier so the
-    division stays a true IEEE division.
+    of all inputs. The divisor is made full-shaped as `s + 0 * finite(x)` (XLA does not fold `0 * x` for
+    floats), which keeps a true IEEE division and fuses without materialising a broadcast.
     """
     a = jnp.asarray(a).astype(jnp.float32)
     b = jnp.asarray(b).astype(jnp.float32)
     shape = jnp.broadcast_shapes(a.shape, b.shape)
-    a = jnp.broadcast_to(a, shape)
-    b = jax.lax.optimization_barrier(jnp.broadcast_to(b, shape))
+    if b.shape != shape:
+        a = jnp.broadcast_to(a, shape)
+        b = b + np.float32(0.0) * jnp.where(jnp.isfinite(a), a, np.float32(0.0))
     return rnd(a / b, dtype)
 
 
