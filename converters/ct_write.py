@@ -166,9 +166,11 @@ class CompressedWriter:
     `atomic_directory` around it). `add_dense(name, array)`, `add_qarray(module, q, scheme_set)`, then
     `finish(base_config, ignore=..., targets=..., copy_from=...)`."""
 
-    def __init__(self, dst_dir: "str | os.PathLike", max_shard_size: "int | str" = "5GB"):
+    def __init__(self, dst_dir: "str | os.PathLike", max_shard_size: "int | str" = "5GB", writer: Any = None):
+        """`writer`: a tensor sink with add/finish/abort (default: a ShardedWriter; quantize_checkpoint passes a
+        `converters.stream_writer.PlannedShardWriter`, which writes each tensor as it comes)."""
         self.dst_dir = Path(dst_dir)
-        self._w = ShardedWriter(self.dst_dir, max_shard_size)
+        self._w = writer if writer is not None else ShardedWriter(self.dst_dir, max_shard_size)
         self._groups: List[Tuple[Tuple[Any, Any, Any], SchemeSet, List[str]]] = []
         self.dense_bytes = 0  # bytes the quantized weights had dense
         self.written_bytes = 0

@@ -16,9 +16,12 @@ gate_proj/up_proj take the smallest of their global scales, i.e. 448*6/amax over
 A weight whose shape does not fit the scheme (e.g. in_features not a multiple of the group size) is left
 dense with a warning and added to `ignore`, as llm-compressor users do by hand.
 
-Streaming: one tensor is read (memory-mapped), quantized, written to the current shard and dropped before the
-next; peak memory is about the largest tensor times a small constant plus one shard buffer. Same-shape
-weights reuse one jit-compiled quantize (qformats.quantize is jitted on shape, dtype and scheme).
+Streaming: the output tensor list is planned from the header alone (shapes and dtypes of every compressed
+tensor), so each shard's header is written first and each tensor goes to disk as soon as it is produced
+(`converters.stream_writer`); one tensor is read (memory-mapped), quantized, written and dropped before the
+next, and the source pages are released (MADV_DONTNEED) as we go. Peak memory is about the largest tensor
+times a small constant, whatever the model or shard size. Same-shape weights reuse one jit-compiled quantize
+(qformats.quantize is jitted on shape, dtype and scheme).
 """
 
 from __future__ import annotations
@@ -32,11 +35,17 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, TextIO
 
-from converters.ct_write import CompressedWriter
+import numpy as np
+
+from converters.ct_config import format_for
+from converters.ct_write import CompressedWriter, qarray_to_tensors
 from converters.safetensors_io import atomic_directory, open_checkpoint, parse_size, read_json
+from converters.stream_writer import PlannedShardWriter, TensorSpec
 from qformats.errors import CheckpointError, QFormatsError
+from qformats.formats import IntFormat
 from qformats.presets import presets
-from qformats.quantize import quantize
+from qformats.qarray import QArray
+from qformats.quantize import expected_shapes, quantize
 from qformats.schemes import SchemeSet
 
 __all__ = ["FUSED_GROUPS", "QuantizeSummary", "is_linear_weight", "quantize_checkpoint", "select_modules"]
@@ -163,10 +172,61 @@ class _Progress:
             self.stream.flush()
 
 
+def _fit_error(scheme, shape) -> Optional[str]:
+    """Why a torch-layout [out, in] weight cannot take `scheme` (None when it can): qformats.quantize's checks."""
+    k = shape[-1]
+    if 0 in shape:
+        return "empty tensor"
+    if scheme.strategy in ("group", "tensor_group") and k % scheme.group_size:
+        return f"{scheme.strategy} size {scheme.group_size} does not divide in_features {k}"
+    return None
+
+
+def _zero_qarray(scheme, shape, dtype) -> QArray:
+    """A QArray of zeros with the parts (shapes, dtypes) that quantize gives a [out, in] weight along axis 1."""
+    exp = expected_shapes(scheme, shape, 1)
+    f = scheme.format
+    cdt = np.int8 if isinstance(f, IntFormat) and f.bits == 8 and f.signed else np.uint8
+    sdt = {"input": dtype, "e8m0": np.uint8, "fp8_e4m3fn": _ml("float8_e4m3fn"), "float32": np.float32,
+           "bfloat16": _ml("bfloat16"), "float16": np.float16}[scheme.scale_format]
+    z = lambda part, dt: None if exp[part] is None else np.zeros(exp[part], dt)  # noqa: E731
+    return QArray(z("codes", cdt), z("scale", sdt), z("zero_point", np.int8), z("global_scale", np.float32),
+                  scheme=scheme, shape=shape, dtype=dtype, axis=1)
+
+
+def _ml(name: str):
+    import ml_dtypes
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def _plan(ck, infos, chosen_set, ss: SchemeSet, src) -> "tuple[List[TensorSpec], set]":
+    """The output tensors, in write order, from the source header alone; and the modules that will be quantized."""
+    plan: List[TensorSpec] = []
+    fits = set()
+    fmt = format_for(ss.weights, ss.input_activations)
+    cache: Dict[Any, List[Any]] = {}
+    for name in sorted(infos):
+        mod, _, local = name.rpartition(".")
+        info = infos[name]
+        if local == "weight" and mod in chosen_set:
+            why = _fit_error(ss.weights, info.shape)
+            if why is None:
+                key = (info.shape, info.dtype)
+                if key not in cache:
+                    q0 = _zero_qarray(ss.weights, info.shape, info.numpy_dtype)
+                    cache[key] = [(k, a.dtype, a.shape) for k, a in qarray_to_tensors(q0, fmt, name).items()]
+                plan.extend(TensorSpec(f"{mod}.{k}" if mod else k, dt, sh) for k, dt, sh in cache[key])
+                fits.add(mod)
+                continue
+            warnings.warn(f"{ck.file_of(name)}: tensor {name!r} shape {list(info.shape)} left dense: {why}",
+                          stacklevel=3)
+        plan.append(TensorSpec(name, info.numpy_dtype, info.shape))
+    return plan, fits
+
+
 def _fused_global_scales(ck, chosen: List[str], ss: SchemeSet) -> Dict[str, Any]:
     """module -> the shared NVFP4 global scale of its fused group (only groups whose members are all chosen)."""
     import jax.numpy as jnp
-    import numpy as np
 
     w = ss.weights
     if w.strategy != "tensor_group":
@@ -263,36 +323,30 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
         prog = _Progress(len(infos), src_bytes, stream)
         qdense = qstored = 0
         nq = 0
-        skipped: List[str] = []
+        plan, fits = _plan(ck, infos, chosen_set, ss, src)
+        skipped = sorted(m for m in chosen_set if m not in fits)
+        if not fits:
+            raise CheckpointError(f"{src}: none of the {len(chosen)} targeted weights fits scheme "
+                                  f"{ss.name!r} (see the warnings); nothing written")
         with atomic_directory(dst, overwrite=overwrite) as tmp:
-            w = CompressedWriter(tmp, max_shard_size)
+            sink = PlannedShardWriter(tmp, plan, max_shard_size)
+            w = CompressedWriter(tmp, writer=sink)
             try:
                 for name in sorted(infos):
                     mod, _, local = name.rpartition(".")
                     info = infos[name]
-                    if local == "weight" and mod in chosen_set:
-                        arr = ck.get(name)
-                        try:
-                            q = quantize(arr, ss.weights, axis=-1, global_scale=shared_g.get(mod))
-                        except QFormatsError as e:
-                            warnings.warn(f"{ck.file_of(name)}: tensor {name!r} shape {list(info.shape)} left dense: "
-                                          f"{e}", stacklevel=2)
-                            skipped.append(mod)
-                            w.add_dense(name, arr)
-                            prog.update(info.nbytes)
-                            continue
+                    if local == "weight" and mod in fits:
+                        q = quantize(ck.get(name), ss.weights, axis=-1, global_scale=shared_g.get(mod))
                         w.add_qarray(mod, q, ss)
                         qdense += info.nbytes
                         qstored += q.nbytes
                         nq += 1
-                        del q, arr
+                        del q
                     else:
                         w.add_dense(name, ck.get(name))
+                    ck.drop_pages()
                     prog.update(info.nbytes)
                 prog.close()
-                if nq == 0:
-                    raise CheckpointError(f"{src}: none of the {len(chosen)} targeted weights fits scheme "
-                                          f"{ss.name!r} (see the warnings); nothing written")
                 w.finish(base_cfg, ignore=sorted(ignored + skipped), targets=list(targets), copy_from=src_dir)
             except BaseException:
                 w.abort()
