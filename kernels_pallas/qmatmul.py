@@ -43,6 +43,8 @@ try:  # the Triton CompilerParams select the Triton backend (jax >= 0.7 defaults
 except Exception:  # pragma: no cover - very old/new jax
     _TritonParams = None
 
+_SQUEEZED = getattr(pl, "squeezed", None)  # None is the older spelling of a squeezed block dimension
+
 X_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 __all__ = ["BlockSizes", "qmatmul", "default_block_sizes", "X_DTYPES"]
@@ -166,7 +168,7 @@ def _qmatmul_2d(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
         out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
     else:
         out_shape = jax.ShapeDtypeStruct((split, m_pad, meta.N_pad), jnp.float32)
-        out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
+        out_spec = pl.BlockSpec((_SQUEEZED, bm, bn), lambda i, j, s: (s, i, j))
     kernel = functools.partial(_kernel, meta=meta, tiles_per_split=tiles // split, out_f32=split > 1,
                                interpret=interpret, m=m_pad)
     extra = {}
