@@ -245,11 +245,14 @@ def _fused_global_scales(ck, chosen: List[str], ss: SchemeSet) -> Dict[str, Any]
             if len({a.dtype for a in arrs}) != 1 or any(a.shape[-1] % w.group_size for a in arrs):
                 continue
             amax = max(float(jnp.max(jnp.abs(jnp.asarray(a)))) for a in arrs)
+            dtype = arrs[0].dtype
+            del arrs
+            ck.drop_pages()
             # g = 448*6/amax is non-increasing in amax, so min over the group = g(max amax); computing it by
             # quantizing one group holding amax reuses the exact arithmetic of qformats.quantize.
             probe = np.zeros((1, w.group_size), np.float32)
             probe[0, 0] = amax
-            g = quantize(jnp.asarray(probe, arrs[0].dtype), w, axis=-1).global_scale
+            g = quantize(jnp.asarray(probe, dtype), w, axis=-1).global_scale
             out.update((m, g) for m in mods)
     return out
 
