@@ -193,16 +193,19 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--append", default=None, help="append the table to this file (e.g. BENCHMARKS.md)")
+    ap.add_argument("--build-only", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.build_only:
+        build(Path(a.build_only), a.layers)
+        return 0
     work = Path(a.workdir or tempfile.mkdtemp(prefix="qformats-bench-"))
     src = work / "src"
-    if not src.exists():
-        t0 = time.monotonic()
-        total = build(src, a.layers)
-        print(f"built {src} ({total / 1e9:.2f} GB bf16, {a.layers} layers) in {time.monotonic() - t0:.0f}s",
-              file=sys.stderr)
-    total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if not src.exists():
+        # in a child process: this one must stay small, as a forked child's peak RSS counts the parent's pages
+        wall, _ = measure([sys.executable, __file__, "--layers", str(a.layers), "--build-only", str(src)], env)
+        print(f"built {src} ({a.layers} layers) in {wall:.0f}s", file=sys.stderr)
+    total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     rows = []
     for s in a.schemes.split(","):
         dst = work / f"q-{s}"

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from converters.ct_config import FPX_FORMAT, format_for, serialize_quantization_config
-from converters.safetensors_io import INDEX_FILE, ShardedWriter, atomic_directory, read_json
+from converters.safetensors_io import INDEX_FILE, ShardedWriter, atomic_directory
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
 from qformats.packing import pack_int32, unpack
