@@ -282,3 +282,20 @@ def test_flax_params_roundtrip(tmp_path):
     q0, q1 = params["enc"]["q"]["kernel"], back["enc"]["q"]["kernel"]
     assert q1.shape == q0.shape == (128, 32)
     np.testing.assert_array_equal(np.asarray(qf.dequantize(q1)), np.asarray(qf.dequantize(q0)))
+
+
+def test_reads_019_style_config(built, tmp_path):
+    """compressed-tensors 0.19 writes every QuantizationArgs field (nulls, observer, zp_dtype): still read."""
+    import shutil
+    root, _ = built("W4A16_ASYM", "bf16")
+    shutil.copytree(root / "ct", tmp_path / "old")
+    cfg = json.loads((tmp_path / "old/config.json").read_text())
+    w = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
+    w.update(actorder=None, block_structure=None, observer="minmax", observer_kwargs={}, scale_dtype=None,
+             zp_dtype="torch.int8")
+    cfg["quantization_config"]["version"] = "0.19.1"
+    (tmp_path / "old/config.json").write_text(json.dumps(cfg))
+    new, old = read_compressed(root / "ct"), read_compressed(tmp_path / "old")
+    for mod, q in new.qarrays().items():
+        assert old.modules[mod]["weight"].scheme == q.scheme
+        np.testing.assert_array_equal(_np_bits(qf.dequantize(old.modules[mod]["weight"])), _np_bits(qf.dequantize(q)))
