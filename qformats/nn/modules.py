@@ -1,8 +1,16 @@
-"""NNX quantized layers: QLinear holds a packed QArray kernel (PTQ) or a float kernel with fake quantization (QAT)."""
+"""NNX quantized layers: QLinear, QLinearGeneral, QEinsum hold a packed QArray kernel (PTQ) or a float one (QAT).
+
+All three keep their weight as a 2-D matrix [K, N] (K = the contracted size, quantized along axis 0 —
+the Flax kernel layout, and compressed-tensors' [out, in] storage once transposed): an nnx.Linear
+kernel as is, a LinearGeneral kernel [*in_features, *out_features] flattened, an Einsum kernel with its
+contracted axes moved first and flattened. Scales and groups therefore run along the contraction, as
+the formats define them.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -38,140 +46,8 @@ def _dot(x, w):
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-class QLinear(nnx.Module):
-    """A quantized `nnx.Linear`: y = Qa(x) @ W + b, W `[in, out]` quantized along `in` (axis 0).
-
-    Modes:
-      "ptq": `kernel` is an `nnx.Param` holding a packed `QArray` (its leaves — codes, scale, zero point,
-        global scale — are the parameter state, so `nnx.state(m, nnx.Param)` holds exactly
-        `QArray.nbytes` for the weight); the matmul is `qformats.qdot` (a registered kernel or the XLA
-        dequantize-then-dot path).
-      "qat": `kernel` is a float `nnx.Param`, the forward pass uses `fake_quantize` (straight-through
-        gradient inside the representable range); `convert()` packs it.
-      "calibrate": float forward pass that records activation statistics (see `quantize_model`).
-
-    Activations (`schemes.input_activations`, optional): quantized along the last axis before the
-    matmul — per token / group at run time when the scheme is dynamic, else with the static
-    `input_scale` (and NVFP4's `input_global_scale`) from calibration. Without calibration a static
-    scheme falls back to a dynamic scale of the same granularity.
-    """
-
-    def __init__(self, kernel, bias, schemes: SchemeSet, *, mode: str = "ptq", dtype=None,
-                 path: str = "", observer: Optional[Observer] = None):
-        if mode not in MODES:
-            raise ModelError(f"QLinear {path or '<module>'}: mode must be one of {MODES}, got {mode!r}")
-        if schemes.weights is None:
-            raise ModelError(f"QLinear {path or '<module>'}: scheme set {schemes.name!r} has no weight scheme")
-        self.schemes = schemes
-        self.mode = mode
-        self.dtype = dtype
-        self.path = path
-        self.in_features, self.out_features = (int(d) for d in kernel.shape)
-        self.kernel = nnx.Param(kernel)
-        self.bias = None if bias is None else nnx.Param(bias)
-        # data attributes that calibration fills in (nnx.data: they may later hold Variables)
-        self.input_scale = nnx.data(None)
-        self.input_global_scale = nnx.data(None)
-        self.observer = observer
-        self.calib_amax = nnx.data(None)
-        self.calib_sq = nnx.data(None)
-        if mode == "calibrate":
-            self._start_calibration(observer)
-
-    # ---- construction -------------------------------------------------------------------------------
-    @classmethod
-    def from_linear(cls, linear: nnx.Linear, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = None, observer: Optional[Observer] = None) -> "QLinear":
-        """The quantized counterpart of `linear` (which is left untouched)."""
-        kernel = linear.kernel.get_value()
-        bias = None if linear.bias is None else linear.bias.get_value()
-        if mode == "ptq":
-            kernel = quantize_weight(kernel, schemes, weight_search)
-        return cls(kernel, bias, schemes, mode=mode, dtype=linear.dtype, path=path, observer=observer)
-
-    def _start_calibration(self, observer):
-        if observer is None:
-            raise ModelError(f"QLinear {self.path}: calibrate mode needs an observer")
-        self.calib_amax = CalibStat(observer.init())
-        k = self.in_features
-        self.calib_sq = CalibStat((jnp.zeros((k, k), jnp.float32), jnp.zeros((), jnp.float32)))
-
-    def finalize(self, mode: str = "ptq", weight_search: Optional[str] = None) -> None:
-        """End calibration: static activation scales from the observer, then the kernel for `mode`.
-
-        With weight_search="mse" the per-group clipping search weights errors by E[x_k^2] measured on
-        the calibration batches, and the result is kept only if the layer's output error on them,
-        tr(dW^T H dW) with H = E[x x^T], is below round-to-nearest's (else RTN is kept).
-        """
-        if self.mode != "calibrate":
-            raise ModelError(f"QLinear {self.path}: finalize() is for a calibrating layer, mode is {self.mode!r}")
-        a = self.schemes.input_activations
-        kdt = self.kernel.get_value().dtype
-        if a is not None and a.dynamic is not True:
-            amax = self.observer.result(self.calib_amax.get_value())
-            s, g = static_scale(amax, a, jnp.float32 if kdt not in (jnp.bfloat16, jnp.float16) else kdt)
-            self.input_scale = None if s is None else QuantStat(s)
-            self.input_global_scale = None if g is None else QuantStat(g)
-        total, n = self.calib_sq.get_value()
-        h = total / jnp.maximum(n, 1.0)
-        self.calib_amax = None
-        self.calib_sq = None
-        self.mode = mode
-        if mode == "ptq":
-            w = self.kernel.get_value()
-            q = quantize_weight(w, self.schemes, weight_search, importance=jnp.diagonal(h))
-            if weight_search is not None:
-                rtn = quantize_weight(w, self.schemes, None)
-                if output_error(rtn, w, h) <= output_error(q, w, h):
-                    q = rtn
-            self.kernel = nnx.Param(q)
-
-    def convert(self, weight_search: Optional[str] = None) -> None:
-        """QAT → PTQ in place: pack the float kernel (same quantization the QAT forward pass used)."""
-        if self.mode == "qat":
-            self.kernel = nnx.Param(quantize_weight(self.kernel.get_value(), self.schemes, weight_search))
-            self.mode = "ptq"
-
-    # ---- forward ------------------------------------------------------------------------------------
-    def _activations(self, x):
-        a = self.schemes.input_activations
-        if a is None:
-            return x
-        if self.mode == "calibrate":
-            self.calib_amax.set_value(self.observer.update(self.calib_amax.get_value(), x))
-            return x
-        scale = None if self.input_scale is None else self.input_scale.get_value()
-        g = None if self.input_global_scale is None else self.input_global_scale.get_value()
-        y = dequantize(quantize(x, a, -1, scale=scale, global_scale=g))
-        return _ste(x, y) if self.mode == "qat" else y
-
-    def __call__(self, x):
-        if self.dtype is not None:
-            x = x.astype(self.dtype)
-        if self.mode == "calibrate":  # sum x x^T over tokens: H for the MSE search and its output-error check
-            total, n = self.calib_sq.get_value()
-            xf = x.astype(jnp.float32).reshape(-1, x.shape[-1])
-            self.calib_sq.set_value((total + xf.T @ xf, n + xf.shape[0]))
-        x = self._activations(x)
-        k = self.kernel.get_value()
-        if self.mode == "ptq":
-            y = qdot(x, k)
-        elif self.mode == "qat":
-            y = _dot(x, fake_quantize(k, self.schemes.weights, 0).astype(x.dtype))
-        else:
-            y = _dot(x, k.astype(x.dtype))
-        if self.bias is not None:
-            y = y + self.bias.get_value().astype(y.dtype)
-        return y
-
-    @property
-    def weight_nbytes(self) -> int:
-        k = self.kernel.get_value()
-        return k.nbytes if isinstance(k, QArray) else int(k.size * k.dtype.itemsize)
-
-
 def quantize_weight(kernel, schemes: SchemeSet, weight_search: Optional[str] = None, importance=None) -> QArray:
-    """A Flax kernel `[in, out]` → QArray along axis 0: round-to-nearest, or the MSE clipping search."""
+    """A 2-D kernel `[K, N]` → QArray along axis 0: round-to-nearest, or the MSE clipping search."""
     if weight_search is None:
         return quantize(kernel, schemes.weights, 0)
     if weight_search == "mse":
@@ -183,3 +59,260 @@ def output_error(q: QArray, w, h) -> float:
     """tr(dW^T H dW), dW = dequantize(q) - w: the mean squared output error of x @ W for E[x x^T] = H."""
     d = dequantize(q, jnp.float32) - w.astype(jnp.float32)
     return float(jnp.sum(d * (h @ d)))
+
+
+class _QuantizedMatmul(nnx.Module):
+    """Shared state and logic: a [K, N] weight (QArray or float), bias, activation quantization, calibration.
+
+    Modes:
+      "ptq": `kernel` is an `nnx.Param` holding a packed `QArray` (its leaves — codes, scale, zero point,
+        global scale — are the parameter state, so `nnx.state(m, nnx.Param)` holds exactly
+        `QArray.nbytes` for the weight); the matmul is `qformats.qdot` (a registered kernel or the XLA
+        dequantize-then-dot path).
+      "qat": `kernel` is a float `nnx.Param`, the forward pass uses `fake_quantize` (straight-through
+        gradient inside the representable range); `convert()` packs it.
+      "calibrate": float forward pass that records activation statistics (see `quantize_model`).
+
+    Activations (`schemes.input_activations`, optional): quantized along the contracted (last) axis —
+    per token / group at run time when the scheme is dynamic, else with the static `input_scale` (and
+    NVFP4's `input_global_scale`) from calibration. Without calibration a static scheme falls back to a
+    dynamic scale of the same granularity.
+    """
+
+    def __init__(self, kernel, bias, schemes: SchemeSet, *, mode: str = "ptq", dtype=None, path: str = "",
+                 observer: Optional[Observer] = None, record_inputs: bool = True):
+        kind = type(self).__name__
+        if mode not in MODES:
+            raise ModelError(f"{kind} {path or '<module>'}: mode must be one of {MODES}, got {mode!r}")
+        if schemes.weights is None:
+            raise ModelError(f"{kind} {path or '<module>'}: scheme set {schemes.name!r} has no weight scheme")
+        if len(kernel.shape) != 2:
+            raise ModelError(f"{kind} {path or '<module>'}: expected a 2-D [K, N] kernel, got {tuple(kernel.shape)}")
+        self.schemes = schemes
+        self.mode = mode
+        self.dtype = dtype
+        self.path = path
+        self.record_inputs = record_inputs
+        self.k_dim, self.n_dim = (int(d) for d in kernel.shape)
+        self.kernel = nnx.Param(kernel)
+        self.bias = None if bias is None else nnx.Param(bias)
+        # data attributes that calibration fills in (nnx.data: they may later hold Variables)
+        self.input_scale = nnx.data(None)
+        self.input_global_scale = nnx.data(None)
+        self.observer = observer
+        self.calib_amax = nnx.data(None)
+        self.calib_sq = nnx.data(None)
+        if mode == "calibrate":
+            if observer is None:
+                raise ModelError(f"{kind} {path}: calibrate mode needs an observer")
+            self.calib_amax = CalibStat(observer.init())
+            k = self.k_dim
+            self.calib_sq = CalibStat((jnp.zeros((k, k), jnp.float32), jnp.zeros((), jnp.float32)))
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def finalize(self, mode: str = "ptq", weight_search: Optional[str] = None) -> None:
+        """End calibration: static activation scales from the observer, then the kernel for `mode`.
+
+        With weight_search="mse" the per-group clipping search weights errors by E[x_k^2] measured on
+        the calibration batches, and the result is kept only if the layer's output error on them,
+        tr(dW^T H dW) with H = E[x x^T], is below round-to-nearest's (else RTN is kept).
+        """
+        if self.mode != "calibrate":
+            raise ModelError(f"{self.path}: finalize() is for a calibrating layer, mode is {self.mode!r}")
+        a = self.schemes.input_activations
+        kdt = self.kernel.get_value().dtype
+        if a is not None and a.dynamic is not True:
+            amax = self.observer.result(self.calib_amax.get_value())
+            s, g = static_scale(amax, a, kdt if kdt in (jnp.bfloat16, jnp.float16) else jnp.float32)
+            self.input_scale = None if s is None else QuantStat(s)
+            self.input_global_scale = None if g is None else QuantStat(g)
+        total, n = self.calib_sq.get_value()
+        seen = float(n) > 0
+        h = total / jnp.maximum(n, 1.0)
+        self.calib_amax = None
+        self.calib_sq = None
+        self.mode = mode
+        if mode == "ptq":
+            w = self.kernel.get_value()
+            q = quantize_weight(w, self.schemes, weight_search, importance=jnp.diagonal(h) if seen else None)
+            if weight_search is not None and seen:
+                rtn = quantize_weight(w, self.schemes, None)
+                if output_error(rtn, w, h) <= output_error(q, w, h):
+                    q = rtn
+            self.kernel = nnx.Param(q)
+
+    def convert(self, weight_search: Optional[str] = None) -> None:
+        """QAT → PTQ in place: pack the float kernel (same quantization the QAT forward pass used)."""
+        if self.mode == "qat":
+            self.kernel = nnx.Param(quantize_weight(self.kernel.get_value(), self.schemes, weight_search))
+            self.mode = "ptq"
+
+    # ---- forward pieces -----------------------------------------------------------------------------
+    def _quantize_input(self, x):
+        """x [..., K] → the activations the matmul sees (and calibration statistics while calibrating)."""
+        if self.dtype is not None:
+            x = x.astype(self.dtype)
+        a = self.schemes.input_activations
+        if self.mode == "calibrate":
+            if self.record_inputs:  # sum x x^T over tokens: H for the MSE search and its output-error check
+                total, n = self.calib_sq.get_value()
+                xf = x.astype(jnp.float32).reshape(-1, x.shape[-1])
+                self.calib_sq.set_value((total + xf.T @ xf, n + xf.shape[0]))
+                if a is not None:
+                    self.calib_amax.set_value(self.observer.update(self.calib_amax.get_value(), x))
+            return x
+        if a is None:
+            return x
+        scale = None if self.input_scale is None else self.input_scale.get_value()
+        g = None if self.input_global_scale is None else self.input_global_scale.get_value()
+        y = dequantize(quantize(x, a, -1, scale=scale, global_scale=g))
+        return _ste(x, y) if self.mode == "qat" else y
+
+    def _matmul(self, x):
+        """x [..., K] (already quantized) → x @ W [..., N]."""
+        k = self.kernel.get_value()
+        if self.mode == "ptq":
+            return qdot(x, k)
+        if self.mode == "qat":
+            return _dot(x, fake_quantize(k, self.schemes.weights, 0).astype(x.dtype))
+        return _dot(x, k.astype(x.dtype))
+
+    def _dense_weight(self, dtype):
+        """W [K, N] as the forward pass sees it (dequantized / fake-quantized / float)."""
+        k = self.kernel.get_value()
+        if self.mode == "ptq":
+            return dequantize(k, dtype)
+        if self.mode == "qat":
+            return fake_quantize(k, self.schemes.weights, 0).astype(dtype)
+        return k.astype(dtype)
+
+    def _add_bias(self, y):
+        return y if self.bias is None else y + self.bias.get_value().astype(y.dtype)
+
+    @property
+    def weight_nbytes(self) -> int:
+        k = self.kernel.get_value()
+        return k.nbytes if isinstance(k, QArray) else int(k.size * k.dtype.itemsize)
+
+
+class QLinear(_QuantizedMatmul):
+    """A quantized `nnx.Linear`: y = Qa(x) @ W + b, W `[in, out]` quantized along `in`."""
+
+    @property
+    def in_features(self) -> int:
+        return self.k_dim
+
+    @property
+    def out_features(self) -> int:
+        return self.n_dim
+
+    @classmethod
+    def from_module(cls, linear: nnx.Linear, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
+                    weight_search: Optional[str] = None, observer: Optional[Observer] = None) -> "QLinear":
+        """The quantized counterpart of `linear` (which is left untouched)."""
+        kernel = linear.kernel.get_value()
+        bias = None if linear.bias is None else linear.bias.get_value()
+        if mode == "ptq":
+            kernel = quantize_weight(kernel, schemes, weight_search)
+        return cls(kernel, bias, schemes, mode=mode, dtype=linear.dtype, path=path, observer=observer)
+
+    from_linear = from_module
+
+    def __call__(self, x):
+        return self._add_bias(self._matmul(self._quantize_input(x)))
+
+
+def _norm_axes(axes, ndim) -> Tuple[int, ...]:
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    return tuple(a % ndim for a in axes)
+
+
+class QLinearGeneral(_QuantizedMatmul):
+    """A quantized `nnx.LinearGeneral` (no batch_axis): contracts `axis` of x with a kernel
+    `[*in_features, *out_features]` stored flattened as [prod(in), prod(out)]."""
+
+    def __init__(self, kernel, bias, schemes, *, in_features, out_features, axis, **kw):
+        self.in_shape = tuple(int(d) for d in in_features)
+        self.out_shape = tuple(int(d) for d in out_features)
+        self.axis = (axis,) if isinstance(axis, int) else tuple(axis)
+        super().__init__(kernel, bias, schemes, **kw)
+
+    @classmethod
+    def from_module(cls, lg: nnx.LinearGeneral, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
+                    weight_search: Optional[str] = None, observer: Optional[Observer] = None):
+        if lg.batch_axis:
+            raise ModelError(f"{path}: LinearGeneral with batch_axis {dict(lg.batch_axis)} is not supported")
+        kernel = lg.kernel.get_value()
+        k, n = math.prod(lg.in_features), math.prod(lg.out_features)
+        kernel = kernel.reshape(k, n)
+        bias = None if lg.bias is None else lg.bias.get_value()
+        if mode == "ptq":
+            kernel = quantize_weight(kernel, schemes, weight_search)
+        return cls(kernel, bias, schemes, in_features=lg.in_features, out_features=lg.out_features, axis=lg.axis,
+                   mode=mode, dtype=lg.dtype, path=path, observer=observer)
+
+    def __call__(self, x):
+        axes = _norm_axes(self.axis, x.ndim)
+        rest = [d for d in range(x.ndim) if d not in axes]
+        xt = jnp.transpose(x, rest + list(axes))
+        lead = xt.shape[: len(rest)]
+        y = self._matmul(self._quantize_input(xt.reshape(lead + (self.k_dim,))))
+        return self._add_bias(y.reshape(lead + self.out_shape))
+
+
+def einsum_layout(einsum_str: str, kernel_shape) -> Tuple[Tuple[int, ...], int, bool]:
+    """(perm putting the kernel's contracted axes first, K, whether x's last axis is the only contraction)."""
+    spec = einsum_str.replace(" ", "")
+    if "->" not in spec or spec.count(",") != 1 or "." in spec:
+        raise ModelError(f"einsum {einsum_str!r}: expected 'x,kernel->out' without ellipsis")
+    ins, out = spec.split("->")
+    xs, ks = ins.split(",")
+    if len(ks) != len(kernel_shape):
+        raise ModelError(f"einsum {einsum_str!r}: kernel spec {ks!r} does not fit kernel shape {tuple(kernel_shape)}")
+    contracted = [i for i, c in enumerate(ks) if c in xs and c not in out]
+    if not contracted:
+        raise ModelError(f"einsum {einsum_str!r}: the kernel shares no contracted axis with the input")
+    perm = tuple(contracted + [i for i in range(len(ks)) if i not in contracted])
+    k = math.prod(int(kernel_shape[i]) for i in contracted)
+    last_only = len(contracted) == 1 and xs[-1] == ks[contracted[0]]
+    return perm, k, last_only
+
+
+class QEinsum(_QuantizedMatmul):
+    """A quantized `nnx.Einsum`: the kernel's contracted axes moved first and flattened to [K, N].
+
+    The forward pass reshapes the (dequantized) weight back and runs the einsum. Activations can be
+    quantized (and calibrated) when the contraction is over x's last axis alone.
+    """
+
+    def __init__(self, kernel, bias, schemes, *, einsum_str, kernel_shape, **kw):
+        self.einsum_str = einsum_str
+        self.kernel_shape = tuple(int(d) for d in kernel_shape)
+        self.perm, _, self.contracts_last = einsum_layout(einsum_str, kernel_shape)
+        super().__init__(kernel, bias, schemes, record_inputs=self.contracts_last, **kw)
+
+    @classmethod
+    def from_module(cls, e: nnx.Einsum, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
+                    weight_search: Optional[str] = None, observer: Optional[Observer] = None):
+        kernel = e.kernel.get_value()
+        perm, k, _ = einsum_layout(e.einsum_str, kernel.shape)
+        kernel = jnp.transpose(kernel, perm).reshape(k, -1)
+        bias = None if e.bias is None else e.bias.get_value()
+        if mode == "ptq":
+            kernel = quantize_weight(kernel, schemes, weight_search)
+        return cls(kernel, bias, schemes, einsum_str=e.einsum_str, kernel_shape=e.kernel_shape,
+                   mode=mode, dtype=e.dtype, path=path, observer=observer)
+
+    def __call__(self, x):
+        if self.contracts_last:
+            x = self._quantize_input(x)
+        elif self.dtype is not None:
+            x = x.astype(self.dtype)
+        w = self._dense_weight(x.dtype)
+        w = w.reshape(tuple(self.kernel_shape[i] for i in self.perm))
+        w = jnp.transpose(w, tuple(sorted(range(len(self.perm)), key=lambda i: self.perm[i])))
+        y = jnp.einsum(self.einsum_str, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        return self._add_bias(y)
+
+
+QUANTIZED = {nnx.Linear: QLinear, nnx.LinearGeneral: QLinearGeneral, nnx.Einsum: QEinsum}

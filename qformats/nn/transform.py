@@ -1,14 +1,15 @@
-"""quantize_model / convert: swap nnx.Linear for QLinear in place by rules; calibrate; QAT → packed."""
+"""quantize_model / convert: swap nnx.Linear (LinearGeneral, Einsum) for quantized layers in place by rules."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from flax import nnx
 
 from qformats.errors import ModelError
-from qformats.nn.modules import QLinear
+from qformats.nn.modules import QUANTIZED, _QuantizedMatmul, einsum_layout
 from qformats.nn.rules import check_fit, compile_rules, match, warn_unused
 from qformats.observers import get_observer
 
@@ -58,7 +59,8 @@ def _default_forward(model, batch):
 def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibration_data: Optional[Iterable] = None,
                    *, weight_search: Optional[str] = None, observer: Any = "minmax",
                    forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True) -> nnx.Module:
-    """Swap every `nnx.Linear` whose path matches a rule for a `QLinear`, in place; returns `model`.
+    """Swap every `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Einsum` whose path matches a rule for its
+    quantized counterpart (`QLinear` / `QLinearGeneral` / `QEinsum`), in place; returns `model`.
 
     Args:
       model: an NNX module; Linear layers may sit in attributes, `nnx.List` / `nnx.Dict`, and be shared.
@@ -81,17 +83,14 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     calibrating = calibration_data is not None
     plan: List[Tuple[str, nnx.Linear, list, Any]] = []
     used = set()
-    for path, lin, parents in _references(model, nnx.Linear).values():
+    for path, lin, parents in _references(model, tuple(QUANTIZED)).values():
         i, ss = match(compiled, path)
         if i is None:
             continue
         used.add(i)
         if ss is None:
             continue
-        kernel = lin.kernel.get_value()
-        if getattr(kernel, "ndim", 2) != 2:
-            raise ModelError(f"{path}: expected a 2-D Linear kernel, found shape {tuple(kernel.shape)}")
-        check_fit(path, int(kernel.shape[0]), ss, static_acts=calibrating)
+        check_fit(path, _contracted_size(path, lin, ss), ss, static_acts=calibrating)
         plan.append((path, lin, parents, ss))
     warn_unused(compiled, used)
     observers, uncalibrated = {}, []
@@ -112,11 +111,12 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     # -- swap (one layer at a time: only one float + packed copy of a weight is alive at once) --
     swapped = []
     for path, lin, parents, ss in plan:
+        cls = next(q for base, q in QUANTIZED.items() if isinstance(lin, base))
         if calibrating:
             obs = observers.get(path) or get_observer("minmax", ss.weights)
-            new = QLinear.from_linear(lin, ss, mode="calibrate", path=path, observer=obs)
+            new = cls.from_module(lin, ss, mode="calibrate", path=path, observer=obs)
         else:
-            new = QLinear.from_linear(lin, ss, mode=mode, path=path, weight_search=weight_search)
+            new = cls.from_module(lin, ss, mode=mode, path=path, weight_search=weight_search)
         for parent, key in parents:
             _set(parent, key, new)
         swapped.append(new)
@@ -135,14 +135,32 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     return model
 
 
+def _contracted_size(path: str, m, ss) -> int:
+    """K of the [K, N] matrix the layer's weight becomes (ModelError for layouts that cannot be quantized)."""
+    kernel = m.kernel.get_value()
+    if isinstance(m, nnx.LinearGeneral):
+        if m.batch_axis:
+            raise ModelError(f"{path}: LinearGeneral with batch_axis {dict(m.batch_axis)} is not supported")
+        return math.prod(m.in_features)
+    if isinstance(m, nnx.Einsum):
+        _, k, last_only = einsum_layout(m.einsum_str, kernel.shape)
+        if ss.input_activations is not None and not last_only:
+            raise ModelError(f"{path}: einsum {m.einsum_str!r} does not contract the input's last axis alone, so "
+                             f"its activations cannot be quantized ({ss.name}); use a weight-only scheme")
+        return k
+    if getattr(kernel, "ndim", 2) != 2:
+        raise ModelError(f"{path}: expected a 2-D Linear kernel, found shape {tuple(kernel.shape)}")
+    return int(kernel.shape[0])
+
+
 def convert(model: nnx.Module, *, weight_search: Optional[str] = None) -> nnx.Module:
     """Every QAT QLinear → packed PTQ QLinear, in place (outputs identical on the XLA path); returns model."""
     for _, m in nnx.iter_modules(model):
-        if isinstance(m, QLinear):
+        if isinstance(m, _QuantizedMatmul):
             m.convert(weight_search)
     return model
 
 
 def quantized_layers(model: nnx.Module) -> dict:
-    """path → QLinear for every quantized layer (first path of shared ones)."""
-    return {p: m for p, m, _ in _references(model, QLinear).values()}
+    """path → QLinear / QLinearGeneral / QEinsum for every quantized layer (first path of shared ones)."""
+    return {p: m for p, m, _ in _references(model, _QuantizedMatmul).values()}

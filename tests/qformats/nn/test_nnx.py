@@ -230,3 +230,54 @@ def test_qlinear_direct_construction_bias_and_dtype():
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
     with pytest.raises(ModelError, match="mode"):
         QLinear(w, None, presets["W8A16"], mode="bogus")
+
+
+class Mixed(nnx.Module):
+    """LinearGeneral (multi-axis in and out) and Einsum (attention-style projections)."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(5)
+        self.qkv = nnx.Einsum("btd,dnh->btnh", (128, 4, 32), (4, 32), rngs=rngs)
+        self.out = nnx.LinearGeneral((4, 32), 128, axis=(-2, -1), rngs=rngs)
+        self.mix = nnx.Einsum("btd,tde->be", (8, 16, 32), rngs=rngs)  # contracts t and d: weight-only
+
+    def __call__(self, x):
+        return self.out(self.qkv(x))
+
+
+XT = jax.random.normal(jax.random.key(7), (2, 8, 128))
+
+
+@pytest.mark.parametrize("name", ["W4A16", "FP8_DYNAMIC"])
+def test_linear_general_and_einsum(name):
+    model = Mixed()
+    ss = presets[name]
+    kq = model.qkv.kernel.get_value()
+    ko = model.out.kernel.get_value()
+
+    def fq(k):  # [K, N] view quantized along K, back to the kernel's shape
+        return dequantize(quantize(k.reshape(128, -1), ss.weights, 0)).reshape(k.shape)
+
+    def act(x):
+        return dequantize(quantize(x, ss.input_activations, -1)) if ss.input_activations else x
+
+    h = jnp.einsum("btd,dnh->btnh", act(XT), fq(kq)) + model.qkv.bias.get_value()
+    want = act(h.reshape(2, 8, 128)) @ fq(ko.reshape(128, 128)) + model.out.bias.get_value()
+    quantize_model(model, [Rule("qkv|out", name)])
+    from qformats.nn import QEinsum, QLinearGeneral
+    assert isinstance(model.qkv, QEinsum) and isinstance(model.out, QLinearGeneral)
+    assert model.qkv.kernel.get_value().shape == (128, 128)
+    got = nnx.jit(lambda m, x: m(x))(model, XT)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=5e-5, atol=5e-5)
+
+
+def test_einsum_over_several_axes_is_weight_only():
+    with pytest.raises(ModelError, match="mix: einsum .* use a weight-only scheme"):
+        quantize_model(Mixed(), [Rule("mix", "FP8_DYNAMIC")])
+    model = Mixed()
+    w = model.mix.kernel.get_value()
+    x = jax.random.normal(jax.random.key(8), (2, 8, 16))
+    quantize_model(model, [Rule("mix", "FP8_E4M3")])
+    wq = dequantize(quantize(w.reshape(128, 32), presets["FP8_E4M3"].weights, 0)).reshape(w.shape)
+    want = jnp.einsum("btd,tde->be", x, wq)
+    np.testing.assert_allclose(np.asarray(model.mix(x)), np.asarray(want), rtol=5e-5, atol=5e-5)
