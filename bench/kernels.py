@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-calls", type=int, default=MAX_CALLS, help="cap on R (calls per launch)")
     ap.add_argument("--no-xla", action="store_true", help="skip the XLA dequantize+dot path")
     ap.add_argument("--tune-m1", action="store_true",
-                    help="at M <= 16 also try block_n 16/32/64 x split_k 1/2/4/8 and keep the fastest")
+                    help="at M <= 16 also try split_k 1/2/4/8 x num_warps 2/4 x num_stages 2/4, keep the fastest")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--append", default=None, help="append the markdown section to this file")
@@ -163,8 +163,8 @@ def main(argv=None) -> int:
                     cands = [bs0]
                     if a.tune_m1 and m <= 16:
                         tiles = pw.meta.K_pad // pw.meta.block_k
-                        cands += [BlockSizes(16, bn, sk, 4, 3) for bn in (16, 32, 64) for sk in (1, 2, 4, 8)
-                                  if tiles % sk == 0 and (bn, sk) != (bs0.block_n, bs0.split_k)]
+                        cands += [BlockSizes(16, None, sk, nw, st) for sk in (1, 2, 4, 8) for nw in (2, 4)
+                                  for st in (2, 4) if tiles % sk == 0]
                     best = None
                     for bs in cands:
                         t_k, r = time_calls(lambda x, p, bs=bs: qmatmul(x, p, interpret=backend != "gpu",

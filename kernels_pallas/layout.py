@@ -1,10 +1,10 @@
-"""Kernel weight layouts: `prepare(q)` repacks a QArray once into K-major bit planes with row-tiled scales.
+"""Kernel weight layouts: `prepare(q)` repacks a QArray once into K-major bit planes of 32-bit words.
 
 The storage layout of `qformats.QArray` (codes `[N, ceil(K*b/8)]`, packed little-endian along K) is the
 interchange format. The kernels read a different layout, produced once at load by `prepare(q)` and held in
-a `PreparedWeight` pytree. For a weight of logical shape `[K, N]` (quantized along K, axis 0), with the
-block size `block_k` (bk) along K, K padded to `K_pad` (a multiple of bk) and N to `N_pad` (a multiple of
-`n_align`):
+a `PreparedWeight` pytree. For a weight of logical shape `[K, N]` (quantized along K, axis 0), with block
+sizes `block_k` (bk) along K and `block_n` (bn) along N, K padded to `K_pad` (a multiple of bk) and N to
+`N_pad` (a multiple of bn):
 
 **Codes -> bit planes.** A b-bit code is split into planes of widths 8, 4, 2, 1 (the binary digits of b,
 widest first; the plane of width w holds code bits `shift .. shift+w-1`, shifts ascending from 0):
@@ -12,21 +12,32 @@ widest first; the plane of width w holds code bits `shift .. shift+w-1`, shifts 
     b = 8: [8]      b = 6: [4 | 2]   (FP6-LLM's 4+2 split)     b = 5: [4 | 1]     b = 4: [4]
     b = 7: [4|2|1]  b = 3: [2 | 1]   b = 2: [2]
 
-Plane p (width w, `n = 8 / w` codes per byte) is a uint8 array `[K_pad * w / 8, N_pad]`, K-major (N
-contiguous, so a tile row is one coalesced load). Inside each K tile of bk rows the plane has
-`R = bk * w / 8` byte rows; the byte at tile-row r, column c holds the codes of tile rows `r + i*R`,
+*Plane bytes along K.* Plane p (width w, `n = 8 / w` codes per byte) has, inside each K tile of bk rows,
+`R = bk * w / 8` byte rows; the byte at tile-row r of column c holds the codes of tile rows `r + i*R`,
 i = 0..n-1, in bits `i*w .. i*w+w-1`:
 
-    plane[t*R + r, c] = sum_i ((code[t*bk + i*R + r, c] >> shift) & (2^w - 1)) << (i*w)
+    byte[t*R + r, c] = sum_i ((code[t*bk + i*R + r, c] >> shift) & (2^w - 1)) << (i*w)
 
-So one load of `R'` consecutive byte rows followed by `(byte >> i*w) & mask` gives `R'` consecutive K rows
-of the tile: no interleave, reshape or gather is needed in the kernel, only shifts and masks (which lower
-to Triton on every integer type). The rows of the different planes of a chunk are OR-ed together.
-Padding codes are 0 (the activations are zero-padded along K, so padded rows contribute 0).
+so `(byte >> i*w) & mask` of R' consecutive byte rows gives R' consecutive K rows of the tile: no
+interleave, reshape or gather in the kernel.
 
-Integer codes are the offset codes `u = q - qmin` (int8's stored two's complement is re-offset to uint8).
+*Bytes into words along N.* Four bytes of a row form one little-endian uint32 word; within each block of
+bn columns, byte q of word j is column `q * bn/4 + j`:
 
-**Scales.** One row per group along K, N contiguous: `[ceil(K_pad / g), N_pad]`.
+    plane[row, blk * bn/4 + j] = sum_q byte[row, blk*bn + q*bn/4 + j] << (8 q)       uint32 [K_pad*w/8, N_pad/4]
+
+One 32-bit operation then works on four codes (SIMD within a register), and the four byte lanes decode to
+four contiguous quarter-blocks of output columns (four `dot`s, no column interleave).
+
+**Decode (SWAR, exact).** The OR of a chunk's planes holds four codes in its byte lanes; two masks split
+them into 16-bit lanes (q = 0, 2 and q = 1, 3). For a float format with e <= 5 exponent bits the lane
+becomes the IEEE half `sign << 15 | magnitude << (10 - m)` (four integer ops for two codes), whose value is
+value(code) * 2^(bias - 15) exactly, subnormals included (f16 has room for every e<=5 code, and
+f16 -> f32 conversion keeps subnormals, so no flush-to-zero setting can change it); the factor 2^(15 - bias)
+is folded into the scale row. Integer codes u (offset, u = q - qmin) become the half `0x6400 | u` = 1024 + u,
+and q = half - (1024 - qmin). Specials (NaN of e4m3fn / fnuz, inf of ieee e<5) are selected explicitly.
+
+**Scales.** One row per group along K, columns in natural order: `[ceil(K_pad / g), N_pad]`.
   - channel (and tensor: broadcast along N): g = K_pad, one row; dtype as stored (bf16/f16/f32).
   - group: g = the group size; dtype as stored.
   - block (FP8_BLOCK): the `[ceil(N/bh), ceil(K/bw)]` scale repeated over its bh output channels: g = bw.
@@ -35,21 +46,20 @@ Integer codes are the offset codes `u = q - qmin` (int8's stored two's complemen
   Padded rows/columns hold 1.0 (E8M0 code 127, e4m3 code 0x38).
   - zero point (asymmetric int): int8, same shape as the scale.
 
-**Dequantization** (in the kernel, per chunk of rows, and in `dequantize_prepared`, with the same code):
-value(code) exactly in f32 by bit operations (float: sign, exponent, mantissa into f32 fields; int:
-code + qmin), then `w = (value - zero) * scale` rounded to the scale's dtype (as `qformats.dequantize`
+**Rounding.** `w = (value - zero) * scale` rounded to the scale's dtype (as `qformats.dequantize`
 computes in the scale dtype), NVFP4 `w = value * (scale / global)` in f32, then cast to the activation
-dtype. This is bit-identical to `qformats.dequantize(q, x.dtype)`.
+dtype: bit-identical to `qformats.dequantize(q, x.dtype)` (the product is the same real number, rounded
+once; on GPU the NVFP4 division may differ by an ulp, see qmatmul).
 
 A chunk of `chunk` K rows (a power of two >= 16, dividing every plane's R and every group) is the unit
-the kernel decodes and feeds to one `dot`.
+the kernel decodes and feeds to its four dots.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -60,10 +70,11 @@ from qformats.formats import FloatFormat, IntFormat
 from qformats.qarray import QArray
 
 __all__ = ["LayoutMeta", "PreparedWeight", "prepare", "dequantize_prepared", "unsupported_reason",
-           "plane_split", "decode_values", "scale_values", "dequant_chunk"]
+           "plane_split", "decode_words", "scale_values", "finish"]
 
 _FLOAT_SCALES = ("float32", "bfloat16", "float16")
 MIN_CHUNK = 16  # Triton's tl.dot needs every dimension >= 16
+LANES = 4       # codes per 32-bit word
 
 
 def plane_split(bits: int) -> Tuple[Tuple[int, int], ...]:
@@ -90,6 +101,7 @@ class LayoutMeta:
     K_pad: int
     N_pad: int
     block_k: int
+    block_n: int
     chunk: int             # K rows decoded per dot
     group: int             # K rows per scale row (K_pad for one row)
     planes: Tuple[Tuple[int, int], ...]
@@ -145,7 +157,8 @@ class PreparedWeight:
                    for a in (*self.planes, self.scale, self.zero, self.gscale) if a is not None)
 
     def __repr__(self) -> str:
-        return f"PreparedWeight({self.meta.describe()}, block_k={self.meta.block_k}, nbytes={self.nbytes})"
+        m = self.meta
+        return f"PreparedWeight({m.describe()}, block_k={m.block_k}, block_n={m.block_n}, nbytes={self.nbytes})"
 
 
 # ---- what the kernels take ---------------------------------------------------------------------------------
@@ -160,19 +173,24 @@ def _group_of(q: QArray) -> Optional[int]:
     return -1
 
 
-def unsupported_reason(q, block_k: int = 128) -> Optional[str]:
-    """Why `prepare(q, block_k)` cannot build a kernel layout for q (None when it can)."""
+def unsupported_reason(q, block_k: int = 128, block_n: int = 64) -> Optional[str]:
+    """Why `prepare(q, block_k, block_n)` cannot build a kernel layout for q (None when it can)."""
     if not isinstance(q, QArray):
         return f"expected a QArray, got {type(q).__name__}"
     s = q.scheme
     if q.ndim != 2 or q.axis != 0:
         return f"needs a 2-D weight [K, N] quantized along axis 0, got shape {q.shape} axis {q.axis}"
-    if not isinstance(s.format, (FloatFormat, IntFormat)):
-        return f"element format {s.format.name} is not a float or int format"
+    fmt = s.format
+    if not isinstance(fmt, (FloatFormat, IntFormat)):
+        return f"element format {fmt.name} is not a float or int format"
+    if isinstance(fmt, FloatFormat) and (fmt.ebits > 5 or (fmt.ebits == 5 and fmt.specials != "ieee")):
+        return f"element format {fmt.name}: the in-kernel decode goes through f16 (needs <= 5 exponent bits)"
     if s.strategy not in ("channel", "tensor", "group", "tensor_group", "block"):
         return f"strategy {s.strategy!r} is not a weight strategy the kernel takes"
     if block_k < MIN_CHUNK or block_k & (block_k - 1):
         return f"block_k must be a power of two >= {MIN_CHUNK}, got {block_k}"
+    if block_n < LANES * MIN_CHUNK or block_n & (block_n - 1):
+        return f"block_n must be a power of two >= {LANES * MIN_CHUNK}, got {block_n}"
     max_slots = 8 // min(w for w, _ in plane_split(s.bits))
     chunk = block_k // max_slots
     g = _group_of(q)
@@ -189,13 +207,13 @@ def unsupported_reason(q, block_k: int = 128) -> Optional[str]:
 
 
 # ---- prepare -----------------------------------------------------------------------------------------------
-def prepare(q: QArray, block_k: int = 128, n_align: int = 128) -> PreparedWeight:
+def prepare(q: QArray, block_k: int = 128, block_n: int = 64) -> PreparedWeight:
     """Repack a QArray `[K, N]` (quantized along axis 0) into the kernel layout of the module docstring.
 
     Args:
       q: the quantized weight, logical shape [K, N], axis 0.
-      block_k: K rows per kernel tile (power of two >= 16); fixes the plane layout.
-      n_align: N is padded to a multiple of this (the largest block_n the kernel can then use).
+      block_k: K rows per kernel tile (power of two >= 16); fixes the plane layout along K.
+      block_n: output columns per kernel program (power of two >= 64); fixes the column permutation.
 
     Returns:
       PreparedWeight. Runs under jit (all layout facts are static).
@@ -203,18 +221,18 @@ def prepare(q: QArray, block_k: int = 128, n_align: int = 128) -> PreparedWeight
     Raises:
       KernelError: if the scheme or shape has no kernel layout (`unsupported_reason`).
     """
-    why = unsupported_reason(q, block_k)
+    why = unsupported_reason(q, block_k, block_n)
     if why is not None:
         raise KernelError(f"prepare: {why} ({q.scheme.describe() if isinstance(q, QArray) else ''})")
-    return _prepare_jit(q, block_k, n_align)
+    return _prepare_jit(q, block_k, block_n)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "n_align"))
-def _prepare_jit(q: QArray, block_k: int, n_align: int) -> PreparedWeight:
+@functools.partial(jax.jit, static_argnames=("block_k", "block_n"))
+def _prepare_jit(q: QArray, block_k: int, block_n: int) -> PreparedWeight:
     s, fmt = q.scheme, q.scheme.format
     K, N = q.shape
     K_pad = -(-K // block_k) * block_k
-    N_pad = -(-N // n_align) * n_align
+    N_pad = -(-N // block_n) * block_n
     planes = plane_split(s.bits)
     chunk = block_k // (8 // min(w for w, _ in planes))
     g = _group_of(q)
@@ -228,7 +246,7 @@ def _prepare_jit(q: QArray, block_k: int, n_align: int) -> PreparedWeight:
         c = c.astype(jnp.int32) - fmt.qmin
     c = c.astype(jnp.uint32)
     c = jnp.pad(c, ((0, N_pad - N), (0, K_pad - K))).T
-    tiles = K_pad // block_k
+    tiles, nb, bn4 = K_pad // block_k, N_pad // block_n, block_n // LANES
     out = []
     for w, sh in planes:
         n = 8 // w
@@ -237,7 +255,9 @@ def _prepare_jit(q: QArray, block_k: int, n_align: int) -> PreparedWeight:
         byte = jnp.zeros((tiles, R, N_pad), jnp.uint32)
         for i in range(n):
             byte = byte | (part[:, i] << (i * w))
-        out.append(byte.reshape(tiles * R, N_pad).astype(jnp.uint8))
+        byte = byte.reshape(tiles * R, nb, LANES, bn4)
+        word = byte[:, :, 0] | (byte[:, :, 1] << 8) | (byte[:, :, 2] << 16) | (byte[:, :, 3] << 24)
+        out.append(word.reshape(tiles * R, N_pad // LANES))
 
     # scales -> [rows, N_pad]
     rows = -(-K_pad // group)
@@ -253,8 +273,7 @@ def _prepare_jit(q: QArray, block_k: int, n_align: int) -> PreparedWeight:
     if s.strategy == "tensor":
         sc = jnp.broadcast_to(sc.reshape(1, 1), (N, 1))
     if s.strategy == "block":
-        bh = s.block[0]
-        sc = jnp.repeat(sc, bh, axis=0)[:N]
+        sc = jnp.repeat(sc, s.block[0], axis=0)[:N]
     sc = sc.T  # [G, N]
     sc = jnp.pad(sc, ((0, rows - sc.shape[0]), (0, N_pad - N)), constant_values=one)
     zero = None
@@ -264,46 +283,64 @@ def _prepare_jit(q: QArray, block_k: int, n_align: int) -> PreparedWeight:
     gscale = None
     if q.global_scale is not None:
         gscale = q.global_scale.astype(jnp.float32).reshape(1, 1)
-    meta = LayoutMeta(fmt=fmt, K=K, N=N, K_pad=K_pad, N_pad=N_pad, block_k=block_k, chunk=chunk,
-                      group=group, planes=planes, scale_kind=kind, scale_dtype=jnp.dtype(sdt).name,
-                      has_zero=zero is not None, has_global=gscale is not None, dtype=q.dtype.name,
-                      scheme_desc=s.describe())
+    meta = LayoutMeta(fmt=fmt, K=K, N=N, K_pad=K_pad, N_pad=N_pad, block_k=block_k, block_n=block_n,
+                      chunk=chunk, group=group, planes=planes, scale_kind=kind,
+                      scale_dtype=jnp.dtype(sdt).name, has_zero=zero is not None,
+                      has_global=gscale is not None, dtype=q.dtype.name, scheme_desc=s.describe())
     return PreparedWeight(out, sc, zero, gscale, meta)
 
 
 # ---- dequantization arithmetic shared by the kernel and dequantize_prepared ------------------------------------
-def decode_values(code: jax.Array, meta: LayoutMeta) -> jax.Array:
-    """int32 codes (offset for ints) -> exact f32 element values, by integer bit operations only."""
+def plane_part(word: jax.Array, slot: int, w: int, shift: int) -> jax.Array:
+    """Codes bits `shift..shift+w-1` of four columns (byte lanes) from a plane word, slot `slot`."""
+    if w == 8:
+        return word
+    part = (word >> (slot * w)) if slot else word
+    part = part & np.uint32(((1 << w) - 1) * 0x01010101)
+    return part << shift if shift else part
+
+
+def _u16_to_f32(lane: jax.Array) -> jax.Array:
+    """uint32 holding a half's bit pattern in its low 16 bits -> that half's value as f32 (exact)."""
+    return jax.lax.bitcast_convert_type(lane.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
+def decode_words(code: jax.Array, meta: LayoutMeta) -> List[jax.Array]:
+    """uint32 words with four codes in their byte lanes -> four f32 arrays: lane q's values, scaled by
+    2^(bias - 15) for float formats (`scale_values` multiplies 2^(15 - bias) back) and exact for ints."""
     fmt = meta.fmt
-    if isinstance(fmt, IntFormat):
-        return (code + fmt.qmin).astype(jnp.float32)
-    return _decode_float(code, fmt)
+    halves = (code & np.uint32(0x00FF00FF), (code >> 8) & np.uint32(0x00FF00FF))  # lanes (0, 2), (1, 3)
+    out = [None] * LANES
+    for h, lanes in zip(halves, ((0, 2), (1, 3))):
+        if isinstance(fmt, IntFormat):
+            pat = h | np.uint32(0x64006400)  # half 1024 + u
+        else:
+            b, m = fmt.bits, fmt.mbits
+            magmask = np.uint32(((1 << (b - 1)) - 1) * 0x00010001)
+            pat = ((h & magmask) << (10 - m)) | ((h << (16 - b)) & np.uint32(0x80008000))
+        for lane, p in zip(lanes, (pat, pat >> 16)):
+            v = _u16_to_f32(p)
+            if isinstance(fmt, IntFormat):
+                v = v - np.float32(1024 - fmt.qmin)
+            else:
+                v = _specials(v, p, fmt)
+            out[lane] = v
+    return out
 
 
-def _decode_float(code: jax.Array, fmt: FloatFormat) -> jax.Array:
-    """Exact f32 value of int32 codes: the magnitude bits are placed under the f32 exponent/mantissa fields
-    and the exponent rebased by 127 - bias with one integer add (normal codes); subnormal codes (exponent
-    field 0) are mag * 2^(emin - m), computed in f32 (exact); the sign bit is OR-ed into bit 31. ~10 integer
-    or f32 ops per element and no f32 subnormal intermediates (so a flush-to-zero build cannot change it)."""
-    b, m = fmt.bits, fmt.mbits
-    mag = code & ((1 << (b - 1)) - 1)
-    normal = jax.lax.bitcast_convert_type((mag << (23 - m)) + ((127 - fmt.bias) << 23), jnp.float32)
-    sub = mag.astype(jnp.float32) * np.float32(2.0 ** (fmt.emin - m))
-    val = jnp.where(mag < (1 << m), sub, normal)
-    sign = (code >> (b - 1)) << 31
-    val = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(val, jnp.int32) | sign, jnp.float32)
-    if fmt.specials == "ieee":
-        top = (mag >> m) == (1 << fmt.ebits) - 1
-        inf = jnp.where(sign != 0, -np.float32(np.inf), np.float32(np.inf))
-        val = jnp.where(top, jnp.where((mag & ((1 << m) - 1)) == 0, inf, np.float32(np.nan)), val)
-    elif fmt.specials == "fn":
-        val = jnp.where(mag == fmt.nan_code, np.float32(np.nan), val)
-    elif fmt.specials == "fnuz":
-        val = jnp.where(code == fmt.nan_code, np.float32(np.nan), val)
-    return val
-
-
-_E4M3 = FloatFormat(4, 3)
+def _specials(v: jax.Array, pat: jax.Array, fmt: FloatFormat) -> jax.Array:
+    """NaN / inf codes that the f16 placement turns into finite values (formats with ebits < 5)."""
+    if fmt.specials == "finite" or (fmt.ebits == 5 and fmt.specials == "ieee"):
+        return v
+    m = fmt.mbits
+    mag = (pat & np.uint32(0x7FFF)) >> (10 - m)  # the code's magnitude field
+    if fmt.specials == "fn":
+        return jnp.where(mag == fmt.nan_code, np.float32(np.nan), v)
+    if fmt.specials == "fnuz":
+        return jnp.where((pat & np.uint32(0xFFFF)) == np.uint32(0x8000), np.float32(np.nan), v)
+    top = (mag >> m) == (1 << fmt.ebits) - 1  # ieee with ebits < 5
+    inf = jnp.where(v < 0, -np.float32(np.inf), np.float32(np.inf))
+    return jnp.where(top, jnp.where((mag & ((1 << m) - 1)) == 0, inf, np.float32(np.nan)), v)
 
 
 def _div(a: jax.Array, b: jax.Array, barrier: bool) -> jax.Array:
@@ -315,29 +352,37 @@ def _div(a: jax.Array, b: jax.Array, barrier: bool) -> jax.Array:
     return a / b
 
 
+def _decode_e4m3(c: jax.Array) -> jax.Array:
+    """int32 e4m3fn codes -> f32 (scales: few elements, so the plain select form)."""
+    mag = c & 0x7F
+    normal = jax.lax.bitcast_convert_type((mag << 20) + (120 << 23), jnp.float32)
+    val = jnp.where(mag < 8, mag.astype(jnp.float32) * np.float32(2.0 ** -9), normal)
+    val = jnp.where(mag == 0x7F, np.float32(np.nan), val)
+    return jnp.where((c & 0x80) != 0, -val, val)
+
+
 def scale_values(s: jax.Array, meta: LayoutMeta, gscale: Optional[jax.Array], barrier: bool = True) -> jax.Array:
-    """Stored scale rows -> f32 effective scales (E8M0 / e4m3 codes decoded, NVFP4 divided by the global)."""
+    """Stored scale rows -> f32 effective scales: E8M0 / e4m3 codes decoded, NVFP4 divided by the global,
+    times 2^(15 - bias) for float element formats (the factor that `decode_words` leaves out)."""
     if meta.scale_kind == "e8m0":
         c = s.astype(jnp.int32)
         v = jax.lax.bitcast_convert_type(c << 23, jnp.float32)
         v = jnp.where(c == 0, np.float32(2.0 ** -127), v)
-        return jnp.where(c == 255, np.float32(np.nan), v)
-    if meta.scale_kind == "e4m3":
-        v = _decode_float(s.astype(jnp.int32), _E4M3)
+        v = jnp.where(c == 255, np.float32(np.nan), v)
     else:
-        v = s.astype(jnp.float32)
-    return _div(v, gscale, barrier) if gscale is not None else v
+        v = _decode_e4m3(s.astype(jnp.int32)) if meta.scale_kind == "e4m3" else s.astype(jnp.float32)
+        if gscale is not None:
+            v = _div(v, gscale, barrier)
+    if not meta.is_int and meta.fmt.bias != 15:
+        v = v * np.float32(2.0 ** (15 - meta.fmt.bias))  # exact: a power of two
+    return v
 
 
-def dequant_chunk(code: jax.Array, s: jax.Array, z: Optional[jax.Array], gscale: Optional[jax.Array],
-                  meta: LayoutMeta, out_dtype, barrier: bool = True) -> jax.Array:
-    """Codes [rows, n] with their scale row(s) [1 or rows, n] -> weights in `out_dtype`, rounded as
-    `qformats.dequantize` rounds: (value - zero) * scale in the scale's dtype, then cast. `barrier`: see
-    `_div` (False inside a compiled Triton kernel)."""
-    v = decode_values(code, meta)
+def finish(v: jax.Array, s_eff: jax.Array, z: Optional[jax.Array], meta: LayoutMeta, out_dtype) -> jax.Array:
+    """(value - zero) * scale rounded to the scale's dtype, then cast to `out_dtype` (dequantize's rounding)."""
     if z is not None:
         v = v - z.astype(jnp.float32)
-    w = v * scale_values(s, meta, gscale, barrier)
+    w = v * s_eff
     sdt = jnp.dtype(meta.scale_dtype)
     if sdt != jnp.float32:
         w = w.astype(sdt)
@@ -345,16 +390,16 @@ def dequant_chunk(code: jax.Array, s: jax.Array, z: Optional[jax.Array], gscale:
 
 
 def plane_codes(planes, meta: LayoutMeta) -> jax.Array:
-    """All codes [K_pad, N_pad] int32 from the planes (the jnp mirror of the kernel's chunk loads)."""
+    """All code words [K_pad, N_pad/4] uint32 from the planes (the jnp mirror of the kernel's chunk loads)."""
     bk = meta.block_k
     tiles = meta.K_pad // bk
-    code = jnp.zeros((tiles, bk, meta.N_pad), jnp.int32)
+    nw = meta.N_pad // LANES
+    code = jnp.zeros((tiles, bk, nw), jnp.uint32)
     for p, (w, sh) in zip(planes, meta.planes):
         n, R = 8 // w, bk * w // 8
-        b = p.astype(jnp.int32).reshape(tiles, R, meta.N_pad)
-        parts = jnp.concatenate([(b >> (i * w)) & ((1 << w) - 1) for i in range(n)], axis=1)
-        code = code | (parts << sh)
-    return code.reshape(meta.K_pad, meta.N_pad)
+        b = p.reshape(tiles, R, nw)
+        code = code | jnp.concatenate([plane_part(b, i, w, sh) for i in range(n)], axis=1)
+    return code.reshape(meta.K_pad, nw)
 
 
 def dequantize_prepared(pw: PreparedWeight, dtype=None) -> jax.Array:
@@ -365,9 +410,9 @@ def dequantize_prepared(pw: PreparedWeight, dtype=None) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def _dequantize_prepared_jit(pw: PreparedWeight, dtype) -> jax.Array:
     meta = pw.meta
-    code = plane_codes(pw.planes, meta)
-    srow = jnp.repeat(pw.scale, meta.group, axis=0)[: meta.K_pad]
+    nb, bn4 = meta.N_pad // meta.block_n, meta.block_n // LANES
+    lanes = decode_words(plane_codes(pw.planes, meta), meta)  # 4 x [K_pad, N_pad/4], lane q of each block
+    v = jnp.stack([lane.reshape(meta.K_pad, nb, bn4) for lane in lanes], axis=2).reshape(meta.K_pad, meta.N_pad)
+    srow = jnp.repeat(scale_values(pw.scale, meta, pw.gscale), meta.group, axis=0)[: meta.K_pad]
     z = None if pw.zero is None else jnp.repeat(pw.zero, meta.group, axis=0)[: meta.K_pad]
-    w = dequant_chunk(code, srow, z, pw.gscale, meta, dtype)
-    return w[: meta.K, : meta.N]
-
+    return finish(v, srow, z, meta, dtype)[: meta.K, : meta.N]

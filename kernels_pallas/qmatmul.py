@@ -1,13 +1,15 @@
 """Packed-weight matmul y = x @ dequantize(q) as a Pallas (Triton) kernel that dequantizes in registers.
 
 The kernel reads the bit-plane layout of `kernels_pallas.layout` (see its docstring), never a dense weight.
-Grid `(M_pad / block_m, N_pad / block_n, split_k)`; program (i, j, s) loops over its share of the K tiles
-(`lax.fori_loop`, the Pallas-Triton idiom: grid axes run in parallel on GPU, so a reduction lives inside the
-kernel). Per K tile it walks `block_k / chunk` chunks; per chunk it loads the chunk's byte rows of every
-plane (`(byte >> i*w) & mask`, OR-ed at the plane's shift), decodes the codes to f32 with integer bit ops,
-applies zero point and scale exactly as `qformats.dequantize` rounds them, casts to the activation dtype
-and accumulates `dot(x_chunk, w_chunk)` in f32. With split_k > 1 each split writes an f32 partial sum and
-the partials are added outside the kernel (decode: more programs than 16-row M blocks alone would give).
+Grid `(ceil(M / block_m), N_pad / block_n, split_k)` (block_n is the layout's); program (i, j, s) loops
+over its share of the K tiles (`lax.fori_loop`, the Pallas-Triton idiom: grid axes run in parallel on GPU,
+so a reduction lives inside the kernel). Per K tile it walks `block_k / chunk` chunks; per chunk it loads
+the chunk's word rows of every plane (`(word >> i*w) & mask` on four codes at once, OR-ed at the plane's
+shift; a plane block loaded for one chunk is reused by the chunks that share it), decodes the four byte
+lanes through f16 bit patterns (exact), applies zero point and scale exactly as `qformats.dequantize`
+rounds them, casts to the activation dtype and accumulates four `dot(x_chunk, w_lane)` into the four
+quarter-blocks of output columns, in f32. With split_k > 1 each split writes an f32 partial sum and the
+partials are added outside the kernel (decode: more programs than one 16-row M block alone gives).
 
 Shapes: M is covered by ceil(M / block_m) blocks (block_m >= 16, Triton's smallest dot), the last one
 loading and storing under a row mask, so decode pays no pad; x is zero-padded along K only when K is not
@@ -35,7 +37,8 @@ from jax.experimental import pallas as pl
 from qformats.errors import KernelError
 from qformats.qarray import QArray
 
-from kernels_pallas.layout import (LayoutMeta, PreparedWeight, dequant_chunk, prepare, unsupported_reason)
+from kernels_pallas.layout import (LANES, LayoutMeta, PreparedWeight, decode_words, finish, plane_part, prepare,
+                                   scale_values, unsupported_reason)
 
 try:  # the Triton CompilerParams select the Triton backend (jax >= 0.7 defaults GPU Pallas to Mosaic GPU)
     from jax.experimental.pallas import triton as pltriton
@@ -52,32 +55,30 @@ __all__ = ["BlockSizes", "qmatmul", "default_block_sizes", "X_DTYPES"]
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiling of one qmatmul call (block_k is fixed by `prepare`).
+    """Tiling of one qmatmul call (block_k and block_n are fixed by `prepare`).
 
-    block_m: rows of x per program (power of two >= 16); block_n: output columns per program (power of
-    two >= 16 dividing N_pad); split_k: K-splits (divides the number of K tiles); num_warps/num_stages:
-    Triton launch parameters.
+    block_m: rows of x per program (power of two >= 16); block_n: None (the layout's) or equal to it;
+    split_k: K-splits (divides the number of K tiles); num_warps/num_stages: Triton launch parameters.
     """
 
     block_m: int = 16
-    block_n: int = 128
+    block_n: Optional[int] = None
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
 
 
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def default_block_sizes(m: int, meta: LayoutMeta, num_sms: int = 132) -> BlockSizes:
-    """Heuristic tiling: decode (M <= 16) one 16-row block, N blocks of 64..128 and split-K to fill
-    ~2 programs per SM; prefill 64-row blocks (128 for M >= 256), 128 columns, no split."""
-    bn = math.gcd(meta.N_pad, 128)
+    """Heuristic tiling: decode (M <= 16) one 16-row block and split-K until ~2 programs per SM (keeping
+    >= 4 K tiles per split); M <= 32 a 32-row block; prefill 64-row blocks (128 when block_n <= 64 and
+    M >= 256)."""
+    bn = meta.block_n
     if m <= 16:
-        bm, bn = 16, math.gcd(meta.N_pad, 64)
+        bm = 16
     elif m <= 32:
         bm = 32
+    elif m >= 256 and bn <= 64:
+        bm = 128
     else:
         bm = 64
     programs = (-(-m // bm)) * (meta.N_pad // bn)
@@ -85,7 +86,7 @@ def default_block_sizes(m: int, meta: LayoutMeta, num_sms: int = 132) -> BlockSi
     split = 1
     while programs * split < 2 * num_sms and tiles % (split * 2) == 0 and tiles // (split * 2) >= 4:
         split *= 2
-    warps = 4 if bm * bn <= 64 * 128 else 8
+    warps = 4 if bm * bn <= 64 * 64 else 8
     return BlockSizes(block_m=bm, block_n=bn, split_k=split, num_warps=warps, num_stages=3)
 
 
@@ -98,7 +99,7 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool,
     g_ref = rest.pop(0) if meta.has_global else None
     (o_ref,) = rest
     bm = x_ref.shape[0]
-    bn = o_ref.shape[-1]
+    bn4 = meta.block_n // LANES
     bk, cs = meta.block_k, meta.chunk
     split = pl.program_id(2)
     gscale = g_ref[...] if g_ref is not None else None
@@ -108,38 +109,42 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool,
     if m % bm:
         row_mask = ((pl.program_id(0) * bm + jnp.arange(bm)) < m)[:, None]
 
-    def body(t, acc):
+    def body(t, accs):
         kt = split * tiles_per_split + t
+        accs = list(accs)
+        loaded = {}
         for c in range(bk // cs):  # static: chunks of one K tile
             r0 = c * cs
             code = None
-            for ref, (w, sh) in zip(plane_refs, meta.planes):
+            for p, (ref, (w, sh)) in enumerate(zip(plane_refs, meta.planes)):
                 R = bk * w // 8
                 slot, off = divmod(r0, R)
-                b = ref[pl.ds(kt * R + off, cs), :].astype(jnp.int32)
-                part = b >> (slot * w) if slot else b
-                if (slot + 1) * w < 8:  # the top slot of a byte needs no mask
-                    part = part & ((1 << w) - 1)
-                if sh:
-                    part = part << sh
+                if (p, off) not in loaded:  # chunks in other slots of the same byte rows reuse the load
+                    loaded[(p, off)] = ref[pl.ds(kt * R + off, cs), :]
+                part = plane_part(loaded[(p, off)], slot, w, sh)
                 code = part if code is None else code | part
+            lanes = decode_words(code, meta)
             row = (kt * bk + r0) // meta.group
-            s = s_ref[pl.ds(row, 1), :]
-            z = z_ref[pl.ds(row, 1), :] if z_ref is not None else None
-            wts = dequant_chunk(code, s, z, gscale, meta, xdt, barrier=interpret)
             if row_mask is None:
                 xc = x_ref[:, pl.ds(kt * bk + r0, cs)]
             else:
                 xc = pltriton.load(x_ref.at[:, pl.ds(kt * bk + r0, cs)], mask=row_mask, other=0)
-            acc = acc + jnp.dot(xc, wts, preferred_element_type=jnp.float32)
-        return acc
+            for q in range(LANES):
+                cols = pl.ds(q * bn4, bn4)
+                s = scale_values(s_ref[pl.ds(row, 1), cols], meta, gscale, barrier=interpret)
+                z = z_ref[pl.ds(row, 1), cols] if z_ref is not None else None
+                wq = finish(lanes[q], s, z, meta, xdt)
+                accs[q] = accs[q] + jnp.dot(xc, wq, preferred_element_type=jnp.float32)
+        return tuple(accs)
 
-    acc = jax.lax.fori_loop(0, tiles_per_split, body, jnp.zeros((bm, bn), jnp.float32))
-    out = acc if out_f32 else acc.astype(o_ref.dtype)
-    if row_mask is None:
-        o_ref[...] = out
-    else:
-        pltriton.store(o_ref.at[:, :], out, mask=row_mask)
+    zero = jnp.zeros((bm, bn4), jnp.float32)
+    accs = jax.lax.fori_loop(0, tiles_per_split, body, (zero,) * LANES)
+    for q in range(LANES):
+        out = accs[q] if out_f32 else accs[q].astype(o_ref.dtype)
+        if row_mask is None:
+            o_ref[:, pl.ds(q * bn4, bn4)] = out
+        else:
+            pltriton.store(o_ref.at[:, pl.ds(q * bn4, bn4)], out, mask=row_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("bs", "interpret"))
@@ -147,13 +152,13 @@ def _qmatmul_2d(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
     """x [M, K_pad] (padded along K only) -> y [M, N_pad] in x.dtype."""
     meta = pw.meta
     m_pad = x.shape[0]  # the true M: the grid covers it with ceil(M / block_m) blocks, the last one masked
-    bm, bn, split = bs.block_m, bs.block_n, bs.split_k
+    bm, bn, split = bs.block_m, meta.block_n, bs.split_k
     tiles = meta.K_pad // meta.block_k
     grid = (-(-m_pad // bm), meta.N_pad // bn, split)
     in_specs = [pl.BlockSpec((bm, meta.K_pad), lambda i, j, s: (i, 0))]
     args = [x]
     for p in pw.planes:
-        in_specs.append(pl.BlockSpec((p.shape[0], bn), lambda i, j, s: (0, j)))
+        in_specs.append(pl.BlockSpec((p.shape[0], bn // LANES), lambda i, j, s: (0, j)))
         args.append(p)
     in_specs.append(pl.BlockSpec((pw.scale.shape[0], bn), lambda i, j, s: (0, j)))
     args.append(pw.scale)
@@ -188,8 +193,8 @@ def _check_block_sizes(bs: BlockSizes, meta: LayoutMeta, m_pad: int) -> None:
     bad = []
     if not pow2(bs.block_m):
         bad.append(f"block_m={bs.block_m} (power of two >= 16)")
-    if not pow2(bs.block_n) or meta.N_pad % bs.block_n:
-        bad.append(f"block_n={bs.block_n} (power of two >= 16 dividing N_pad={meta.N_pad})")
+    if bs.block_n is not None and bs.block_n != meta.block_n:
+        bad.append(f"block_n={bs.block_n} (fixed by prepare at {meta.block_n}: prepare(q, block_n=...))")
     if bs.split_k < 1 or tiles % bs.split_k:
         bad.append(f"split_k={bs.split_k} (must divide the {tiles} K tiles of {meta.block_k})")
     if bad:
@@ -234,7 +239,11 @@ def qmatmul(x: jax.Array, q: Union[QArray, PreparedWeight], *, interpret: Option
     if x.dtype not in X_DTYPES:
         raise KernelError(f"qmatmul: x dtype {x.dtype} is not supported (expected bfloat16, float16 or "
                           f"float32); weight {kdesc}")
-    pw = prepare(q) if isinstance(q, QArray) else q
+    if isinstance(q, QArray):
+        bn = block_sizes.get("block_n") if isinstance(block_sizes, dict) else getattr(block_sizes, "block_n", None)
+        pw = prepare(q, block_n=bn or 64)
+    else:
+        pw = q
     meta = pw.meta
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

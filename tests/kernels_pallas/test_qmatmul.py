@@ -33,18 +33,34 @@ def test_plane_split():
     assert plane_split(3) == ((2, 0), (1, 2))
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz", "fp7_e3m3", "fp6_e3m2", "fp6_e2m3",
-                                 "fp5_e2m2", "fp5_e3m1", "fp4_e2m1", "fp4_e3m0", "fp3_e2m0"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e4m3", "fp7_e3m3", "fp6_e3m2",
+                                 "fp6_e2m3", "fp5_e2m2", "fp5_e3m1", "fp4_e2m1", "fp4_e3m0", "fp3_e2m0",
+                                 "int8", "int4", "int3", "uint4"])
 def test_in_kernel_decode_is_exact_for_every_code(fmt):
-    """The kernel's bit-op decode equals qformats.decode for all 2^bits codes, bit for bit (signs of 0 too)."""
-    from kernels_pallas.layout import _decode_float
+    """The kernel's SWAR decode (four codes per word, through f16 patterns) times the 2^(15 - bias) that the
+    scale row carries equals qformats.decode for all 2^bits codes in every lane, bit for bit."""
+    from kernels_pallas.layout import LANES, LayoutMeta, decode_words
     f = qformats.get_format(fmt)
-    codes = jnp.arange(1 << f.bits, dtype=jnp.int32)
-    got = np.asarray(_decode_float(codes, f))
-    ref = np.asarray(qformats.decode(codes.astype(jnp.uint8), f))
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
-    ok = ~np.isnan(ref)
-    np.testing.assert_array_equal(got.view(np.uint32)[ok], ref.view(np.uint32)[ok])
+    n = 1 << f.bits
+    codes = np.arange(n, dtype=np.uint32)
+    # every code in every lane: word i holds codes i, i+1, i+2, i+3 (mod n)
+    words = sum(np.roll(codes, -q) << (8 * q) for q in range(LANES)).astype(np.uint32)
+    meta = LayoutMeta(fmt=f, K=1, N=1, K_pad=1, N_pad=4, block_k=16, block_n=64, chunk=16, group=1,
+                      planes=(), scale_kind="float", scale_dtype="float32", has_zero=False, has_global=False,
+                      dtype="float32", scheme_desc=fmt)
+    lanes = decode_words(jnp.asarray(words), meta)
+    if isinstance(f, qformats.IntFormat):
+        ref = (codes.astype(np.int64) + f.qmin).astype(np.float32)
+        factor = 1.0
+    else:
+        ref = np.asarray(qformats.decode(jnp.asarray(codes, jnp.uint8), f))
+        factor = np.float32(2.0 ** (15 - f.bias))
+    for q in range(LANES):
+        got = np.asarray(lanes[q]) * factor
+        want = np.roll(ref, -q)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        ok = ~np.isnan(want)
+        np.testing.assert_array_equal(got.view(np.uint32)[ok], want.view(np.uint32)[ok])
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -53,7 +69,7 @@ def test_prepared_dequantizes_bit_exactly(name):
     q = make_q(name, awkward_k(SCHEMES[name]), 200)
     pw = prepare(q)
     assert pw.meta.K_pad % pw.meta.block_k == 0 and pw.meta.N_pad % 128 == 0
-    packed_bytes = sum(int(np.prod(p.shape)) for p in pw.planes)
+    packed_bytes = sum(int(np.prod(p.shape)) * 4 for p in pw.planes)  # uint32 words
     assert packed_bytes == pw.meta.K_pad * pw.meta.N_pad * q.scheme.bits // 8  # no wasted bits
     for dt in (jnp.bfloat16, jnp.float32) if name in F32_TOO else (jnp.bfloat16,):
         ref = np.asarray(dequantize(q, dt), np.float32)
@@ -62,17 +78,19 @@ def test_prepared_dequantizes_bit_exactly(name):
 
 
 def test_prepared_layout_is_k_major_planes():
-    """FP6 [K=128, N]: plane 0 holds the low 4 bits of rows r and r+64 in one byte, plane 1 the top 2 bits of
-    rows r, r+32, r+64, r+96."""
+    """FP6 [K=128, N=16], block_n 64: plane 0 holds the low 4 bits of rows r and r+64 in one byte, plane 1
+    the top 2 bits of rows r, r+32, r+64, r+96; byte q of word j is column 16 q + j."""
     q = make_q("FP6_E3M2", 128, 16)
     pw = prepare(q)
-    codes = np.asarray(q.element_codes()).T.astype(np.int32)  # [K, N]
-    p0, p1 = (np.asarray(p).astype(np.int32) for p in pw.planes)
-    assert p0.shape == (64, 128) and p1.shape == (32, 128)
-    np.testing.assert_array_equal(p0[:, :16], (codes[:64] & 15) | (codes[64:] & 15) << 4)
-    want = sum(((codes[32 * i: 32 * i + 32] >> 4) & 3) << (2 * i) for i in range(4))
-    np.testing.assert_array_equal(p1[:, :16], want)
-    assert not p0[:, 16:].any() and not p1[:, 16:].any()
+    codes = np.asarray(q.element_codes()).T.astype(np.int64)  # [K, N]
+    codes = np.pad(codes, ((0, 0), (0, 48)))  # N_pad = 64
+    p0, p1 = (np.asarray(p).astype(np.int64) for p in pw.planes)
+    assert p0.shape == (64, 16) and p1.shape == (32, 16) and pw.planes[0].dtype == jnp.uint32
+    byte0 = (codes[:64] & 15) | (codes[64:] & 15) << 4
+    byte1 = sum(((codes[32 * i: 32 * i + 32] >> 4) & 3) << (2 * i) for i in range(4))
+    for plane, byte in ((p0, byte0), (p1, byte1)):
+        want = sum(byte[:, 16 * lane: 16 * lane + 16] << (8 * lane) for lane in range(4))
+        np.testing.assert_array_equal(plane, want)
 
 
 # ---- qmatmul vs reference -------------------------------------------------------------------------------------
@@ -115,10 +133,10 @@ def test_batch_dims_split_k_and_block_sizes():
     q = make_q("FP6_E3M2", 512, 136)  # 4 K tiles, N_pad 256
     pw = prepare(q)
     x = make_x((2, 3, 512), jnp.bfloat16)
-    y = qmatmul(x, pw, interpret=True, block_sizes=BlockSizes(block_m=16, block_n=32, split_k=4))
+    y = qmatmul(x, pw, interpret=True, block_sizes=BlockSizes(block_m=16, split_k=4))
     assert y.shape == (2, 3, 136)
     assert_close(y.reshape(6, 136), x.reshape(6, 512), q)
-    y2 = qmatmul(x, pw, interpret=True, block_sizes={"split_k": 2, "block_n": 128})
+    y2 = qmatmul(x, prepare(q, block_n=128), interpret=True, block_sizes={"split_k": 2, "block_m": 32})
     assert_close(y2.reshape(6, 136), x.reshape(6, 512), q)
 
 
@@ -138,7 +156,7 @@ def test_default_block_sizes_fill_the_gpu_at_decode():
     big = LayoutMeta(**{**pw.meta.__dict__, "K": 4096, "K_pad": 4096, "N": 4096, "N_pad": 4096})
     bs = default_block_sizes(1, big)
     assert (4096 // bs.block_n) * bs.split_k >= 2 * 132 and (4096 // 128) % bs.split_k == 0
-    assert default_block_sizes(256, big).block_m == 64
+    assert default_block_sizes(256, big).block_m == 128
 
 
 # ---- bad input --------------------------------------------------------------------------------------------------
@@ -148,8 +166,10 @@ def test_errors_name_shapes_and_formats():
         qmatmul(jnp.ones((2, 100), jnp.bfloat16), q, interpret=True)
     with pytest.raises(KernelError, match=r"int32.*fp6_e3m2"):
         qmatmul(jnp.ones((2, 160), jnp.int32), q, interpret=True)
-    with pytest.raises(KernelError, match=r"block_n=48"):
+    with pytest.raises(KernelError, match=r"block_n must be a power of two >= 64, got 48"):
         qmatmul(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes=BlockSizes(block_n=48))
+    with pytest.raises(KernelError, match=r"block_n=128 \(fixed by prepare at 64"):
+        qmatmul(jnp.ones((2, 160), jnp.bfloat16), prepare(q), interpret=True, block_sizes=BlockSizes(block_n=128))
     with pytest.raises(KernelError, match=r"split_k=3"):
         qmatmul(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes=BlockSizes(split_k=3))
     g8 = quantize(jnp.ones((64, 8)), QuantScheme("fp4_e2m1", "group", group_size=8), axis=0)
@@ -212,4 +232,4 @@ def test_lowers_to_triton(name):
     _lower_gpu(jnp.zeros((64, pw.meta.K_pad), jnp.float32), pw, default_block_sizes(64, pw.meta))
     tiles = pw.meta.K_pad // pw.meta.block_k
     _lower_gpu(jnp.zeros((16, pw.meta.K_pad), jnp.float16), pw,
-               BlockSizes(block_m=16, block_n=64, split_k=tiles, num_warps=4, num_stages=4))
+               BlockSizes(block_m=16, split_k=tiles, num_warps=4, num_stages=4))

@@ -74,8 +74,11 @@ def test_gpu_dtypes_and_tilings(name):
         x = make_x((7, 1024), xdt)
         check(qmatmul(x, pw, interpret=False), x, q)
     x = make_x((64, 1024), jnp.bfloat16)
-    for bs in (BlockSizes(16, 32, 8, 4, 4), BlockSizes(64, 128, 1, 8, 3), BlockSizes(128, 64, 2, 8, 2)):
+    for bs in (BlockSizes(16, None, 8, 4, 4), BlockSizes(64, None, 1, 8, 3), BlockSizes(128, None, 2, 8, 2)):
         check(qmatmul(x, pw, interpret=False, block_sizes=bs), x, q)
+    pw128 = prepare(q, block_n=128)
+    for bs in (BlockSizes(16, None, 4, 4, 3), BlockSizes(64, None, 1, 8, 3)):
+        check(qmatmul(x, pw128, interpret=False, block_sizes=bs), x, q)
 
 
 def test_gpu_dispatch():
