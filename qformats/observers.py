@@ -64,24 +64,49 @@ def percentile(q: float = 99.99) -> Observer:
                     lambda s: s[0] / jnp.maximum(s[1], 1))
 
 
-def clip_error(x: jax.Array, amax, scheme: QuantScheme) -> jax.Array:
-    """sum (x - Q(clip(x, ±amax)))^2 with Q the scheme's round trip along the last axis."""
-    c = jnp.clip(x, -amax, amax).astype(x.dtype)
-    y = dequantize(quantize(c, scheme, -1)).astype(jnp.float32)
-    return jnp.sum((x.astype(jnp.float32) - y) ** 2)
+def mse(scheme: QuantScheme, ratios: Sequence[float] = DEFAULT_RATIOS, bins: int = 2048) -> Observer:
+    """Clipping amax c minimising the expected squared error of a static per-tensor scale over all batches.
 
+    State: a histogram of |x| with `bins` equal bins over [0, R); when a batch exceeds R, R doubles and
+    bins merge pairwise (exact), so the histogram covers every batch seen. Result: the c = r * amax
+    (r in `ratios`, amax = the largest |x| seen) minimising
+      sum_b n_b (m_b - Q_c(m_b))^2,   m_b the bin centre, Q_c the scheme's round trip with scale(c).
+    For schemes whose static part is not a per-tensor scale (NVFP4's global scale) the result is amax.
+    """
+    if bins % 2:
+        raise SchemeError(f"mse observer: bins must be even, got {bins}")
+    rs = jnp.asarray(ratios, jnp.float32)
 
-def mse(scheme: QuantScheme, ratios: Sequence[float] = DEFAULT_RATIOS) -> Observer:
-    """Mean over batches of the clipping amax r * amax_batch that minimises clip_error (r in `ratios`)."""
-    ratios = jnp.asarray(ratios, jnp.float32)
+    def init():
+        return jnp.zeros((bins,), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
 
     def update(s, x):
-        total, n = s
-        a = _amax(x)
-        errs = jax.vmap(lambda r: clip_error(x, r * a, scheme))(ratios)
-        return total + ratios[jnp.argmin(errs)] * a, n + 1
-    return Observer(lambda: (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), update,
-                    lambda s: s[0] / jnp.maximum(s[1], 1))
+        counts, rng, seen = s
+        a = jnp.abs(x.astype(jnp.float32)).ravel()
+        amax = jnp.max(a)
+        rng = jnp.where(rng == 0, jnp.maximum(amax, jnp.finfo(jnp.float32).tiny), rng)
+
+        def grow(c):
+            h, r = c
+            return jnp.concatenate([h.reshape(-1, 2).sum(1), jnp.zeros((bins // 2,), h.dtype)]), r * 2
+
+        counts, rng = jax.lax.while_loop(lambda c: c[1] < amax, grow, (counts, rng))
+        idx = jnp.clip(jnp.floor(a / rng * bins).astype(jnp.int32), 0, bins - 1)
+        return counts + jnp.zeros((bins,), jnp.float32).at[idx].add(1.0), rng, jnp.maximum(seen, amax)
+
+    def result(s):
+        counts, rng, amax = s
+        if scheme.strategy != "tensor":
+            return amax
+        centers = (jnp.arange(bins, dtype=jnp.float32) + 0.5) * rng / bins
+
+        def err(r):
+            sc, _ = static_scale(r * amax, scheme)
+            y = dequantize(quantize(centers, scheme, -1, scale=sc)).astype(jnp.float32)
+            return jnp.sum(counts * (centers - y) ** 2)
+        return rs[jnp.argmin(jax.vmap(err)(rs))] * amax
+
+    return Observer(init, update, result)
 
 
 OBSERVERS = {"minmax": minmax, "moving_average": moving_average, "percentile": percentile}
