@@ -34,13 +34,15 @@ READ_PRESETS = ["FP8", "FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W8A16", "W4A16", "W4
                 "NVFP4A16", "MXFP4A16", "MXFP6A16", "MXFP8A16"]
 DATA_FREE = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W8A16", "W4A16", "W4A16_ASYM", "W3A16", "NVFP4A16",
              "MXFP4A16", "MXFP8A16", "MXFP6A16"]
-DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
 # every preset in bf16; float32 for one preset per arithmetic path (keeps the suite fast on 2 cores)
 F32_SUBSET = {"FP8_BLOCK", "W8A8", "W4A16_ASYM", "W3A16", "NVFP4A16", "MXFP6A16"}
+F16_SUBSET = {"W8A8", "MXFP4A16"}  # all twelve were checked in float16 once; these stay in the suite
 
 
 def _cases(names):
-    return [(p, d) for p in names for d in DTYPES if d == "bf16" or p in F32_SUBSET]
+    return [(p, d) for p in names for d in DTYPES
+            if d == "bf16" or (d == "f32" and p in F32_SUBSET) or (d == "f16" and p in F16_SUBSET)]
 
 
 def _np_bits(a) -> np.ndarray:
