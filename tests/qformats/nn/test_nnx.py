@@ -61,7 +61,7 @@ def _manual(model: Toy, x, scheme_name, acts=False):
     return lin(model.heads["cls"], model.norm(x))
 
 
-@pytest.mark.parametrize("name", ["W4A16", "FP8_DYNAMIC", "MXFP4A16", "NVFP4A16"])
+@pytest.mark.parametrize("name", ["W4A16", "FP8_DYNAMIC", "NVFP4A16"])
 def test_ptq_swaps_in_place_and_matches_reference(name):
     ref_model = Toy()
     want = _manual(ref_model, X, name, acts=True)
@@ -248,7 +248,7 @@ class Mixed(nnx.Module):
 XT = jax.random.normal(jax.random.key(7), (2, 8, 128))
 
 
-@pytest.mark.parametrize("name", ["W4A16", "FP8_DYNAMIC"])
+@pytest.mark.parametrize("name", ["FP8_DYNAMIC"])
 def test_linear_general_and_einsum(name):
     model = Mixed()
     ss = presets[name]
@@ -283,7 +283,7 @@ def test_einsum_over_several_axes_is_weight_only():
     np.testing.assert_allclose(np.asarray(model.mix(x)), np.asarray(want), rtol=5e-5, atol=5e-5)
 
 
-@pytest.mark.parametrize("observer", ["mse", "percentile", "moving_average"])
+@pytest.mark.parametrize("observer", ["mse", "percentile"])
 def test_calibration_with_other_observers_gives_smaller_static_scale(observer):
     batches = [X * (i + 1) for i in range(3)]
     mm, other = Toy(), Toy()

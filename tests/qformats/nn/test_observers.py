@@ -64,7 +64,7 @@ W = jax.random.normal(jax.random.key(0), (256, 48)) * 0.02
 W = W.at[5, 3].set(0.5)
 
 
-@pytest.mark.parametrize("name", ["W4A16", "W4A16_ASYM", "NVFP4A16", "FP6_E2M3", "FP8_BLOCK", "MXFP4A16"])
+@pytest.mark.parametrize("name", ["W4A16", "W4A16_ASYM", "NVFP4A16", "FP8_BLOCK"])
 def test_mse_quantize_never_worse_per_group_and_same_layout(name):
     scheme = presets[name].weights
     imp = jnp.linspace(0.5, 2.0, 256)
@@ -74,7 +74,7 @@ def test_mse_quantize_never_worse_per_group_and_same_layout(name):
     e_rtn = float(jnp.sum(imp[:, None] * (dequantize(rtn) - W) ** 2))
     e_mse = float(jnp.sum(imp[:, None] * (dequantize(q) - W) ** 2))
     assert e_mse <= e_rtn * (1 + 1e-6)
-    if name in ("W4A16", "NVFP4A16", "FP6_E2M3"):
+    if name in ("W4A16", "NVFP4A16"):
         assert e_mse < 0.97 * e_rtn
 
 
