@@ -47,12 +47,31 @@ def _dot(x, w):
 
 
 def quantize_weight(kernel, schemes: SchemeSet, weight_search: Optional[str] = None, importance=None) -> QArray:
-    """A 2-D kernel `[K, N]` → QArray along axis 0: round-to-nearest, or the MSE clipping search."""
-    if weight_search is None:
-        return quantize(kernel, schemes.weights, 0)
-    if weight_search == "mse":
-        return mse_quantize(kernel, schemes.weights, 0, importance=importance)
-    raise ModelError(f"weight_search must be None or 'mse', got {weight_search!r}")
+    """A kernel `[..., K, N]` → QArray along K: round-to-nearest, or the MSE clipping search.
+
+    Leading axes (layers stacked by `nnx.vmap` for `nnx.scan`) are vmapped over: every leaf of the
+    result has them in front and the QArray's static shape is the per-layer `[K, N]`, so slicing the
+    leaves (what `nnx.scan` does) gives a valid per-layer QArray.
+    """
+    if weight_search not in (None, "mse"):
+        raise ModelError(f"weight_search must be None or 'mse', got {weight_search!r}")
+
+    def one(w):
+        if weight_search is None:
+            return quantize(w, schemes.weights, 0)
+        return mse_quantize(w, schemes.weights, 0, importance=importance)
+
+    fn = one
+    for _ in range(kernel.ndim - 2):
+        fn = jax.vmap(fn)
+    return fn(kernel)
+
+
+def _fake_quantize_weight(kernel, schemes: SchemeSet):
+    fn = lambda w: fake_quantize(w, schemes.weights, 0)  # noqa: E731
+    for _ in range(kernel.ndim - 2):
+        fn = jax.vmap(fn)
+    return fn(kernel)
 
 
 def output_error(q: QArray, w, h) -> float:
@@ -86,14 +105,20 @@ class _QuantizedMatmul(nnx.Module):
             raise ModelError(f"{kind} {path or '<module>'}: mode must be one of {MODES}, got {mode!r}")
         if schemes.weights is None:
             raise ModelError(f"{kind} {path or '<module>'}: scheme set {schemes.name!r} has no weight scheme")
-        if len(kernel.shape) != 2:
-            raise ModelError(f"{kind} {path or '<module>'}: expected a 2-D [K, N] kernel, got {tuple(kernel.shape)}")
+        if len(kernel.shape) < 2:
+            raise ModelError(f"{kind} {path or '<module>'}: expected a [..., K, N] kernel, got {tuple(kernel.shape)}")
+        # layers stacked for nnx.scan (else ()): a QArray made by quantize_weight keeps its per-layer shape
+        # [K, N] and carries the stacking axes on its leaves only
+        lead = kernel.codes.shape[:-2] if isinstance(kernel, QArray) else kernel.shape[:-2]
+        self.stacked = tuple(int(d) for d in lead)
+        if self.stacked and mode == "calibrate":
+            raise ModelError(f"{kind} {path}: calibration of stacked (scanned) layers is not supported")
         self.schemes = schemes
         self.mode = mode
         self.dtype = dtype
         self.path = path
         self.record_inputs = record_inputs
-        self.k_dim, self.n_dim = (int(d) for d in kernel.shape)
+        self.k_dim, self.n_dim = (int(d) for d in kernel.shape[-2:])
         self.kernel = nnx.Param(kernel)
         self.bias = None if bias is None else nnx.Param(bias)
         # data attributes that calibration fills in (nnx.data: they may later hold Variables)
@@ -174,7 +199,7 @@ class _QuantizedMatmul(nnx.Module):
         if self.mode == "ptq":
             return qdot(x, k)
         if self.mode == "qat":
-            return _dot(x, fake_quantize(k, self.schemes.weights, 0).astype(x.dtype))
+            return _dot(x, _fake_quantize_weight(k, self.schemes).astype(x.dtype))
         return _dot(x, k.astype(x.dtype))
 
     def _dense_weight(self, dtype):
@@ -183,7 +208,7 @@ class _QuantizedMatmul(nnx.Module):
         if self.mode == "ptq":
             return dequantize(k, dtype)
         if self.mode == "qat":
-            return fake_quantize(k, self.schemes.weights, 0).astype(dtype)
+            return _fake_quantize_weight(k, self.schemes).astype(dtype)
         return k.astype(dtype)
 
     def _add_bias(self, y):
@@ -243,6 +268,8 @@ class QLinearGeneral(_QuantizedMatmul):
         if lg.batch_axis:
             raise ModelError(f"{path}: LinearGeneral with batch_axis {dict(lg.batch_axis)} is not supported")
         kernel = lg.kernel.get_value()
+        if kernel.ndim != len(lg.in_features) + len(lg.out_features):
+            raise ModelError(f"{path}: stacked (scanned) LinearGeneral kernels are not supported")
         k, n = math.prod(lg.in_features), math.prod(lg.out_features)
         kernel = kernel.reshape(k, n)
         bias = None if lg.bias is None else lg.bias.get_value()

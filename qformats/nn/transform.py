@@ -90,7 +90,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         used.add(i)
         if ss is None:
             continue
-        check_fit(path, _contracted_size(path, lin, ss), ss, static_acts=calibrating)
+        check_fit(path, _contracted_size(path, lin, ss, calibrating), ss, static_acts=calibrating)
         plan.append((path, lin, parents, ss))
     warn_unused(compiled, used)
     observers, uncalibrated = {}, []
@@ -135,7 +135,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     return model
 
 
-def _contracted_size(path: str, m, ss) -> int:
+def _contracted_size(path: str, m, ss, calibrating: bool) -> int:
     """K of the [K, N] matrix the layer's weight becomes (ModelError for layouts that cannot be quantized)."""
     kernel = m.kernel.get_value()
     if isinstance(m, nnx.LinearGeneral):
@@ -148,9 +148,16 @@ def _contracted_size(path: str, m, ss) -> int:
             raise ModelError(f"{path}: einsum {m.einsum_str!r} does not contract the input's last axis alone, so "
                              f"its activations cannot be quantized ({ss.name}); use a weight-only scheme")
         return k
-    if getattr(kernel, "ndim", 2) != 2:
-        raise ModelError(f"{path}: expected a 2-D Linear kernel, found shape {tuple(kernel.shape)}")
-    return int(kernel.shape[0])
+    if getattr(kernel, "ndim", 2) < 2:
+        raise ModelError(f"{path}: expected a Linear kernel [..., K, N], found shape {tuple(kernel.shape)}")
+    if kernel.ndim > 2:  # layers stacked by nnx.vmap for nnx.scan
+        if ss.weights.strategy == "block":
+            raise ModelError(f"{path}: block scales ({ss.name}) need a 2-D kernel; this one is stacked "
+                             f"{tuple(kernel.shape)}")
+        if calibrating:
+            raise ModelError(f"{path}: calibration of stacked (scanned) layers is not supported; "
+                             "quantize without calibration_data")
+    return int(kernel.shape[-2])
 
 
 def convert(model: nnx.Module, *, weight_search: Optional[str] = None) -> nnx.Module:

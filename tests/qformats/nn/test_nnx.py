@@ -292,3 +292,52 @@ def test_calibration_with_other_observers_gives_smaller_static_scale(observer):
     s_mm = float(mm.heads["cls"].input_scale.get_value()[0])
     s_o = float(other.heads["cls"].input_scale.get_value()[0])
     assert 0 < s_o <= s_mm if observer == "mse" else 0 < s_o < s_mm  # fp8: clipping rarely pays
+
+
+class Scanned(nnx.Module):
+    """Three layers stacked with nnx.vmap and run with nnx.scan: the Linear kernel is [3, 128, 128]."""
+
+    def __init__(self):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return ScanBlock(rngs)
+        self.layers = create(nnx.Rngs(0))
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+        return body(x, self.layers)
+
+
+class ScanBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(128, 128, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jax.nn.gelu(self.lin(x))
+
+
+@pytest.mark.parametrize("mode", ["ptq", "qat"])
+def test_scanned_layers(mode):
+    model = Scanned()
+    k = model.layers.lin.kernel.get_value()
+    b = model.layers.lin.bias.get_value()
+    ss = presets["W4A16"]
+    want = X
+    for i in range(3):
+        want = want + jax.nn.gelu(want @ dequantize(quantize(k[i], ss.weights, 0)) + b[i])
+    quantize_model(model, [Rule(".*", "W4A16")], mode=mode)
+    lin = model.layers.lin
+    assert isinstance(lin, QLinear) and lin.stacked == (3,)
+    if mode == "ptq":
+        q = lin.kernel.get_value()
+        assert q.shape == (128, 128) and q.codes.shape == (3, 128, 64) and q.scale.shape == (3, 128, 1)
+    else:
+        convert(model)
+        assert lin.kernel.get_value().codes.shape == (3, 128, 64)
+    got = nnx.jit(lambda m, x: m(x))(model, X)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ModelError, match="stacked"):
+        quantize_model(Scanned(), [Rule(".*", "W4A16")], calibration_data=[X])
