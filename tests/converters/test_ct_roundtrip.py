@@ -30,10 +30,11 @@ from converters.ct_read import read_compressed  # noqa: E402
 from converters.ct_write import write_compressed  # noqa: E402
 from converters.quantize_checkpoint import quantize_checkpoint  # noqa: E402
 
+# + W4A8 (int-quantized: 4-bit values in int8), W6A16 (6-bit words straddling int32s), MXFP8 (MX activations)
 READ_PRESETS = ["FP8", "FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W8A16", "W4A16", "W4A16_ASYM", "W3A16",
-                "NVFP4A16", "MXFP4A16", "MXFP6A16", "MXFP8A16"]
+                "NVFP4A16", "MXFP4A16", "MXFP6A16", "MXFP8A16", "NVFP4", "W4A8", "W6A16", "MXFP8"]
 DATA_FREE = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W8A16", "W4A16", "W4A16_ASYM", "W3A16", "NVFP4A16",
-             "MXFP4A16", "MXFP8A16", "MXFP6A16"]
+             "MXFP4A16", "MXFP8A16", "MXFP6A16", "W4A8", "W6A16", "MXFP8"]
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
 # every preset in bf16; float32 for one preset per arithmetic path (keeps the suite fast on 2 cores)
 F32_SUBSET = {"FP8_BLOCK", "W8A8", "W4A16_ASYM", "W3A16", "NVFP4A16", "MXFP6A16"}
@@ -94,6 +95,8 @@ def test_read_bit_identical_to_ct_decompress(built, preset, dtag):
     assert not hasattr(cm.modules["lm_head"]["weight"], "scheme")
     if preset == "FP8":
         assert "input_scale" in cm.modules["model.layers.0.attn.q_proj"]
+    if preset == "NVFP4":
+        assert "input_global_scale" in cm.modules["model.layers.0.attn.q_proj"]
     fp = cm.flax_params()
     assert fp["model"]["layers"]["0"]["attn"]["q_proj"]["kernel"].shape == (128, 64)
     assert fp["lm_head"]["kernel"].shape == (64, 32)
