@@ -171,27 +171,31 @@ def iter_modules(ck: Checkpoint, qc: Optional[QuantConfig]) -> Iterator[LoadedMo
     """Yield modules one at a time (streaming: only one module's tensors are built at once)."""
     mods = _modules_of(ck)
     used_groups = set()
+    # "dense" groups (e.g. a frozen, not yet compressed model: float weights beside their scales) stay raw
+    active = qc is not None and any(g.weights is not None and g.format != "dense" for g in qc.groups)
     for name in sorted(mods):
         m = mods[name]
         stored = sum(ck.info(full).nbytes for full in m.tensors.values())
-        quantized = qc is not None and qc.format != "dense" and (
-            "weight_packed" in m.tensors or "weight_scale" in m.tensors)
+        quantized = active and ("weight_packed" in m.tensors or "weight_scale" in m.tensors)
+        group = None
+        if quantized:
+            where = f"{ck.file_of(m.tensors.get('weight_packed') or m.tensors['weight_scale'])}: module {name!r}"
+            if qc.is_ignored(name):
+                raise CheckpointError(f"{where}: the module is in quantization_config.ignore but holds quantized "
+                                      f"weight tensors ({sorted(m.tensors)})")
+            group = _pick_group(ck, m, qc, where)
+            used_groups.add(group.name)
+            quantized = group.format != "dense"
         if not quantized:
             yield LoadedModule(name, {k: ck.get(v) for k, v in m.tensors.items()}, None, None, stored)
             continue
-        where = f"{ck.file_of(m.tensors.get('weight_packed') or m.tensors['weight_scale'])}: module {name!r}"
-        if qc.is_ignored(name):
-            raise CheckpointError(f"{where}: the module is in quantization_config.ignore but holds quantized "
-                                  f"weight tensors ({sorted(m.tensors)})")
-        group = _pick_group(ck, m, qc, where)
-        used_groups.add(group.name)
         tensors = {k: ck.get(v) for k, v in m.tensors.items() if k not in _WEIGHT_PARTS}
         q = _weight_qarray(ck, m, group, qc, where)
         tensors["weight"] = q
         if "weight_zero_point" in m.tensors and q.zero_point is None:
             tensors["weight_zero_point"] = ck.get(m.tensors["weight_zero_point"])
         yield LoadedModule(name, tensors, group.format, group.name, stored)
-    if qc is not None and qc.format != "dense":
+    if active:
         for g in qc.groups:
             if g.weights is not None and g.name not in used_groups:
                 warnings.warn(f"{ck.path}: quantization_config group {g.name!r} (targets {list(g.targets)}) "
