@@ -109,10 +109,26 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool,
     if m % bm:
         row_mask = ((pl.program_id(0) * bm + jnp.arange(bm)) < m)[:, None]
 
+    def scales_at(row):
+        """Per-lane effective scale [1, bn/4] and zero point of scale row `row`."""
+        out = []
+        for q in range(LANES):
+            cols = pl.ds(q * bn4, bn4)
+            s = scale_values(s_ref[pl.ds(row, 1), cols], meta, gscale, barrier=interpret)
+            out.append((s, z_ref[pl.ds(row, 1), cols] if z_ref is not None else None))
+        return out
+
+    # A scale row is decoded once per row, not per chunk: once per call for per-channel scales, once per
+    # tile when a group spans whole tiles, once per group inside a tile otherwise.
+    g = meta.group
+    hoisted = scales_at(0) if g >= meta.K_pad else None
+    aligned = g % bk == 0 or bk % g == 0
+
     def body(t, accs):
         kt = split * tiles_per_split + t
         accs = list(accs)
         loaded = {}
+        srows = {}
         for c in range(bk // cs):  # static: chunks of one K tile
             r0 = c * cs
             code = None
@@ -124,16 +140,19 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool,
                 part = plane_part(loaded[(p, off)], slot, w, sh)
                 code = part if code is None else code | part
             lanes = decode_words(code, meta)
-            row = (kt * bk + r0) // meta.group
+            if hoisted is not None:
+                sz = hoisted
+            else:
+                key = (r0 // g) if aligned else c
+                if key not in srows:
+                    srows[key] = scales_at((kt * bk + r0) // g)
+                sz = srows[key]
             if row_mask is None:
                 xc = x_ref[:, pl.ds(kt * bk + r0, cs)]
             else:
                 xc = pltriton.load(x_ref.at[:, pl.ds(kt * bk + r0, cs)], mask=row_mask, other=0)
             for q in range(LANES):
-                cols = pl.ds(q * bn4, bn4)
-                s = scale_values(s_ref[pl.ds(row, 1), cols], meta, gscale, barrier=interpret)
-                z = z_ref[pl.ds(row, 1), cols] if z_ref is not None else None
-                wq = finish(lanes[q], s, z, meta, xdt)
+                wq = finish(lanes[q], sz[q][0], sz[q][1], meta, xdt)
                 accs[q] = accs[q] + jnp.dot(xc, wq, preferred_element_type=jnp.float32)
         return tuple(accs)
 
@@ -147,8 +166,14 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool,
             pltriton.store(o_ref.at[:, pl.ds(q * bn4, bn4)], out, mask=row_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("bs", "interpret"))
 def _qmatmul_2d(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
+    """Jitted `_qmatmul_2d_impl`; the interpreter's XLA:CPU program is compiled without LLVM's expensive
+    passes (it runs once per test; compiling it is most of its cost)."""
+    fn = _qmatmul_2d_interp if interpret else _qmatmul_2d_gpu
+    return fn(x, pw, bs=bs, interpret=interpret)
+
+
+def _qmatmul_2d_impl(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
     """x [M, K_pad] (padded along K only) -> y [M, N_pad] in x.dtype."""
     meta = pw.meta
     m_pad = x.shape[0]  # the true M: the grid covers it with ceil(M / block_m) blocks, the last one masked
@@ -184,6 +209,12 @@ def _qmatmul_2d(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
     if split > 1:
         y = y.sum(axis=0).astype(x.dtype)
     return y
+
+
+_qmatmul_2d_gpu = jax.jit(_qmatmul_2d_impl, static_argnames=("bs", "interpret"))
+_qmatmul_2d_interp = jax.jit(_qmatmul_2d_impl, static_argnames=("bs", "interpret"),
+                             compiler_options={"xla_backend_optimization_level": 0,
+                                               "xla_llvm_disable_expensive_passes": True})
 
 
 def _check_block_sizes(bs: BlockSizes, meta: LayoutMeta, m_pad: int) -> None:

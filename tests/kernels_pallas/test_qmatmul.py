@@ -14,7 +14,7 @@ from qformats.schemes import QuantScheme
 import kernels_pallas
 from kernels_pallas import BlockSizes, dequantize_prepared, prepare, qmatmul
 from kernels_pallas.layout import plane_split
-from kernels_pallas.qmatmul import _qmatmul_2d, default_block_sizes
+from kernels_pallas.qmatmul import _qmatmul_2d_gpu, default_block_sizes
 
 from kernel_cases import SCHEMES, assert_close, awkward_k, make_q, make_x
 
@@ -221,7 +221,7 @@ def test_qdot_uses_the_kernel_when_forced_to_interpret(monkeypatch):
 
 # ---- lowering to Triton (runs on CPU: jax lowers the Pallas kernel to Triton IR for "cuda") ---------------
 def _lower_gpu(x, pw, bs):
-    txt = _qmatmul_2d.trace(x, pw, bs=bs, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+    txt = _qmatmul_2d_gpu.trace(x, pw, bs=bs, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in txt
 
 
