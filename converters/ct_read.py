@@ -62,6 +62,9 @@ def split_name(name: str) -> Tuple[str, str]:
 class CompressedModel:
     """A compressed-tensors checkpoint, opened.
 
+    Arrays are read-only numpy views of the memory-mapped files (zero copy); QArrays are pytrees, so
+    `jax.tree.map(jnp.asarray, model.modules)` (or jax.device_put) moves everything to a device.
+
     path: the checkpoint directory (or file). config: config.json (dict; {} if absent). quant: the parsed
     quantization_config (None for a dense checkpoint). modules: module path -> local tensor name -> array,
     with "weight" a QArray for quantized modules (their weight_* tensors consumed). formats: module path ->
