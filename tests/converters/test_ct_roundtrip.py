@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")
@@ -304,3 +306,27 @@ def test_reads_019_style_config(built, tmp_path):
     for mod, q in new.qarrays().items():
         assert old.modules[mod]["weight"].scheme == q.scheme
         np.testing.assert_array_equal(_np_bits(qf.dequantize(old.modules[mod]["weight"])), _np_bits(qf.dequantize(q)))
+
+
+_RT_PRESETS = ["W4A16_ASYM", "W3A16", "W8A8", "FP8_BLOCK", "NVFP4A16", "MXFP6A16", "MXFP4A16", "FP6_E3M2_G32",
+               "FP5_E2M2", "W2A16", "W6A16"]
+
+
+@settings(max_examples=8, deadline=None)
+@given(preset=st.sampled_from(_RT_PRESETS), n=st.sampled_from([16, 48, 136]), k=st.sampled_from([128, 256]),
+       dt=st.sampled_from(["float32", "bfloat16"]), flax=st.booleans(), seed=st.integers(0, 3))
+def test_write_read_roundtrip_property(tmp_path_factory, preset, n, k, dt, flax, seed):
+    """write_compressed -> read_compressed gives back the same scheme and bit-identical dequantized values."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((k, n)) * 0.03).astype(np.float32)
+    import jax.numpy as jnp
+    ss = qf.presets[preset]
+    x = jnp.asarray(w if flax else w.T, dt)
+    q = qf.quantize(x, ss.weights, axis=0 if flax else 1)
+    d = tmp_path_factory.mktemp("rt") / "ck"
+    write_compressed(d, {"m.kernel" if flax else "m.weight": q}, ss)
+    r = read_compressed(d).modules["m"]["weight"]
+    assert r.scheme == q.scheme and r.shape == (k, n)
+    ours = np.asarray(qf.dequantize(q, np.float32))
+    back = np.asarray(qf.dequantize(r, np.float32))
+    np.testing.assert_array_equal(_np_bits(back), _np_bits(ours if flax else ours.T))
