@@ -2,8 +2,10 @@
 
 Usage: python bench/flax.py [--batch 32] [--seq 128] [--repeat 5] [--schemes ...] [--no-qwix] [--append]
 
-For each scheme: `quantize_model` time and peak RSS growth while quantizing, parameter bytes
-(`nnx.state(model, nnx.Param)`), and the best-of-N latency of a jit forward pass on a [batch, seq] batch.
+For each scheme: `quantize_model` time, peak RSS growth while quantizing (sampled every 2 ms), growth
+of live JAX arrays after it (for qwix counting the original model the caller still holds: qwix returns
+a new model, ours swaps in place), parameter bytes (`nnx.state(model, nnx.Param)`), and the best-of-N
+latency of a jit forward pass on a [batch, seq] batch (all models timed round-robin).
 When qwix is installed the same model is quantized with `qwix.quantize_model(model, PtqProvider(...))`
 (int8 and float8_e4m3fn weights, per-channel) in the same run, side by side. Prints a markdown table;
 --append also appends it to BENCHMARKS.md.
@@ -14,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import resource
+import threading
 import sys
 import time
 import warnings
@@ -36,39 +38,70 @@ SCHEMES = ["W8A16", "FP8_E4M3", "FP8_DYNAMIC", "W4A16", "NVFP4A16", "MXFP4A16", 
 
 
 def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _latency(model, batch, repeat):
+class _PeakRSS:
+    """Peak resident memory growth (MB) over a block, sampled every 2 ms by a thread."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss_mb()
+        self._stop = threading.Event()
+
+        def watch():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, _rss_mb())
+                time.sleep(0.002)
+        self._t = threading.Thread(target=watch, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss_mb())
+        self.growth = self.peak - self.base
+
+
+def _live_mb() -> float:
+    return sum(a.nbytes for a in jax.live_arrays()) / 2**20
+
+
+def _compile(model, batch):
     fwd = nnx.jit(lambda m, ids, mask: m(ids, mask))
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
     t = time.perf_counter()
     jax.block_until_ready(fwd(model, ids, mask))
-    compile_s = time.perf_counter() - t
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        jax.block_until_ready(fwd(model, ids, mask))
-        best = min(best, time.perf_counter() - t)
-    return best, compile_s
+    return (lambda: jax.block_until_ready(fwd(model, ids, mask))), time.perf_counter() - t
 
 
-def _row(name, model, batch, repeat, q_s, rss):
-    lat, comp = _latency(model, batch, repeat)
-    return {"scheme": name, "bytes": param_bytes(model), "latency_ms": lat * 1e3, "compile_s": comp,
-            "quantize_s": q_s, "rss_mb": rss}
+def _ours(name):
+    model = minilm.load_minilm()
+    jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+    live0 = _live_mb()
+    t = time.perf_counter()
+    with _PeakRSS() as mem, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_model(model, [Rule(".*", name)])
+        jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+    return model, time.perf_counter() - t, mem.growth, _live_mb() - live0
 
 
 def _qwix(qtype, batch):
     import qwix
 
     model = minilm.load_minilm()
+    jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+    live0 = _live_mb()
     rules = [qwix.QtRule(module_path=".*", weight_qtype=qtype)]
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
-    r0, t = _rss_mb(), time.perf_counter()
-    qmodel = qwix.quantize_model(model, qwix.PtqProvider(rules), ids, mask)
-    jax.block_until_ready(jax.tree.leaves(nnx.state(qmodel)))
-    return qmodel, time.perf_counter() - t, _rss_mb() - r0
+    t = time.perf_counter()
+    with _PeakRSS() as mem:
+        qmodel = qwix.quantize_model(model, qwix.PtqProvider(rules), ids, mask)
+        jax.block_until_ready(jax.tree.leaves(nnx.state(qmodel)))
+    # the caller still holds `model` (qwix returns a new one); count what is alive with both
+    return (qmodel, model), time.perf_counter() - t, mem.growth, _live_mb() - live0
 
 
 def main(argv=None) -> int:
@@ -84,17 +117,11 @@ def main(argv=None) -> int:
     tok = minilm.Tokenizer(max_length=args.seq)
     sents = (minilm.default_sentences() * (args.batch // 8 + 1))[: args.batch]
     batch = tok(sents, length=args.seq)
-    rows = []
-    model = minilm.load_minilm()
-    rows.append(_row("dense f32", model, batch, args.repeat, 0.0, 0.0))
+    entries = []  # (name, model, quantize_s, peak MB, live MB)
+    entries.append(("dense f32", minilm.load_minilm(), 0.0, 0.0, 0.0))
     for name in [s for s in args.schemes.split(",") if s]:
-        model = minilm.load_minilm()
-        r0, t = _rss_mb(), time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            quantize_model(model, [Rule(".*", name)])
-        jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
-        rows.append(_row(f"qformats {name}", model, batch, args.repeat, time.perf_counter() - t, _rss_mb() - r0))
+        model, q_s, peak, live = _ours(name)
+        entries.append((f"qformats {name}", model, q_s, peak, live))
     qwix_note = ""
     if not args.no_qwix:
         try:
@@ -104,17 +131,32 @@ def main(argv=None) -> int:
         else:
             for qt in ("int8", "float8_e4m3fn"):
                 try:
-                    qm, q_s, rss = _qwix(qt, batch)
-                    rows.append(_row(f"qwix PTQ {qt}", qm, batch, args.repeat, q_s, rss))
+                    (qm, _orig), q_s, peak, live = _qwix(qt, batch)
+                    entries.append((f"qwix PTQ {qt}", qm, q_s, peak, live))
                 except Exception as e:  # report, never hide
                     qwix_note += f"qwix {qt} failed: {type(e).__name__}: {e}\n"
+    runs, comps = [], []
+    for _, model, *_ in entries:
+        run, comp = _compile(model, batch)
+        runs.append(run)
+        comps.append(comp)
+    best = [float("inf")] * len(entries)
+    for _ in range(args.repeat):  # round-robin, best of N: fair under a noisy shared CPU
+        for i, run in enumerate(runs):
+            t = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - t)
+    rows = [{"scheme": n, "bytes": param_bytes(m), "latency_ms": b * 1e3, "compile_s": c, "quantize_s": q,
+             "rss_mb": p, "live_mb": lv} for (n, m, q, p, lv), b, c in zip(entries, best, comps)]
     dense = rows[0]["bytes"]
     head = (f"### MiniLM jit forward, batch {args.batch} x {args.seq} tokens ({platform.machine()}, "
             f"{jax.default_backend()}, jax {jax.__version__})\n\n"
-            "| model | param MB | vs dense | forward ms | compile s | quantize_model s | peak RSS +MB |\n"
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+            "| model | param MB | vs dense | forward ms | compile s | quantize_model s | peak RSS +MB "
+            "| live arrays +MB |\n"
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lines = [head] + [f"| {r['scheme']} | {r['bytes'] / 1e6:.2f} | {dense / r['bytes']:.2f}x | "
-                      f"{r['latency_ms']:.1f} | {r['compile_s']:.1f} | {r['quantize_s']:.2f} | {r['rss_mb']:.0f} |"
+                      f"{r['latency_ms']:.1f} | {r['compile_s']:.1f} | {r['quantize_s']:.2f} | {r['rss_mb']:.0f} | "
+                      f"{r['live_mb']:.0f} |"
                       for r in rows]
     out = "\n".join(lines) + ("\n\n" + qwix_note.strip() if qwix_note else "")
     print(out)
