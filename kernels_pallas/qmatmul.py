@@ -58,7 +58,7 @@ class BlockSizes:
     """Tiling of one qmatmul call (block_k and block_n are fixed by `prepare`).
 
     block_m: rows of x per program (power of two >= 16); block_n: None (the layout's) or equal to it;
-    split_k: K-splits (divides the number of K tiles); num_warps/num_stages: Triton launch parameters.
+    split_k: K-splits (1 .. number of K tiles; ceil(tiles / split_k) tiles each, the last fewer); num_warps/num_stages: Triton launch parameters.
     """
 
     block_m: int = 16
@@ -84,13 +84,14 @@ def default_block_sizes(m: int, meta: LayoutMeta, num_sms: int = 132) -> BlockSi
     programs = (-(-m // bm)) * (meta.N_pad // bn)
     tiles = meta.K_pad // meta.block_k
     split = 1
-    while programs * split < 2 * num_sms and tiles % (split * 2) == 0 and tiles // (split * 2) >= 4:
+    while programs * split < 2 * num_sms and tiles // (split * 2) >= 4:
         split *= 2
     warps = 4 if bm * bn <= 64 * 64 else 8
     return BlockSizes(block_m=bm, block_n=bn, split_k=split, num_warps=warps, num_stages=3)
 
 
-def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool, interpret: bool, m: int):
+def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, out_f32: bool, interpret: bool,
+            m: int):
     n_planes = len(meta.planes)
     plane_refs = refs[:n_planes]
     rest = list(refs[n_planes:])
@@ -157,7 +158,10 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, out_f32: bool,
         return tuple(accs)
 
     zero = jnp.zeros((bm, bn4), jnp.float32)
-    accs = jax.lax.fori_loop(0, tiles_per_split, body, (zero,) * LANES)
+    n_tiles = tiles_per_split
+    if tiles % tiles_per_split:  # the last split has fewer tiles
+        n_tiles = jnp.minimum(tiles_per_split, tiles - split * tiles_per_split)
+    accs = jax.lax.fori_loop(0, n_tiles, body, (zero,) * LANES)
     for q in range(LANES):
         out = accs[q] if out_f32 else accs[q].astype(o_ref.dtype)
         if row_mask is None:
@@ -199,7 +203,8 @@ def _qmatmul_2d_impl(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
     else:
         out_shape = jax.ShapeDtypeStruct((split, m_pad, meta.N_pad), jnp.float32)
         out_spec = pl.BlockSpec((_SQUEEZED, bm, bn), lambda i, j, s: (s, i, j))
-    kernel = functools.partial(_kernel, meta=meta, tiles_per_split=tiles // split, out_f32=split > 1,
+    kernel = functools.partial(_kernel, meta=meta, tiles_per_split=-(-tiles // split), tiles=tiles,
+                               out_f32=split > 1,
                                interpret=interpret, m=m_pad)
     extra = {}
     if _TritonParams is not None:
@@ -226,8 +231,8 @@ def _check_block_sizes(bs: BlockSizes, meta: LayoutMeta, m_pad: int) -> None:
         bad.append(f"block_m={bs.block_m} (power of two >= 16)")
     if bs.block_n is not None and bs.block_n != meta.block_n:
         bad.append(f"block_n={bs.block_n} (fixed by prepare at {meta.block_n}: prepare(q, block_n=...))")
-    if bs.split_k < 1 or tiles % bs.split_k:
-        bad.append(f"split_k={bs.split_k} (must divide the {tiles} K tiles of {meta.block_k})")
+    if not 1 <= bs.split_k <= tiles:
+        bad.append(f"split_k={bs.split_k} (1 .. the {tiles} K tiles of {meta.block_k})")
     if bad:
         raise KernelError(f"qmatmul: bad block sizes for {meta.describe()}: {', '.join(bad)}")
 

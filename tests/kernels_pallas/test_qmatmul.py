@@ -137,8 +137,8 @@ def test_batch_dims_split_k_and_block_sizes():
     y = qmatmul(x, pw, interpret=True, block_sizes=BlockSizes(block_m=16, split_k=4))
     assert y.shape == (2, 3, 136)
     assert_close(y.reshape(6, 136), x.reshape(6, 512), q)
-    y2 = qmatmul(x, prepare(q, block_n=128), interpret=True, block_sizes={"split_k": 2, "block_m": 32})
-    assert_close(y2.reshape(6, 136), x.reshape(6, 512), q)
+    y2 = qmatmul(x, prepare(q, block_n=128), interpret=True, block_sizes={"split_k": 3, "block_m": 32})
+    assert_close(y2.reshape(6, 136), x.reshape(6, 512), q)  # 4 tiles in 3 splits: 2, 2, 0
 
 
 def test_block_k_256():
@@ -156,7 +156,9 @@ def test_default_block_sizes_fill_the_gpu_at_decode():
     from kernels_pallas.layout import LayoutMeta
     big = LayoutMeta(**{**pw.meta.__dict__, "K": 4096, "K_pad": 4096, "N": 4096, "N_pad": 4096})
     bs = default_block_sizes(1, big)
-    assert (4096 // bs.block_n) * bs.split_k >= 2 * 132 and (4096 // 128) % bs.split_k == 0
+    assert (4096 // bs.block_n) * bs.split_k >= 2 * 132 and (4096 // 128) // bs.split_k >= 4
+    big2 = LayoutMeta(**{**big.__dict__, "K": 11008, "K_pad": 11008})  # 86 tiles: uneven splits allowed
+    assert (4096 // 64) * default_block_sizes(1, big2).split_k >= 2 * 132
     assert default_block_sizes(256, big).block_m == 128
 
 
@@ -171,7 +173,7 @@ def test_errors_name_shapes_and_formats():
         qmatmul(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes=BlockSizes(block_n=48))
     with pytest.raises(KernelError, match=r"block_n=128 \(fixed by prepare at 64"):
         qmatmul(jnp.ones((2, 160), jnp.bfloat16), prepare(q), interpret=True, block_sizes=BlockSizes(block_n=128))
-    with pytest.raises(KernelError, match=r"split_k=3"):
+    with pytest.raises(KernelError, match=r"split_k=3 \(1 .. the 2 K tiles"):
         qmatmul(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes=BlockSizes(split_k=3))
     g8 = quantize(jnp.ones((64, 8)), QuantScheme("fp4_e2m1", "group", group_size=8), axis=0)
     with pytest.raises(KernelError, match=r"group 8"):
@@ -230,6 +232,7 @@ def test_lowers_to_triton(name):
     q = make_q(name, awkward_k(SCHEMES[name]), 200)
     pw = prepare(q)
     tiles = pw.meta.K_pad // pw.meta.block_k
-    # decode: 3 rows under a mask, split-K, bf16; prefill: 64-row blocks, f32 (IEEE dot), no mask
-    _lower_gpu(jnp.zeros((3, pw.meta.K_pad), jnp.bfloat16), pw, BlockSizes(block_m=16, split_k=tiles))
+    # decode: 3 rows under a mask, split-K (uneven when 3 tiles: a dynamic trip count), bf16;
+    # prefill: 64-row blocks, f32 (IEEE dot), no mask
+    _lower_gpu(jnp.zeros((3, pw.meta.K_pad), jnp.bfloat16), pw, BlockSizes(block_m=16, split_k=min(2, tiles)))
     _lower_gpu(jnp.zeros((64, pw.meta.K_pad), jnp.float32), pw, default_block_sizes(64, pw.meta))
