@@ -62,12 +62,35 @@ def _cosines(emb: np.ndarray, ref: np.ndarray) -> np.ndarray:
     return num / (np.linalg.norm(emb, axis=-1) * np.linalg.norm(ref, axis=-1))
 
 
+def evaluate_one(name: str, sentences: Sequence[str], reference: np.ndarray, *, tokenizer=None,
+                 calibration=None, weight_search: Optional[str] = None, batch_size: int = 32) -> dict:
+    """One scheme on a fresh MiniLM → {"mean_cos", "min_cos", "bytes"} against `reference` embeddings.
+
+    `calibration` (tokenized batches) gives static activation scales and the MSE search its H = E[x x^T].
+    """
+    from examples import minilm
+    from qformats.nn import Rule, quantize_model
+
+    tok = tokenizer or minilm.Tokenizer()
+    ss = resolve(name)
+    model = minilm.load_minilm()
+    if ss is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # static activation schemes without data run dynamic (documented)
+            quantize_model(model, [Rule(".*", ss)], calibration_data=calibration, weight_search=weight_search)
+    cos = _cosines(minilm.encode_sentences(model, tok, sentences, batch_size), reference)
+    return {"mean_cos": float(cos.mean()), "min_cos": float(cos.min()), "bytes": linear_weight_bytes(model)}
+
+
 def evaluate(schemes: Sequence[str], sentences: Sequence[str], *, calibrated: bool = False,
              reference: Optional[np.ndarray] = None, batch_size: int = 32, log=None) -> Dict[str, dict]:
     """scheme (and "scheme+mse" when calibrated) → {"mean_cos", "min_cos", "bytes"} vs `reference`
-    (default: torch sentence-transformers, else the dense JAX model)."""
+    (default: torch sentence-transformers, else the dense JAX model).
+
+    Calibrated variants: MSE clipping search of the weights (weighted by the layer inputs' second
+    moments) and static activation scales, calibrated on the sentences themselves.
+    """
     from examples import minilm
-    from qformats.nn import Rule, quantize_model
 
     tok = minilm.Tokenizer()
     if reference is None:
@@ -84,19 +107,11 @@ def evaluate(schemes: Sequence[str], sentences: Sequence[str], *, calibrated: bo
     if calibrated:
         variants += [(s, "mse") for s in schemes if s.lower() != "dense"]
     for name, search in variants:
-        ss = resolve(name)
-        model = minilm.load_minilm()
         t0 = time.perf_counter()
-        if ss is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # static activation schemes without data: dynamic (reported)
-                quantize_model(model, [Rule(".*", ss)], calibration_data=calib if search else None,
-                               weight_search=search)
-        emb = minilm.encode_sentences(model, tok, sentences, batch_size)
-        cos = _cosines(emb, reference)
         key = name if search is None else f"{name}+{search}"
-        results[key] = {"mean_cos": float(cos.mean()), "min_cos": float(cos.min()),
-                        "bytes": linear_weight_bytes(model)}
+        results[key] = evaluate_one(name, sentences, reference, tokenizer=tok,
+                                    calibration=calib if search else None, weight_search=search,
+                                    batch_size=batch_size)
         if log:
             log(f"  {key}: {time.perf_counter() - t0:.1f}s")
     return results

@@ -1,4 +1,24 @@
-"""qformats.nn: quantized Flax layers and in-place model quantization by path rules (NNX and linen)."""
+"""qformats.nn: quantized Flax layers and in-place model quantization by path rules (NNX and linen).
+
+NNX::
+
+    from qformats.nn import Rule, quantize_model, convert
+
+    quantize_model(model, [Rule("pooler", None), Rule(r".*/attention/.*", "FP8_DYNAMIC"), Rule(".*", "W4A16")])
+    # calibrated: static activation scales + MSE clipping search of the weights
+    quantize_model(model, [Rule(".*", "NVFP4")], calibration_data=batches, weight_search="mse")
+    # QAT: float weights, fake-quantized forward; then pack
+    quantize_model(model, [Rule(".*", "W4A16")], mode="qat"); ...train...; convert(model)
+
+Linen::
+
+    qmodule, qparams = quantize_linen(module, params, [Rule(".*", "W8A16")])
+    y = qmodule.apply(qparams, x)
+
+Modules: `modules` (QLinear, QLinearGeneral, QEinsum), `rules` (Rule, validation), `transform`
+(quantize_model, convert), `linen` (QDense, quantize_linen), `stats` (param_bytes). Observers and the
+MSE weight search are pure functions in `qformats.observers`.
+"""
 
 from qformats.nn.modules import CalibStat, QEinsum, QLinear, QLinearGeneral, QuantStat, quantize_weight
 from qformats.nn.rules import Rule, resolve_scheme
@@ -6,6 +26,6 @@ from qformats.nn.transform import convert, quantize_model, quantized_layers
 from qformats.nn.stats import param_bytes
 from qformats.nn.linen import QDense, QuantizedLinen, quantize_linen, quantize_params
 
-__all__ = ["QLinear", "QLinearGeneral", "QEinsum", "QuantStat", "CalibStat", "Rule", "quantize_model", "convert", "quantized_layers",
-           "quantize_weight", "resolve_scheme", "param_bytes",
+__all__ = ["QLinear", "QLinearGeneral", "QEinsum", "QuantStat", "CalibStat", "Rule", "quantize_model", "convert",
+           "quantized_layers", "quantize_weight", "resolve_scheme", "param_bytes",
            "QDense", "QuantizedLinen", "quantize_linen", "quantize_params"]

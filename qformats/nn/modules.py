@@ -156,6 +156,7 @@ class _QuantizedMatmul(nnx.Module):
         h = total / jnp.maximum(n, 1.0)
         self.calib_amax = None
         self.calib_sq = None
+        self.observer = None
         self.mode = mode
         if mode == "ptq":
             w = self.kernel.get_value()

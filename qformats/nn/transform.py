@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
@@ -12,6 +13,9 @@ from qformats.errors import ModelError
 from qformats.nn.modules import QUANTIZED, _QuantizedMatmul, einsum_layout
 from qformats.nn.rules import check_fit, compile_rules, match, warn_unused
 from qformats.observers import get_observer
+
+
+_NOTHING = object()
 
 
 def _path_str(path) -> str:
@@ -69,7 +73,9 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
       calibration_data: iterable of batches; each is run through the model (`forward(model, batch)`,
         default `model(**batch)` / `model(*batch)` / `model(batch)`) with observers on the inputs of the
         swapped layers, giving static activation scales (for schemes with dynamic=False / "local") and
-        the per-feature E[x^2] that `weight_search="mse"` weights its error with.
+        H = E[x x^T] per layer: `weight_search="mse"` weights its per-group error with diag(H) and keeps
+        the searched weights only where tr(dW^T H dW) beats round-to-nearest. If a batch fails, the
+        original modules are put back and the error propagates.
       weight_search: None (round-to-nearest) or "mse" (per-group clipping search, `observers.mse_quantize`).
       observer: "minmax" | "moving_average" | "percentile" | "mse" | an `observers.Observer`.
 
@@ -108,6 +114,13 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
                       f"{', ...' if len(uncalibrated) > 3 else ''}) have static activation schemes but no "
                       "calibration_data was given; using dynamic scales of the same granularity", stacklevel=2)
 
+    if calibrating:  # an empty iterable is bad input: find out before touching the model
+        batches = iter(calibration_data)
+        first = next(batches, _NOTHING)
+        if first is _NOTHING:
+            raise ModelError("quantize_model: calibration_data gave no batches")
+        batches = itertools.chain([first], batches)
+
     # -- swap (one layer at a time: only one float + packed copy of a weight is alive at once) --
     swapped = []
     for path, lin, parents, ss in plan:
@@ -124,12 +137,15 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     if calibrating:
         fwd = forward or _default_forward
         step = nnx.jit(lambda m, b: (fwd(m, b), None)[1]) if jit else (lambda m, b: fwd(m, b))
-        n = 0
-        for batch in calibration_data:
-            step(model, batch)
-            n += 1
-        if n == 0:
-            raise ModelError("quantize_model: calibration_data gave no batches")
+        try:
+            for batch in batches:
+                step(model, batch)
+        except BaseException:
+            # the calibrating layers hold the float weights: put the original modules back, unchanged
+            for (_, lin, parents, _), new in zip(plan, swapped):
+                for parent, key in parents:
+                    _set(parent, key, lin)
+            raise
         for q in swapped:
             q.finalize(mode, weight_search=weight_search)
     return model
@@ -143,7 +159,10 @@ def _contracted_size(path: str, m, ss, calibrating: bool) -> int:
             raise ModelError(f"{path}: LinearGeneral with batch_axis {dict(m.batch_axis)} is not supported")
         return math.prod(m.in_features)
     if isinstance(m, nnx.Einsum):
-        _, k, last_only = einsum_layout(m.einsum_str, kernel.shape)
+        try:
+            _, k, last_only = einsum_layout(m.einsum_str, kernel.shape)
+        except ModelError as e:
+            raise ModelError(f"{path}: {e}") from e
         if ss.input_activations is not None and not last_only:
             raise ModelError(f"{path}: einsum {m.einsum_str!r} does not contract the input's last axis alone, so "
                              f"its activations cannot be quantized ({ss.name}); use a weight-only scheme")

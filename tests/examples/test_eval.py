@@ -39,10 +39,9 @@ def sentences():
 
 @pytest.fixture(scope="module")
 def reference(sentences):
-    ref = minilm.torch_reference_embeddings(sentences)
-    if ref is None:
-        pytest.skip("torch / sentence-transformers not installed")
-    return ref
+    # The dense JAX embeddings: they match torch sentence-transformers to cos >= 0.99999 (test_minilm),
+    # which moves the numbers below by < 1e-5, and they save loading torch here (~7 s).
+    return minilm.encode_sentences(minilm.load_minilm(), minilm.Tokenizer(), sentences)
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +69,13 @@ def test_weight_bytes_are_the_packed_sizes(results):
     assert results["FP6_E3M2"]["bytes"] == sum(k * n * 3 // 4 + n * 4 for k, n in shapes)
 
 
-def test_calibrated_mse_search_beats_round_to_nearest(sentences, reference):
-    r = ev.evaluate(["W4A16"], sentences, calibrated=True, reference=reference)
-    assert r["W4A16+mse"]["mean_cos"] > r["W4A16"]["mean_cos"] + 0.01
-    assert r["W4A16+mse"]["min_cos"] > r["W4A16"]["min_cos"]
-    assert r["W4A16+mse"]["bytes"] == r["W4A16"]["bytes"]
+def test_calibrated_mse_search_beats_round_to_nearest(sentences, reference, results):
+    tok = minilm.Tokenizer()
+    calib = [tok(sentences[i:i + 32]) for i in range(0, len(sentences), 32)]
+    r = ev.evaluate_one("W4A16", sentences, reference, tokenizer=tok, calibration=calib, weight_search="mse")
+    assert r["mean_cos"] > results["W4A16"]["mean_cos"] + 0.01  # measured: .96471 vs .94943
+    assert r["min_cos"] > results["W4A16"]["min_cos"]
+    assert r["bytes"] == results["W4A16"]["bytes"]
 
 
 def test_main_json(monkeypatch, capsys, reference):

@@ -341,3 +341,19 @@ def test_scanned_layers(mode):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
     with pytest.raises(ModelError, match="stacked"):
         quantize_model(Scanned(), [Rule(".*", "W4A16")], calibration_data=[X])
+
+
+def test_calibration_failure_or_no_batches_leaves_model_unchanged():
+    model = Toy()
+    with pytest.raises(ModelError, match="no batches"):
+        quantize_model(model, [Rule(".*", "FP8")], calibration_data=[])
+    assert not quantized_layers(model)
+
+    def bad_batches():
+        yield X
+        yield jnp.ones((4, 7))  # wrong feature size: the forward pass fails
+
+    with pytest.raises(Exception):
+        quantize_model(model, [Rule(".*", "FP8")], calibration_data=bad_batches())
+    assert not quantized_layers(model)
+    assert isinstance(model.blocks[0].shared, nnx.Linear) and model.blocks[0].shared is model.blocks[1].shared
