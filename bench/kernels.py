@@ -92,8 +92,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-calls", type=int, default=MAX_CALLS, help="cap on R (calls per launch)")
     ap.add_argument("--no-xla", action="store_true", help="skip the XLA dequantize+dot path")
-    ap.add_argument("--tune-m1", action="store_true",
-                    help="at M <= 16 also try split_k 1/2/4/8 x num_warps 2/4 x num_stages 2/4, keep the fastest")
+    ap.add_argument("--tune", action="store_true",
+                    help="also try other tilings (M <= 16: split_k x num_warps x num_stages; else block_m x "
+                         "num_warps) and keep the fastest")
+    ap.add_argument("--layouts", default="128x64",
+                    help="prepare layouts block_k x block_n to try, e.g. 128x64,256x64,128x128 (fastest kept)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--append", default=None, help="append the markdown section to this file")
@@ -104,6 +107,7 @@ def main(argv=None) -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     ms = [int(v) for v in a.ms.split(",")]
     names = a.formats.split(",")
+    layouts = [tuple(int(v) for v in s.split("x")) for s in a.layouts.split(",")]
     dev = jax.devices()[0]
     backend = jax.default_backend()
     t_start = time.time()
@@ -126,8 +130,8 @@ def main(argv=None) -> int:
         ent = {"dense": _copies(w, max(2, -(-COPY_BYTES // (k * n * 2))))}
         for name in names:
             q = qformats.quantize(w, qformats.presets[name].weights, axis=0)
-            pw = prepare(q)
-            ent[name] = (q, pw, _copies(pw, max(2, -(-COPY_BYTES // pw.nbytes))),
+            pws = {lay: prepare(q, block_k=lay[0], block_n=lay[1]) for lay in layouts}
+            ent[name] = (q, {lay: _copies(pw, max(2, -(-COPY_BYTES // pw.nbytes))) for lay, pw in pws.items()},
                          None if a.no_xla else _copies(q, max(2, -(-COPY_BYTES // q.nbytes))))
         prepared[(k, n)] = ent
         jax.block_until_ready(ent)
@@ -153,34 +157,40 @@ def main(argv=None) -> int:
                 if time.time() - t_start > a.budget_s:
                     skipped.append(f"{k}x{n} M={m} {name}")
                     continue
-                q, pw, pws, qc = ent[name]
-                wbytes = pw.nbytes
-                est_q = (wbytes + io_bytes) / HBM_BYTES_PER_S
+                q, pw_copies, qc = ent[name]
                 row = {"K": k, "N": n, "M": m, "format": name, "scheme": q.scheme.describe(),
-                       "weight_bytes": wbytes, "dense_us": t_dense * 1e6, "dense_GBps": bw_dense / 1e9}
+                       "dense_us": t_dense * 1e6, "dense_GBps": bw_dense / 1e9}
                 try:
-                    bs0 = default_block_sizes(m, pw.meta)
-                    cands = [bs0]
-                    if a.tune_m1 and m <= 16:
-                        tiles = pw.meta.K_pad // pw.meta.block_k
-                        cands += [BlockSizes(16, None, sk, nw, st) for sk in (1, 2, 4, 8) for nw in (2, 4)
-                                  for st in (2, 4) if tiles % sk == 0]
                     best = None
-                    for bs in cands:
-                        t_k, r = time_calls(lambda x, p, bs=bs: qmatmul(x, p, interpret=backend != "gpu",
-                                                                       block_sizes=bs), pws, xs, est_q, a.reps,
-                                            max_calls=a.max_calls)
-                        if best is None or t_k < best[0]:
-                            best = (t_k, bs)
-                    t_k, bs = best
-                    row.update(kernel_us=t_k * 1e6, kernel_GBps=(wbytes + io_bytes) / t_k / 1e9,
+                    for lay, pws in pw_copies.items():
+                        pw = pws[0]
+                        wbytes = pw.nbytes
+                        est_q = (wbytes + io_bytes) / HBM_BYTES_PER_S
+                        bs0 = default_block_sizes(m, pw.meta)
+                        cands = [bs0]
+                        if a.tune and m <= 16:
+                            tiles = pw.meta.K_pad // pw.meta.block_k
+                            cands += [BlockSizes(16, None, sk, nw, st) for sk in (1, 2, 4, 8, 16)
+                                      for nw in (2, 4) for st in (2, 4) if sk <= tiles]
+                        elif a.tune:
+                            cands += [dataclasses.replace(bs0, block_m=bm, num_warps=nw)
+                                      for bm in (32, 64, 128) for nw in (4, 8) if bm <= max(16, m)]
+                        for bs in cands:
+                            t_k, r = time_calls(lambda x, p, bs=bs: qmatmul(x, p, interpret=backend != "gpu",
+                                                                           block_sizes=bs), pws, xs, est_q, a.reps,
+                                                max_calls=a.max_calls)
+                            if best is None or t_k < best[0]:
+                                best = (t_k, bs, lay, wbytes)
+                    t_k, bs, lay, wbytes = best
+                    row.update(weight_bytes=wbytes, kernel_us=t_k * 1e6, kernel_GBps=(wbytes + io_bytes) / t_k / 1e9,
                                speedup_vs_dense=t_dense / t_k, bw_frac_of_dense=(wbytes + io_bytes) / t_k / bw_dense,
-                               block_sizes=dataclasses.asdict(bs))
+                               block_sizes=dataclasses.asdict(bs), layout=f"bk{lay[0]}bn{lay[1]}")
                 except Exception as e:  # keep going: one failing format must not lose the others' numbers
                     row["kernel_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 if qc is not None:
                     try:
-                        t_x, _ = time_calls(xla_qdot, qc, xs, est_q, a.reps, max_calls=a.max_calls)
+                        est_x = (q.nbytes + io_bytes) / HBM_BYTES_PER_S
+                        t_x, _ = time_calls(xla_qdot, qc, xs, est_x, a.reps, max_calls=a.max_calls)
                         row.update(xla_us=t_x * 1e6)
                         if "kernel_us" in row:
                             row["speedup_vs_xla"] = t_x * 1e6 / row["kernel_us"]
@@ -204,7 +214,7 @@ def _fmt_row(r) -> str:
     xla = f"xla {r['xla_us']:8.2f} us ({r['speedup_vs_xla']:.2f}x)" if "xla_us" in r else "xla -"
     return (f"  {r['format']:<10} kernel {r['kernel_us']:8.2f} us {r['kernel_GBps']:7.1f} GB/s "
             f"{r['speedup_vs_dense']:5.2f}x dense ({100 * r['bw_frac_of_dense']:5.1f}% of its BW)  {xla}  "
-            f"bs={tuple(r['block_sizes'].values())}")
+            f"{r['layout']} bs={tuple(r['block_sizes'].values())}")
 
 
 def to_markdown(header, rows, skipped) -> str:
@@ -212,20 +222,23 @@ def to_markdown(header, rows, skipped) -> str:
            "", "Time per call (us), speedup over dense bf16 `jnp.dot` and over the XLA dequantize+dot path, "
            "achieved bandwidth ((weights + x + y) bytes / time) and its fraction of the dense path's. "
            "Generated by `bench/kernels.py`.", "",
-           "| K x N | M | format | weights MB | dense us | kernel us | xla us | vs dense | vs xla | GB/s | % dense BW | goal |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| K x N | M | format | weights MB | dense us | kernel us | xla us | vs dense | vs xla | GB/s | % dense BW | goal "
+           "| tiling (layout; bm, split, warps, stages) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(rows, key=lambda r: (r["K"], r["N"], r["M"], r["format"])):
         goal = GOALS.get(r["format"]) if r["M"] == 1 else (2.0 if r["M"] == 16 and r["format"].startswith("FP6")
                                                           else None)
         if "kernel_us" in r:
+            b = r["block_sizes"]
             met = "" if goal is None else (f"{goal}x {'met' if r['speedup_vs_dense'] >= goal else 'missed'}")
             out.append(f"| {r['K']}x{r['N']} | {r['M']} | {r['format']} | {r['weight_bytes'] / 1e6:.1f} | "
                        f"{r['dense_us']:.2f} | {r['kernel_us']:.2f} | {r.get('xla_us', float('nan')):.2f} | "
                        f"{r['speedup_vs_dense']:.2f}x | {r.get('speedup_vs_xla', float('nan')):.2f}x | "
-                       f"{r['kernel_GBps']:.0f} | {100 * r['bw_frac_of_dense']:.0f}% | {met} |")
+                       f"{r['kernel_GBps']:.0f} | {100 * r['bw_frac_of_dense']:.0f}% | {met} | {r['layout']}; "
+                       f"{b['block_m']}, {b['split_k']}, {b['num_warps']}, {b['num_stages']} |")
         else:
             out.append(f"| {r['K']}x{r['N']} | {r['M']} | {r['format']} | | {r['dense_us']:.2f} | FAILED | | | | "
-                       f"| | {r.get('kernel_error', '')[:80]} |")
+                       f"| | | {r.get('kernel_error', '')[:80]} |")
     if skipped:
         out += ["", f"Not run (time budget): {', '.join(skipped)}"]
     return "\n".join(out)

@@ -171,9 +171,11 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, ou
 
 
 def _qmatmul_2d(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
-    """Jitted `_qmatmul_2d_impl`; the interpreter's XLA:CPU program is compiled without LLVM's expensive
-    passes (it runs once per test; compiling it is most of its cost)."""
-    fn = _qmatmul_2d_interp if interpret else _qmatmul_2d_gpu
+    """Jitted `_qmatmul_2d_impl`. Called eagerly in interpret mode, the interpreter's XLA:CPU program is
+    compiled without LLVM's expensive passes (it runs once per test; compiling it is most of its cost);
+    jax takes compiler options on top-level jits only, so under an outer jit the plain one is used."""
+    top_level = not isinstance(x, jax.core.Tracer)
+    fn = _qmatmul_2d_interp if (interpret and top_level) else _qmatmul_2d_gpu
     return fn(x, pw, bs=bs, interpret=interpret)
 
 

@@ -213,10 +213,12 @@ def test_qdot_uses_the_kernel_when_forced_to_interpret(monkeypatch):
     kernels_pallas.set_interpret(True)
     try:
         y = qformats.qdot(x, q)
+        y_jit = jax.jit(qformats.qdot)(x, q)  # under an outer jit too
     finally:
         kernels_pallas.set_interpret(False)
-    assert calls == [1]
+    assert calls == [1, 1]
     assert_close(y, x, q)
+    assert_close(y_jit, x, q)
     y_xla = qformats.qdot(x, q)  # CPU, not forced: the XLA path
     assert_close(y_xla, x, q)
 
