@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-calls", type=int, default=MAX_CALLS, help="cap on R (calls per launch)")
     ap.add_argument("--no-xla", action="store_true", help="skip the XLA dequantize+dot path")
     ap.add_argument("--tune", action="store_true",
-                    help="also try other tilings (M <= 16: split_k x num_warps x num_stages; else block_m x "
+                    help="also try other tilings (M <= 16: split_k 1..16 x num_warps 2/4; else block_m x "
                          "num_warps) and keep the fastest")
     ap.add_argument("--layouts", default="128x64",
                     help="prepare layouts block_k x block_n to try, e.g. 128x64,256x64,128x128 (fastest kept)")
@@ -170,12 +170,14 @@ def main(argv=None) -> int:
                         cands = [bs0]
                         if a.tune and m <= 16:
                             tiles = pw.meta.K_pad // pw.meta.block_k
-                            cands += [BlockSizes(16, None, sk, nw, st) for sk in (1, 2, 4, 8, 16)
-                                      for nw in (2, 4) for st in (2, 4) if sk <= tiles]
+                            cands += [BlockSizes(16, None, sk, nw, 3) for sk in (1, 2, 4, 8, 16)
+                                      for nw in (2, 4) if sk <= tiles]
                         elif a.tune:
                             cands += [dataclasses.replace(bs0, block_m=bm, num_warps=nw)
                                       for bm in (32, 64, 128) for nw in (4, 8) if bm <= max(16, m)]
                         for bs in cands:
+                            if best is not None and time.time() - t_start > a.budget_s:
+                                break
                             t_k, r = time_calls(lambda x, p, bs=bs: qmatmul(x, p, interpret=backend != "gpu",
                                                                            block_sizes=bs), pws, xs, est_q, a.reps,
                                                 max_calls=a.max_calls)
