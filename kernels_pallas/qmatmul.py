@@ -46,6 +46,11 @@ try:  # the Triton CompilerParams select the Triton backend (jax >= 0.7 defaults
 except Exception:  # pragma: no cover - very old/new jax
     _TritonParams = None
 
+try:
+    from jax._src.core import Tracer as _Tracer  # jax.core.Tracer is being retired from the public API
+except ImportError:  # pragma: no cover
+    _Tracer = jax.core.Tracer
+
 _SQUEEZED = getattr(pl, "squeezed", None)  # None is the older spelling of a squeezed block dimension
 
 X_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -174,7 +179,7 @@ def _qmatmul_2d(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
     """Jitted `_qmatmul_2d_impl`. Called eagerly in interpret mode, the interpreter's XLA:CPU program is
     compiled without LLVM's expensive passes (it runs once per test; compiling it is most of its cost);
     jax takes compiler options on top-level jits only, so under an outer jit the plain one is used."""
-    top_level = not isinstance(x, jax.core.Tracer)
+    top_level = not isinstance(x, _Tracer)
     fn = _qmatmul_2d_interp if (interpret and top_level) else _qmatmul_2d_gpu
     return fn(x, pw, bs=bs, interpret=interpret)
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from qformats.dispatch import register_kernel
 from qformats.qarray import QArray
 
@@ -40,7 +42,6 @@ def supports(x, q, backend: str) -> bool:
 
 
 def _fn(x, q):
-    import jax
     return qmatmul(x, q, interpret=jax.default_backend() != "gpu")
 
 
