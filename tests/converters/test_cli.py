@@ -103,6 +103,8 @@ def test_eval_delegates(monkeypatch, capsys):
     mod = types.ModuleType("examples.eval")
     mod.main = lambda argv: seen.setdefault("argv", argv) and 0
     monkeypatch.setitem(sys.modules, "examples.eval", mod)
+    import examples  # `import examples.eval as ev` reads the package attribute once the module was imported
+    monkeypatch.setattr(examples, "eval", mod, raising=False)
     assert main(["eval", "--json", "x"]) == 0
     assert seen["argv"] == ["--json", "x"]
 
