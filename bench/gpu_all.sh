@@ -45,7 +45,7 @@ echo "bench rc=$?" >> "$OUT/bench.log"
 grep -E "^\[|kernel|FAILED|rc=|prepared" "$OUT/bench.log" | tail -n 45
 
 echo "== tiling sweep, 4096x4096, M = 1 and 16 ($(date -u +%T))"
-timeout 60 "$PY" bench/kernels.py --shapes 4096x4096 --ms 1,16 --formats FP6_E3M2,NVFP4A16 --no-xla --tune \
+timeout 60 "$PY" bench/kernels.py --shapes 4096x4096 --ms 1,16 --formats FP6_E3M2,NVFP4A16 --no-xla --tune --probe \
   --layouts 128x64,256x64,128x128 --budget-s 45 --reps 5 --json "$OUT/tune.json" ${TUNE_ARGS:-} \
   > "$OUT/tune.log" 2>&1
 echo "tune rc=$?" >> "$OUT/tune.log"

@@ -97,6 +97,9 @@ def main(argv=None) -> int:
                          "num_warps) and keep the fastest")
     ap.add_argument("--layouts", default="128x64",
                     help="prepare layouts block_k x block_n to try, e.g. 128x64,256x64,128x128 (fastest kept)")
+    ap.add_argument("--probe", action="store_true",
+                    help="also time the kernel without its decode (wrong values; loads + dots only): "
+                         "if that is much faster, the decode's ALU work is the bound")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--append", default=None, help="append the markdown section to this file")
@@ -184,6 +187,16 @@ def main(argv=None) -> int:
                             if best is None or t_k < best[0]:
                                 best = (t_k, bs, lay, wbytes)
                     t_k, bs, lay, wbytes = best
+                    if a.probe and backend == "gpu":
+                        from kernels_pallas.qmatmul import _qmatmul_2d_gpu
+                        pws = pw_copies[lay]
+
+                        def nodec(x, p, bs=bs):
+                            xp = jnp.pad(x, ((0, 0), (0, p.meta.K_pad - x.shape[1]))) if p.meta.K_pad != k else x
+                            return _qmatmul_2d_gpu(xp, p, bs=bs, interpret=False, probe="no_decode")
+                        t_nd, _ = time_calls(nodec, pws, xs, (wbytes + io_bytes) / HBM_BYTES_PER_S, a.reps,
+                                             max_calls=a.max_calls)
+                        row["no_decode_us"] = t_nd * 1e6
                     row.update(weight_bytes=wbytes, kernel_us=t_k * 1e6, kernel_GBps=(wbytes + io_bytes) / t_k / 1e9,
                                speedup_vs_dense=t_dense / t_k, bw_frac_of_dense=(wbytes + io_bytes) / t_k / bw_dense,
                                block_sizes=dataclasses.asdict(bs), layout=f"bk{lay[0]}bn{lay[1]}")
@@ -214,6 +227,8 @@ def _fmt_row(r) -> str:
     if "kernel_us" not in r:
         return f"  {r['format']:<10} kernel FAILED: {r.get('kernel_error')}"
     xla = f"xla {r['xla_us']:8.2f} us ({r['speedup_vs_xla']:.2f}x)" if "xla_us" in r else "xla -"
+    if "no_decode_us" in r:
+        xla += f"  [no decode: {r['no_decode_us']:.2f} us]"
     return (f"  {r['format']:<10} kernel {r['kernel_us']:8.2f} us {r['kernel_GBps']:7.1f} GB/s "
             f"{r['speedup_vs_dense']:5.2f}x dense ({100 * r['bw_frac_of_dense']:5.1f}% of its BW)  {xla}  "
             f"{r['layout']} bs={tuple(r['block_sizes'].values())}")
@@ -237,7 +252,8 @@ def to_markdown(header, rows, skipped) -> str:
                        f"{r['dense_us']:.2f} | {r['kernel_us']:.2f} | {r.get('xla_us', float('nan')):.2f} | "
                        f"{r['speedup_vs_dense']:.2f}x | {r.get('speedup_vs_xla', float('nan')):.2f}x | "
                        f"{r['kernel_GBps']:.0f} | {100 * r['bw_frac_of_dense']:.0f}% | {met} | {r['layout']}; "
-                       f"{b['block_m']}, {b['split_k']}, {b['num_warps']}, {b['num_stages']} |")
+                       f"{b['block_m']}, {b['split_k']}, {b['num_warps']}, {b['num_stages']}"
+                       + (f"; no-decode probe {r['no_decode_us']:.2f} us" if "no_decode_us" in r else "") + " |")
         else:
             out.append(f"| {r['K']}x{r['N']} | {r['M']} | {r['format']} | | {r['dense_us']:.2f} | FAILED | | | | "
                        f"| | | {r.get('kernel_error', '')[:80]} |")

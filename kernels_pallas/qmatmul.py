@@ -96,7 +96,7 @@ def default_block_sizes(m: int, meta: LayoutMeta, num_sms: int = 132) -> BlockSi
 
 
 def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, out_f32: bool, interpret: bool,
-            m: int):
+            m: int, probe: Optional[str] = None):
     n_planes = len(meta.planes)
     plane_refs = refs[:n_planes]
     rest = list(refs[n_planes:])
@@ -145,7 +145,10 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, ou
                     loaded[(p, off)] = ref[pl.ds(kt * R + off, cs), :]
                 part = plane_part(loaded[(p, off)], slot, w, sh)
                 code = part if code is None else code | part
-            lanes = decode_words(code, meta)
+            if probe == "no_decode":  # timing probe only (wrong values): the loads and dots without the decode
+                lanes = [(code >> (8 * q)).astype(jnp.float32) for q in range(LANES)]
+            else:
+                lanes = decode_words(code, meta)
             if hoisted is not None:
                 sz = hoisted
             else:
@@ -184,7 +187,7 @@ def _qmatmul_2d(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
     return fn(x, pw, bs=bs, interpret=interpret)
 
 
-def _qmatmul_2d_impl(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
+def _qmatmul_2d_impl(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool, probe: Optional[str] = None):
     """x [M, K_pad] (padded along K only) -> y [M, N_pad] in x.dtype."""
     meta = pw.meta
     m_pad = x.shape[0]  # the true M: the grid covers it with ceil(M / block_m) blocks, the last one masked
@@ -212,7 +215,7 @@ def _qmatmul_2d_impl(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
         out_spec = pl.BlockSpec((_SQUEEZED, bm, bn), lambda i, j, s: (s, i, j))
     kernel = functools.partial(_kernel, meta=meta, tiles_per_split=-(-tiles // split), tiles=tiles,
                                out_f32=split > 1,
-                               interpret=interpret, m=m_pad)
+                               interpret=interpret, m=m_pad, probe=probe)
     extra = {}
     if _TritonParams is not None:
         extra["compiler_params"] = _TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
@@ -223,7 +226,7 @@ def _qmatmul_2d_impl(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
     return y
 
 
-_qmatmul_2d_gpu = jax.jit(_qmatmul_2d_impl, static_argnames=("bs", "interpret"))
+_qmatmul_2d_gpu = jax.jit(_qmatmul_2d_impl, static_argnames=("bs", "interpret", "probe"))
 _qmatmul_2d_interp = jax.jit(_qmatmul_2d_impl, static_argnames=("bs", "interpret"),
                              compiler_options={"xla_backend_optimization_level": 0,
                                                "xla_llvm_disable_expensive_passes": True})

@@ -14,7 +14,7 @@ SCHEMES = {name: presets[name].weights for name in (
     "FP6_E3M2", "FP6_E2M3", "FP5_E2M2", "FP5_E3M1", "FP4_E2M1", "FP8_E4M3",
     "FP6_E3M2_G32", "FP5_E3M1_G128", "FP4_E2M1_G32", "FP8_E4M3_G128",
     "MXFP8A16", "MXFP6A16", "MXFP4A16", "NVFP4A16",
-    "W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8", "FP8_BLOCK")}
+    "W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W3A16", "FP8", "FP8_BLOCK")}
 SCHEMES["MXFP6_E3M2"] = QuantScheme("fp6_e3m2", "group", group_size=32, scale_format="e8m0", scale_rule="ct")
 SCHEMES["W8A16_ASYM"] = QuantScheme("int8", "group", group_size=128, symmetric=False, scale_format="input")
 
