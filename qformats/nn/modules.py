@@ -99,7 +99,7 @@ class _QuantizedMatmul(nnx.Module):
     """
 
     def __init__(self, kernel, bias, schemes: SchemeSet, *, mode: str = "ptq", dtype=None, path: str = "",
-                 observer: Optional[Observer] = None, record_inputs: bool = True):
+                 observer: Optional[Observer] = None, record_inputs: bool = True, full_moments: bool = False):
         kind = type(self).__name__
         if mode not in MODES:
             raise ModelError(f"{kind} {path or '<module>'}: mode must be one of {MODES}, got {mode!r}")
@@ -131,16 +131,18 @@ class _QuantizedMatmul(nnx.Module):
             if observer is None:
                 raise ModelError(f"{kind} {path}: calibrate mode needs an observer")
             self.calib_amax = CalibStat(observer.init())
+            # sum x x^T over tokens ([K, K], for the MSE search's output-error check) or only its diagonal
             k = self.k_dim
-            self.calib_sq = CalibStat((jnp.zeros((k, k), jnp.float32), jnp.zeros((), jnp.float32)))
+            shape = (k, k) if full_moments else (k,)
+            self.calib_sq = CalibStat((jnp.zeros(shape, jnp.float32), jnp.zeros((), jnp.float32)))
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def finalize(self, mode: str = "ptq", weight_search: Optional[str] = None) -> None:
         """End calibration: static activation scales from the observer, then the kernel for `mode`.
 
         With weight_search="mse" the per-group clipping search weights errors by E[x_k^2] measured on
-        the calibration batches, and the result is kept only if the layer's output error on them,
-        tr(dW^T H dW) with H = E[x x^T], is below round-to-nearest's (else RTN is kept).
+        the calibration batches, and (when the layer tracked full moments) the result is kept only if
+        the layer's output error on them, tr(dW^T H dW) with H = E[x x^T], is below round-to-nearest's.
         """
         if self.mode != "calibrate":
             raise ModelError(f"{self.path}: finalize() is for a calibrating layer, mode is {self.mode!r}")
@@ -154,14 +156,15 @@ class _QuantizedMatmul(nnx.Module):
         total, n = self.calib_sq.get_value()
         seen = float(n) > 0
         h = total / jnp.maximum(n, 1.0)
+        diag = jnp.diagonal(h) if h.ndim == 2 else h
         self.calib_amax = None
         self.calib_sq = None
         self.observer = None
         self.mode = mode
         if mode == "ptq":
             w = self.kernel.get_value()
-            q = quantize_weight(w, self.schemes, weight_search, importance=jnp.diagonal(h) if seen else None)
-            if weight_search is not None and seen:
+            q = quantize_weight(w, self.schemes, weight_search, importance=diag if seen else None)
+            if weight_search is not None and seen and h.ndim == 2:
                 rtn = quantize_weight(w, self.schemes, None)
                 if output_error(rtn, w, h) <= output_error(q, w, h):
                     q = rtn
@@ -183,7 +186,8 @@ class _QuantizedMatmul(nnx.Module):
             if self.record_inputs:  # sum x x^T over tokens: H for the MSE search and its output-error check
                 total, n = self.calib_sq.get_value()
                 xf = x.astype(jnp.float32).reshape(-1, x.shape[-1])
-                self.calib_sq.set_value((total + xf.T @ xf, n + xf.shape[0]))
+                moments = xf.T @ xf if total.ndim == 2 else jnp.sum(xf * xf, axis=0)
+                self.calib_sq.set_value((total + moments, n + xf.shape[0]))
                 if a is not None:
                     self.calib_amax.set_value(self.observer.update(self.calib_amax.get_value(), x))
             return x
@@ -234,13 +238,15 @@ class QLinear(_QuantizedMatmul):
 
     @classmethod
     def from_module(cls, linear: nnx.Linear, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = None, observer: Optional[Observer] = None) -> "QLinear":
+                    weight_search: Optional[str] = None, observer: Optional[Observer] = None,
+                    full_moments: bool = False) -> "QLinear":
         """The quantized counterpart of `linear` (which is left untouched)."""
         kernel = linear.kernel.get_value()
         bias = None if linear.bias is None else linear.bias.get_value()
         if mode == "ptq":
             kernel = quantize_weight(kernel, schemes, weight_search)
-        return cls(kernel, bias, schemes, mode=mode, dtype=linear.dtype, path=path, observer=observer)
+        return cls(kernel, bias, schemes, mode=mode, dtype=linear.dtype, path=path, observer=observer,
+                   full_moments=full_moments)
 
     from_linear = from_module
 
@@ -265,7 +271,8 @@ class QLinearGeneral(_QuantizedMatmul):
 
     @classmethod
     def from_module(cls, lg: nnx.LinearGeneral, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = None, observer: Optional[Observer] = None):
+                    weight_search: Optional[str] = None, observer: Optional[Observer] = None,
+                    full_moments: bool = False):
         if lg.batch_axis:
             raise ModelError(f"{path}: LinearGeneral with batch_axis {dict(lg.batch_axis)} is not supported")
         kernel = lg.kernel.get_value()
@@ -277,7 +284,7 @@ class QLinearGeneral(_QuantizedMatmul):
         if mode == "ptq":
             kernel = quantize_weight(kernel, schemes, weight_search)
         return cls(kernel, bias, schemes, in_features=lg.in_features, out_features=lg.out_features, axis=lg.axis,
-                   mode=mode, dtype=lg.dtype, path=path, observer=observer)
+                   mode=mode, dtype=lg.dtype, path=path, observer=observer, full_moments=full_moments)
 
     def __call__(self, x):
         axes = _norm_axes(self.axis, x.ndim)
@@ -321,7 +328,8 @@ class QEinsum(_QuantizedMatmul):
 
     @classmethod
     def from_module(cls, e: nnx.Einsum, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = None, observer: Optional[Observer] = None):
+                    weight_search: Optional[str] = None, observer: Optional[Observer] = None,
+                    full_moments: bool = False):
         kernel = e.kernel.get_value()
         perm, k, _ = einsum_layout(e.einsum_str, kernel.shape)
         kernel = jnp.transpose(kernel, perm).reshape(k, -1)
@@ -329,7 +337,7 @@ class QEinsum(_QuantizedMatmul):
         if mode == "ptq":
             kernel = quantize_weight(kernel, schemes, weight_search)
         return cls(kernel, bias, schemes, einsum_str=e.einsum_str, kernel_shape=e.kernel_shape,
-                   mode=mode, dtype=e.dtype, path=path, observer=observer)
+                   mode=mode, dtype=e.dtype, path=path, observer=observer, full_moments=full_moments)
 
     def __call__(self, x):
         if self.contracts_last:

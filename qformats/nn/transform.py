@@ -16,6 +16,7 @@ from qformats.observers import get_observer
 
 
 _NOTHING = object()
+MAX_FULL_MOMENTS_K = 4096
 
 
 def _path_str(path) -> str:
@@ -127,7 +128,9 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         cls = next(q for base, q in QUANTIZED.items() if isinstance(lin, base))
         if calibrating:
             obs = observers.get(path) or get_observer("minmax", ss.weights)
-            new = cls.from_module(lin, ss, mode="calibrate", path=path, observer=obs)
+            # full E[x x^T] only where the MSE search will use it, and only up to K = 4096 (64 MiB)
+            full = weight_search == "mse" and _contracted_size(path, lin, ss, True) <= MAX_FULL_MOMENTS_K
+            new = cls.from_module(lin, ss, mode="calibrate", path=path, observer=obs, full_moments=full)
         else:
             new = cls.from_module(lin, ss, mode=mode, path=path, weight_search=weight_search)
         for parent, key in parents:
