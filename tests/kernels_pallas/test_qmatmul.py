@@ -238,3 +238,34 @@ def test_lowers_to_triton(name):
     # prefill: 64-row blocks, f32 (IEEE dot), no mask
     _lower_gpu(jnp.zeros((3, pw.meta.K_pad), jnp.bfloat16), pw, BlockSizes(block_m=16, split_k=min(2, tiles)))
     _lower_gpu(jnp.zeros((64, pw.meta.K_pad), jnp.float32), pw, default_block_sizes(64, pw.meta))
+
+
+def test_flax_layer_runs_the_kernel(monkeypatch):
+    """A qformats.nn-quantized nnx.Linear calls qdot, which takes the kernel (forced to interpret here)."""
+    nnx = pytest.importorskip("flax.nnx")
+    from qformats.nn import Rule, quantize_model
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.proj = nnx.Linear(160, 200, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+
+        def __call__(self, x):
+            return self.proj(x)
+
+    model = Net()
+    quantize_model(model, [Rule(".*", "FP6_E3M2")])
+    assert isinstance(model.proj.kernel.get_value(), qformats.QArray)
+    x = make_x((2, 3, 160), jnp.bfloat16)
+    calls = []
+    import kernels_pallas.register as reg
+    orig = reg.qmatmul
+    monkeypatch.setattr(reg, "qmatmul", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    kernels_pallas.set_interpret(True)
+    try:
+        y = np.asarray(model(x), np.float32)
+    finally:
+        kernels_pallas.set_interpret(False)
+    assert calls, "the quantized layer did not dispatch to the Pallas kernel"
+    y_xla = np.asarray(model(x), np.float32)  # CPU, not forced: the XLA path
+    assert y.shape == (2, 3, 200)
+    np.testing.assert_allclose(y, y_xla, rtol=0, atol=2.0 ** -7 * np.abs(y_xla).max())
