@@ -357,3 +357,18 @@ def test_calibration_failure_or_no_batches_leaves_model_unchanged():
         quantize_model(model, [Rule(".*", "FP8")], calibration_data=bad_batches())
     assert not quantized_layers(model)
     assert isinstance(model.blocks[0].shared, nnx.Linear) and model.blocks[0].shared is model.blocks[1].shared
+
+
+def test_bf16_model_keeps_bf16_scales_and_outputs():
+    rngs = nnx.Rngs(0)
+    lin = nnx.Linear(128, 64, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
+    holder = nnx.Dict({"lin": lin})
+    w = lin.kernel.get_value()
+    quantize_model(holder, [Rule(".*", "W4A16")])
+    q = holder["lin"].kernel.get_value()
+    assert q.dtype == jnp.bfloat16 and q.scale.dtype == jnp.bfloat16  # compressed-tensors: scale in w's dtype
+    x = X.astype(jnp.bfloat16)
+    y = holder["lin"](x)
+    assert y.dtype == jnp.bfloat16
+    want = x.astype(jnp.float32) @ dequantize(quantize(w, presets["W4A16"].weights, 0)).astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), rtol=3e-2, atol=3e-2)
