@@ -29,9 +29,10 @@ bn columns, byte q of word j is column `q * bn/4 + j`:
 One 32-bit operation then works on four codes (SIMD within a register), and the four byte lanes decode to
 four contiguous quarter-blocks of output columns (four `dot`s, no column interleave).
 
-**Decode (SWAR, exact).** The OR of a chunk's planes holds four codes in its byte lanes; two masks split
-them into 16-bit lanes (q = 0, 2 and q = 1, 3). For a float format with e <= 5 exponent bits the lane
-becomes the IEEE half `sign << 15 | magnitude << (10 - m)` (four integer ops for two codes), whose value is
+**Decode (SWAR, exact).** The OR of a chunk's planes holds four codes in its byte lanes; two shifted,
+masked copies of it put the codes of lanes q = 0, 2 (and 1, 3) into the two 16-bit halves of a word. For
+a float format with e <= 5 exponent bits each half becomes the IEEE half `sign << 15 | magnitude << (10 - m)`
+(five integer ops for two codes, straight from the word), whose value is
 value(code) * 2^(bias - 15) exactly, subnormals included (f16 has room for every e<=5 code, and
 f16 -> f32 conversion keeps subnormals, so no flush-to-zero setting can change it); the factor 2^(15 - bias)
 is folded into the scale row. Integer codes u (offset, u = q - qmin) become the half `0x6400 | u` = 1024 + u,
@@ -305,19 +306,29 @@ def _u16_to_f32(lane: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(lane.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
 
 
+def _shift(v: jax.Array, n: int) -> jax.Array:
+    """v << n for n >= 0, v >> -n (logical) otherwise."""
+    return v << n if n > 0 else (v >> -n if n < 0 else v)
+
+
 def decode_words(code: jax.Array, meta: LayoutMeta) -> List[jax.Array]:
-    """uint32 words with four codes in their byte lanes -> four f32 arrays: lane q's values, scaled by
-    2^(bias - 15) for float formats (`scale_values` multiplies 2^(15 - bias) back) and exact for ints."""
+    """uint32 words with four codes in their byte lanes (each code < 2^bits) -> four f32 arrays, lane q's
+    values, scaled by 2^(bias - 15) for float formats (`scale_values` multiplies 2^(15 - bias) back) and
+    exact for ints.
+
+    Half words (lanes 0, 2) and (1, 3) get the f16 pattern `sign << 15 | mag << (10 - m)` straight from the
+    word by two shifted, masked copies (sign bits and magnitude fields land in their 16-bit lane; the
+    other byte's bits are masked away): five integer ops per two codes."""
     fmt = meta.fmt
-    halves = (code & np.uint32(0x00FF00FF), (code >> 8) & np.uint32(0x00FF00FF))  # lanes (0, 2), (1, 3)
     out = [None] * LANES
-    for h, lanes in zip(halves, ((0, 2), (1, 3))):
+    for src, lanes in ((0, (0, 2)), (8, (1, 3))):  # bit offset of the lanes' bytes in the word
         if isinstance(fmt, IntFormat):
-            pat = h | np.uint32(0x64006400)  # half 1024 + u
+            pat = (_shift(code, -src) & np.uint32(0x00FF00FF)) | np.uint32(0x64006400)  # half 1024 + u
         else:
             b, m = fmt.bits, fmt.mbits
-            magmask = np.uint32(((1 << (b - 1)) - 1) * 0x00010001)
-            pat = ((h & magmask) << (10 - m)) | ((h << (16 - b)) & np.uint32(0x80008000))
+            sign = _shift(code, 15 - (src + b - 1)) & np.uint32(0x80008000)
+            mag = _shift(code, (10 - m) - src) & np.uint32((((1 << (b - 1)) - 1) << (10 - m)) * 0x00010001)
+            pat = sign | mag
         for lane, p in zip(lanes, (pat, pat >> 16)):
             v = _u16_to_f32(p)
             if isinstance(fmt, IntFormat):
