@@ -6,7 +6,8 @@ the mean / min cosine against the torch fp32 sentence-transformers embeddings is
 bytes of the Linear weights. Without torch the reference is the dense JAX model (and it says so).
 
 Scheme names are presets (`qformats.presets`), "dense", or a preset with the suffix ":w" for its weight
-scheme alone (e.g. "FP8_BLOCK:w": block-quantized weights, float activations).
+scheme alone (e.g. "FP8_BLOCK:w": block-quantized weights, float activations). Positional SRC arguments
+are compressed-tensors checkpoints of the model (read by `converters`), evaluated the same way.
 """
 
 from __future__ import annotations
@@ -117,6 +118,68 @@ def evaluate(schemes: Sequence[str], sentences: Sequence[str], *, calibrated: bo
     return results
 
 
+def load_checkpoint(src) -> "object":
+    """The Flax MiniLM with the tensors of a compressed-tensors (or dense) checkpoint of all-MiniLM-L6-v2.
+
+    The checkpoint is read by `converters.ct_read` (QArrays for quantized Linear weights, zero copy);
+    HF tensor names map to Flax paths by `minilm.torch_to_flax`. Dense tensors overwrite the packaged
+    weights; quantized modules become packed QLinear layers (`qformats.nn.load_quantized`) with the
+    checkpoint's static input scales and activation schemes. Unknown tensors raise CheckpointError.
+    """
+    import jax.numpy as jnp
+
+    from converters.ct_read import read_compressed
+    from examples import minilm
+    from qformats.errors import CheckpointError
+    from qformats.nn import load_quantized
+    from qformats.qarray import QArray
+
+    cm = read_compressed(src)
+    model = minilm.load_minilm()
+    table = minilm.torch_to_flax(model.config, with_pooler=True)
+    groups = {g.name: g for g in (cm.quant.groups if cm.quant is not None else ())}
+    quantized, schemes, unknown = {}, {}, []
+    for mod, tensors in cm.modules.items():
+        for local, arr in tensors.items():
+            full = f"{mod}.{local}" if mod else local
+            if isinstance(arr, QArray) or local in ("input_scale", "input_global_scale"):
+                kpath, _ = table.get(f"{mod}.weight", (None, None))
+                if kpath is None:
+                    unknown.append(full)
+                    continue
+                fpath = kpath.rsplit("/", 1)[0]
+                quantized.setdefault(fpath, {})["weight" if isinstance(arr, QArray) else local] = arr
+                g = groups.get(cm.groups.get(mod, ""))
+                schemes[fpath] = g.input_activations if g is not None else None
+            elif full in table:
+                vpath, transpose = table[full]
+                var = minilm._variable(model, vpath)
+                a = np.asarray(arr).T if transpose else np.asarray(arr)
+                if tuple(a.shape) != tuple(var.get_value().shape):
+                    raise CheckpointError(f"{src}: tensor {full!r}: expected shape {tuple(var.get_value().shape)}, "
+                                          f"found {a.shape}")
+                var.set_value(jnp.asarray(a, var.get_value().dtype))
+            elif full not in minilm.IGNORED_TENSORS:
+                unknown.append(full)
+    if unknown:
+        raise CheckpointError(f"{src}: tensors that all-MiniLM-L6-v2 does not have: {sorted(unknown)[:8]}")
+    for path, t in quantized.items():
+        lin = minilm._variable(model, path)
+        if lin.bias is not None:
+            t["bias"] = lin.bias.get_value()
+    load_quantized(model, quantized, schemes)
+    return model
+
+
+def evaluate_checkpoint(src, sentences, reference, *, batch_size: int = 32) -> dict:
+    """A compressed-tensors checkpoint of the model → {"mean_cos", "min_cos", "bytes"} vs `reference`."""
+    from examples import minilm
+
+    model = load_checkpoint(src)
+    cos = _cosines(minilm.encode_sentences(model, minilm.Tokenizer(), sentences, batch_size), reference)
+    return {"mean_cos": float(cos.mean()), "min_cos": float(cos.min()), "bytes": linear_weight_bytes(model)}
+
+
 def format_table(results: Dict[str, dict], reference_name: str) -> str:
     dense = results.get("dense", {}).get("bytes")
     lines = [f"reference: {reference_name}",
@@ -129,9 +192,12 @@ def format_table(results: Dict[str, dict], reference_name: str) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="qformats eval", description=__doc__.splitlines()[0])
+    p.add_argument("src", nargs="*", help="compressed-tensors checkpoints of all-MiniLM-L6-v2 to evaluate too "
+                                          "(e.g. written by `qformats quantize`)")
     p.add_argument("--sentences", help="text file, one sentence a line (default: the shipped set)")
-    p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
-                   help="comma-separated: dense, preset names, NAME:w for weights only")
+    p.add_argument("--schemes", default=None,
+                   help="comma-separated: dense, preset names, NAME:w for weights only (default: the issue's "
+                        "weight-only table; with SRC given: dense)")
     p.add_argument("--json", action="store_true", help="print one JSON object scheme → metrics")
     p.add_argument("--calibrated", action="store_true",
                    help="also report each scheme with the MSE clipping search (weights) and calibrated "
@@ -155,7 +221,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
     else:
         sentences = minilm.default_sentences()
+    if args.schemes is None:
+        args.schemes = "dense" if args.src else ",".join(DEFAULT_SCHEMES)
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    for src in args.src:
+        if not Path(src).exists():
+            print(f"qformats eval: {src}: no such checkpoint", file=sys.stderr)
+            return 2
     try:
         for s in schemes:
             resolve(s)
@@ -171,6 +243,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         ref = minilm.encode_sentences(minilm.load_minilm(), minilm.Tokenizer(), sentences, args.batch_size)
     results = evaluate(schemes, sentences, calibrated=args.calibrated, reference=ref,
                        batch_size=args.batch_size, log=None if args.json else (lambda m: print(m, file=sys.stderr)))
+    for src in args.src:
+        try:
+            results[str(src)] = evaluate_checkpoint(src, sentences, ref, batch_size=args.batch_size)
+        except QFormatsError as e:
+            print(f"qformats eval: {e}", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(results, indent=None, sort_keys=False))
     else:

@@ -16,7 +16,8 @@ Linen::
     y = qmodule.apply(qparams, x)
 
 Modules: `modules` (QLinear, QLinearGeneral, QEinsum), `rules` (Rule, validation), `transform`
-(quantize_model, convert), `linen` (QDense, quantize_linen), `stats` (param_bytes). Observers and the
+(quantize_model, convert), `linen` (QDense, quantize_linen), `checkpoint` (load_quantized /
+export_quantized: pure glue for checkpoint readers and writers), `stats` (param_bytes). Observers and the
 MSE weight search are pure functions in `qformats.observers`.
 """
 
@@ -25,7 +26,8 @@ from qformats.nn.rules import Rule, resolve_scheme
 from qformats.nn.transform import convert, quantize_model, quantized_layers
 from qformats.nn.stats import param_bytes
 from qformats.nn.linen import QDense, QuantizedLinen, quantize_linen, quantize_params
+from qformats.nn.checkpoint import export_quantized, load_quantized
 
 __all__ = ["QLinear", "QLinearGeneral", "QEinsum", "QuantStat", "CalibStat", "Rule", "quantize_model", "convert",
            "quantized_layers", "quantize_weight", "resolve_scheme", "param_bytes",
-           "QDense", "QuantizedLinen", "quantize_linen", "quantize_params"]
+           "QDense", "QuantizedLinen", "quantize_linen", "quantize_params", "load_quantized", "export_quantized"]

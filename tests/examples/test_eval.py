@@ -105,3 +105,15 @@ def test_main_without_torch_falls_back_to_dense_jax_and_says_so(monkeypatch, cap
 def test_main_bad_input(argv, msg, capsys):
     assert ev.main(argv) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_eval_of_a_compressed_tensors_checkpoint_equals_in_memory(tmp_path, monkeypatch, capsys, results, reference):
+    qc = pytest.importorskip("converters.quantize_checkpoint")
+    dst = tmp_path / "minilm-w4a16"
+    qc.quantize_checkpoint(str(minilm.model_dir()), str(dst), "W4A16", ignore=(), progress=False)
+    monkeypatch.setattr(minilm, "torch_reference_embeddings", lambda s, batch_size=32: reference)
+    assert ev.main([str(dst), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["dense", str(dst)]
+    assert out[str(dst)] == results["W4A16"]  # same codes, same scales: the same numbers exactly
+    assert ev.main([str(tmp_path / "missing")]) == 2
