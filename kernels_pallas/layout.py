@@ -292,23 +292,23 @@ def _prepare_jit(q: QArray, block_k: int, block_n: int) -> PreparedWeight:
 
 
 # ---- dequantization arithmetic shared by the kernel and dequantize_prepared ------------------------------------
+def _shift(v: jax.Array, n: int) -> jax.Array:
+    """v << n for n >= 0, v >> -n (logical) otherwise."""
+    return v << n if n > 0 else (v >> -n if n < 0 else v)
+
+
 def plane_part(word: jax.Array, slot: int, w: int, shift: int) -> jax.Array:
-    """Codes bits `shift..shift+w-1` of four columns (byte lanes) from a plane word, slot `slot`."""
+    """Codes bits `shift..shift+w-1` of four columns (byte lanes) from a plane word, slot `slot`: one shift
+    moves the slot's bits to the code position inside each byte, one mask drops what crossed in from the
+    neighbouring byte (shift + w <= 8 and slot * w + w <= 8, so the kept bits never leave their byte)."""
     if w == 8:
         return word
-    part = (word >> (slot * w)) if slot else word
-    part = part & np.uint32(((1 << w) - 1) * 0x01010101)
-    return part << shift if shift else part
+    return _shift(word, shift - slot * w) & np.uint32((((1 << w) - 1) << shift) * 0x01010101)
 
 
 def _u16_to_f32(lane: jax.Array) -> jax.Array:
     """uint32 holding a half's bit pattern in its low 16 bits -> that half's value as f32 (exact)."""
     return jax.lax.bitcast_convert_type(lane.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
-
-
-def _shift(v: jax.Array, n: int) -> jax.Array:
-    """v << n for n >= 0, v >> -n (logical) otherwise."""
-    return v << n if n > 0 else (v >> -n if n < 0 else v)
 
 
 def decode_words(code: jax.Array, meta: LayoutMeta) -> List[jax.Array]:
