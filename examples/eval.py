@@ -171,6 +171,39 @@ def load_checkpoint(src) -> "object":
     return model
 
 
+def save_checkpoint(model, dst, *, overwrite: bool = False):
+    """Write a (quantized) Flax MiniLM as a compressed-tensors checkpoint under HF tensor names.
+
+    Packed layers go out as their QArrays (the writer picks the compressed-tensors format from the
+    scheme) with static `input_scale`s; float kernels are transposed back to torch's [out, in]. The
+    packaged config.json is extended with the quantization_config; tokenizer files are copied.
+    """
+    import json as _json
+
+    from converters.ct_write import write_compressed
+    from examples import minilm
+    from qformats.nn import export_quantized
+    from qformats.qarray import QArray
+
+    packed = export_quantized(model)
+    table = minilm.torch_to_flax(model.config, with_pooler=model.pooler is not None)
+    tensors, schemes = {}, {}
+    for name, (vpath, transpose) in table.items():
+        value = minilm._variable(model, vpath).get_value()
+        if isinstance(value, QArray):
+            mod = name.rsplit(".", 1)[0]
+            tensors[name] = value
+            extra = packed[vpath.rsplit("/", 1)[0]]
+            schemes[mod] = extra["schemes"]
+            for local in ("input_scale", "input_global_scale"):
+                if local in extra:
+                    tensors[f"{mod}.{local}"] = np.asarray(extra[local])
+        else:
+            tensors[name] = np.asarray(value).T if transpose else np.asarray(value)
+    config = _json.loads((minilm.model_dir() / "config.json").read_text())
+    return write_compressed(dst, tensors, schemes, config=config, copy_from=minilm.model_dir(), overwrite=overwrite)
+
+
 def evaluate_checkpoint(src, sentences, reference, *, batch_size: int = 32) -> dict:
     """A compressed-tensors checkpoint of the model → {"mean_cos", "min_cos", "bytes"} vs `reference`."""
     from examples import minilm

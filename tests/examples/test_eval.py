@@ -117,3 +117,21 @@ def test_eval_of_a_compressed_tensors_checkpoint_equals_in_memory(tmp_path, monk
     assert list(out) == ["dense", str(dst)]
     assert out[str(dst)] == results["W4A16"]  # same codes, same scales: the same numbers exactly
     assert ev.main([str(tmp_path / "missing")]) == 2
+
+
+def test_save_then_load_checkpoint_roundtrips_static_scales(tmp_path, sentences):
+    pytest.importorskip("converters.ct_write")
+    from qformats.nn import Rule, quantize_model
+
+    tok = minilm.Tokenizer()
+    model = minilm.load_minilm()
+    quantize_model(model, [Rule("pooler", "W4A16"), Rule(".*", "FP8")], calibration_data=[tok(sentences[:16])])
+    want = minilm.encode_sentences(model, tok, sentences[:8])
+    dst = ev.save_checkpoint(model, tmp_path / "fp8-static")
+    cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] in ("float-quantized", "mixed-precision")
+    back = ev.load_checkpoint(dst)
+    layer = back.encoder.layers[0].attention.query
+    assert float(layer.input_scale.get_value()[0]) == float(model.encoder.layers[0].attention.query
+                                                             .input_scale.get_value()[0])
+    np.testing.assert_array_equal(minilm.encode_sentences(back, tok, sentences[:8]), want)
