@@ -160,6 +160,7 @@ def main(argv=None) -> int:
                 if time.time() - t_start > a.budget_s:
                     skipped.append(f"{k}x{n} M={m} {name}")
                     continue
+                t_row = time.time()
                 q, pw_copies, qc = ent[name]
                 row = {"K": k, "N": n, "M": m, "format": name, "scheme": q.scheme.describe(),
                        "dense_us": t_dense * 1e6, "dense_GBps": bw_dense / 1e9}
@@ -211,6 +212,7 @@ def main(argv=None) -> int:
                             row["speedup_vs_xla"] = t_x * 1e6 / row["kernel_us"]
                     except Exception as e:
                         row["xla_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                row["row_s"] = round(time.time() - t_row, 2)  # compile + timing wall time of this row
                 rows.append(row)
                 flush()
                 print(_fmt_row(row), flush=True)
@@ -231,7 +233,7 @@ def _fmt_row(r) -> str:
         xla += f"  [no decode: {r['no_decode_us']:.2f} us]"
     return (f"  {r['format']:<10} kernel {r['kernel_us']:8.2f} us {r['kernel_GBps']:7.1f} GB/s "
             f"{r['speedup_vs_dense']:5.2f}x dense ({100 * r['bw_frac_of_dense']:5.1f}% of its BW)  {xla}  "
-            f"{r['layout']} bs={tuple(r['block_sizes'].values())}")
+            f"{r['layout']} bs={tuple(r['block_sizes'].values())}  ({r.get('row_s', 0):.1f} s)")
 
 
 def to_markdown(header, rows, skipped) -> str:
