@@ -59,8 +59,8 @@ def linear_weight_bytes(model) -> int:
 
 
 def _cosines(emb: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    num = np.sum(emb.astype(np.float64) * ref, axis=-1)
-    return num / (np.linalg.norm(emb, axis=-1) * np.linalg.norm(ref, axis=-1))
+    a, b = np.asarray(emb, np.float64), np.asarray(ref, np.float64)
+    return np.sum(a * b, axis=-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
 def evaluate_one(name: str, sentences: Sequence[str], reference: np.ndarray, *, tokenizer=None,
