@@ -28,7 +28,6 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from examples import minilm  # noqa: E402

@@ -34,6 +34,16 @@ class CalibStat(nnx.Variable):
     """Observer state accumulated while calibrating; removed when the layer is finalized."""
 
 
+class PackedParam(nnx.Param):
+    """A Param holding a packed QArray (integer codes: not differentiable). It is an `nnx.Param`, so
+    `nnx.state(model, nnx.Param)` counts it; train the remaining float params of a packed model with
+    `wrt=nnx.All(nnx.Param, nnx.Not(PackedParam))`."""
+
+
+def _param(kernel):
+    return PackedParam(kernel) if isinstance(kernel, QArray) else nnx.Param(kernel)
+
+
 def _ste(x, y):
     """y in the forward pass, identity gradient to x (straight-through)."""
     return x + jax.lax.stop_gradient(y - x)
@@ -119,7 +129,7 @@ class _QuantizedMatmul(nnx.Module):
         self.path = path
         self.record_inputs = record_inputs
         self.k_dim, self.n_dim = (int(d) for d in kernel.shape[-2:])
-        self.kernel = nnx.Param(kernel)
+        self.kernel = _param(kernel)
         self.bias = None if bias is None else nnx.Param(bias)
         # data attributes that calibration fills in (nnx.data: they may later hold Variables)
         self.input_scale = nnx.data(None)
@@ -168,12 +178,12 @@ class _QuantizedMatmul(nnx.Module):
                 rtn = quantize_weight(w, self.schemes, None)
                 if output_error(rtn, w, h) <= output_error(q, w, h):
                     q = rtn
-            self.kernel = nnx.Param(q)
+            self.kernel = PackedParam(q)
 
     def convert(self, weight_search: Optional[str] = None) -> None:
         """QAT → PTQ in place: pack the float kernel (same quantization the QAT forward pass used)."""
         if self.mode == "qat":
-            self.kernel = nnx.Param(quantize_weight(self.kernel.get_value(), self.schemes, weight_search))
+            self.kernel = PackedParam(quantize_weight(self.kernel.get_value(), self.schemes, weight_search))
             self.mode = "ptq"
 
     # ---- forward pieces -----------------------------------------------------------------------------

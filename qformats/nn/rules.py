@@ -73,7 +73,8 @@ def match(compiled, path: str):
 def warn_unused(compiled, used: set) -> None:
     for i, (r, _, _) in enumerate(compiled):
         if i not in used:
-            warnings.warn(f"qformats.nn: rule #{i} {r.pattern!r} matched no Linear / LinearGeneral / Einsum module (or Dense, in linen)", stacklevel=3)
+            warnings.warn(f"qformats.nn: rule #{i} {r.pattern!r} matched no Linear / LinearGeneral / Einsum module "
+                          "(or Dense, in linen)", stacklevel=3)
 
 
 def check_fit(path: str, in_features: int, ss: SchemeSet, *, static_acts: bool) -> None:

@@ -372,3 +372,15 @@ def test_bf16_model_keeps_bf16_scales_and_outputs():
     assert y.dtype == jnp.bfloat16
     want = x.astype(jnp.float32) @ dequantize(quantize(w, presets["W4A16"].weights, 0)).astype(jnp.float32)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), rtol=3e-2, atol=3e-2)
+
+
+def test_packed_model_trains_its_float_params_with_the_packed_filter():
+    from qformats.nn import PackedParam
+
+    model = quantize_model(Toy(), [Rule(".*", "W4A16")])
+    assert isinstance(model.heads["cls"].kernel, PackedParam) and isinstance(model.heads["cls"].kernel, nnx.Param)
+    trainable = nnx.All(nnx.Param, nnx.Not(PackedParam))
+    grads = nnx.grad(lambda m: jnp.mean(m(X) ** 2), argnums=nnx.DiffState(0, trainable))(model)
+    leaves = jax.tree.leaves(grads)
+    assert leaves and all(jnp.issubdtype(g.dtype, jnp.floating) for g in leaves)
+    assert float(jnp.abs(grads["heads"]["cls"]["bias"].get_value()).sum()) > 0
