@@ -33,13 +33,13 @@ PYEOF
 cat "$OUT/env.txt"
 
 echo "== GPU tests ($(date -u +%T))"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels_pallas/test_qmatmul_gpu.py \
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/kernels_pallas/test_qmatmul_gpu.py \
   --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1
 echo "pytest rc=$?" >> "$OUT/gpu_tests.txt"
 tail -n 25 "$OUT/gpu_tests.txt"
 
 echo "== benchmark ($(date -u +%T))"
-timeout 270 "$PY" bench/kernels.py --budget-s 210 --json "$OUT/bench.json" --md "$OUT/bench.md" ${BENCH_ARGS:-} \
+timeout 250 "$PY" bench/kernels.py --budget-s 190 --json "$OUT/bench.json" --md "$OUT/bench.md" ${BENCH_ARGS:-} \
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$?" >> "$OUT/bench.log"
 grep -E "^\[|kernel|FAILED|rc=|prepared" "$OUT/bench.log" | tail -n 45

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-calls", type=int, default=MAX_CALLS, help="cap on R (calls per launch)")
     ap.add_argument("--no-xla", action="store_true", help="skip the XLA dequantize+dot path")
     ap.add_argument("--tune", action="store_true",
-                    help="also try other tilings (M <= 16: split_k 1..16 x num_warps 2/4; else block_m x "
+                    help="also try other tilings (M <= 16: dot and GEMV forms x split_k 1..16 x num_warps 2/4; else block_m x "
                          "num_warps) and keep the fastest")
     ap.add_argument("--layouts", default="128x64",
                     help="prepare layouts block_k x block_n to try, e.g. 128x64,256x64,128x128 (fastest kept)")
@@ -174,7 +174,8 @@ def main(argv=None) -> int:
                         cands = [bs0]
                         if a.tune and m <= 16:
                             tiles = pw.meta.K_pad // pw.meta.block_k
-                            cands += [BlockSizes(16, None, sk, nw, 3) for sk in (1, 2, 4, 8, 16)
+                            bms = [16] + [b for b in (1, 2, 4, 8) if b >= m][:1]  # dot and GEMV forms
+                            cands += [BlockSizes(bm, None, sk, nw, 3) for bm in bms for sk in (1, 2, 4, 8, 16)
                                       for nw in (2, 4) if sk <= tiles]
                         elif a.tune:
                             cands += [dataclasses.replace(bs0, block_m=bm, num_warps=nw)

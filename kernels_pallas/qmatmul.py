@@ -62,7 +62,8 @@ __all__ = ["BlockSizes", "qmatmul", "default_block_sizes", "X_DTYPES"]
 class BlockSizes:
     """Tiling of one qmatmul call (block_k and block_n are fixed by `prepare`).
 
-    block_m: rows of x per program (power of two >= 16); block_n: None (the layout's) or equal to it;
+    block_m: rows of x per program: 1, 2, 4 or 8 for the GEMV form (FMAs into per-row accumulators, no
+    tensor-core dot), a power of two >= 16 for the dot form; block_n: None (the layout's) or equal to it;
     split_k: K-splits (1 .. number of K tiles; ceil(tiles / split_k) tiles each, the last fewer); num_warps/num_stages: Triton launch parameters.
     """
 
@@ -74,11 +75,14 @@ class BlockSizes:
 
 
 def default_block_sizes(m: int, meta: LayoutMeta, num_sms: int = 132) -> BlockSizes:
-    """Heuristic tiling: decode (M <= 16) one 16-row block and split-K until ~2 programs per SM (keeping
+    """Heuristic tiling (to be replaced by measured winners: bench/kernels.py --tune): M <= 2 the GEMV form
+    with block_m = M, M <= 16 one 16-row dot block, both with split-K until ~2 programs per SM (keeping
     >= 4 K tiles per split); M <= 32 a 32-row block; prefill 64-row blocks (128 when block_n <= 64 and
     M >= 256)."""
     bn = meta.block_n
-    if m <= 16:
+    if m <= 2:
+        bm = max(m, 1)  # GEMV form
+    elif m <= 16:
         bm = 16
     elif m <= 32:
         bm = 32
@@ -114,6 +118,14 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, ou
     row_mask = None
     if m % bm:
         row_mask = ((pl.program_id(0) * bm + jnp.arange(bm)) < m)[:, None]
+    # block_m < 16: the GEMV form. No tensor-core dot (whose smallest M is 16, and whose operand layout
+    # costs a shared-memory round trip per chunk): per row r and lane q an f32 [chunk, bn/4] accumulator
+    # takes x[r, k] * w[k, n] (one FMA per weight and row); it is reduced over k once, after the K loop.
+    gemv = bm < 16
+    row_ok = [None] * bm
+    if gemv and m % bm:
+        row_ok = [pl.program_id(0) * bm + r < m for r in range(bm)]
+        last_row = m - 1 - pl.program_id(0) * bm
 
     def scales_at(row):
         """Per-lane effective scale [1, bn/4] and zero point of scale row `row`."""
@@ -156,6 +168,16 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, ou
                 if key not in srows:
                     srows[key] = scales_at((kt * bk + r0) // g)
                 sz = srows[key]
+            if gemv:
+                wqs = [finish(lanes[q], sz[q][0], sz[q][1], meta, xdt).astype(jnp.float32) for q in range(LANES)]
+                for r in range(bm):
+                    cols = pl.ds(kt * bk + r0, cs)
+                    # rows past M (last block) read row M-1 instead; their sums are never stored
+                    xr = x_ref[r if row_ok[r] is None else jnp.minimum(r, last_row), cols]
+                    xr = xr.astype(jnp.float32)[:, None]
+                    for q in range(LANES):
+                        accs[r * LANES + q] = accs[r * LANES + q] + xr * wqs[q]
+                continue
             if row_mask is None:
                 xc = x_ref[:, pl.ds(kt * bk + r0, cs)]
             else:
@@ -165,10 +187,23 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, ou
                 accs[q] = accs[q] + jnp.dot(xc, wq, preferred_element_type=jnp.float32)
         return tuple(accs)
 
-    zero = jnp.zeros((bm, bn4), jnp.float32)
     n_tiles = tiles_per_split
     if tiles % tiles_per_split:  # the last split has fewer tiles
         n_tiles = jnp.minimum(tiles_per_split, tiles - split * tiles_per_split)
+    if gemv:
+        zero = jnp.zeros((cs, bn4), jnp.float32)
+        accs = jax.lax.fori_loop(0, n_tiles, body, (zero,) * (LANES * bm))
+        for r in range(bm):
+            for q in range(LANES):
+                out = jnp.sum(accs[r * LANES + q], axis=0)
+                out = out if out_f32 else out.astype(o_ref.dtype)
+                if row_ok[r] is None:
+                    o_ref[r, pl.ds(q * bn4, bn4)] = out
+                else:
+                    pltriton.store(o_ref.at[pl.ds(r, 1), pl.ds(q * bn4, bn4)], out[None, :],
+                                   mask=jnp.broadcast_to(row_ok[r], (1, bn4)))
+        return
+    zero = jnp.zeros((bm, bn4), jnp.float32)
     accs = jax.lax.fori_loop(0, n_tiles, body, (zero,) * LANES)
     for q in range(LANES):
         out = accs[q] if out_f32 else accs[q].astype(o_ref.dtype)
@@ -237,8 +272,8 @@ def _check_block_sizes(bs: BlockSizes, meta: LayoutMeta, m_pad: int) -> None:
         return v >= 16 and v & (v - 1) == 0
     tiles = meta.K_pad // meta.block_k
     bad = []
-    if not pow2(bs.block_m):
-        bad.append(f"block_m={bs.block_m} (power of two >= 16)")
+    if not (pow2(bs.block_m) or bs.block_m in (1, 2, 4, 8)):
+        bad.append(f"block_m={bs.block_m} (1, 2, 4, 8: GEMV form; or a power of two >= 16: dot form)")
     if bs.block_n is not None and bs.block_n != meta.block_n:
         bad.append(f"block_n={bs.block_n} (fixed by prepare at {meta.block_n}: prepare(q, block_n=...))")
     if not 1 <= bs.split_k <= tiles:

@@ -106,8 +106,9 @@ def test_all_formats_small_m(name):
 @pytest.mark.parametrize("name,m", [(n, m) for n in FEW for m in (1, 16)]
                          + [("FP6_E3M2", 64), ("W4A16_ASYM", 64), ("MXFP4A16", 256), ("NVFP4A16", 256)])
 def test_m_sweep(name, m):
-    """M = 1 and 16 share the decode tiling with M = 3 above (one compile per format); M = 64 (one 64-row
-    block) and 256 (two 128-row blocks) are the prefill tilings, each compiled for two formats."""
+    """M = 1 takes the GEMV form (block_m 1); M = 16 shares the 16-row dot tiling with M = 3 above (one
+    compile per format); M = 64 (one 64-row block) and 256 (two 128-row blocks) are the prefill tilings,
+    each compiled for two formats."""
     q = make_q(name, awkward_k(SCHEMES[name]), 200)
     x = make_x((m, q.shape[0]), jnp.bfloat16, seed=m + 1)
     assert_close(qmatmul(x, prepare(q), interpret=True), x, q)
@@ -141,6 +142,16 @@ def test_batch_dims_split_k_and_block_sizes():
     assert_close(y2.reshape(6, 136), x.reshape(6, 512), q)  # 4 tiles in 3 splits: 2, 2, 0
 
 
+@pytest.mark.parametrize("name,m,bm,split,xdt", [("FP5_E3M1", 3, 4, 2, jnp.bfloat16),
+                                                 ("W8A16_ASYM", 2, 2, 1, jnp.float16),
+                                                 ("MXFP6_E3M2", 5, 4, 1, jnp.float32)])
+def test_gemv_form(name, m, bm, split, xdt):
+    """block_m < 16: FMAs into per-row accumulators, no dot; the last block's rows past M are masked."""
+    q = make_q(name, awkward_k(SCHEMES[name]), 200)
+    x = make_x((m, q.shape[0]), xdt)
+    assert_close(qmatmul(x, prepare(q), interpret=True, block_sizes=BlockSizes(block_m=bm, split_k=split)), x, q)
+
+
 def test_block_k_256():
     q = make_q("FP5_E3M1", 300, 40)
     pw = prepare(q, block_k=256)
@@ -151,8 +162,9 @@ def test_block_k_256():
 
 def test_default_block_sizes_fill_the_gpu_at_decode():
     pw = prepare(make_q("FP6_E3M2", 128, 16))
-    bs = default_block_sizes(1, pw.meta)
-    assert bs.block_m == 16
+    assert default_block_sizes(1, pw.meta).block_m == 1  # GEMV form
+    assert default_block_sizes(2, pw.meta).block_m == 2
+    assert default_block_sizes(3, pw.meta).block_m == 16
     from kernels_pallas.layout import LayoutMeta
     big = LayoutMeta(**{**pw.meta.__dict__, "K": 4096, "K_pad": 4096, "N": 4096, "N_pad": 4096})
     bs = default_block_sizes(1, big)
@@ -173,6 +185,8 @@ def test_errors_name_shapes_and_formats():
         qmatmul(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes=BlockSizes(block_n=48))
     with pytest.raises(KernelError, match=r"block_n=128 \(fixed by prepare at 64"):
         qmatmul(jnp.ones((2, 160), jnp.bfloat16), prepare(q), interpret=True, block_sizes=BlockSizes(block_n=128))
+    with pytest.raises(KernelError, match=r"block_m=12 \(1, 2, 4, 8: GEMV form"):
+        qmatmul(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes=BlockSizes(block_m=12))
     with pytest.raises(KernelError, match=r"split_k=3 \(1 .. the 2 K tiles"):
         qmatmul(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes=BlockSizes(split_k=3))
     g8 = quantize(jnp.ones((64, 8)), QuantScheme("fp4_e2m1", "group", group_size=8), axis=0)
@@ -238,6 +252,8 @@ def test_lowers_to_triton(name):
     # prefill: 64-row blocks, f32 (IEEE dot), no mask
     _lower_gpu(jnp.zeros((3, pw.meta.K_pad), jnp.bfloat16), pw, BlockSizes(block_m=16, split_k=min(2, tiles)))
     _lower_gpu(jnp.zeros((64, pw.meta.K_pad), jnp.float32), pw, default_block_sizes(64, pw.meta))
+    # GEMV form: 3 rows in a 4-row block (clamped loads, masked stores), split-K, f16
+    _lower_gpu(jnp.zeros((3, pw.meta.K_pad), jnp.float16), pw, BlockSizes(block_m=4, split_k=min(2, tiles)))
 
 
 def test_flax_layer_runs_the_kernel(monkeypatch):

@@ -61,7 +61,7 @@ def test_gpu_all_formats(name):
         k += g  # K not a multiple of 128 where the group allows
     q = _q(name, k, 1000)
     pw = prepare(q)
-    for m in (1, 16, 256):
+    for m in (1, 7, 256):  # M = 1: GEMV form (default); 7: 16-row dot, masked rows; 256: 128-row dot
         x = make_x((m, k), jnp.bfloat16, seed=m)
         check(qmatmul(x, pw, interpret=False), x, q)
 
@@ -74,7 +74,8 @@ def test_gpu_dtypes_and_tilings(name):
         x = make_x((7, 1024), xdt)
         check(qmatmul(x, pw, interpret=False), x, q)
     x = make_x((64, 1024), jnp.bfloat16)
-    for bs in (BlockSizes(16, None, 8, 4, 4), BlockSizes(64, None, 1, 8, 3), BlockSizes(128, None, 2, 8, 2)):
+    for bs in (BlockSizes(16, None, 8, 4, 4), BlockSizes(64, None, 1, 8, 3), BlockSizes(128, None, 2, 8, 2),
+               BlockSizes(4, None, 2, 4, 3), BlockSizes(8, None, 1, 2, 3)):  # the last two: GEMV form
         check(qmatmul(x, pw, interpret=False, block_sizes=bs), x, q)
     pw128 = prepare(q, block_n=128)
     for bs in (BlockSizes(16, None, 4, 4, 3), BlockSizes(64, None, 1, 8, 3)):
