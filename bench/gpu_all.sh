@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device run for issue #5: GPU correctness tests of kernels_pallas, then bench/kernels.py, then a short
-# tiling sweep. Fits in ~8 minutes (tests <= 150 s; benchmark <= 270 s, rows started within 210 s;
+# tiling sweep. Fits in ~8 minutes (tests <= 180 s; benchmark <= 250 s, rows started within 190 s;
 # sweep <= 60 s). Writes under $OUT (at most 8 files): env.txt, gpu_tests.txt, gpu_tests.xml, bench.log,
 # bench.json, bench.md, tune.log, tune.json. Run from anywhere: `OUT=/tmp/out bash bench/gpu_all.sh`.
 # Through the device tool: run(command="bash bench/gpu_all.sh", timeout_s=540).
