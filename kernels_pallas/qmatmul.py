@@ -51,7 +51,8 @@ try:
 except ImportError:  # pragma: no cover
     _Tracer = jax.core.Tracer
 
-_SQUEEZED = getattr(pl, "squeezed", None)  # None is the older spelling of a squeezed block dimension
+_SQUEEZED = getattr(pl, "squeezed", None)
+GEMV_CHUNK = 32  # K rows per step of the GEMV form (any power of two <= the layout's chunk works)  # None is the older spelling of a squeezed block dimension
 
 X_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -122,6 +123,8 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, ou
     # costs a shared-memory round trip per chunk): per row r and lane q an f32 [chunk, bn/4] accumulator
     # takes x[r, k] * w[k, n] (one FMA per weight and row); it is reduced over k once, after the K loop.
     gemv = bm < 16
+    if gemv:  # smaller chunks keep the accumulators at [<= 32, bn/4] per row and lane (registers)
+        cs = min(cs, GEMV_CHUNK)
     row_ok = [None] * bm
     if gemv and m % bm:
         row_ok = [pl.program_id(0) * bm + r < m for r in range(bm)]

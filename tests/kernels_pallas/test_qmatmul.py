@@ -144,7 +144,8 @@ def test_batch_dims_split_k_and_block_sizes():
 
 @pytest.mark.parametrize("name,m,bm,split,xdt", [("FP5_E3M1", 3, 4, 2, jnp.bfloat16),
                                                  ("W8A16_ASYM", 2, 2, 1, jnp.float16),
-                                                 ("MXFP6_E3M2", 5, 4, 1, jnp.float32)])
+                                                 ("MXFP6_E3M2", 5, 4, 1, jnp.float32),
+                                                 ("FP8_E4M3", 1, 1, 2, jnp.bfloat16)])  # chunk 128 in 32s
 def test_gemv_form(name, m, bm, split, xdt):
     """block_m < 16: FMAs into per-row accumulators, no dot; the last block's rows past M are masked."""
     q = make_q(name, awkward_k(SCHEMES[name]), 200)
