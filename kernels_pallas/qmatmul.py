@@ -8,11 +8,14 @@ the chunk's word rows of every plane (`(word >> i*w) & mask` on four codes at on
 shift; a plane block loaded for one chunk is reused by the chunks that share it), decodes the four byte
 lanes through f16 bit patterns (exact), applies zero point and scale exactly as `qformats.dequantize`
 rounds them, casts to the activation dtype and accumulates four `dot(x_chunk, w_lane)` into the four
-quarter-blocks of output columns, in f32. With split_k > 1 each split writes an f32 partial sum and the
-partials are added outside the kernel (decode: more programs than one 16-row M block alone gives).
+quarter-blocks of output columns, in f32. That is the dot form (block_m >= 16). The GEMV form
+(block_m 1..8, the default for M <= 2) uses no tensor-core dot: each row of x multiplies the decoded
+lanes into f32 accumulators [32, block_n/4] (one FMA per weight and row), reduced over K once after the
+loop. With split_k > 1 each split writes an f32 partial sum and the partials are added outside the
+kernel (decode: more programs than one M block alone gives).
 
-Shapes: M is covered by ceil(M / block_m) blocks (block_m >= 16, Triton's smallest dot), the last one
-loading and storing under a row mask, so decode pays no pad; x is zero-padded along K only when K is not
+Shapes: M is covered by ceil(M / block_m) blocks (the dot form needs block_m >= 16, Triton's smallest
+dot), the last one loading and storing under a row mask, so decode pays no pad; x is zero-padded along K only when K is not
 a multiple of block_k (padded codes then contribute nothing); N is padded to N_pad by `prepare` and the
 result sliced back only when N_pad != N. Every array a kernel loads or stores is
 a power-of-two shape (Triton's requirement); the full-K x block is only ever loaded in chunks.
@@ -65,7 +68,8 @@ class BlockSizes:
 
     block_m: rows of x per program: 1, 2, 4 or 8 for the GEMV form (FMAs into per-row accumulators, no
     tensor-core dot), a power of two >= 16 for the dot form; block_n: None (the layout's) or equal to it;
-    split_k: K-splits (1 .. number of K tiles; ceil(tiles / split_k) tiles each, the last fewer); num_warps/num_stages: Triton launch parameters.
+    split_k: K-splits, 1 .. the number of K tiles (ceil(tiles / split_k) tiles each, the last fewer);
+    num_warps / num_stages: Triton launch parameters.
     """
 
     block_m: int = 16
@@ -228,10 +232,10 @@ def _qmatmul_2d(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool):
 def _qmatmul_2d_impl(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool, probe: Optional[str] = None):
     """x [M, K_pad] (padded along K only) -> y [M, N_pad] in x.dtype."""
     meta = pw.meta
-    m_pad = x.shape[0]  # the true M: the grid covers it with ceil(M / block_m) blocks, the last one masked
+    m = x.shape[0]  # the true M: the grid covers it with ceil(M / block_m) blocks, the last one masked
     bm, bn, split = bs.block_m, meta.block_n, bs.split_k
     tiles = meta.K_pad // meta.block_k
-    grid = (-(-m_pad // bm), meta.N_pad // bn, split)
+    grid = (-(-m // bm), meta.N_pad // bn, split)
     in_specs = [pl.BlockSpec((bm, meta.K_pad), lambda i, j, s: (i, 0))]
     args = [x]
     for p in pw.planes:
@@ -246,14 +250,13 @@ def _qmatmul_2d_impl(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool, pro
         in_specs.append(pl.BlockSpec((1, 1), lambda i, j, s: (0, 0)))
         args.append(pw.gscale)
     if split == 1:
-        out_shape = jax.ShapeDtypeStruct((m_pad, meta.N_pad), x.dtype)
+        out_shape = jax.ShapeDtypeStruct((m, meta.N_pad), x.dtype)
         out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
     else:
-        out_shape = jax.ShapeDtypeStruct((split, m_pad, meta.N_pad), jnp.float32)
+        out_shape = jax.ShapeDtypeStruct((split, m, meta.N_pad), jnp.float32)
         out_spec = pl.BlockSpec((_SQUEEZED, bm, bn), lambda i, j, s: (s, i, j))
     kernel = functools.partial(_kernel, meta=meta, tiles_per_split=-(-tiles // split), tiles=tiles,
-                               out_f32=split > 1,
-                               interpret=interpret, m=m_pad, probe=probe)
+                               out_f32=split > 1, interpret=interpret, m=m, probe=probe)
     extra = {}
     if _TritonParams is not None:
         extra["compiler_params"] = _TritonParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
@@ -265,12 +268,12 @@ def _qmatmul_2d_impl(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool, pro
 
 
 _qmatmul_2d_gpu = jax.jit(_qmatmul_2d_impl, static_argnames=("bs", "interpret", "probe"))
-_qmatmul_2d_interp = jax.jit(_qmatmul_2d_impl, static_argnames=("bs", "interpret"),
+_qmatmul_2d_interp = jax.jit(_qmatmul_2d_impl, static_argnames=("bs", "interpret", "probe"),
                              compiler_options={"xla_backend_optimization_level": 0,
                                                "xla_llvm_disable_expensive_passes": True})
 
 
-def _check_block_sizes(bs: BlockSizes, meta: LayoutMeta, m_pad: int) -> None:
+def _check_block_sizes(bs: BlockSizes, meta: LayoutMeta) -> None:
     def pow2(v):
         return v >= 16 and v & (v - 1) == 0
     tiles = meta.K_pad // meta.block_k
@@ -336,7 +339,7 @@ def qmatmul(x: jax.Array, q: Union[QArray, PreparedWeight], *, interpret: Option
     if isinstance(block_sizes, dict):
         block_sizes = dataclasses.replace(default_block_sizes(m, meta), **block_sizes)
     bs = block_sizes or default_block_sizes(m, meta)
-    _check_block_sizes(bs, meta, m)
+    _check_block_sizes(bs, meta)
     if m == 0:
         return jnp.zeros((*lead, meta.N), x.dtype)
     x2 = x.reshape(m, K)
