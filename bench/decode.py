@@ -16,9 +16,8 @@ import sys
 import time
 import warnings
 
-# bench/flax.py would shadow the flax library: drop this folder from sys.path, add the repo root.
+# Run from anywhere: put the repo root on sys.path.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import jax  # noqa: E402

@@ -1,6 +1,6 @@
 """MiniLM (Flax NNX, real weights) jit forward latency and parameter bytes, dense vs qformats schemes (and qwix).
 
-Usage: python bench/flax.py [--batch 32] [--seq 128] [--repeat 5] [--schemes ...] [--no-qwix] [--append]
+Usage: python bench/flax_minilm.py [--batch 32] [--seq 128] [--repeat 5] [--schemes ...] [--no-qwix] [--append]
 
 For each scheme: `quantize_model` time, peak RSS growth while quantizing (sampled every 2 ms), growth
 of live JAX arrays after it (for qwix counting the original model the caller still holds: qwix returns
@@ -21,9 +21,8 @@ import sys
 import time
 import warnings
 
-# This file is named flax.py: drop its own folder from sys.path so `import flax` finds the library.
+# Run from anywhere: put the repo root on sys.path.
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import jax  # noqa: E402
