@@ -1,7 +1,7 @@
 """Whole-checkpoint quantization and reader throughput on a TinyLlama-1.1B-shaped random bf16 checkpoint.
 
   python bench/checkpoint.py [--layers 22] [--schemes FP8_DYNAMIC,W4A16,NVFP4A16] [--workdir DIR]
-                             [--no-baseline] [--append BENCHMARKS.md]
+                             [--no-baseline] [--oneshot-python VENV/bin/python] [--append BENCHMARKS.md]
 
 Builds the checkpoint (LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
 num_attention_heads=32, num_key_value_heads=4), vocab 32000, 3 shards) from random normal weights, then for
@@ -143,6 +143,20 @@ mc.update_config(str(dst))
 '''
 
 
+ONESHOT = r'''
+import sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+from transformers import AutoModelForCausalLM
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+src, dst, preset = sys.argv[1], sys.argv[2], sys.argv[3]
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=preset, ignore=["lm_head"]))
+model.save_pretrained(dst, save_compressed=True)
+'''
+
+
 def measure(cmd, env=None):
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
@@ -192,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--schemes", default="FP8_DYNAMIC,W4A16,NVFP4A16")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--oneshot-python", default=None,
+                    help="python of a separate venv with llmcompressor installed: also time its real oneshot")
     ap.add_argument("--append", default=None, help="append the table to this file (e.g. BENCHMARKS.md)")
     ap.add_argument("--build-only", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -220,6 +236,14 @@ def main(argv=None) -> int:
                 shutil.rmtree(bdst)
             bwall, brss = measure([sys.executable, "-c", BASELINE, str(src), str(bdst), s], env)
             row.update(ct_s=bwall, ct_rss=brss)
+        if a.oneshot_python:
+            odst = work / f"oneshot-{s}"
+            if odst.exists():
+                import shutil
+                shutil.rmtree(odst)
+            owall, orss = measure([a.oneshot_python, "-c", ONESHOT, str(src), str(odst), s],
+                                  dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+            row.update(os_s=owall, os_rss=orss)
         rows.append(row)
         print(row, file=sys.stderr)
     read_ref(src), read_ours(src)  # warm the page cache
@@ -228,21 +252,27 @@ def main(argv=None) -> int:
     r_ct = read_compressed_rate(w4) if w4.exists() else float("nan")
     lines = [f"## bench/checkpoint.py — TinyLlama-shaped random bf16, {a.layers} layers, {total / 1e9:.2f} GB, "
              f"3 shards ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs)", "",
-             "| scheme | qformats quantize s | peak RSS MiB | CT baseline s | CT peak RSS MiB | speedup | RSS ratio | out GB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| scheme | qformats quantize s | peak RSS MiB | CT baseline s | CT peak RSS MiB | speedup | RSS ratio | "
+             "llm-compressor oneshot s | oneshot peak RSS MiB | speedup vs oneshot | RSS ratio vs oneshot | out GB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ct_s, ct_rss = r.get("ct_s"), r.get("ct_rss")
         ours_s, ours_rss = r["ours_s"], r["ours_rss"]
         cells = [r["scheme"], f"{ours_s:.1f}", f"{ours_rss:.0f}",
                  "-" if ct_s is None else f"{ct_s:.1f}", "-" if ct_rss is None else f"{ct_rss:.0f}",
                  "-" if ct_s is None else f"{ct_s / ours_s:.2f}x",
-                 "-" if ct_rss is None else f"{ours_rss / ct_rss:.2f}", f"{r['out_gb']:.2f}"]
+                 "-" if ct_rss is None else f"{ours_rss / ct_rss:.2f}"]
+        os_s, os_rss = r.get("os_s"), r.get("os_rss")
+        cells += ["-" if os_s is None else f"{os_s:.1f}", "-" if os_rss is None else f"{os_rss:.0f}",
+                  "-" if os_s is None else f"{os_s / ours_s:.2f}x",
+                  "-" if os_rss is None else f"{ours_rss / os_rss:.2f}", f"{r['out_gb']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"reader: open_checkpoint().get + copy {r_ours / 1e9:.2f} GB/s vs safetensors safe_open(pt) + clone "
                   f"{r_ref / 1e9:.2f} GB/s (ratio {r_ours / r_ref:.2f}); read_compressed(W4A16) "
                   f"{r_ct / 1e9:.2f} GB/s of file", "",
               "CT baseline = compressed-tensors' data-free quantize+compress+save in torch (a lower bound on "
-              "llm-compressor oneshot, which is not installed here).", ""]
+              "llm-compressor's cost); oneshot = llm-compressor's own `oneshot` (+ save_pretrained compressed) "
+              "in a separate venv (--oneshot-python), when given.", ""]
     text = "\n".join(lines)
     print(text)
     if a.append:

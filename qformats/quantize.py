@@ -142,6 +142,9 @@ def _round_elements(scaled: jax.Array, scheme: QuantScheme) -> jax.Array:
         if fmt.bits == 8 and fmt.signed:
             return q.astype(jnp.int8)
         return (q - fmt.qmin).astype(jnp.uint8)
+    # An exact -0 input gives +0, as llm-compressor's oneshot writes it (compressed-tensors adds a zero point of
+    # 0 to symmetric weights: -0 + 0 = +0); tiny negatives that round to zero keep their sign (-0 code).
+    scaled = jnp.where(scaled == 0, jnp.float32(0), scaled)
     return encode(scaled, fmt, overflow="saturate")
 
 

@@ -167,3 +167,17 @@ def test_nan_inf_data_documented_results(name):
     np.testing.assert_array_equal(y[:, [0, 3]], np.asarray(dequantize(quantize(W[:, [0, 3]],
                                                                                  QuantScheme(name, "channel"),
                                                                                  axis=0))))
+
+
+@pytest.mark.parametrize("name", ["FP8_DYNAMIC", "NVFP4A16", "MXFP4A16", "MXFP8A16", "FP6_E3M2"])
+def test_negative_zero_input_gives_positive_zero_code(name):
+    """llm-compressor's oneshot writes +0 for an exact -0 weight (checked byte for byte with
+    bench/oneshot_parity.py); a tiny negative that rounds to zero keeps its sign bit."""
+    x = np.array(W[:, :8]).copy()
+    x[4, 3] = -0.0
+    x[5, 3] = -1e-12
+    q = quantize(jnp.asarray(x), presets[name].weights, axis=0)
+    codes = np.asarray(q.element_codes())
+    sign = 1 << (q.scheme.bits - 1)
+    assert codes[3, 4] == 0
+    assert codes[3, 5] == sign
