@@ -6,6 +6,7 @@ Public entry points (imported lazily, so `import converters.safetensors_io` stay
   quantize_checkpoint(src, dst, scheme, ...)     converters.quantize_checkpoint
   dequantize_checkpoint(src, dst, dtype, ...)    converters.dequantize_checkpoint
   inspect_checkpoint(path) -> rows               converters.inspect_checkpoint
+  load_compressed(path, model) / save_compressed(model, dst)   converters.flax_io (Flax NNX models)
   parse_quantization_config / serialize_quantization_config   converters.ct_config
 """
 
@@ -20,6 +21,8 @@ _EXPORTS = {
     "quantize_checkpoint": "converters.quantize_checkpoint",
     "dequantize_checkpoint": "converters.dequantize_checkpoint",
     "inspect_checkpoint": "converters.inspect_checkpoint",
+    "load_compressed": "converters.flax_io",
+    "save_compressed": "converters.flax_io",
     "parse_quantization_config": "converters.ct_config",
     "serialize_quantization_config": "converters.ct_config",
 }

@@ -124,87 +124,27 @@ def evaluate(schemes: Sequence[str], sentences: Sequence[str], *, calibrated: bo
 def load_checkpoint(src) -> "object":
     """The Flax MiniLM with the tensors of a compressed-tensors (or dense) checkpoint of all-MiniLM-L6-v2.
 
-    The checkpoint is read by `converters.ct_read` (QArrays for quantized Linear weights, zero copy);
-    HF tensor names map to Flax paths by `minilm.torch_to_flax`. Dense tensors overwrite the packaged
-    weights; quantized modules become packed QLinear layers (`qformats.nn.load_quantized`) with the
-    checkpoint's static input scales and activation schemes. Unknown tensors raise CheckpointError.
+    `converters.flax_io.load_compressed` with MiniLM's name table (`minilm.torch_to_flax`): quantized Linear
+    weights become packed QLinear layers, dense tensors overwrite the packaged weights, unknown tensors raise
+    CheckpointError.
     """
-    import jax.numpy as jnp
-
-    from converters.ct_read import read_compressed
+    from converters.flax_io import load_compressed
     from examples import minilm
-    from qformats.errors import CheckpointError
-    from qformats.nn import load_quantized
-    from qformats.qarray import QArray
 
-    cm = read_compressed(src)
     model = minilm.load_minilm()
-    table = minilm.torch_to_flax(model.config, with_pooler=True)
-    groups = {g.name: g for g in (cm.quant.groups if cm.quant is not None else ())}
-    quantized, schemes, unknown = {}, {}, []
-    for mod, tensors in cm.modules.items():
-        for local, arr in tensors.items():
-            full = f"{mod}.{local}" if mod else local
-            if isinstance(arr, QArray) or local in ("input_scale", "input_global_scale"):
-                kpath, _ = table.get(f"{mod}.weight", (None, None))
-                if kpath is None:
-                    unknown.append(full)
-                    continue
-                fpath = kpath.rsplit("/", 1)[0]
-                quantized.setdefault(fpath, {})["weight" if isinstance(arr, QArray) else local] = arr
-                g = groups.get(cm.groups.get(mod, ""))
-                schemes[fpath] = g.input_activations if g is not None else None
-            elif full in table:
-                vpath, transpose = table[full]
-                var = minilm._variable(model, vpath)
-                a = np.asarray(arr).T if transpose else np.asarray(arr)
-                if tuple(a.shape) != tuple(var.get_value().shape):
-                    raise CheckpointError(f"{src}: tensor {full!r}: expected shape {tuple(var.get_value().shape)}, "
-                                          f"found {a.shape}")
-                var.set_value(jnp.asarray(a, var.get_value().dtype))
-            elif full not in minilm.IGNORED_TENSORS:
-                unknown.append(full)
-    if unknown:
-        raise CheckpointError(f"{src}: tensors that all-MiniLM-L6-v2 does not have: {sorted(unknown)[:8]}")
-    for path, t in quantized.items():
-        lin = minilm._variable(model, path)
-        if lin.bias is not None:
-            t["bias"] = lin.bias.get_value()
-    load_quantized(model, quantized, schemes)
-    return model
+    return load_compressed(src, model, minilm.torch_to_flax(model.config, with_pooler=True),
+                           ignore=minilm.IGNORED_TENSORS)
 
 
 def save_checkpoint(model, dst, *, overwrite: bool = False):
-    """Write a (quantized) Flax MiniLM as a compressed-tensors checkpoint under HF tensor names.
-
-    Packed layers go out as their QArrays (the writer picks the compressed-tensors format from the
-    scheme) with static `input_scale`s; float kernels are transposed back to torch's [out, in]. The
-    packaged config.json is extended with the quantization_config; tokenizer files are copied.
-    """
-    import json as _json
-
-    from converters.ct_write import write_compressed
+    """Write a (quantized) Flax MiniLM as a compressed-tensors checkpoint under HF tensor names
+    (`converters.flax_io.save_compressed`; the packaged config.json gets the quantization_config and the
+    tokenizer files are copied)."""
+    from converters.flax_io import save_compressed
     from examples import minilm
-    from qformats.nn import export_quantized
-    from qformats.qarray import QArray
 
-    packed = export_quantized(model)
     table = minilm.torch_to_flax(model.config, with_pooler=model.pooler is not None)
-    tensors, schemes = {}, {}
-    for name, (vpath, transpose) in table.items():
-        value = minilm._variable(model, vpath).get_value()
-        if isinstance(value, QArray):
-            mod = name.rsplit(".", 1)[0]
-            tensors[name] = value
-            extra = packed[vpath.rsplit("/", 1)[0]]
-            schemes[mod] = extra["schemes"]
-            for local in ("input_scale", "input_global_scale"):
-                if local in extra:
-                    tensors[f"{mod}.{local}"] = np.asarray(extra[local])
-        else:
-            tensors[name] = np.asarray(value).T if transpose else np.asarray(value)
-    config = _json.loads((minilm.model_dir() / "config.json").read_text())
-    return write_compressed(dst, tensors, schemes, config=config, copy_from=minilm.model_dir(), overwrite=overwrite)
+    return save_compressed(model, dst, table, copy_from=minilm.model_dir(), overwrite=overwrite)
 
 
 def evaluate_checkpoint(src, sentences, reference, *, batch_size: int = 32) -> dict:
