@@ -151,8 +151,9 @@ def _round_elements(scaled: jax.Array, scheme: QuantScheme) -> jax.Array:
 # ---- public transforms ----------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scheme", "axis"))
 def _quantize_jit(x: jax.Array, scheme: QuantScheme, axis: int, global_scale, scale, zero_point):
-    # Upcast once (exact): XLA:CPU is slow on bf16/f16 elementwise ops; rounding to x.dtype is explicit.
-    xt = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
+    # x stays in its dtype: reductions (exact in any dtype) read it directly and each elementwise op upcasts
+    # inside its own fusion. A shared float32 copy would be materialised by XLA:CPU (2x slower on bf16).
+    xt = jnp.moveaxis(x, axis, -1)
     view, red = _grouped(xt, scheme)
     sr: ScaleResult = compute_scales(view, red, scheme, dtype=x.dtype, global_scale=global_scale, scale=scale,
                                      zero_point=zero_point)

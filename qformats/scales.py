@@ -42,7 +42,7 @@ def _eps(dtype) -> float:
 
 
 def _f32_bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jax.lax.bitcast_convert_type(R.to_f32(x), jnp.uint32)
 
 
 def _pow2(e: jax.Array) -> jax.Array:
@@ -57,7 +57,7 @@ def _times_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
     the exponent keeps every factor normal and the product is the exactly rounded x * 2^e.
     """
     e1 = jnp.clip(e, -126, 127)
-    return x.astype(jnp.float32) * _pow2(e1) * _pow2(jnp.clip(e - e1, -126, 127))
+    return R.to_f32(x) * _pow2(e1) * _pow2(jnp.clip(e - e1, -126, 127))
 
 
 # ---- power-of-two (E8M0) rules --------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def _e8m0_apply(code: jax.Array, rule: str) -> Callable[[jax.Array], jax.Array]:
     c = code.astype(jnp.int32)
     if rule == "rceil":
         # torchao: x * rcp with rcp = 2^(127 - e), and rcp = 1 when e == 0 (all-zero block)
-        return lambda x: jnp.where(c == 0, x.astype(jnp.float32), _times_pow2(x, 127 - c))
+        return lambda x: jnp.where(c == 0, R.to_f32(x), _times_pow2(x, 127 - c))
     if rule == "ct":
         return lambda x: _times_pow2(x, 127 - c)
     # torchao FLOOR/CEIL/EVEN: x / max(2^(e-127), 2^-126)
@@ -227,4 +227,4 @@ def _nvfp4_torchao(view, red_axes, global_scale, scale) -> ScaleResult:
     else:
         s = jnp.asarray(scale).astype(fp8)
     rcp = R.div(R.div(1.0, pts, f32), s, f32)
-    return ScaleResult(s, None, g, lambda x: x.astype(f32) * rcp)
+    return ScaleResult(s, None, g, lambda x: R.to_f32(x) * rcp)
