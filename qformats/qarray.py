@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
@@ -129,7 +129,3 @@ class QArray:
             if (arr is None) != (exp is None) or (arr is not None and tuple(arr.shape) != exp):
                 raise SchemeError(f"QArray {self.scheme.describe()} shape {self.shape}: {part} expected "
                                   f"shape {exp}, found {None if arr is None else tuple(arr.shape)}")
-
-
-def _unused(_: Optional[int]) -> None:  # pragma: no cover
-    pass

@@ -8,7 +8,6 @@ from typing import Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from qformats import rounding as R
 from qformats.codec import encode
@@ -278,7 +277,3 @@ def _value_range(scheme: QuantScheme) -> Tuple[float, float]:
 def quantized_like(q: QArray, x) -> QArray:
     """Quantize x with q's static scales (same scheme, scale, zero point, global scale)."""
     return quantize(x, q.scheme, q.axis, scale=q.scale, zero_point=q.zero_point, global_scale=q.global_scale)
-
-
-def _unused(_: np.ndarray) -> None:  # pragma: no cover
-    pass
