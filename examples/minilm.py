@@ -285,10 +285,8 @@ def torch_to_flax(cfg: MiniLMConfig, *, with_pooler: bool = True) -> dict[str, t
 
 
 def _variable(model: nnx.Module, path: str) -> nnx.Variable:
-    node = model
-    for part in path.split("/"):
-        node = node[int(part)] if part.isdigit() else getattr(node, part)
-    return node
+    from converters.flax_io import variable  # the one "/"-path lookup of the project
+    return variable(model, path)
 
 
 def assign_weights(

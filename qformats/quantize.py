@@ -86,7 +86,8 @@ def _contracted(s: jax.Array, scheme: QuantScheme) -> jax.Array:
 
 
 def _keepdims(s: jax.Array, scheme: QuantScheme, ndim: int) -> jax.Array:
-    """Inverse of `_contracted`: a stored scale reshaped to broadcast against the grouped view."""
+    """Inverse of `_contracted`: a stored scale reshaped to broadcast against the grouped view (`ndim`, the
+    array's rank, matters only for "tensor": a scalar scale becomes (1,) * ndim, which broadcasts anyway)."""
     st = scheme.strategy
     if st == "tensor":
         return s.reshape((1,) * ndim)
@@ -99,12 +100,11 @@ def _keepdims(s: jax.Array, scheme: QuantScheme, ndim: int) -> jax.Array:
 
 def _expand(s: jax.Array, scheme: QuantScheme, tshape) -> jax.Array:
     """Contracted scale -> broadcast to `tshape` (derived view for inspection and the XLA matmul path)."""
-    view_ndim = len(tshape) + (1 if scheme.strategy in ("group", "tensor_group") else 0)
     if scheme.strategy == "block":
         bh, bw = scheme.block
         full = jnp.repeat(jnp.repeat(s, bh, axis=0), bw, axis=1)
         return full[: tshape[0], : tshape[1]]
-    sk = _keepdims(s, scheme, view_ndim)
+    sk = _keepdims(s, scheme, len(tshape))
     if scheme.strategy in ("group", "tensor_group"):
         return jnp.broadcast_to(sk, tuple(tshape[:-1]) + (tshape[-1] // scheme.group_size,
                                                           scheme.group_size)).reshape(tshape)
@@ -192,13 +192,10 @@ def quantize(x, scheme: QuantScheme, axis: int = -1, *, scale=None, zero_point=N
     _check_fit(scheme, ts, "quantize")
     if ts[-1] == 0 or math.prod(ts) == 0:
         raise SchemeError(f"quantize: cannot quantize an empty array of shape {tuple(x.shape)}")
-    view_ndim = len(ts) + (1 if scheme.strategy in ("group", "tensor_group") else 0)
-    if scheme.strategy == "block":
-        view_ndim = 4
     if scale is not None:
-        scale = _keepdims(jnp.asarray(scale), scheme, view_ndim)
+        scale = _keepdims(jnp.asarray(scale), scheme, len(ts))
     if zero_point is not None:
-        zero_point = _keepdims(jnp.asarray(zero_point), scheme, view_ndim)
+        zero_point = _keepdims(jnp.asarray(zero_point), scheme, len(ts))
     codes, s, zp, g = _quantize_jit(x, scheme, axis, global_scale, scale, zero_point)
     return QArray(codes, s, zp, g, scheme=scheme, shape=x.shape, dtype=x.dtype, axis=axis)
 

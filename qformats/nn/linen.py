@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from qformats.dispatch import qdot
 from qformats.errors import ModelError
 from qformats.nn.modules import quantize_weight
-from qformats.nn.rules import check_fit, compile_rules, match, resolve_scheme, warn_unused
+from qformats.nn.rules import check_fit, compile_rules, resolve_scheme, select
 from qformats.qarray import QArray
 from qformats.quantize import dequantize, quantize
 from qformats.schemes import QuantScheme, SchemeSet
@@ -76,21 +76,13 @@ def quantize_params(params: Dict, rules: Sequence, *, weight_search: Optional[st
     QArrays, {path: SchemeSet}). Validates every rule and shape first; the input tree is not modified."""
     compiled = compile_rules(rules)
     root = params["params"] if "params" in params and isinstance(params["params"], dict) else params
-    plan, used = {}, set()
-    for p in _dense_paths(root):
-        path = "/".join(p)
-        i, ss = match(compiled, path)
-        if i is None:
-            continue
-        used.add(i)
-        if ss is None:
-            continue
+    plan = {}
+    for path, p, ss in select(compiled, (("/".join(p), p) for p in _dense_paths(root))):
         node = root
         for name in p:
             node = node[name]
         check_fit(path, int(node["kernel"].shape[0]), ss, static_acts=False)
         plan[path] = (p, ss)
-    warn_unused(compiled, used)
 
     def rebuild(tree, prefix=()):
         out = {}

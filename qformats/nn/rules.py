@@ -70,11 +70,26 @@ def match(compiled, path: str):
     return None, None
 
 
+def select(compiled, items):
+    """[(path, item, SchemeSet)] for each (path, item) whose first matching rule quantizes it (rules with
+    scheme None match but leave the module alone); warns about rules that matched nothing."""
+    chosen, used = [], set()
+    for path, item in items:
+        i, ss = match(compiled, path)
+        if i is None:
+            continue
+        used.add(i)
+        if ss is not None:
+            chosen.append((path, item, ss))
+    warn_unused(compiled, used)
+    return chosen
+
+
 def warn_unused(compiled, used: set) -> None:
     for i, (r, _, _) in enumerate(compiled):
         if i not in used:
             warnings.warn(f"qformats.nn: rule #{i} {r.pattern!r} matched no Linear / LinearGeneral / Einsum module "
-                          "(or Dense, in linen)", stacklevel=3)
+                          "(or Dense, in linen)", stacklevel=4)
 
 
 def check_fit(path: str, in_features: int, ss: SchemeSet, *, static_acts: bool) -> None:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.nn.modules import QUANTIZED, _QuantizedMatmul, einsum_layout
-from qformats.nn.rules import check_fit, compile_rules, match, warn_unused
+from qformats.nn.rules import check_fit, compile_rules, select
 from qformats.observers import get_observer
 
 
@@ -89,17 +89,10 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     compiled = compile_rules(rules)
     calibrating = calibration_data is not None
     plan: List[Tuple[str, nnx.Linear, list, Any]] = []
-    used = set()
-    for path, lin, parents in _references(model, tuple(QUANTIZED)).values():
-        i, ss = match(compiled, path)
-        if i is None:
-            continue
-        used.add(i)
-        if ss is None:
-            continue
+    refs = ((path, (lin, parents)) for path, lin, parents in _references(model, tuple(QUANTIZED)).values())
+    for path, (lin, parents), ss in select(compiled, refs):
         check_fit(path, _contracted_size(path, lin, ss, calibrating), ss, static_acts=calibrating)
         plan.append((path, lin, parents, ss))
-    warn_unused(compiled, used)
     observers, uncalibrated = {}, []
     for path, _, _, ss in plan:
         a = ss.input_activations
