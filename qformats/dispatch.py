@@ -1,10 +1,15 @@
-"""Quantized matmul dispatch: x @ dequantize(q) through a registered kernel, or the XLA dequantize-then-dot path."""
+"""Quantized matmul dispatch: x @ dequantize(q) through a registered kernel, or the XLA dequantize-then-dot path.
+
+A kernel may read its own weight layout: it registers a `prepare(q) -> payload` function, `prepare_weight(q)`
+runs it once (at load / quantize time) and the layers keep the returned `Prepared` (kernel name + payload
+pytree) next to the QArray; `qdot(x, q, prepared)` then hands the payload to that kernel instead of repacking.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import jax
 import jax.numpy as jnp
@@ -16,22 +21,50 @@ from qformats.quantize import dequantize
 
 @dataclasses.dataclass(frozen=True)
 class KernelEntry:
-    """A registered kernel: `supports(x, q, backend) -> bool` (static facts only) and `fn(x, q) -> y`."""
+    """A registered kernel.
+
+    `supports(x, q, backend) -> bool` uses static facts only (shapes, dtypes, scheme); x may be None, which
+    asks whether the kernel takes the weight for some supported activation dtype. `fn(x, q, payload)` computes
+    x @ dequantize(q); payload is None or what `prepare(q)` returned for this q.
+    """
 
     name: str
-    supports: Callable[[jax.Array, QArray, str], bool]
-    fn: Callable[[jax.Array, QArray], jax.Array]
+    supports: Callable[[Optional[jax.Array], QArray, str], bool]
+    fn: Callable[[jax.Array, QArray, Any], jax.Array]
     priority: int = 0
+    prepare: Optional[Callable[[QArray], Any]] = None
+
+
+@jax.tree_util.register_pytree_node_class
+class Prepared:
+    """A weight repacked for one kernel: `name` (static) and `payload` (a pytree of arrays)."""
+
+    def __init__(self, name: str, payload: Any):
+        self.name = name
+        self.payload = payload
+
+    def tree_flatten(self):
+        return (self.payload,), self.name
+
+    @classmethod
+    def tree_unflatten(cls, name, children):
+        return cls(name, children[0])
+
+    def __repr__(self) -> str:
+        return f"Prepared({self.name!r}, {self.payload!r})"
 
 
 _REGISTRY: List[KernelEntry] = []
 _ENABLED = {"kernels": os.environ.get("QFORMATS_DISABLE_KERNELS", "") in ("", "0")}
 
 
-def register_kernel(name: str, supports, fn, priority: int = 0) -> None:
-    """Register (or replace, by name) a kernel for `qdot`; higher priority is tried first."""
+def register_kernel(name: str, supports, fn, priority: int = 0, prepare=None) -> None:
+    """Register (or replace, by name) a kernel for `qdot`; higher priority is tried first.
+
+    `fn(x, q, payload)` must return x @ dequantize(q) (payload: None, or `prepare(q)`'s result when given).
+    """
     global _REGISTRY
-    _REGISTRY = [e for e in _REGISTRY if e.name != name] + [KernelEntry(name, supports, fn, priority)]
+    _REGISTRY = [e for e in _REGISTRY if e.name != name] + [KernelEntry(name, supports, fn, priority, prepare)]
     _REGISTRY.sort(key=lambda e: -e.priority)
 
 
@@ -48,8 +81,9 @@ def kernels_enabled() -> bool:
     return _ENABLED["kernels"]
 
 
-def select_kernel(x: jax.Array, q: QArray, backend: Optional[str] = None) -> Optional[KernelEntry]:
-    """The first registered kernel that supports (x, q) on `backend` (default: jax's default backend)."""
+def select_kernel(x: Optional[jax.Array], q: QArray, backend: Optional[str] = None) -> Optional[KernelEntry]:
+    """The first registered kernel that supports (x, q) on `backend` (default: jax's default backend);
+    x None: any activation dtype the kernel takes."""
     if not _ENABLED["kernels"]:
         return None
     backend = backend or jax.default_backend()
@@ -63,6 +97,17 @@ def select_kernel(x: jax.Array, q: QArray, backend: Optional[str] = None) -> Opt
     return None
 
 
+def prepare_weight(q: QArray, backend: Optional[str] = None) -> Optional[Prepared]:
+    """The kernel layout of q for the kernel `qdot` would pick on `backend`, or None (XLA path, kernels off,
+    or a kernel that reads the QArray as it is). Run once per weight; pass the result to `qdot`."""
+    if not isinstance(q, QArray) or q.ndim != 2:
+        return None
+    entry = select_kernel(None, q, backend)
+    if entry is None or entry.prepare is None:
+        return None
+    return Prepared(entry.name, entry.prepare(q))
+
+
 def xla_qdot(x: jax.Array, q: QArray) -> jax.Array:
     """y = x @ dequantize(q): dequantize inside jit (XLA fuses it into the dot's operand), then dot_general."""
     w = dequantize(q, dtype=x.dtype)
@@ -70,16 +115,31 @@ def xla_qdot(x: jax.Array, q: QArray) -> jax.Array:
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def qdot(x: jax.Array, q: QArray) -> jax.Array:
+def qdot(x: jax.Array, q: QArray, prepared: Optional[Prepared] = None) -> jax.Array:
     """y[..., n] = sum_k x[..., k] * W[k, n] with W = dequantize(q), q of logical shape [K, N] quantized along
     K (axis 0, the Flax kernel layout). Uses a registered kernel when one supports (x, q) on this backend,
-    else the XLA path. Accumulates in float32; the result has x's dtype."""
+    else the XLA path. Accumulates in float32; the result has x's dtype.
+
+    `prepared` (from `prepare_weight(q)`) is handed to its kernel when that kernel is enabled and takes
+    (x, q) here; otherwise it is ignored and the usual selection applies (never a wrong answer: a payload
+    is only used by the kernel that made it)."""
     if q.ndim != 2:
         raise KernelError(f"qdot: expected a 2-D quantized weight [K, N], got shape {q.shape}")
     if x.shape[-1] != q.shape[0]:
         raise KernelError(f"qdot: x has K = {x.shape[-1]} (shape {tuple(x.shape)}) but the weight has "
                           f"K = {q.shape[0]} (shape {q.shape}, {q.scheme.describe()})")
+    if prepared is not None and _ENABLED["kernels"]:
+        backend = jax.default_backend()
+        for e in _REGISTRY:
+            if e.name == prepared.name:
+                try:
+                    ok = e.supports(x, q, backend)
+                except Exception:
+                    ok = False
+                if ok:
+                    return e.fn(x, q, prepared.payload)
+                break
     entry = select_kernel(x, q)
     if entry is not None:
-        return entry.fn(x, q)
+        return entry.fn(x, q, None)
     return xla_qdot(x, q)

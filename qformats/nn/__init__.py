@@ -21,14 +21,15 @@ export_quantized: pure glue for checkpoint readers and writers), `stats` (param_
 MSE weight search are pure functions in `qformats.observers`.
 """
 
-from qformats.nn.modules import (CalibStat, PackedParam, QEinsum, QLinear, QLinearGeneral, QuantStat,
-                                 quantize_weight)
+from qformats.nn.modules import (CalibStat, KernelCache, PackedParam, QEinsum, QLinear, QLinearGeneral,
+                                 QuantStat, quantize_weight)
 from qformats.nn.rules import Rule, resolve_scheme
-from qformats.nn.transform import convert, quantize_model, quantized_layers
+from qformats.nn.transform import convert, prepare_kernels, quantize_model, quantized_layers
 from qformats.nn.stats import param_bytes
 from qformats.nn.linen import QDense, QuantizedLinen, quantize_linen, quantize_params
 from qformats.nn.checkpoint import export_quantized, load_quantized
 
-__all__ = ["QLinear", "QLinearGeneral", "QEinsum", "QuantStat", "CalibStat", "PackedParam", "Rule",
-           "quantize_model", "convert", "quantized_layers", "quantize_weight", "resolve_scheme", "param_bytes",
+__all__ = ["QLinear", "QLinearGeneral", "QEinsum", "QuantStat", "CalibStat", "KernelCache", "PackedParam", "Rule",
+           "quantize_model", "convert", "prepare_kernels", "quantized_layers", "quantize_weight", "resolve_scheme",
+           "param_bytes",
            "QDense", "QuantizedLinen", "quantize_linen", "quantize_params", "load_quantized", "export_quantized"]

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qformats.dispatch import qdot
+from qformats.dispatch import prepare_weight, qdot
 from qformats.errors import ModelError
 from qformats.observers import Observer, mse_quantize, static_scale
 from qformats.qarray import QArray
@@ -38,6 +38,11 @@ class PackedParam(nnx.Param):
     """A Param holding a packed QArray (integer codes: not differentiable). It is an `nnx.Param`, so
     `nnx.state(model, nnx.Param)` counts it; train the remaining float params of a packed model with
     `wrt=nnx.All(nnx.Param, nnx.Not(PackedParam))`."""
+
+
+class KernelCache(nnx.Cache):
+    """A packed weight repacked into a registered kernel's own layout (`qformats.dispatch.Prepared`): derived
+    from the `kernel` param by `prepare_kernels`, not a parameter (not in `nnx.state(m, nnx.Param)`)."""
 
 
 def _param(kernel):
@@ -134,6 +139,7 @@ class _QuantizedMatmul(nnx.Module):
         # data attributes that calibration fills in (nnx.data: they may later hold Variables)
         self.input_scale = nnx.data(None)
         self.input_global_scale = nnx.data(None)
+        self.prepared = nnx.data(None)
         self.observer = observer
         self.calib_amax = nnx.data(None)
         self.calib_sq = nnx.data(None)
@@ -145,6 +151,7 @@ class _QuantizedMatmul(nnx.Module):
             k = self.k_dim
             shape = (k, k) if full_moments else (k,)
             self.calib_sq = CalibStat((jnp.zeros(shape, jnp.float32), jnp.zeros((), jnp.float32)))
+        self.prepare_kernel()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def finalize(self, mode: str = "ptq", weight_search: Optional[str] = None) -> None:
@@ -179,12 +186,40 @@ class _QuantizedMatmul(nnx.Module):
                 if output_error(rtn, w, h) <= output_error(q, w, h):
                     q = rtn
             self.kernel = PackedParam(q)
+            self.prepare_kernel()
 
     def convert(self, weight_search: Optional[str] = None) -> None:
         """QAT → PTQ in place: pack the float kernel (same quantization the QAT forward pass used)."""
         if self.mode == "qat":
             self.kernel = PackedParam(quantize_weight(self.kernel.get_value(), self.schemes, weight_search))
             self.mode = "ptq"
+            self.prepare_kernel()
+
+    def set_kernel(self, q: QArray) -> None:
+        """Replace the packed weight (same [K, N] shape) and refresh the kernel layout cache."""
+        if self.mode != "ptq" or not isinstance(q, QArray):
+            raise ModelError(f"{self.path}: set_kernel takes a QArray for a PTQ layer (mode {self.mode!r}, "
+                             f"got {type(q).__name__})")
+        if tuple(q.shape) != (self.k_dim, self.n_dim):
+            raise ModelError(f"{self.path}: set_kernel: expected a [{self.k_dim}, {self.n_dim}] weight, got {q.shape}")
+        self.kernel = PackedParam(q)
+        self.prepare_kernel()
+
+    def prepare_kernel(self, backend: Optional[str] = None) -> bool:
+        """Cache the weight in the layout of the kernel `qdot` picks on `backend` (default: jax's), once.
+
+        Returns whether a layout is cached now. Cleared (the XLA path, or a kernel that repacks per call)
+        when no registered, enabled kernel takes this weight there, or for layers stacked for `nnx.scan`
+        (their cache would have to be split the way the scan splits params). Call again after replacing
+        the kernel's values by other means than this module (e.g. `nnx.update` with params only): the cache
+        is derived from the codes and is not refreshed on its own.
+        """
+        p = None
+        k = self.kernel.get_value()
+        if self.mode == "ptq" and not self.stacked and isinstance(k, QArray):
+            p = prepare_weight(k, backend)
+        self.prepared = None if p is None else KernelCache(p)
+        return p is not None
 
     # ---- forward pieces -----------------------------------------------------------------------------
     def _quantize_input(self, x):
@@ -212,7 +247,7 @@ class _QuantizedMatmul(nnx.Module):
         """x [..., K] (already quantized) → x @ W [..., N]."""
         k = self.kernel.get_value()
         if self.mode == "ptq":
-            return qdot(x, k)
+            return qdot(x, k, None if self.prepared is None else self.prepared.get_value())
         if self.mode == "qat":
             return _dot(x, _fake_quantize_weight(k, self.schemes).astype(x.dtype))
         return _dot(x, k.astype(x.dtype))

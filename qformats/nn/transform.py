@@ -183,6 +183,17 @@ def convert(model: nnx.Module, *, weight_search: Optional[str] = None) -> nnx.Mo
     return model
 
 
+def prepare_kernels(model: nnx.Module, backend: Optional[str] = None) -> int:
+    """Cache, on every packed layer, its weight in the layout of the kernel `qdot` picks on `backend`
+    (`qformats.dispatch.prepare_weight`); clears caches where none applies. Returns how many are cached.
+
+    quantize_model, convert and the checkpoint loaders do this already; call it after turning kernels on or
+    off, after `kernels_pallas.set_interpret`, or after replacing packed params by other means (e.g.
+    `nnx.update` with params only), since the cache is derived from the codes.
+    """
+    return sum(bool(m.prepare_kernel(backend)) for m in quantized_layers(model).values())
+
+
 def quantized_layers(model: nnx.Module) -> dict:
     """path → QLinear / QLinearGeneral / QEinsum for every quantized layer (first path of shared ones)."""
     return {p: m for p, m, _ in _references(model, _QuantizedMatmul).values()}

@@ -286,3 +286,62 @@ def test_flax_layer_runs_the_kernel(monkeypatch):
     y_xla = np.asarray(model(x), np.float32)  # CPU, not forced: the XLA path
     assert y.shape == (2, 3, 200)
     np.testing.assert_allclose(y, y_xla, rtol=0, atol=2.0 ** -7 * np.abs(y_xla).max())
+
+
+def test_layers_cache_the_kernel_layout(monkeypatch):
+    """Packed layers keep the kernel's layout (prepared once): the forward pass never repacks, the cache is
+    not a parameter, and it is dropped (XLA path) when kernels are turned off."""
+    nnx = pytest.importorskip("flax.nnx")
+    from qformats.nn import KernelCache, Rule, param_bytes, prepare_kernels, quantize_model
+    import kernels_pallas.layout as layout_mod
+    import sys
+    qm_mod = sys.modules["kernels_pallas.qmatmul"]  # the package attribute of that name is the function
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.proj = nnx.Linear(160, 200, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+
+        def __call__(self, x):
+            return self.proj(x)
+
+    x = make_x((2, 3, 160), jnp.bfloat16)
+    kernels_pallas.set_interpret(True)
+    try:
+        model = Net()
+        quantize_model(model, [Rule(".*", "MXFP4A16")])
+        cache = model.proj.prepared
+        assert isinstance(cache, KernelCache) and cache.get_value().name == "pallas_qmatmul"
+        assert isinstance(cache.get_value().payload, kernels_pallas.PreparedWeight)
+        assert param_bytes(model) == model.proj.kernel.get_value().nbytes + 200 * 2  # cache is not a Param
+        calls = []
+        monkeypatch.setattr(qm_mod, "prepare", lambda *a, **k: calls.append("repack") or layout_mod.prepare(*a, **k))
+        y = np.asarray(model(x), np.float32)
+        y_jit = np.asarray(nnx.jit(lambda m, v: m(v))(model, x), np.float32)
+        assert calls == [], "the layer repacked its weight in the forward pass"
+        qformats.set_kernels_enabled(False)
+        try:
+            assert prepare_kernels(model) == 0 and model.proj.prepared is None
+        finally:
+            qformats.set_kernels_enabled(True)
+        assert prepare_kernels(model) == 1
+    finally:
+        kernels_pallas.set_interpret(False)
+    assert prepare_kernels(model) == 0  # CPU, not forced: no kernel, no cache
+    y_xla = np.asarray(model(x), np.float32)
+    np.testing.assert_allclose(y, y_xla, rtol=0, atol=2.0 ** -7 * np.abs(y_xla).max())
+    np.testing.assert_array_equal(y, y_jit)
+
+
+def test_qdot_ignores_a_payload_its_kernel_does_not_take():
+    """A cached layout is used only by the kernel that made it, and only when it takes (x, q) here."""
+    q = make_q("W4A16", 128, 64)
+    x = make_x((2, 128), jnp.bfloat16)
+    kernels_pallas.set_interpret(True)
+    try:
+        p = qformats.prepare_weight(q)
+    finally:
+        kernels_pallas.set_interpret(False)
+    assert p is not None and p.name == "pallas_qmatmul"
+    # on CPU without interpret the kernel does not take it: the XLA path, exactly
+    np.testing.assert_array_equal(np.asarray(qformats.qdot(x, q, p)), np.asarray(qformats.dispatch.xla_qdot(x, q)))
+    assert qformats.prepare_weight(q) is None

@@ -1,0 +1,78 @@
+"""qformats.dispatch: kernel registration, selection, cached weight layouts (`prepare_weight`), the flag."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qformats
+from qformats import KernelError, dispatch, presets, quantize
+
+
+@pytest.fixture
+def fake_kernel():
+    """A CPU 'kernel' whose layout is the dequantized weight, recording how it was called."""
+    calls = []
+
+    def prep(q):
+        calls.append("prepare")
+        return qformats.dequantize(q, jnp.float32)
+
+    def fn(x, q, payload):
+        calls.append("fn+payload" if payload is not None else "fn")
+        w = prep(q) if payload is None else payload
+        return (x.astype(jnp.float32) @ w + 1.0).astype(x.dtype)  # +1: tell it from the XLA path
+
+    dispatch.register_kernel("fake", lambda x, q, b: b == "cpu" and (x is None or x.dtype == jnp.float32),
+                             fn, priority=99, prepare=prep)
+    try:
+        yield calls
+    finally:
+        dispatch._REGISTRY[:] = [e for e in dispatch._REGISTRY if e.name != "fake"]
+
+
+def test_payload_is_prepared_once_and_used(fake_kernel):
+    q = quantize(np.random.default_rng(0).normal(size=(128, 16)).astype(np.float32), presets["W4A16"].weights, 0)
+    x = jnp.ones((3, 128), jnp.float32)
+    p = qformats.prepare_weight(q)
+    assert p.name == "fake" and fake_kernel == ["prepare"]
+    y = qformats.qdot(x, q, p)
+    assert fake_kernel == ["prepare", "fn+payload"]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(dispatch.xla_qdot(x, q)) + 1.0, rtol=1e-6)
+    # an activation dtype the kernel does not take: XLA, payload ignored
+    yb = qformats.qdot(x.astype(jnp.bfloat16), q, p)
+    np.testing.assert_array_equal(np.asarray(yb), np.asarray(dispatch.xla_qdot(x.astype(jnp.bfloat16), q)))
+    qformats.set_kernels_enabled(False)
+    try:
+        assert qformats.prepare_weight(q) is None
+        np.testing.assert_array_equal(np.asarray(qformats.qdot(x, q, p)), np.asarray(dispatch.xla_qdot(x, q)))
+    finally:
+        qformats.set_kernels_enabled(True)
+    assert fake_kernel == ["prepare", "fn+payload"]
+
+
+def test_payload_of_an_unregistered_kernel_is_ignored(fake_kernel):
+    q = quantize(np.ones((128, 8), np.float32), presets["W8A16"].weights, 0)
+    x = jnp.ones((1, 128), jnp.float32)
+    stale = dispatch.Prepared("gone", jnp.zeros((128, 8)))
+    y = qformats.qdot(x, q, stale)  # falls through to normal selection: the fake kernel, repacking itself
+    assert fake_kernel == ["fn", "prepare"]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(dispatch.xla_qdot(x, q)) + 1.0, rtol=1e-6)
+
+
+def test_qdot_shape_errors_name_shapes_and_scheme():
+    q = quantize(np.ones((128, 8), np.float32), presets["W8A16"].weights, 0)
+    with pytest.raises(KernelError, match=r"K = 16.*K = 128"):
+        qformats.qdot(jnp.ones((2, 16)), q)
+
+
+def test_layer_without_a_kernel_has_no_cache():
+    nnx = pytest.importorskip("flax.nnx")
+    from qformats.nn import Rule, prepare_kernels, quantize_model
+    lin = nnx.Linear(128, 8, rngs=nnx.Rngs(0))
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.lin = lin
+
+    m = quantize_model(M(), [Rule(".*", "W4A16")])
+    assert m.lin.prepared is None and prepare_kernels(m) == 0
