@@ -89,10 +89,14 @@ def _fake_quantize_weight(kernel, schemes: SchemeSet):
     return fn(kernel)
 
 
+def _output_error(q: QArray, w, h) -> jax.Array:
+    d = dequantize(q, jnp.float32) - w.astype(jnp.float32)
+    return jnp.sum(d * (h @ d))
+
+
 def output_error(q: QArray, w, h) -> float:
     """tr(dW^T H dW), dW = dequantize(q) - w: the mean squared output error of x @ W for E[x x^T] = H."""
-    d = dequantize(q, jnp.float32) - w.astype(jnp.float32)
-    return float(jnp.sum(d * (h @ d)))
+    return float(_output_error(q, w, h))
 
 
 class _QuantizedMatmul(nnx.Module):
@@ -126,8 +130,6 @@ class _QuantizedMatmul(nnx.Module):
         # [K, N] and carries the stacking axes on its leaves only
         lead = kernel.codes.shape[:-2] if isinstance(kernel, QArray) else kernel.shape[:-2]
         self.stacked = tuple(int(d) for d in lead)
-        if self.stacked and mode == "calibrate":
-            raise ModelError(f"{kind} {path}: calibration of stacked (scanned) layers is not supported")
         self.schemes = schemes
         self.mode = mode
         self.dtype = dtype
@@ -146,11 +148,14 @@ class _QuantizedMatmul(nnx.Module):
         if mode == "calibrate":
             if observer is None:
                 raise ModelError(f"{kind} {path}: calibrate mode needs an observer")
-            self.calib_amax = CalibStat(observer.init())
+            # one state per stacked layer: nnx.scan hands each step its slice and stacks the updates back
+            stack = lambda v: jnp.broadcast_to(v, self.stacked + jnp.shape(v))  # noqa: E731
+            self.calib_amax = CalibStat(jax.tree.map(stack, observer.init()))
             # sum x x^T over tokens ([K, K], for the MSE search's output-error check) or only its diagonal
             k = self.k_dim
             shape = (k, k) if full_moments else (k,)
-            self.calib_sq = CalibStat((jnp.zeros(shape, jnp.float32), jnp.zeros((), jnp.float32)))
+            self.calib_sq = CalibStat((jnp.zeros(self.stacked + shape, jnp.float32),
+                                       jnp.zeros(self.stacked, jnp.float32)))
         self.prepare_kernel()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -160,31 +165,46 @@ class _QuantizedMatmul(nnx.Module):
         With weight_search="mse" the per-group clipping search weights errors by E[x_k^2] measured on
         the calibration batches, and (when the layer tracked full moments) the result is kept only if
         the layer's output error on them, tr(dW^T H dW) with H = E[x x^T], is below round-to-nearest's.
+        Layers stacked for `nnx.scan` are finalized layer by layer (vmapped over the stacking axes).
         """
         if self.mode != "calibrate":
             raise ModelError(f"{self.path}: finalize() is for a calibrating layer, mode is {self.mode!r}")
         a = self.schemes.input_activations
-        kdt = self.kernel.get_value().dtype
-        if a is not None and a.dynamic is not True:
-            amax = self.observer.result(self.calib_amax.get_value())
-            s, g = static_scale(amax, a, kdt if kdt in (jnp.bfloat16, jnp.float16) else jnp.float32)
-            self.input_scale = None if s is None else QuantStat(s)
-            self.input_global_scale = None if g is None else QuantStat(g)
+        static_acts = a is not None and a.dynamic is not True
+        w = self.kernel.get_value()
+        sdt = w.dtype if w.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+        observer, schemes = self.observer, self.schemes
+
+        def one(w, amax_state, total, n):
+            s = g = None
+            if static_acts:
+                s, g = static_scale(observer.result(amax_state), a, sdt)
+            if mode != "ptq":
+                return s, g, None
+            seen = n > 0
+            h = total / jnp.maximum(n, 1.0)
+            diag = jnp.diagonal(h) if h.ndim == 2 else h
+            if weight_search is None:
+                return s, g, quantize_weight(w, schemes, None)
+            q = quantize_weight(w, schemes, weight_search, importance=jnp.where(seen, diag, 1.0))
+            if h.ndim == 2:  # keep round-to-nearest where the search does not lower tr(dW^T H dW)
+                rtn = quantize_weight(w, schemes, None)
+                keep = seen & (_output_error(q, w, h) < _output_error(rtn, w, h))
+                q = jax.tree.map(lambda u, v: jnp.where(keep, u, v), q, rtn)
+            return s, g, q
+
+        fn = one
+        for _ in self.stacked:
+            fn = jax.vmap(fn)
         total, n = self.calib_sq.get_value()
-        seen = float(n) > 0
-        h = total / jnp.maximum(n, 1.0)
-        diag = jnp.diagonal(h) if h.ndim == 2 else h
+        s, g, q = fn(w, self.calib_amax.get_value(), total, n)
+        self.input_scale = None if s is None else QuantStat(s)
+        self.input_global_scale = None if g is None else QuantStat(g)
         self.calib_amax = None
         self.calib_sq = None
         self.observer = None
         self.mode = mode
         if mode == "ptq":
-            w = self.kernel.get_value()
-            q = quantize_weight(w, self.schemes, weight_search, importance=diag if seen else None)
-            if weight_search is not None and seen and h.ndim == 2:
-                rtn = quantize_weight(w, self.schemes, None)
-                if output_error(rtn, w, h) <= output_error(q, w, h):
-                    q = rtn
             self.kernel = PackedParam(q)
             self.prepare_kernel()
 

@@ -17,6 +17,7 @@ from qformats.observers import get_observer
 
 _NOTHING = object()
 MAX_FULL_MOMENTS_K = 4096
+MAX_FULL_MOMENTS_ELEMS = 4 * 4096 * 4096  # per layer incl. stacked ones: 256 MiB of float32
 
 
 def _path_str(path) -> str:
@@ -121,8 +122,10 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         cls = next(q for base, q in QUANTIZED.items() if isinstance(lin, base))
         if calibrating:
             obs = observers.get(path) or get_observer("minmax", ss.weights)
-            # full E[x x^T] only where the MSE search will use it, and only up to K = 4096 (64 MiB)
-            full = weight_search == "mse" and _contracted_size(path, lin, ss, True) <= MAX_FULL_MOMENTS_K
+            # full E[x x^T] only where the MSE search will use it: K <= 4096, <= 256 MiB per (stacked) layer
+            k = _contracted_size(path, lin, ss, True)
+            layers = math.prod(lin.kernel.get_value().shape[:-2]) if isinstance(lin, nnx.Linear) else 1
+            full = weight_search == "mse" and k <= MAX_FULL_MOMENTS_K and layers * k * k <= MAX_FULL_MOMENTS_ELEMS
             new = cls.from_module(lin, ss, mode="calibrate", path=path, observer=obs, full_moments=full)
         else:
             new = cls.from_module(lin, ss, mode=mode, path=path, weight_search=weight_search)
@@ -169,9 +172,6 @@ def _contracted_size(path: str, m, ss, calibrating: bool) -> int:
         if ss.weights.strategy == "block":
             raise ModelError(f"{path}: block scales ({ss.name}) need a 2-D kernel; this one is stacked "
                              f"{tuple(kernel.shape)}")
-        if calibrating:
-            raise ModelError(f"{path}: calibration of stacked (scanned) layers is not supported; "
-                             "quantize without calibration_data")
     return int(kernel.shape[-2])
 
 

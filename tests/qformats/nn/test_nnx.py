@@ -340,7 +340,52 @@ def test_scanned_layers(mode):
     got = nnx.jit(lambda m, x: m(x))(model, X)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
     with pytest.raises(ModelError, match="stacked"):
-        quantize_model(Scanned(), [Rule(".*", "W4A16")], calibration_data=[X])
+        quantize_model(Scanned(), [Rule(".*", "FP8_BLOCK")])
+
+
+class Unrolled(nnx.Module):
+    """The three layers of a Scanned model as separate Linears run in a Python loop."""
+
+    def __init__(self, scanned):
+        k = scanned.layers.lin.kernel.get_value()
+        b = scanned.layers.lin.bias.get_value()
+        self.blocks = nnx.List([ScanBlock(nnx.Rngs(i)) for i in range(3)])
+        for i, blk in enumerate(self.blocks):
+            blk.lin.kernel.set_value(k[i])
+            blk.lin.bias.set_value(b[i])
+
+    def __call__(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return x
+
+
+@pytest.mark.parametrize("scheme,search", [("FP8", None), ("W4A16", "mse"), ("NVFP4", None)])
+def test_scanned_layers_calibrate_like_unrolled_ones(scheme, search):
+    """Calibrating a scanned stack gives each layer the scales (and searched weights) it gets unrolled."""
+    rng = np.random.default_rng(3)
+    batches = [jnp.asarray(rng.normal(size=(4, 8, 128)), jnp.float32) * (1 + i) for i in range(2)]
+    scanned = Scanned()
+    unrolled = Unrolled(scanned)
+    quantize_model(scanned, [Rule(".*", scheme)], calibration_data=batches, weight_search=search)
+    quantize_model(unrolled, [Rule(".*", scheme)], calibration_data=batches, weight_search=search)
+    lin = scanned.layers.lin
+    assert lin.stacked == (3,) and lin.mode == "ptq" and lin.calib_sq is None
+    q = lin.kernel.get_value()
+    for i, blk in enumerate(unrolled.blocks):
+        ref = blk.lin
+        for got, want in zip(jax.tree.leaves(q), jax.tree.leaves(ref.kernel.get_value())):
+            np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))
+        for name in ("input_scale", "input_global_scale"):
+            r = getattr(ref, name)
+            if r is None:
+                assert getattr(lin, name) is None
+            else:
+                np.testing.assert_array_equal(np.asarray(getattr(lin, name).get_value()[i]), np.asarray(r.get_value()))
+    assert (lin.input_scale is not None) == (scheme == "FP8")
+    got = nnx.jit(lambda m, x: m(x))(scanned, X)
+    want = nnx.jit(lambda m, x: m(x))(unrolled, X)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_calibration_failure_or_no_batches_leaves_model_unchanged():
