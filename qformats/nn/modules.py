@@ -142,6 +142,7 @@ class _QuantizedMatmul(nnx.Module):
         self.input_scale = nnx.data(None)
         self.input_global_scale = nnx.data(None)
         self.prepared = nnx.data(None)
+        self.weight_method = "rtn"  # how the packed weight was chosen: "rtn", "mse" (searched somewhere)
         self.observer = observer
         self.calib_amax = nnx.data(None)
         self.calib_sq = nnx.data(None)
@@ -206,6 +207,7 @@ class _QuantizedMatmul(nnx.Module):
         self.mode = mode
         if mode == "ptq":
             self.kernel = PackedParam(q)
+            self.weight_method = weight_search or "rtn"
             self.prepare_kernel()
 
     def convert(self, weight_search: Optional[str] = None) -> None:

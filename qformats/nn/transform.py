@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import warnings
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from qformats.errors import ModelError
-from qformats.nn.modules import QUANTIZED, _QuantizedMatmul, einsum_layout
+from qformats.nn.modules import QUANTIZED, _QuantizedMatmul, einsum_layout, quantize_weight
 from qformats.nn.rules import check_fit, compile_rules, select
 from qformats.observers import get_observer
 
 
+logger = logging.getLogger("qformats")
 _NOTHING = object()
 MAX_FULL_MOMENTS_K = 4096
 MAX_FULL_MOMENTS_ELEMS = 4 * 4096 * 4096  # per layer incl. stacked ones: 256 MiB of float32
@@ -64,7 +68,8 @@ def _default_forward(model, batch):
 
 def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibration_data: Optional[Iterable] = None,
                    *, weight_search: Optional[str] = None, observer: Any = "minmax",
-                   forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True) -> nnx.Module:
+                   forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True,
+                   compare_rtn: bool = True) -> nnx.Module:
     """Swap every `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Einsum` whose path matches a rule for its
     quantized counterpart (`QLinear` / `QLinearGeneral` / `QEinsum`), in place; returns `model`.
 
@@ -79,6 +84,10 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         the searched weights only where tr(dW^T H dW) beats round-to-nearest. If a batch fails, the
         original modules are put back and the error propagates.
       weight_search: None (round-to-nearest) or "mse" (per-group clipping search, `observers.mse_quantize`).
+      compare_rtn: with calibration_data and a weight_search, run the calibration batches again with the
+        searched weights and with round-to-nearest ones and keep whichever gives the lower squared error
+        against the float model's outputs (so a search never makes the model worse on its calibration
+        data; costs two more passes and keeps the float outputs of the calibration batches meanwhile).
       observer: "minmax" | "moving_average" | "percentile" | "mse" | an `observers.Observer`.
 
     Everything (regexes, preset names, shapes against schemes) is checked before the first swap; on a
@@ -129,25 +138,68 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             new = cls.from_module(lin, ss, mode="calibrate", path=path, observer=obs, full_moments=full)
         else:
             new = cls.from_module(lin, ss, mode=mode, path=path, weight_search=weight_search)
+            if mode == "ptq":
+                new.weight_method = weight_search or "rtn"
         for parent, key in parents:
             _set(parent, key, new)
         swapped.append(new)
 
     if calibrating:
         fwd = forward or _default_forward
-        step = nnx.jit(lambda m, b: (fwd(m, b), None)[1]) if jit else (lambda m, b: fwd(m, b))
+        guard = weight_search is not None and mode == "ptq" and compare_rtn
+        # with the guard, keep the batches and the float model's outputs (the calibrating layers run float)
+        step = _jitted(lambda m, b: fwd(m, b) if guard else (fwd(m, b), None)[1], jit)
+        kept, reference = [], []
         try:
             for batch in batches:
-                step(model, batch)
+                out = step(model, batch)
+                if guard:
+                    kept.append(batch)
+                    reference.append(out)
         except BaseException:
             # the calibrating layers hold the float weights: put the original modules back, unchanged
             for (_, lin, parents, _), new in zip(plan, swapped):
                 for parent, key in parents:
                     _set(parent, key, lin)
             raise
+        floats = [q.kernel.get_value() for q in swapped] if guard else []
         for q in swapped:
             q.finalize(mode, weight_search=weight_search)
+        if guard:
+            _keep_better_of_search_and_rtn(model, swapped, floats, kept, reference, _jitted(fwd, jit))
     return model
+
+
+def _jitted(fn, jit: bool):
+    return nnx.jit(fn) if jit else fn
+
+
+def _output_sq_error(model, run, batches, reference) -> float:
+    """sum over batches and float output leaves of |model(batch) - reference|^2 (float32)."""
+    total = 0.0
+    for batch, ref in zip(batches, reference):
+        for y, r in zip(jax.tree.leaves(run(model, batch)), jax.tree.leaves(ref)):
+            if jnp.issubdtype(jnp.result_type(r), jnp.floating):
+                total += float(jnp.sum(jnp.square(y.astype(jnp.float32) - r.astype(jnp.float32))))
+    return total
+
+
+def _keep_better_of_search_and_rtn(model, layers, floats, batches, reference, run) -> None:
+    """Model-level check of a weight search: the calibration batches' outputs against the float model's,
+    with the searched weights and with round-to-nearest ones; the lower squared error stays."""
+    searched = [q.kernel.get_value() for q in layers]
+    err_search = _output_sq_error(model, run, batches, reference)
+    for q, w in zip(layers, floats):
+        q.set_kernel(quantize_weight(w, q.schemes, None))
+    err_rtn = _output_sq_error(model, run, batches, reference)
+    chosen = "rtn" if err_rtn <= err_search else None
+    if chosen is None:
+        for q, s in zip(layers, searched):
+            q.set_kernel(s)
+    for q in layers:
+        q.weight_method = chosen or q.weight_method
+    logger.info("qformats.nn: weight search output error %.6g vs round-to-nearest %.6g on the calibration "
+                "batches: kept %s", err_search, err_rtn, "round-to-nearest" if chosen else "the search")
 
 
 def _contracted_size(path: str, m, ss, calibrating: bool) -> int:

@@ -203,6 +203,28 @@ def test_calibration_nvfp4_global_scale_and_mse_weights_improve():
     assert err(cal) < err(rtn)
 
 
+@pytest.mark.parametrize("scheme", ["W8A16", "FP8_DYNAMIC", "W4A16"])
+def test_weight_search_never_loses_to_rtn_on_the_calibration_batches(scheme):
+    """compare_rtn: the packed model's output error on the calibration batches is the smaller of the
+    searched and the round-to-nearest model's (each measured independently here)."""
+    batches = [X, X * 2]
+    rules = [Rule(".*", scheme)]
+    ref = [Toy()(b) for b in batches]
+    err = lambda m: sum(float(jnp.sum((nnx.jit(lambda m, x: m(x))(m, b) - r) ** 2))  # noqa: E731
+                        for b, r in zip(batches, ref))
+    rtn, unguarded, guarded = Toy(), Toy(), Toy()
+    quantize_model(rtn, rules, calibration_data=batches)
+    quantize_model(unguarded, rules, calibration_data=batches, weight_search="mse", compare_rtn=False)
+    quantize_model(guarded, rules, calibration_data=batches, weight_search="mse")
+    e_rtn, e_search, e = err(rtn), err(unguarded), err(guarded)
+    assert e == min(e_rtn, e_search)
+    layer = guarded.heads["cls"]
+    assert layer.weight_method == ("rtn" if e_rtn <= e_search else "mse")
+    same = rtn if e_rtn <= e_search else unguarded
+    for a, b in zip(jax.tree.leaves(layer.kernel.get_value()), jax.tree.leaves(same.heads["cls"].kernel.get_value())):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_without_calibration_static_scheme_warns_and_runs_dynamic():
     model = Toy()
     with pytest.warns(UserWarning, match="calibration_data"):
