@@ -12,13 +12,13 @@ NNX::
 
 Linen::
 
-    qmodule, qparams = quantize_linen(module, params, [Rule(".*", "W8A16")])
+    qmodule, qparams = quantize_linen(module, params, [Rule(".*", "W8A16")], x)  # x: example inputs
     y = qmodule.apply(qparams, x)
 
 Modules: `modules` (QLinear, QLinearGeneral, QEinsum), `rules` (Rule, validation), `transform`
-(quantize_model, convert), `linen` (QDense, quantize_linen), `checkpoint` (load_quantized /
-export_quantized: pure glue for checkpoint readers and writers), `stats` (param_bytes). Observers and the
-MSE weight search are pure functions in `qformats.observers`.
+(quantize_model, convert), `linen` (QDense, QDenseGeneral, linen.QEinsum, quantize_linen), `checkpoint`
+(load_quantized / export_quantized: pure glue for checkpoint readers and writers), `stats` (param_bytes).
+Observers and the MSE weight search are pure functions in `qformats.observers`.
 """
 
 from qformats.nn.modules import (CalibStat, KernelCache, PackedParam, QEinsum, QLinear, QLinearGeneral,
@@ -26,10 +26,11 @@ from qformats.nn.modules import (CalibStat, KernelCache, PackedParam, QEinsum, Q
 from qformats.nn.rules import Rule, resolve_scheme
 from qformats.nn.transform import convert, prepare_kernels, quantize_model, quantized_layers
 from qformats.nn.stats import param_bytes
-from qformats.nn.linen import QDense, QuantizedLinen, quantize_linen, quantize_params
+from qformats.nn.linen import QDense, QDenseGeneral, QuantizedLinen, quantize_linen, quantize_params, record_layouts
 from qformats.nn.checkpoint import export_quantized, load_quantized
 
 __all__ = ["QLinear", "QLinearGeneral", "QEinsum", "QuantStat", "CalibStat", "KernelCache", "PackedParam", "Rule",
            "quantize_model", "convert", "prepare_kernels", "quantized_layers", "quantize_weight", "resolve_scheme",
            "param_bytes",
-           "QDense", "QuantizedLinen", "quantize_linen", "quantize_params", "load_quantized", "export_quantized"]
+           "QDense", "QDenseGeneral", "QuantizedLinen", "quantize_linen", "quantize_params", "record_layouts",
+           "load_quantized", "export_quantized"]
