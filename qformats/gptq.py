@@ -1,0 +1,248 @@
+"""GPTQ weight quantization (Frantar et al., 2022) as a pure, jit-able JAX function, following llm-compressor.
+
+GPTQ quantizes a weight one input column at a time and, after each column, spreads that column's rounding
+error over the columns not yet quantized, weighted by the inverse Hessian of the layer's reconstruction loss
+||X W - X Q||^2 (X: calibration inputs). Reference: arXiv:2210.17323; the lazy-batch ("block") update and the
+Cholesky form of the inverse are its sections 3.3-3.4. The arithmetic here follows llm-compressor 0.14
+(`modifiers/gptq/gptq_quantize.py::quantize_weight` and `helpers.py::factorize_hessian`, act_order off).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from qformats import rounding as R
+from qformats.codec import decode
+from qformats.errors import SchemeError
+from qformats.formats import IntFormat
+from qformats.qarray import QArray
+from qformats.quantize import _FLOATS, _norm_axis, _round_elements, quantize
+from qformats.scales import compute_scales
+from qformats.schemes import QuantScheme
+
+__all__ = ["gptq_quantize", "gptq_hinv"]
+
+
+def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening_frac: float = 0.01,
+                  axis: int = 0, qparams: Optional[QArray] = None) -> QArray:
+    """Quantize `w` with GPTQ (act_order off) for the input second moment `h`.
+
+    Layout: `w` is a kernel whose contracted (input) axis is `axis` (0 for a Flax kernel `[K, N]`); every
+    other axis is an independent output row. `h` is the `[K, K]` Hessian H = E[x x^T] over calibration
+    tokens (llm-compressor accumulates 2/n sum x x^T; a positive factor on H leaves the result unchanged,
+    the dampening being relative to mean(diag H)).
+
+    Algorithm, with W viewed as `[K, N]` (row k = input column k), exactly as llm-compressor 0.14 does it:
+      1. Scales, zero points and the NVFP4 global scale come first, from the *original* weight, by the
+         scheme's own rule (llm-compressor's `memoryless_minmax` weight observer; i.e. the scales of
+         `quantize(w, scheme, axis)`), for every strategy (channel, group, tensor_group, block, tensor).
+         They stay fixed while GPTQ runs. Pass `qparams` (a QArray of w, e.g. from
+         `observers.mse_quantize(w, scheme, importance=diag(h))`) to use other scales (llm-compressor's
+         `memoryless_mse` observer plays that role).
+      2. Dead inputs, H[k, k] == 0: H[k, k] = 1 and W[k, :] = 0.
+      3. Dampening: H += dampening_frac * mean(diag H) * I.
+      4. Hinv = U, the upper Cholesky factor of H^-1 (H = L L^T, H^-1 = cholesky_inverse(L), H^-1 = U^T U).
+         If H is not positive definite, U = I: plain round-to-nearest (llm-compressor's "RTN fallback";
+         a warning says so when called eagerly).
+      5. For blocks of `block_size` rows [i1, i2), for k = i1 .. i2 - 1 (W1 = the block's rows, updated):
+           q_k   = dequantize(quantize(W1[k], scales of row k))             (the row's fixed scales)
+           e_k   = (W1[k] - q_k) / U[k, k]
+           W1[j] -= e_k * U[k, j]            for j in [k, i2)               (within the block, eagerly)
+         then W[i2:] -= U[i1:i2, i2:]^T E    (E = the block's e rows; the lazy batch update) and the block's
+         rows become the q_k. The quantize-dequantize is the scheme's own (qformats' rounding, in float32
+         as llm-compressor's float32 working copy; the product value * scale is rounded to the stored
+         scale's dtype, as compressed-tensors' `_dequantize` does).
+    The result is re-quantized through `quantize(Q, scheme, axis, scale=..., zero_point=..., global_scale=...)`
+    with the scales of step 1, Q cast to w's dtype first — what compressed-tensors does when it compresses
+    llm-compressor's GPTQ output — so codes, packing and serialization are those of any other QArray.
+
+    Consequences worth knowing (all shared with llm-compressor): with H = c I the result is RTN, except that
+    a float format's -0 code comes back as +0 (an exact -0.0 re-quantizes to +0) and that bf16/f16 weights
+    are divided by their scale in float32, not in their own dtype as RTN does (a few ties move). Dead inputs
+    make the result depend on H's scale (their H[k, k] = 1 enters mean(diag H)): llm-compressor's H is
+    2 * (tokens per calibration sample) * E[x x^T]. Any strategy and element format of qformats works
+    (llm-compressor 0.14 rounds only int, fp8 and fp4 elements); act_order is not implemented.
+
+    Args:
+      w: float32/bfloat16/float16 weight, ndim >= 2 (block strategy: exactly 2), contracted axis `axis`.
+      scheme: the weight QuantScheme (e.g. `presets["W4A16"].weights`).
+      h: `[K, K]` input second moment, K = w.shape[axis]; must be finite.
+      block_size: rows per lazy batch (llm-compressor's `block_size`, default 128).
+      dampening_frac: relative dampening (llm-compressor's `dampening_frac`, default 0.01).
+      axis: the contracted axis of w.
+      qparams: optional QArray of w (same scheme, shape, axis) whose scale / zero_point / global_scale to use.
+
+    Returns:
+      A QArray like `quantize(w, scheme, axis)` returns (same scales unless `qparams` is given).
+    """
+    w = jnp.asarray(w)
+    if not isinstance(scheme, QuantScheme):
+        raise SchemeError(f"gptq_quantize: expected a QuantScheme, got {type(scheme).__name__} "
+                          "(for a preset use qformats.presets[name].weights)")
+    if w.dtype not in _FLOATS:
+        raise SchemeError(f"gptq_quantize: expected a float32, bfloat16 or float16 weight, got {w.dtype}")
+    if w.ndim < 2:
+        raise SchemeError(f"gptq_quantize: expected a kernel with ndim >= 2, got shape {tuple(w.shape)}")
+    axis = _norm_axis(axis, w.ndim, "gptq_quantize")
+    if scheme.strategy == "block" and w.ndim != 2:
+        raise SchemeError(f"gptq_quantize: block strategy needs a 2-D kernel, got shape {tuple(w.shape)}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise SchemeError(f"gptq_quantize: block_size must be a positive int, got {block_size!r}")
+    if not (isinstance(dampening_frac, (int, float)) and math.isfinite(dampening_frac) and dampening_frac >= 0):
+        raise SchemeError(f"gptq_quantize: dampening_frac must be a finite float >= 0, got {dampening_frac!r}")
+    k = w.shape[axis]
+    h = jnp.asarray(h)
+    if h.shape != (k, k):
+        raise SchemeError(f"gptq_quantize: Hessian h must have shape ({k}, {k}) for a weight of shape "
+                          f"{tuple(w.shape)} contracted along axis {axis}, got shape {tuple(h.shape)}")
+    if not jnp.issubdtype(h.dtype, jnp.floating):
+        raise SchemeError(f"gptq_quantize: Hessian h must be a float array, got {h.dtype}")
+    concrete = not isinstance(h, jax.core.Tracer)
+    if concrete and not bool(jnp.all(jnp.isfinite(h))):
+        raise SchemeError(f"gptq_quantize: Hessian h of shape {tuple(h.shape)} has "
+                          f"{int(jnp.sum(~jnp.isfinite(h)))} non-finite entries")
+
+    if qparams is None:
+        qparams = quantize(w, scheme, axis)
+    elif not isinstance(qparams, QArray) or qparams.scheme != scheme or qparams.shape != tuple(w.shape) \
+            or qparams.axis != axis:
+        raise SchemeError(f"gptq_quantize: qparams must be a QArray of scheme {scheme.describe()!r}, shape "
+                          f"{tuple(w.shape)}, axis {axis}; got {qparams!r}")
+
+    # [K, N] working view (input rows; N = every other axis flattened, in QArray.tshape order).
+    w2 = jnp.moveaxis(w, axis, 0).reshape(k, -1)
+    s_rows, z_rows = _row_qparams(qparams, k, w2.shape[1])
+    sdt = qparams.scale.dtype if qparams.scale.dtype in _FLOATS else jnp.dtype(jnp.float32)
+    q2, fallback = _gptq_jit(w2.astype(jnp.float32), h.astype(jnp.float32), s_rows, z_rows,
+                             qparams.global_scale, jnp.float32(dampening_frac), scheme, block_size, sdt.name)
+    if concrete and not isinstance(fallback, jax.core.Tracer) and bool(fallback):
+        warnings.warn(f"gptq_quantize: the dampened Hessian ({k}x{k}) is not positive definite; weight of "
+                      f"shape {tuple(w.shape)} quantized with round-to-nearest (as llm-compressor falls "
+                      "back). Consider a larger dampening_frac or more calibration data.", stacklevel=2)
+    rest = tuple(s for i, s in enumerate(w.shape) if i != axis)
+    q = jnp.moveaxis(q2.reshape((k,) + rest), 0, axis).astype(w.dtype)
+    return quantize(q, scheme, axis, scale=qparams.scale, zero_point=qparams.zero_point,
+                    global_scale=qparams.global_scale)
+
+
+def gptq_hinv(h, dampening_frac: float = 0.01):
+    """(U, dead, fallback): the upper Cholesky factor U of (H')^-1 GPTQ works with.
+
+    H' = H with dead diagonal entries (H[k, k] == 0, flagged in `dead`) set to 1, plus
+    dampening_frac * mean(diag H') on the diagonal. U satisfies (H')^-1 = U^T U. When H' is not positive
+    definite (its Cholesky factor has NaNs), U = I and `fallback` is True: GPTQ then reduces to RTN.
+    All in float32, as llm-compressor's `factorize_hessian`.
+    """
+    h = jnp.asarray(h, jnp.float32)
+    n = h.shape[0]
+    eye = jnp.eye(n, dtype=jnp.float32)
+    d = jnp.diagonal(h)
+    dead = d == 0
+    h = jnp.where(eye.astype(bool) & dead[None, :], 1.0, h)
+    damp = dampening_frac * jnp.mean(jnp.diagonal(h))
+    h = h + damp * eye
+    lower = jnp.linalg.cholesky(h)
+    hinv = jax.scipy.linalg.cho_solve((lower, True), eye)  # cholesky_inverse(L)
+    hinv = (hinv + hinv.T) * 0.5  # exactly symmetric, as LAPACK's potri leaves it
+    u = jnp.triu(jnp.linalg.cholesky(hinv).T)
+    fallback = ~(jnp.all(jnp.isfinite(lower)) & jnp.all(jnp.isfinite(u)))
+    return jnp.where(fallback, eye, u), dead, fallback
+
+
+# ---- internals ----------------------------------------------------------------------------------------------
+def _row_qparams(qa: QArray, k: int, n: int):
+    """Scale and zero point of every element of the [K, N] view, as float32 [K, N] (E8M0: the codes).
+
+    The stored scale is contracted over QArray.tshape = rest + (K,); N is `rest` flattened.
+    """
+    st = qa.scheme.strategy
+    cols = jnp.arange(k)
+
+    def rows(a):
+        a = a.astype(jnp.float32)
+        if st == "tensor":
+            return jnp.broadcast_to(a.reshape(()), (k, n))
+        if st in ("channel", "token"):
+            return jnp.broadcast_to(a.reshape(1, n), (k, n))
+        if st in ("group", "tensor_group"):
+            return jnp.take(a.reshape(n, -1), cols // qa.scheme.group_size, axis=1).T
+        bh, bw = qa.scheme.block  # block: scale[ceil(N/bh), ceil(K/bw)]
+        return a[(jnp.arange(n) // bh)[None, :], (cols // bw)[:, None]]
+
+    z = None if qa.zero_point is None else rows(qa.zero_point)
+    return rows(qa.scale), z
+
+
+def _qdq_row(x, s, z, g, scheme: QuantScheme, sdt):
+    """dequantize(quantize(x)) of one [N] row with given per-element scales (float32 in and out).
+
+    Quantization: compute_scales' `apply` with the given scales (x / s (+ z) in float32, as x is the float32
+    working copy) and the scheme's element rounding; dequantization: (value - z) * (s / g) rounded in the
+    stored scale's dtype `sdt`, as `quantize.dequantize` (and compressed-tensors' `_dequantize`) do it.
+    """
+    fmt = scheme.format
+    sr = compute_scales(x, (0,), scheme, dtype=jnp.float32, global_scale=g, scale=s, zero_point=z)
+    codes = _round_elements(sr.apply(x), scheme)
+    if isinstance(fmt, IntFormat):
+        vals = codes.astype(jnp.float32) if codes.dtype == jnp.int8 else codes.astype(jnp.float32) + fmt.qmin
+    else:
+        vals = decode(codes, fmt, jnp.float32)
+    scale = decode(s.astype(jnp.uint8), "e8m0", jnp.float32) if scheme.scale_format == "e8m0" else s
+    if g is not None:
+        scale = R.div(scale, g, sdt)
+    if z is not None:
+        vals = R.sub(vals, z, sdt)
+    return R.mul(vals, scale, sdt)
+
+
+@functools.partial(jax.jit, static_argnames=("scheme", "block_size", "sdt"))
+def _gptq_jit(w, h, s_rows, z_rows, g, dampening_frac, scheme: QuantScheme, block_size: int, sdt: str):
+    k, n = w.shape
+    u, dead, fallback = gptq_hinv(h, dampening_frac)
+    w = jnp.where(dead[:, None], 0.0, w)
+
+    b = min(block_size, k)
+    kp = -(-k // b) * b
+    pad = kp - k
+    if pad:  # zero rows with unit scales quantize to 0 with no error; U gets an identity block
+        w = jnp.pad(w, ((0, pad), (0, 0)))
+        one = 127.0 if scheme.scale_format == "e8m0" else 1.0
+        s_rows = jnp.pad(s_rows, ((0, pad), (0, 0)), constant_values=one)
+        if z_rows is not None:
+            z_rows = jnp.pad(z_rows, ((0, pad), (0, 0)))
+        u = jnp.pad(u, ((0, pad), (0, pad))) + jnp.diag(jnp.concatenate(
+            [jnp.zeros((k,), jnp.float32), jnp.ones((pad,), jnp.float32)]))
+    dt = jnp.dtype(sdt)
+    row_ids = jnp.arange(kp)
+
+    def block(bi, wq):
+        i1 = bi * b
+        w1 = jax.lax.dynamic_slice(wq, (i1, 0), (b, n))
+        u1 = jax.lax.dynamic_slice(u, (i1, i1), (b, b))
+        s1 = jax.lax.dynamic_slice(s_rows, (i1, 0), (b, n))
+        z1 = None if z_rows is None else jax.lax.dynamic_slice(z_rows, (i1, 0), (b, n))
+
+        def column(i, c):
+            w1, q1, e1 = c
+            x = w1[i]
+            q = _qdq_row(x, s1[i], None if z1 is None else z1[i], g, scheme, dt)
+            e = (x - q) / u1[i, i]
+            # U is upper triangular: u1[i, j] == 0 for j < i, so rows already done are left unchanged
+            w1 = w1 - u1[i][:, None] * e[None, :]
+            return w1, q1.at[i].set(q), e1.at[i].set(e)
+
+        zeros = jnp.zeros((b, n), jnp.float32)
+        _, q1, e1 = jax.lax.fori_loop(0, b, column, (w1, zeros, zeros))
+        ub = jax.lax.dynamic_slice(u, (i1, 0), (b, kp))  # U[i1:i2, :]
+        upd = jnp.matmul(ub.T, e1, precision=jax.lax.Precision.HIGHEST)
+        wq = wq - jnp.where((row_ids >= i1 + b)[:, None], upd, 0.0)
+        return jax.lax.dynamic_update_slice(wq, q1, (i1, 0))
+
+    wq = jax.lax.fori_loop(0, kp // b, block, w)
+    return wq[:k], fallback

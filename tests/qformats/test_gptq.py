@@ -1,0 +1,198 @@
+"""gptq_quantize: reduces to RTN for H = c I, beats RTN on correlated inputs, dead inputs, layouts, errors.
+
+Parity with llm-compressor's own GPTQ (torch) is measured by bench/gptq_parity.py (it needs the llm-compressor
+venv, whose compressed-tensors pin differs from this project's test extra).
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qformats import QuantScheme, SchemeError, dequantize, presets, quantize
+from qformats.formats import FloatFormat
+from qformats.gptq import gptq_hinv, gptq_quantize
+from qformats.observers import mse_quantize
+
+K, N = 128, 48
+W = jax.random.normal(jax.random.key(0), (K, N), jnp.float32) * 0.05
+
+
+def _inputs(k=K, tokens=1024, seed=1):
+    """Calibration inputs with strongly correlated features (where GPTQ's error feedback pays off)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    mix = jnp.eye(k) + 0.8 * jax.random.normal(k1, (k, k)) / np.sqrt(k)
+    x = jax.random.normal(k2, (tokens, k)) @ mix * jnp.exp(0.5 * jax.random.normal(k3, (k,)))
+    return x, x.T @ x / tokens
+
+
+X, H = _inputs()
+
+SCHEMES = {
+    "W4A16": presets["W4A16"].weights,
+    "W4A16_ASYM": presets["W4A16_ASYM"].weights,
+    "W8A16": presets["W8A16"].weights,
+    "W8A8 (int8 channel)": presets["W8A8"].weights,
+    "int4 g32": QuantScheme("int4", "group", group_size=32, scale_format="input"),
+    "FP8_DYNAMIC (fp8 channel)": presets["FP8_DYNAMIC"].weights,
+    "FP8 (tensor)": presets["FP8"].weights,
+    "FP8_BLOCK": presets["FP8_BLOCK"].weights,
+    "NVFP4A16": presets["NVFP4A16"].weights,
+    "MXFP4A16": presets["MXFP4A16"].weights,
+    "MXFP6A16": presets["MXFP6A16"].weights,
+    "FP6_E3M2 (channel)": presets["FP6_E3M2"].weights,
+}
+
+
+def _codes_up_to_zero_sign(q, scheme):
+    """Element codes with a float format's -0 code mapped to +0 (re-quantizing an exact -0 gives +0)."""
+    c = np.asarray(q.element_codes()).astype(np.int32)
+    if isinstance(scheme.format, FloatFormat):
+        c = np.where(c == 1 << (scheme.bits - 1), 0, c)
+    return c
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_identity_hessian_is_rtn(name):
+    # H = c I: U is diagonal, so no error reaches another column and every column is rounded to nearest
+    scheme = SCHEMES[name]
+    rtn = quantize(W, scheme, 0)
+    q = gptq_quantize(W, scheme, 3.0 * jnp.eye(K))
+    q.check()
+    np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(rtn.scale))
+    for part in ("zero_point", "global_scale"):
+        a, b = getattr(q, part), getattr(rtn, part)
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(dequantize(q)), np.asarray(dequantize(rtn)))
+    if not isinstance(scheme.format, FloatFormat):  # integer codes: bit-identical packed bytes
+        np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(rtn.codes))
+    # floats: RTN keeps the -0 code of tiny negatives; GPTQ's output -0.0 re-quantizes to +0, as
+    # compressed-tensors compresses llm-compressor's GPTQ output
+    np.testing.assert_array_equal(_codes_up_to_zero_sign(q, scheme), _codes_up_to_zero_sign(rtn, scheme))
+
+
+def _out_err(wq):
+    return float(jnp.sum((X @ W - X @ dequantize(wq, jnp.float32)) ** 2))
+
+
+@pytest.mark.parametrize("name", ["int4 g32", "FP8_DYNAMIC (fp8 channel)", "W4A16_ASYM", "NVFP4A16"])
+def test_gptq_beats_rtn_on_correlated_inputs(name):
+    scheme = SCHEMES[name]
+    e_rtn = _out_err(quantize(W, scheme, 0))
+    e_gptq = _out_err(gptq_quantize(W, scheme, H))
+    assert e_gptq < 0.8 * e_rtn, (e_gptq, e_rtn)
+
+
+def test_hessian_scale_does_not_matter():
+    # llm-compressor accumulates 2/n sum x x^T; the dampening is relative to mean(diag H)
+    scheme = SCHEMES["W4A16"]
+    a = np.asarray(gptq_quantize(W, scheme, H).element_codes())
+    b = np.asarray(gptq_quantize(W, scheme, 2048.0 * H).element_codes())
+    assert np.mean(a == b) > 0.999
+
+
+@pytest.mark.parametrize("block_size", [16, 48, 128, 1000])
+def test_block_size_only_reorders_the_arithmetic(block_size):
+    # the lazy batch update is an exact rewrite of the column-by-column update (48: K padded to 144)
+    scheme = SCHEMES["int4 g32"]
+    ref = np.asarray(gptq_quantize(W, scheme, H, block_size=1).element_codes())
+    got = np.asarray(gptq_quantize(W, scheme, H, block_size=block_size).element_codes())
+    assert np.mean(ref == got) > 0.995
+
+
+def test_dead_inputs_are_zeroed_and_scales_stay_those_of_the_original_weight():
+    dead = np.zeros(K, bool)
+    dead[[3, 40, 41, 127]] = True
+    x = jnp.where(jnp.asarray(dead)[None, :], 0.0, X)
+    h = x.T @ x / x.shape[0]
+    for name in ("W4A16_ASYM", "FP8_DYNAMIC (fp8 channel)"):
+        scheme = SCHEMES[name]
+        q = gptq_quantize(W, scheme, h)
+        y = np.asarray(dequantize(q))
+        assert np.all(y[dead] == 0) and np.all(np.isfinite(y))
+        np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(quantize(W, scheme, 0).scale))
+        assert np.any(y[~dead] != 0)
+    u, d, fallback = gptq_hinv(h)
+    assert not bool(fallback) and np.array_equal(np.asarray(d), dead)
+
+
+def test_hinv_is_upper_cholesky_of_dampened_inverse():
+    u, _, _ = gptq_hinv(H, 0.01)
+    u = np.asarray(u, np.float64)
+    hd = np.asarray(H, np.float64) + 0.01 * np.mean(np.diag(np.asarray(H))) * np.eye(K)
+    assert np.all(np.tril(u, -1) == 0)
+    np.testing.assert_allclose(u.T @ u, np.linalg.inv(hd), rtol=2e-3, atol=1e-4 * np.abs(np.linalg.inv(hd)).max())
+
+
+def test_axis_1_and_higher_rank_layouts():
+    scheme = SCHEMES["W4A16_ASYM"]
+    q0 = gptq_quantize(W, scheme, H)
+    q1 = gptq_quantize(W.T, scheme, H, axis=1)  # torch layout [N, K]
+    np.testing.assert_array_equal(np.asarray(q1.codes), np.asarray(q0.codes))
+    q3 = gptq_quantize(W.reshape(K, 6, 8), scheme, H)  # DenseGeneral kernel [K, heads, dim]
+    np.testing.assert_array_equal(np.asarray(q3.codes).reshape(q0.codes.shape), np.asarray(q0.codes))
+
+
+def test_bf16_weights_keep_dtype_and_round_in_float32():
+    # llm-compressor runs GPTQ on a float32 copy: x / s is divided in float32 with the bf16 scale, where
+    # RTN on the bf16 weight divides in bf16 (a double rounding that moves a few ties). H = I therefore
+    # gives RTN of the float32 upcast under the bf16 scales (bench/gptq_parity.py: 100% codes vs llm-compressor).
+    wb = W.astype(jnp.bfloat16)
+    scheme = SCHEMES["W4A16"]
+    q = gptq_quantize(wb, scheme, jnp.eye(K))
+    rtn = quantize(wb, scheme, 0)
+    assert q.dtype == jnp.bfloat16 and q.scale.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(rtn.scale))
+    rtn32 = quantize(wb.astype(jnp.float32), scheme, 0, scale=rtn.scale)
+    np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(rtn32.codes))
+    assert np.mean(np.asarray(q.codes) == np.asarray(rtn.codes)) > 0.95
+    assert _out_err(gptq_quantize(wb, scheme, H)) < _out_err(rtn)
+
+
+def test_given_qparams_are_used():
+    scheme = SCHEMES["int4 g32"]
+    mq = mse_quantize(W, scheme, 0, importance=jnp.diagonal(H))
+    q = gptq_quantize(W, scheme, H, qparams=mq)
+    np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(mq.scale))
+    with pytest.raises(SchemeError, match="qparams"):
+        gptq_quantize(W, scheme, H, qparams=quantize(W, SCHEMES["W4A16"], 0))
+
+
+def test_jit_matches_eager():
+    scheme = SCHEMES["W4A16"]
+    f = jax.jit(lambda w, h: gptq_quantize(w, scheme, h).codes)
+    np.testing.assert_array_equal(np.asarray(f(W, H)), np.asarray(gptq_quantize(W, scheme, H).codes))
+
+
+def test_not_positive_definite_falls_back_to_rtn_with_a_warning():
+    scheme = SCHEMES["W4A16"]
+    with pytest.warns(UserWarning, match="not positive definite"):
+        q = gptq_quantize(W, scheme, -jnp.eye(K))
+    np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(quantize(W, scheme, 0).codes))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gptq_quantize(W, scheme, H)
+
+
+def test_bad_inputs():
+    scheme = SCHEMES["W4A16"]
+    with pytest.raises(SchemeError, match=r"shape \(128, 128\).*\(64, 128\)"):
+        gptq_quantize(W, scheme, H[:64])
+    with pytest.raises(SchemeError, match="non-finite"):
+        gptq_quantize(W, scheme, H.at[3, 5].set(jnp.nan))
+    with pytest.raises(SchemeError, match="non-finite"):
+        gptq_quantize(W, scheme, H.at[0, 0].set(jnp.inf))
+    with pytest.raises(SchemeError, match="block_size"):
+        gptq_quantize(W, scheme, H, block_size=0)
+    with pytest.raises(SchemeError, match="dampening_frac"):
+        gptq_quantize(W, scheme, H, dampening_frac=-0.1)
+    with pytest.raises(SchemeError, match="ndim >= 2"):
+        gptq_quantize(W[:, 0], scheme, H)
+    with pytest.raises(SchemeError, match="QuantScheme"):
+        gptq_quantize(W, presets["W4A16"], H)
+    with pytest.raises(SchemeError, match="does not divide"):
+        gptq_quantize(W[:100], scheme, H[:100, :100])
