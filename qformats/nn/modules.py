@@ -18,6 +18,7 @@ from flax import nnx
 
 from qformats.dispatch import prepare_weight, qdot
 from qformats.errors import ModelError
+from qformats.gptq import gptq_quantize
 from qformats.observers import Observer, mse_quantize, static_scale
 from qformats.qarray import QArray
 from qformats.quantize import dequantize, fake_quantize, quantize
@@ -61,25 +62,51 @@ def _dot(x, w):
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def quantize_weight(kernel, schemes: SchemeSet, weight_search: Optional[str] = None, importance=None) -> QArray:
-    """A kernel `[..., K, N]` → QArray along K: round-to-nearest, or the MSE clipping search.
+WEIGHT_SEARCHES = (None, "mse", "gptq", "mse+gptq")
+NEEDS_HESSIAN = ("gptq", "mse+gptq")
 
-    Leading axes (layers stacked by `nnx.vmap` for `nnx.scan`) are vmapped over: every leaf of the
-    result has them in front and the QArray's static shape is the per-layer `[K, N]`, so slicing the
-    leaves (what `nnx.scan` does) gives a valid per-layer QArray.
+
+def quantize_weight(kernel, schemes: SchemeSet, weight_search: Optional[str] = None, importance=None,
+                    h=None) -> QArray:
+    """A kernel `[..., K, N]` → QArray along K by `weight_search`:
+
+      None: round-to-nearest, `quantize(w, scheme, 0)`;
+      "mse": per-group clipping search minimising sum_k importance_k (w - Q(w))^2 (`observers.mse_quantize`);
+      "gptq": GPTQ with H = E[x x^T] `h` [K, K] (`qformats.gptq.gptq_quantize`, llm-compressor's arithmetic),
+        round-to-nearest scales;
+      "mse+gptq": GPTQ with the scales of the "mse" search (llm-compressor's MSE observer + GPTQ).
+
+    Leading axes (layers stacked by `nnx.vmap` for `nnx.scan`) are vmapped over, together with those of
+    `importance` / `h` when they have them: every leaf of the result has them in front and the QArray's
+    static shape is the per-layer `[K, N]`, so slicing the leaves (what `nnx.scan` does) gives a valid
+    per-layer QArray.
     """
-    if weight_search not in (None, "mse"):
-        raise ModelError(f"weight_search must be None or 'mse', got {weight_search!r}")
+    if weight_search not in WEIGHT_SEARCHES:
+        raise ModelError(f"weight_search must be one of {WEIGHT_SEARCHES}, got {weight_search!r}")
+    if weight_search in NEEDS_HESSIAN and h is None:
+        raise ModelError(f"weight_search={weight_search!r} needs the layer inputs' second moments H = E[x x^T]: "
+                         "quantize with calibration_data")
+    ws = schemes.weights
 
-    def one(w):
+    def one(w, imp, hh):
         if weight_search is None:
-            return quantize(w, schemes.weights, 0)
-        return mse_quantize(w, schemes.weights, 0, importance=importance)
+            return quantize(w, ws, 0)
+        if weight_search == "mse":
+            return mse_quantize(w, ws, 0, importance=imp)
+        qp = mse_quantize(w, ws, 0, importance=imp) if weight_search == "mse+gptq" else None
+        return gptq_quantize(w, ws, hh, qparams=qp)
 
+    lead = kernel.ndim - 2
+    axes = [0]
+    for name, a, base in (("importance", importance, 1), ("h", h, 2)):
+        if a is not None and a.ndim not in (base, base + lead):
+            raise ModelError(f"quantize_weight: {name} of shape {tuple(a.shape)} does not fit a kernel of shape "
+                             f"{tuple(kernel.shape)} (expected {base} or {base + lead} dims)")
+        axes.append(0 if a is not None and a.ndim == base + lead and lead else None)
     fn = one
-    for _ in range(kernel.ndim - 2):
-        fn = jax.vmap(fn)
-    return fn(kernel)
+    for _ in range(lead):
+        fn = jax.vmap(fn, in_axes=tuple(axes))
+    return fn(kernel, importance, h)
 
 
 def _fake_quantize_weight(kernel, schemes: SchemeSet):
@@ -164,8 +191,9 @@ class _QuantizedMatmul(nnx.Module):
         """End calibration: static activation scales from the observer, then the kernel for `mode`.
 
         With weight_search="mse" the per-group clipping search weights errors by E[x_k^2] measured on
-        the calibration batches, and (when the layer tracked full moments) the result is kept only if
-        the layer's output error on them, tr(dW^T H dW) with H = E[x x^T], is below round-to-nearest's.
+        the calibration batches; "gptq" / "mse+gptq" run GPTQ with H = E[x x^T] (full moments needed).
+        When the layer tracked full moments the result is kept only if the layer's output error on
+        the batches, tr(dW^T H dW), is below round-to-nearest's (a layer that saw no input keeps RTN).
         Layers stacked for `nnx.scan` are finalized layer by layer (vmapped over the stacking axes).
         """
         if self.mode != "calibrate":
@@ -187,7 +215,8 @@ class _QuantizedMatmul(nnx.Module):
             diag = jnp.diagonal(h) if h.ndim == 2 else h
             if weight_search is None:
                 return s, g, quantize_weight(w, schemes, None)
-            q = quantize_weight(w, schemes, weight_search, importance=jnp.where(seen, diag, 1.0))
+            q = quantize_weight(w, schemes, weight_search, importance=jnp.where(seen, diag, 1.0),
+                                h=h if h.ndim == 2 else None)
             if h.ndim == 2:  # keep round-to-nearest where the search does not lower tr(dW^T H dW)
                 rtn = quantize_weight(w, schemes, None)
                 keep = seen & (_output_error(q, w, h) < _output_error(rtn, w, h))

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qformats.errors import ModelError
-from qformats.nn.modules import QUANTIZED, _QuantizedMatmul, einsum_layout, quantize_weight
+from qformats.nn.modules import (NEEDS_HESSIAN, QUANTIZED, WEIGHT_SEARCHES, _QuantizedMatmul, einsum_layout,
+                                 quantize_weight)
 from qformats.nn.rules import check_fit, compile_rules, select
 from qformats.observers import get_observer
 
@@ -81,9 +82,11 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         default `model(**batch)` / `model(*batch)` / `model(batch)`) with observers on the inputs of the
         swapped layers, giving static activation scales (for schemes with dynamic=False / "local") and
         H = E[x x^T] per layer: `weight_search="mse"` weights its per-group error with diag(H) and keeps
-        the searched weights only where tr(dW^T H dW) beats round-to-nearest. If a batch fails, the
-        original modules are put back and the error propagates.
-      weight_search: None (round-to-nearest) or "mse" (per-group clipping search, `observers.mse_quantize`).
+        the searched weights only where tr(dW^T H dW) beats round-to-nearest; "gptq" runs GPTQ with H. If
+        a batch fails, the original modules are put back and the error propagates.
+      weight_search: None (round-to-nearest), "mse" (per-group clipping search, `observers.mse_quantize`),
+        "gptq" (GPTQ, `qformats.gptq.gptq_quantize`: llm-compressor's algorithm, act_order off; needs
+        calibration_data) or "mse+gptq" (GPTQ on the MSE search's scales).
       compare_rtn: with calibration_data and a weight_search, run the calibration batches again with the
         searched weights and with round-to-nearest ones and keep whichever gives the lower squared error
         against the float model's outputs (so a search never makes the model worse on its calibration
@@ -96,12 +99,30 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     """
     if mode not in ("ptq", "qat"):
         raise ModelError(f"quantize_model: mode must be 'ptq' or 'qat', got {mode!r}")
+    if weight_search not in WEIGHT_SEARCHES:
+        raise ModelError(f"quantize_model: weight_search must be one of {WEIGHT_SEARCHES}, got {weight_search!r}")
     compiled = compile_rules(rules)
     calibrating = calibration_data is not None
+    hessian = weight_search in NEEDS_HESSIAN
+    if hessian and not (calibrating and mode == "ptq"):
+        raise ModelError(f"quantize_model: weight_search={weight_search!r} needs calibration_data (GPTQ uses the "
+                         "layer inputs' H = E[x x^T]) and mode='ptq'")
     plan: List[Tuple[str, nnx.Linear, list, Any]] = []
+    full_moments = {}
     refs = ((path, (lin, parents)) for path, lin, parents in _references(model, tuple(QUANTIZED)).values())
     for path, (lin, parents), ss in select(compiled, refs):
-        check_fit(path, _contracted_size(path, lin, ss, calibrating), ss, static_acts=calibrating)
+        k = _contracted_size(path, lin, ss, calibrating)
+        check_fit(path, k, ss, static_acts=calibrating)
+        # full E[x x^T] only where a weight search uses it: K <= 4096, <= 256 MiB per (stacked) layer
+        layers = math.prod(lin.kernel.get_value().shape[:-2]) if isinstance(lin, nnx.Linear) else 1
+        fits = k <= MAX_FULL_MOMENTS_K and layers * k * k <= MAX_FULL_MOMENTS_ELEMS
+        full_moments[path] = weight_search is not None and fits
+        if hessian and not fits:
+            raise ModelError(f"{path}: GPTQ needs the [K, K] input moments per layer; K = {k} x {layers} layer(s) "
+                             f"exceeds the limit (K <= {MAX_FULL_MOMENTS_K}, {MAX_FULL_MOMENTS_ELEMS} elements)")
+        if hessian and isinstance(lin, nnx.Einsum) and not einsum_layout(lin.einsum_str, lin.kernel.get_value().shape)[2]:
+            raise ModelError(f"{path}: einsum {lin.einsum_str!r} does not contract the input's last axis alone, so "
+                             f"its input moments cannot be collected for GPTQ; leave it out with a rule")
         plan.append((path, lin, parents, ss))
     observers, uncalibrated = {}, []
     for path, _, _, ss in plan:
@@ -131,11 +152,8 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         cls = next(q for base, q in QUANTIZED.items() if isinstance(lin, base))
         if calibrating:
             obs = observers.get(path) or get_observer("minmax", ss.weights)
-            # full E[x x^T] only where the MSE search will use it: K <= 4096, <= 256 MiB per (stacked) layer
-            k = _contracted_size(path, lin, ss, True)
-            layers = math.prod(lin.kernel.get_value().shape[:-2]) if isinstance(lin, nnx.Linear) else 1
-            full = weight_search == "mse" and k <= MAX_FULL_MOMENTS_K and layers * k * k <= MAX_FULL_MOMENTS_ELEMS
-            new = cls.from_module(lin, ss, mode="calibrate", path=path, observer=obs, full_moments=full)
+            new = cls.from_module(lin, ss, mode="calibrate", path=path, observer=obs,
+                                  full_moments=full_moments[path])
         else:
             new = cls.from_module(lin, ss, mode=mode, path=path, weight_search=weight_search)
             if mode == "ptq":

@@ -225,6 +225,52 @@ def test_weight_search_never_loses_to_rtn_on_the_calibration_batches(scheme):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+class One(nnx.Module):
+    def __init__(self, k=256, n=64):
+        self.lin = nnx.Linear(k, n, rngs=nnx.Rngs(5))
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "FP8_DYNAMIC", "NVFP4A16"])
+def test_gptq_layer_uses_the_calibration_moments(scheme):
+    """quantize_model(weight_search="gptq") packs exactly gptq_quantize(W, scheme, E[x x^T]) of the inputs
+    the layer saw, and lowers the output error below round-to-nearest's."""
+    from qformats.gptq import gptq_quantize
+    rng = np.random.default_rng(0)
+    mix = rng.normal(size=(256, 256)) / 16 + np.eye(256)  # correlated inputs: where GPTQ helps
+    batches = [jnp.asarray(rng.normal(size=(64, 256)) @ mix, jnp.float32) for _ in range(3)]
+    model, rtn = One(), One()
+    w = model.lin.kernel.get_value()
+    quantize_model(model, [Rule(".*", scheme)], calibration_data=batches, weight_search="gptq", compare_rtn=False)
+    quantize_model(rtn, [Rule(".*", scheme)])
+    xs = jnp.concatenate(batches).astype(jnp.float32)
+    h = xs.T @ xs / xs.shape[0]
+    want = gptq_quantize(w, presets[scheme].weights, h)
+    got = model.lin.kernel.get_value()
+    assert model.lin.weight_method == "gptq"
+    same = np.mean(np.asarray(got.codes) == np.asarray(want.codes))
+    assert same > 0.999  # H summed batch by batch here vs at once above: float32 rounding differs slightly
+    for a, b in zip(jax.tree.leaves(got)[1:], jax.tree.leaves(want)[1:]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # scales (round-to-nearest's)
+    ref = xs @ w + model.lin.bias.get_value()
+    err = lambda m: float(jnp.sum((m(xs) - ref) ** 2))  # noqa: E731
+    assert err(model) < 0.9 * err(rtn)
+
+
+def test_gptq_needs_calibration_data_and_fitting_layers():
+    with pytest.raises(ModelError, match="calibration_data"):
+        quantize_model(One(), [Rule(".*", "W4A16")], weight_search="gptq")
+    with pytest.raises(ModelError, match="weight_search"):
+        quantize_model(One(), [Rule(".*", "W4A16")], weight_search="gpt")
+    m = One(k=4224)
+    with pytest.raises(ModelError, match="lin: GPTQ needs"):
+        quantize_model(m, [Rule(".*", "W4A16")],
+                       calibration_data=[jnp.ones((2, 4224))], weight_search="gptq")
+    assert isinstance(m.lin, nnx.Linear)
+
+
 def test_without_calibration_static_scheme_warns_and_runs_dynamic():
     model = Toy()
     with pytest.warns(UserWarning, match="calibration_data"):
@@ -382,7 +428,7 @@ class Unrolled(nnx.Module):
         return x
 
 
-@pytest.mark.parametrize("scheme,search", [("FP8", None), ("W4A16", "mse"), ("NVFP4", None)])
+@pytest.mark.parametrize("scheme,search", [("FP8", None), ("W4A16", "mse"), ("NVFP4", None), ("W4A16", "gptq")])
 def test_scanned_layers_calibrate_like_unrolled_ones(scheme, search):
     """Calibrating a scanned stack gives each layer the scales (and searched weights) it gets unrolled."""
     rng = np.random.default_rng(3)
