@@ -1,7 +1,7 @@
 """`qformats eval`: fidelity of quantized all-MiniLM-L6-v2 (Flax NNX) against torch sentence-transformers.
 
 For each scheme, every Linear of the Flax MiniLM (pooler included) is quantized with `qformats.nn`
-(round-to-nearest; with --calibrated also the MSE clipping search), the sentences are embedded, and
+(round-to-nearest; with --calibrated also the MSE clipping search and GPTQ), the sentences are embedded, and
 the mean / min cosine against the torch fp32 sentence-transformers embeddings is reported with the
 bytes of the Linear weights. Without torch the reference is the dense JAX model (and it says so).
 
@@ -85,13 +85,16 @@ def evaluate_one(name: str, sentences: Sequence[str], reference: np.ndarray, *, 
 
 def evaluate(schemes: Sequence[str], sentences: Sequence[str], *, calibrated: bool = False,
              reference: Optional[np.ndarray] = None, batch_size: int = 32, log=None,
-             calibration_sentences: Optional[Sequence[str]] = None) -> Dict[str, dict]:
-    """scheme (and "scheme+mse" when calibrated) → {"mean_cos", "min_cos", "bytes"} vs `reference`
-    (default: torch sentence-transformers, else the dense JAX model).
+             calibration_sentences: Optional[Sequence[str]] = None,
+             searches: Sequence[str] = ("mse", "gptq")) -> Dict[str, dict]:
+    """scheme (and "scheme+mse", "scheme+gptq" when calibrated) → {"mean_cos", "min_cos", "bytes"} vs
+    `reference` (default: torch sentence-transformers, else the dense JAX model).
 
-    Calibrated variants: MSE clipping search of the weights (weighted by the layer inputs' second
-    moments) and static activation scales, calibrated on `calibration_sentences` (default: the
-    evaluation sentences themselves; a held-out half gives the same gains, see the tests' notes).
+    Calibrated variants, one per weight search in `searches` ("mse": clipping search weighted by the
+    layer inputs' second moments; "gptq": GPTQ with H = E[x x^T]; "mse+gptq"), with static activation
+    scales, calibrated on `calibration_sentences` (default: the evaluation sentences themselves; a
+    held-out half gives the same gains, see the tests' notes). quantize_model keeps a search only where
+    it beats round-to-nearest on the calibration batches (`compare_rtn`).
     """
     from examples import minilm
 
@@ -109,7 +112,7 @@ def evaluate(schemes: Sequence[str], sentences: Sequence[str], *, calibrated: bo
     results: Dict[str, dict] = {}
     variants = [(s, None) for s in schemes]
     if calibrated:
-        variants += [(s, "mse") for s in schemes if s.lower() != "dense"]
+        variants += [(s, w) for w in searches for s in schemes if s.lower() != "dense"]
     for name, search in variants:
         t0 = time.perf_counter()
         key = name if search is None else f"{name}+{search}"
@@ -176,8 +179,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "weight-only table; with SRC given: dense)")
     p.add_argument("--json", action="store_true", help="print one JSON object scheme → metrics")
     p.add_argument("--calibrated", action="store_true",
-                   help="also report each scheme with the MSE clipping search (weights) and calibrated "
-                        "activation scales, calibrated on the sentences")
+                   help="also report each scheme calibrated on the sentences: static activation scales and "
+                        "each weight search of --search")
+    p.add_argument("--search", default="mse,gptq",
+                   help="comma-separated weight searches for --calibrated: mse, gptq, mse+gptq (default: mse,gptq)")
     p.add_argument("--calibration", metavar="FILE",
                    help="sentences to calibrate on for --calibrated (default: the evaluation sentences)")
     p.add_argument("--batch-size", type=int, default=32)
@@ -216,6 +221,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (QFormatsError, ValueError) as e:
         print(f"qformats eval: {e}", file=sys.stderr)
         return 2
+    searches = [w.strip() for w in args.search.split(",") if w.strip()]
+    bad = [w for w in searches if w not in ("mse", "gptq", "mse+gptq")]
+    if bad or not searches:
+        print(f"qformats eval: --search {args.search!r}: expected a comma-separated list of mse, gptq, mse+gptq",
+              file=sys.stderr)
+        return 2
     ref = minilm.torch_reference_embeddings(sentences, batch_size=args.batch_size)
     ref_name = f"torch sentence-transformers fp32 ({len(sentences)} sentences)"
     if ref is None:
@@ -225,7 +236,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ref = minilm.encode_sentences(minilm.load_minilm(), minilm.Tokenizer(), sentences, args.batch_size)
     results = evaluate(schemes, sentences, calibrated=args.calibrated, reference=ref, batch_size=args.batch_size,
                        log=None if args.json else (lambda m: print(m, file=sys.stderr)),
-                       calibration_sentences=calibration)
+                       calibration_sentences=calibration, searches=searches)
     for src in args.src:
         try:
             results[str(src)] = evaluate_checkpoint(src, sentences, ref, batch_size=args.batch_size)

@@ -81,6 +81,15 @@ def test_calibrated_mse_search_beats_round_to_nearest(sentences, reference, resu
     assert r["bytes"] == results["W4A16"]["bytes"]
 
 
+def test_calibrated_gptq_beats_round_to_nearest(sentences, reference, results):
+    tok = minilm.Tokenizer()
+    calib = [tok(sentences[i:i + 32]) for i in range(0, len(sentences), 32)]
+    r = ev.evaluate_one("W4A16", sentences, reference, tokenizer=tok, calibration=calib, weight_search="gptq")
+    assert r["mean_cos"] > results["W4A16"]["mean_cos"] + 0.01
+    assert r["min_cos"] > results["W4A16"]["min_cos"]
+    assert r["bytes"] == results["W4A16"]["bytes"]
+
+
 def test_main_json(monkeypatch, capsys, reference):
     monkeypatch.setattr(minilm, "torch_reference_embeddings", lambda s, batch_size=32: reference)
     assert ev.main(["--json", "--schemes", "dense,W8A16"]) == 0
@@ -105,6 +114,7 @@ def test_main_without_torch_falls_back_to_dense_jax_and_says_so(monkeypatch, cap
     (["--schemes", "W4A16:x"], "':w'"),
     (["--sentences", "/nonexistent/file.txt"], "no such file"),
     (["--calibrated", "--calibration", "/nonexistent/c.txt"], "--calibration"),
+    (["--calibrated", "--search", "mse,gpt"], "--search"),
 ])
 def test_main_bad_input(argv, msg, capsys):
     assert ev.main(argv) == 2
