@@ -5,8 +5,9 @@ NNX::
     from qformats.nn import Rule, quantize_model, convert
 
     quantize_model(model, [Rule("pooler", None), Rule(r".*/attention/.*", "FP8_DYNAMIC"), Rule(".*", "W4A16")])
-    # calibrated: static activation scales + MSE clipping search of the weights
+    # calibrated: static activation scales + MSE clipping search / GPTQ of the weights
     quantize_model(model, [Rule(".*", "NVFP4")], calibration_data=batches, weight_search="mse")
+    quantize_model(model, [Rule(".*", "W4A16")], calibration_data=batches, weight_search="gptq")
     # QAT: float weights, fake-quantized forward; then pack
     quantize_model(model, [Rule(".*", "W4A16")], mode="qat"); ...train...; convert(model)
 
@@ -16,9 +17,10 @@ Linen::
     y = qmodule.apply(qparams, x)
 
 Modules: `modules` (QLinear, QLinearGeneral, QEinsum), `rules` (Rule, validation), `transform`
-(quantize_model, convert), `linen` (QDense, QDenseGeneral, linen.QEinsum, quantize_linen), `checkpoint`
-(load_quantized / export_quantized: pure glue for checkpoint readers and writers), `stats` (param_bytes).
-Observers and the MSE weight search are pure functions in `qformats.observers`.
+(quantize_model, convert, prepare_kernels), `linen` (QDense, QDenseGeneral, linen.QEinsum),
+`linen_transform` (quantize_linen), `checkpoint` (load_quantized / export_quantized: pure glue for
+checkpoint readers and writers), `stats` (param_bytes). Observers and the MSE weight search are pure
+functions in `qformats.observers`; GPTQ is `qformats.gptq`.
 """
 
 from qformats.nn.modules import (CalibStat, KernelCache, PackedParam, QEinsum, QLinear, QLinearGeneral,
@@ -26,7 +28,8 @@ from qformats.nn.modules import (CalibStat, KernelCache, PackedParam, QEinsum, Q
 from qformats.nn.rules import Rule, resolve_scheme
 from qformats.nn.transform import convert, prepare_kernels, quantize_model, quantized_layers
 from qformats.nn.stats import param_bytes
-from qformats.nn.linen import QDense, QDenseGeneral, QuantizedLinen, quantize_linen, quantize_params, record_layouts
+from qformats.nn.linen import QDense, QDenseGeneral
+from qformats.nn.linen_transform import QuantizedLinen, quantize_linen, quantize_params, record_layouts
 from qformats.nn.checkpoint import export_quantized, load_quantized
 
 __all__ = ["QLinear", "QLinearGeneral", "QEinsum", "QuantStat", "CalibStat", "KernelCache", "PackedParam", "Rule",

@@ -1,0 +1,357 @@
+"""quantize_linen: the NNX rules applied to an existing linen model (params transform + method interceptor).
+
+A linen model's structure lives in its code, not in objects, so it cannot be edited in place. Instead
+`quantize_linen(module, params, rules, *example_args)` returns the params with each matching `Dense` /
+`DenseGeneral` / `Einsum` kernel replaced by a packed QArray, and a thin wrapper whose `apply` runs the
+unchanged module under `flax.linen.intercept_methods`: a call of one of these modules whose kernel is a
+QArray is computed like the NNX layer (`QLinear` / `QLinearGeneral` / `QEinsum`), bit for bit. Only those
+calls are intercepted — nothing global (no `jax.lax` patching), and only inside that `apply`.
+
+Params alone do not say which module a kernel belongs to or which of its axes are contracted, so
+`record_layouts` runs `module.apply` once under `jax.eval_shape` (no FLOPs, no memory) on example inputs
+with an interceptor that notes, per scope path, the module type and its attributes (`KernelLayout`).
+Without example inputs only 2-D kernels can be quantized (taken as Dense [K, N]).
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Dict, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qformats.dispatch import qdot
+from qformats.errors import ModelError
+from qformats.nn.modules import _norm_axes, quantize_weight
+from qformats.nn.rules import check_fit, compile_rules, select
+from qformats.qarray import QArray
+from qformats.schemes import SchemeSet
+
+from qformats.nn.linen import _act, _dense_general, _einsum, _einsum_layout, _tuple
+
+
+# ---- layouts: what a kernel in the params tree is ---------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KernelLayout:
+    """How one linen layer's kernel becomes the [K, N] matrix it is quantized as.
+
+    The matrix is `transpose(kernel, perm).reshape(K, N)` (per layer; `kernel_shape` excludes axes that
+    `nn.scan` / `nn.vmap` stack in front). `kind` is "Dense", "DenseGeneral" or "Einsum"; DenseGeneral
+    records `axis` (normalized against the recorded input's ndim), `features` and `batch_dims`, Einsum
+    `einsum_str` and whether x's last axis is its only contraction (`contracts_last`). `error` says why the
+    layer cannot be quantized (raised, with its path, only if a rule selects it).
+    """
+
+    kind: str
+    kernel_shape: Tuple[int, ...]
+    perm: Tuple[int, ...]
+    k: int
+    n: int
+    axis: Tuple[int, ...] = ()
+    features: Tuple[int, ...] = ()
+    batch_dims: Tuple[int, ...] = ()
+    einsum_str: Optional[str] = None
+    contracts_last: bool = True
+    error: Optional[str] = None
+
+
+def _dense_layout(kernel_shape) -> KernelLayout:
+    k, n = (int(d) for d in kernel_shape)
+    return KernelLayout("Dense", (k, n), (0, 1), k, n)
+
+
+def _call_input(args, kwargs):
+    return args[0] if args else kwargs.get("inputs")
+
+
+def _einsum_str(mod: nn.Einsum, args, kwargs) -> Optional[str]:
+    s = args[1] if len(args) > 1 else kwargs.get("einsum_str")
+    s = s if s is not None else mod.einsum_str
+    return None if s is None else s.replace(" ", "")
+
+
+def _layout_of(mod: nn.Module, kernel_shape, args, kwargs) -> KernelLayout:
+    """The layout of a Dense / DenseGeneral / Einsum call (`kernel_shape`: the per-layer kernel's)."""
+    kernel_shape = tuple(int(d) for d in kernel_shape)
+    if isinstance(mod, nn.Dense):
+        return _dense_layout(kernel_shape)
+    if isinstance(mod, nn.DenseGeneral):
+        x = _call_input(args, kwargs)
+        axis, features = _norm_axes(mod.axis, x.ndim), _tuple(mod.features)
+        batch = _norm_axes(mod.batch_dims, x.ndim)
+        nb, na = len(batch), len(axis)
+        k, n = math.prod(kernel_shape[nb:nb + na]), math.prod(kernel_shape[nb + na:])
+        err = None
+        if batch:
+            err = (f"DenseGeneral with batch_dims {batch} is not supported (a quantized weight is one [K, N] "
+                   "matrix); leave it out with Rule(path, None)")
+        return KernelLayout("DenseGeneral", kernel_shape, tuple(range(len(kernel_shape))), k, n, axis=axis,
+                            features=features, batch_dims=batch, error=err)
+    s = _einsum_str(mod, args, kwargs)
+    try:
+        if s is None:
+            raise ModelError("Einsum without an einsum_str")
+        perm, k, last = _einsum_layout(s, kernel_shape)
+    except ModelError as e:
+        return KernelLayout("Einsum", kernel_shape, tuple(range(len(kernel_shape))), 0, 0, einsum_str=s,
+                            contracts_last=False, error=str(e))
+    return KernelLayout("Einsum", kernel_shape, perm, k, math.prod(kernel_shape) // k, einsum_str=s,
+                        contracts_last=last)
+
+
+_FLOAT_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
+
+
+def _root(variables):
+    return variables["params"] if isinstance(variables.get("params"), Mapping) else variables
+
+
+def record_layouts(module: nn.Module, variables: Mapping, *example_args, **example_kwargs) -> Dict[str, KernelLayout]:
+    """{"/"-joined scope path: KernelLayout} for every `Dense` / `DenseGeneral` / `Einsum` that
+    `module.apply(variables, *example_args, **example_kwargs)` calls (the first call of each, inside
+    `nn.scan` / `nn.vmap` too). Runs under `jax.eval_shape`: shapes only, nothing is computed.
+
+    `variables` may be the params dict itself (no "params" key); `example_kwargs` go to `module.apply`
+    (method arguments, `rngs=`, `mutable=`, ...). ModelError if the module cannot run on them.
+    """
+    found: Dict[str, KernelLayout] = {}
+
+    def record(next_fun, args, kwargs, context):
+        mod = context.module
+        if context.method_name == "__call__" and isinstance(mod, _FLOAT_LAYERS):
+            path = "/".join(mod.scope.path)
+            kernel = mod.get_variable("params", "kernel") if mod.has_variable("params", "kernel") else None
+            if path not in found and kernel is not None and not isinstance(kernel, QArray):
+                found[path] = _layout_of(mod, jnp.shape(nn.meta.unbox(kernel)), args, kwargs)
+        return next_fun(*args, **kwargs)
+
+    v = variables if isinstance(variables.get("params"), Mapping) else {"params": variables}
+    try:
+        with nn.intercept_methods(record):
+            jax.eval_shape(lambda v: module.apply(v, *example_args, **example_kwargs), v)
+    except ModelError:
+        raise
+    except Exception as e:
+        raise ModelError(f"{type(module).__name__}: running module.apply on the example inputs (to record which "
+                         f"kernels belong to Dense / DenseGeneral / Einsum) failed: {type(e).__name__}: {e}") from e
+    return found
+
+
+# ---- params transform ----------------------------------------------------------------------------------
+def _kernel_nodes(tree, prefix=()):
+    """(path tuple, params dict) for each dict in the tree holding a 'kernel' leaf."""
+    if not isinstance(tree, Mapping):
+        return
+    k = tree.get("kernel")
+    if k is not None and not isinstance(k, Mapping):
+        yield prefix, tree
+    for name, sub in tree.items():
+        if isinstance(sub, Mapping):
+            yield from _kernel_nodes(sub, prefix + (name,))
+
+
+def _plan(root, compiled, layouts) -> Dict[str, Tuple[KernelLayout, Tuple[int, ...], SchemeSet]]:
+    """Select and validate every kernel a rule quantizes → {path: (layout, stacked axes, schemes)}."""
+    items = []
+    for p, node in _kernel_nodes(root):
+        path = "/".join(p)
+        if isinstance(node["kernel"], QArray) or (layouts is not None and path not in layouts):
+            continue  # already packed, or not a Dense / DenseGeneral / Einsum kernel
+        items.append((path, node["kernel"]))
+    plan = {}
+    for path, kernel, ss in select(compiled, items):
+        if isinstance(kernel, nn.meta.AxisMetadata):
+            raise ModelError(f"{path}: the kernel is boxed ({type(kernel).__name__}); unbox the params "
+                             "(flax.linen.meta.unbox) before quantizing")
+        shape = tuple(int(d) for d in jnp.shape(kernel))
+        if layouts is None:
+            if len(shape) != 2:
+                raise ModelError(f"{path}: kernel of shape {shape} is not a 2-D Dense kernel; pass example inputs "
+                                 "(quantize_linen(module, params, rules, *example_args, **example_kwargs)) so its "
+                                 "layer type and contracted axes can be recorded, or leave it out with "
+                                 "Rule(path, None)")
+            layout = _dense_layout(shape)
+        else:
+            layout = layouts[path]
+        if layout.error is not None:
+            raise ModelError(f"{path}: {layout.error}")
+        per = layout.kernel_shape
+        lead = shape[: max(len(shape) - len(per), 0)]
+        if shape[len(lead):] != per:
+            raise ModelError(f"{path}: the kernel in the params has shape {shape}, the {layout.kind} call sees "
+                             f"{per}; only layers stacked in front (nn.scan / nn.vmap with variable_axes "
+                             "{'params': 0}) are supported")
+        if lead and ss.weights.strategy == "block":
+            raise ModelError(f"{path}: block scales ({ss.name}) need a 2-D kernel; this one is stacked {shape}")
+        if layout.kind == "Einsum" and ss.input_activations is not None and not layout.contracts_last:
+            raise ModelError(f"{path}: einsum {layout.einsum_str!r} does not contract the input's last axis alone, "
+                             f"so its activations cannot be quantized ({ss.name}); use a weight-only scheme")
+        check_fit(path, layout.k, ss, static_acts=False)
+        plan[path] = (layout, lead, ss)
+    return plan
+
+
+def _to_matrix(kernel, layout: KernelLayout, lead):
+    """kernel [*lead, *kernel_shape] → [*lead, K, N] (contracted axes first, flattened)."""
+    nl = len(lead)
+    perm = tuple(range(nl)) + tuple(nl + p for p in layout.perm)
+    return jnp.transpose(kernel, perm).reshape(tuple(lead) + (layout.k, layout.n))
+
+
+def _quantize(params: Mapping, rules: Sequence, weight_search, layouts):
+    if weight_search not in (None, "mse"):
+        raise ModelError(f"weight_search must be None or 'mse', got {weight_search!r}")
+    compiled = compile_rules(rules)
+    root = _root(params)
+    plan = _plan(root, compiled, layouts)
+
+    def rebuild(tree, prefix=()):
+        out = {}
+        for name, sub in tree.items():
+            here = prefix + (name,)
+            path = "/".join(prefix)
+            if isinstance(sub, Mapping):
+                out[name] = rebuild(sub, here)
+            elif name == "kernel" and path in plan:
+                layout, lead, ss = plan[path]
+                out[name] = quantize_weight(_to_matrix(sub, layout, lead), ss, weight_search)
+            else:
+                out[name] = sub
+        return out
+
+    new_root = rebuild(root)
+    new = dict(params, params=new_root) if root is not params else new_root
+    return new, plan
+
+
+def quantize_params(params: Mapping, rules: Sequence, *, weight_search: Optional[str] = None,
+                    layouts: Optional[Mapping[str, KernelLayout]] = None):
+    """Params tree (with or without the top "params" key) → (new tree with each selected kernel a QArray
+    W [K, N] along K, {path: SchemeSet}).
+
+    `layouts` (from `record_layouts`) says which kernels are Dense / DenseGeneral / Einsum and how they
+    flatten: W = transpose(kernel, perm).reshape(K, N), per layer (kernels stacked by `nn.scan` are
+    quantized layer by layer). Without it every 2-D 'kernel' is taken as a Dense [K, N], and a rule
+    selecting a kernel of another rank is a ModelError (pass layouts). Rules: first full match of the
+    "/"-joined path wins, scheme None leaves the layer float. Every rule and shape is validated before
+    anything is quantized; the input tree is not modified.
+    """
+    new, plan = _quantize(params, rules, weight_search, layouts)
+    return new, {path: ss for path, (_, _, ss) in plan.items()}
+
+
+# ---- the wrapper ------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class QuantizedLinen:
+    """`module` run with packed kernels: `apply(variables, *args, **kwargs)` as `module.apply`.
+
+    A `Dense` / `DenseGeneral` / `Einsum` call whose kernel param is a QArray W [K, N] (from
+    `quantize_params`) computes, as the NNX layers do:
+      Dense:        y = Qa(x) @ dequantize(W) + b
+      DenseGeneral: y = (Qa(x_t.reshape(..., K)) @ dequantize(W)).reshape(..., *features) + b
+      Einsum:       y = einsum(eq, Qa(x), W') + b, W' = dequantize(W) back in the kernel's layout
+    with Qa the rule's input-activation quantization along the contracted axis (identity when weight-only).
+    `layouts` (path → KernelLayout as quantized; `quantize_linen` fills them) are checked against each call; a path without one must
+    have a kernel whose contracted axes come first (then [K, N] is a plain reshape), else ModelError.
+    """
+
+    module: nn.Module
+    schemes: Dict[str, SchemeSet]
+    layouts: Optional[Dict[str, KernelLayout]] = None
+
+    def _interceptor(self, next_fun, args, kwargs, context):
+        mod = context.module
+        if context.method_name != "__call__" or not isinstance(mod, _FLOAT_LAYERS):
+            return next_fun(*args, **kwargs)
+        kernel = mod.get_variable("params", "kernel")
+        if not isinstance(kernel, QArray):
+            return next_fun(*args, **kwargs)
+        path = "/".join(mod.scope.path)
+        ss = self.schemes.get(path)
+        if ss is None:
+            raise ModelError(f"{path}: packed kernel without a scheme (params and rules differ)")
+        if isinstance(mod, nn.Dense):
+            layout = _dense_layout(kernel.shape)
+        else:
+            layout = _call_layout(mod, path, kernel, args, kwargs)
+        known = (self.layouts or {}).get(path)
+        if known is not None and (known.perm, known.k, known.n) != (layout.perm, layout.k, layout.n):
+            raise ModelError(f"{path}: this {layout.kind} call flattens its kernel {layout.kernel_shape} with axes "
+                             f"{layout.perm} to [{layout.k}, {layout.n}], but it was quantized as {known.perm} → "
+                             f"[{known.k}, {known.n}]")
+        if known is None and layout.perm != tuple(range(len(layout.perm))):
+            raise ModelError(f"{path}: the {layout.kind} kernel's contracted axes are not its first ones and no "
+                             "layout was recorded for it; quantize with example inputs (quantize_linen(module, "
+                             "params, rules, *example_args))")
+        if (layout.k, layout.n) != tuple(kernel.shape):
+            raise ModelError(f"{path}: the {layout.kind} call needs a [{layout.k}, {layout.n}] weight, the packed "
+                             f"kernel is {kernel.shape}")
+        x = _call_input(args, kwargs)
+        bias = mod.get_variable("params", "bias") if mod.use_bias else None
+        if isinstance(mod, nn.Dense):
+            if mod.dtype is not None:
+                x = x.astype(mod.dtype)
+            y = qdot(_act(x, ss), kernel)
+            return y if bias is None else y + bias.astype(y.dtype)
+        if isinstance(mod, nn.DenseGeneral):
+            return _dense_general(x, kernel, bias, axis=mod.axis, features=layout.features, dtype=mod.dtype, ss=ss)
+        return _einsum(x, kernel, bias, einsum_str=layout.einsum_str, kernel_shape=layout.kernel_shape,
+                       perm=layout.perm, contracts_last=layout.contracts_last, dtype=mod.dtype, ss=ss, where=path)
+
+    def apply(self, variables, *args, **kwargs):
+        with nn.intercept_methods(self._interceptor):
+            return self.module.apply(variables, *args, **kwargs)
+
+
+def _call_layout(mod, path: str, kernel: QArray, args, kwargs) -> KernelLayout:
+    """The layout a DenseGeneral / Einsum call implies (its float kernel shape from the module's attributes)."""
+    x = _call_input(args, kwargs)
+    if isinstance(mod, nn.DenseGeneral):
+        if tuple(mod.batch_dims):
+            raise ModelError(f"{path}: DenseGeneral with batch_dims {tuple(mod.batch_dims)} is not supported")
+        axes = _norm_axes(mod.axis, x.ndim)
+        shape = tuple(int(x.shape[a]) for a in axes) + _tuple(mod.features)
+        return _layout_of(mod, shape, args, kwargs)
+    layout = _layout_of(mod, _tuple(mod.shape), args, kwargs)
+    if layout.error is not None:
+        raise ModelError(f"{path}: {layout.error}")
+    return layout
+
+
+def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example_args,
+                   weight_search: Optional[str] = None, **example_kwargs):
+    """(module, params) → (QuantizedLinen wrapper, quantized params), under the same Rule semantics as NNX.
+
+    Every `Dense` / `DenseGeneral` / `Einsum` whose "/"-joined scope path a rule selects gets its kernel
+    packed as W [K, N] quantized along the contracted size K; `wrapper.apply(qparams, ...)` computes
+    y = Qa(x) @ dequantize(W) + b (see QuantizedLinen), equal to the NNX layers.
+
+    Args:
+      module, params: the linen module and its variables (or the params dict itself).
+      rules: `Rule(pattern, scheme)`s; first full match wins, scheme None leaves the layer float.
+      *example_args, **example_kwargs: inputs for `module.apply(params, *example_args, **example_kwargs)`
+        (shapes matter, values do not: it runs under `jax.eval_shape`), used to learn each kernel's layer
+        type and contracted axes (`record_layouts`). Needed for DenseGeneral / Einsum / stacked kernels;
+        without them only 2-D kernels are quantized (as Dense) and a rule selecting another is a ModelError.
+      weight_search: None (round-to-nearest) or "mse" (per-group clipping search).
+
+    Everything (regexes, scheme names, shapes against schemes) is validated before any weight is quantized;
+    errors are ModelErrors naming the rule or the module path. `params` is not modified.
+
+    Kernels stacked by `nn.scan` / `nn.vmap` ([L, *kernel] in the params) are quantized layer by layer
+    (`quantize_weight` vmaps the leading axes; the scanned call then sees a per-layer QArray). The stacking
+    axes must lead (variable_axes={"params": 0}); another axis is refused when the shapes show it, which they
+    cannot when that axis happens to have the per-layer shape's sizes (e.g. axis 1 with L == K).
+    DenseGeneral `batch_dims` and block scales (FP8_BLOCK) on stacked kernels are refused.
+    """
+    compile_rules(rules)  # a bad rule is reported before the model is run
+    layouts = record_layouts(module, params, *example_args, **example_kwargs) if (example_args or example_kwargs) \
+        else None
+    qparams, plan = _quantize(params, rules, weight_search, layouts)
+    return (QuantizedLinen(module, {p: ss for p, (_, _, ss) in plan.items()}, {p: lay for p, (lay, _, _) in plan.items()}),
+            qparams)
