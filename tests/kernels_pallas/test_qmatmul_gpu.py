@@ -90,5 +90,26 @@ def test_gpu_dispatch():
     check(y.reshape(6, 256), x.reshape(6, 512), q)
 
 
+def test_gpu_layer_uses_its_cached_layout():
+    """On GPU a packed nnx layer prepares its kernel layout once and the jit forward pass uses it."""
+    from flax import nnx
+    from qformats.nn import Rule, quantize_model
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.proj = nnx.Linear(512, 384, use_bias=False, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                   param_dtype=jnp.bfloat16)
+
+        def __call__(self, x):
+            return self.proj(x)
+
+    model = quantize_model(Net(), [Rule(".*", "FP6_E3M2")])
+    cache = model.proj.prepared
+    assert cache is not None and cache.get_value().name == "pallas_qmatmul"
+    x = make_x((4, 512), jnp.bfloat16)
+    y = nnx.jit(lambda m, v: m(v))(model, x)
+    check(y, x, model.proj.kernel.get_value())
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
