@@ -22,7 +22,7 @@ from qformats.codec import decode
 from qformats.errors import SchemeError
 from qformats.formats import IntFormat
 from qformats.qarray import QArray
-from qformats.quantize import _FLOATS, _norm_axis, _round_elements, quantize
+from qformats.quantize import _FLOATS, _norm_axis, _round_elements, check_input, quantize
 from qformats.scales import compute_scales
 from qformats.schemes import QuantScheme
 
@@ -81,12 +81,7 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
     Returns:
       A QArray like `quantize(w, scheme, axis)` returns (same scales unless `qparams` is given).
     """
-    w = jnp.asarray(w)
-    if not isinstance(scheme, QuantScheme):
-        raise SchemeError(f"gptq_quantize: expected a QuantScheme, got {type(scheme).__name__} "
-                          "(for a preset use qformats.presets[name].weights)")
-    if w.dtype not in _FLOATS:
-        raise SchemeError(f"gptq_quantize: expected a float32, bfloat16 or float16 weight, got {w.dtype}")
+    w = check_input(w, scheme, "gptq_quantize")
     if w.ndim < 2:
         raise SchemeError(f"gptq_quantize: expected a kernel with ndim >= 2, got shape {tuple(w.shape)}")
     axis = _norm_axis(axis, w.ndim, "gptq_quantize")

@@ -22,6 +22,17 @@ _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float1
 
 
 # ---- layout helpers ----------------------------------------------------------------------------------------
+def check_input(x, scheme, where: str) -> jax.Array:
+    """x as a jax array, after checking that scheme is a QuantScheme and x a float32/bfloat16/float16 array."""
+    x = jnp.asarray(x)
+    if not isinstance(scheme, QuantScheme):
+        raise SchemeError(f"{where}: expected a QuantScheme, got {type(scheme).__name__} "
+                          "(for a preset use qformats.presets[name].weights)")
+    if x.dtype not in _FLOATS:
+        raise SchemeError(f"{where}: expected a float32, bfloat16 or float16 array, got {x.dtype}")
+    return x
+
+
 def _norm_axis(axis: int, ndim: int, where: str) -> int:
     if ndim == 0:
         raise SchemeError(f"{where}: cannot quantize a 0-d array (no reduction axis)")
@@ -181,12 +192,7 @@ def quantize(x, scheme: QuantScheme, axis: int = -1, *, scale=None, zero_point=N
 
     Returns a QArray whose codes are packed and whose scale is contracted.
     """
-    x = jnp.asarray(x)
-    if not isinstance(scheme, QuantScheme):
-        raise SchemeError(f"quantize: expected a QuantScheme, got {type(scheme).__name__} "
-                          "(for a preset use qformats.presets[name].weights)")
-    if x.dtype not in _FLOATS:
-        raise SchemeError(f"quantize: expected a float32, bfloat16 or float16 array, got {x.dtype}")
+    x = check_input(x, scheme, "quantize")
     axis = _norm_axis(axis, x.ndim, "quantize")
     ts = _tshape(x.shape, axis)
     _check_fit(scheme, ts, "quantize")
