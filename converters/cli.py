@@ -1,6 +1,7 @@
 """The `qformats` command line: quantize, dequantize, inspect, eval.
 
   qformats quantize [SRC] DST --scheme NAME [--ignore P ...] [--targets T ...] [--max-shard-size 5GB] [--overwrite]
+  qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search gptq|mse|mse+gptq|rtn]   (MiniLM)
   qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
   qformats inspect PATH
   qformats eval [ARGS ...]          (examples.eval)
@@ -43,6 +44,11 @@ def _parser() -> _Parser:
                    help="module paths or re:regexes to leave dense (default: lm_head)")
     q.add_argument("--targets", nargs="+", action="extend", default=None, metavar="TARGET",
                    help="Linear (default), Embedding, or re:regexes on module paths")
+    q.add_argument("--calibrate", nargs="?", const="", default=None, metavar="FILE",
+                   help="calibrate on sentences (FILE: one a line; default: the shipped set) with the Flax MiniLM: "
+                        "static activation scales and a weight search (--weight-search); embedded model only")
+    q.add_argument("--weight-search", choices=("rtn", "mse", "gptq", "mse+gptq"), default=None,
+                   help="with --calibrate: how the weights are chosen (default: gptq)")
     q.add_argument("--max-shard-size", default="5GB")
     q.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     q.add_argument("--quiet", action="store_true", help="no progress bar (the summary is still printed)")
@@ -62,6 +68,10 @@ def _quantize(a) -> int:
     from converters.quantize_checkpoint import quantize_checkpoint
     if len(a.paths) > 2:
         raise _Usage(f"qformats quantize: error: expected [SRC] DST, found {len(a.paths)} paths")
+    if a.weight_search is not None and a.calibrate is None:
+        raise _Usage("qformats quantize: error: --weight-search needs --calibrate")
+    if a.calibrate is not None:
+        return _quantize_calibrated(a)
     if len(a.paths) == 1:
         from examples.minilm import model_dir
         src, dst = model_dir(), a.paths[0]
@@ -72,6 +82,31 @@ def _quantize(a) -> int:
                             overwrite=a.overwrite, progress=not a.quiet)
     if a.quiet:  # with the progress bar the summary is already printed
         print(s.text(), file=sys.stderr)
+    return 0
+
+
+def _quantize_calibrated(a) -> int:
+    if len(a.paths) != 1:
+        raise _Usage("qformats quantize: error: --calibrate works on the embedded all-MiniLM-L6-v2 only (it needs "
+                     "a Flax model of the checkpoint): give DST alone")
+    if a.ignore is not None or a.targets is not None or a.max_shard_size != "5GB":
+        raise _Usage("qformats quantize: error: --ignore / --targets / --max-shard-size are not used with --calibrate")
+    sentences = None
+    if a.calibrate:
+        from pathlib import Path
+        path = Path(a.calibrate)
+        if not path.is_file():
+            raise _Usage(f"qformats quantize: error: --calibrate {path}: no such file")
+        sentences = [s.strip() for s in path.read_text(encoding="utf-8").splitlines() if s.strip()]
+        if not sentences:
+            raise _Usage(f"qformats quantize: error: --calibrate {path}: the file holds no sentences")
+    from examples.calibrate import quantize_calibrated
+    log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
+    r = quantize_calibrated(a.paths[0], a.scheme, sentences=sentences, weight_search=a.weight_search or "gptq",
+                            overwrite=a.overwrite, log=log)
+    if a.quiet:  # otherwise the log lines said it already
+        print(f"quantized {r['layers']} Linear layers ({r['searched']} by {a.weight_search or 'gptq'}) -> "
+              f"{r['path']} in {r['seconds']:.1f} s", file=sys.stderr)
     return 0
 
 

@@ -169,7 +169,8 @@ class _QuantizedMatmul(nnx.Module):
         self.input_scale = nnx.data(None)
         self.input_global_scale = nnx.data(None)
         self.prepared = nnx.data(None)
-        self.weight_method = "rtn"  # how the packed weight was chosen: "rtn", "mse" (searched somewhere)
+        # how the packed weight was chosen: "rtn", or the weight search when it won (in any stacked layer)
+        self.weight_method = "rtn"
         self.observer = observer
         self.calib_amax = nnx.data(None)
         self.calib_sq = nnx.data(None)
@@ -209,25 +210,26 @@ class _QuantizedMatmul(nnx.Module):
             if static_acts:
                 s, g = static_scale(observer.result(amax_state), a, sdt)
             if mode != "ptq":
-                return s, g, None
+                return s, g, None, None
             seen = n > 0
             h = total / jnp.maximum(n, 1.0)
             diag = jnp.diagonal(h) if h.ndim == 2 else h
             if weight_search is None:
-                return s, g, quantize_weight(w, schemes, None)
+                return s, g, quantize_weight(w, schemes, None), None
             q = quantize_weight(w, schemes, weight_search, importance=jnp.where(seen, diag, 1.0),
                                 h=h if h.ndim == 2 else None)
             if h.ndim == 2:  # keep round-to-nearest where the search does not lower tr(dW^T H dW)
                 rtn = quantize_weight(w, schemes, None)
                 keep = seen & (_output_error(q, w, h) < _output_error(rtn, w, h))
                 q = jax.tree.map(lambda u, v: jnp.where(keep, u, v), q, rtn)
-            return s, g, q
+                return s, g, q, keep
+            return s, g, q, None
 
         fn = one
         for _ in self.stacked:
             fn = jax.vmap(fn)
         total, n = self.calib_sq.get_value()
-        s, g, q = fn(w, self.calib_amax.get_value(), total, n)
+        s, g, q, kept = fn(w, self.calib_amax.get_value(), total, n)
         self.input_scale = None if s is None else QuantStat(s)
         self.input_global_scale = None if g is None else QuantStat(g)
         self.calib_amax = None
@@ -236,7 +238,8 @@ class _QuantizedMatmul(nnx.Module):
         self.mode = mode
         if mode == "ptq":
             self.kernel = PackedParam(q)
-            self.weight_method = weight_search or "rtn"
+            searched = weight_search is not None and (kept is None or bool(jnp.any(kept)))
+            self.weight_method = weight_search if searched else "rtn"
             self.prepare_kernel()
 
     def convert(self, weight_search: Optional[str] = None) -> None:

