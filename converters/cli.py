@@ -1,7 +1,7 @@
 """The `qformats` command line: quantize, dequantize, inspect, eval.
 
   qformats quantize [SRC] DST --scheme NAME [--ignore P ...] [--targets T ...] [--max-shard-size 5GB] [--overwrite]
-  qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search gptq|mse|mse+gptq|rtn]   (MiniLM)
+  qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search mse+gptq|gptq|mse|rtn]   (MiniLM)
   qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
   qformats inspect PATH
   qformats eval [ARGS ...]          (examples.eval)
@@ -22,6 +22,8 @@ from typing import List, Optional, Sequence
 from qformats.errors import QFormatsError
 
 __all__ = ["main"]
+
+DEFAULT_SEARCH = "mse+gptq"  # quantize --calibrate
 
 
 class _Usage(Exception):
@@ -48,7 +50,8 @@ def _parser() -> _Parser:
                    help="calibrate on sentences (FILE: one a line; default: the shipped set) with the Flax MiniLM: "
                         "static activation scales and a weight search (--weight-search); embedded model only")
     q.add_argument("--weight-search", choices=("rtn", "mse", "gptq", "mse+gptq"), default=None,
-                   help="with --calibrate: how the weights are chosen (default: gptq)")
+                   help="with --calibrate: how the weights are chosen (default: mse+gptq, GPTQ on MSE-searched "
+                        "scales: the best held-out fidelity measured, BENCHMARKS.md)")
     q.add_argument("--max-shard-size", default="5GB")
     q.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     q.add_argument("--quiet", action="store_true", help="no progress bar (the summary is still printed)")
@@ -102,10 +105,10 @@ def _quantize_calibrated(a) -> int:
             raise _Usage(f"qformats quantize: error: --calibrate {path}: the file holds no sentences")
     from examples.calibrate import quantize_calibrated
     log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
-    r = quantize_calibrated(a.paths[0], a.scheme, sentences=sentences, weight_search=a.weight_search or "gptq",
+    r = quantize_calibrated(a.paths[0], a.scheme, sentences=sentences, weight_search=a.weight_search or DEFAULT_SEARCH,
                             overwrite=a.overwrite, log=log)
     if a.quiet:  # otherwise the log lines said it already
-        print(f"quantized {r['layers']} Linear layers ({r['searched']} by {a.weight_search or 'gptq'}) -> "
+        print(f"quantized {r['layers']} Linear layers ({r['searched']} by {a.weight_search or DEFAULT_SEARCH}) -> "
               f"{r['path']} in {r['seconds']:.1f} s", file=sys.stderr)
     return 0
 

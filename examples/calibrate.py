@@ -1,10 +1,10 @@
 """Calibrated quantization of the embedded all-MiniLM-L6-v2 to a compressed-tensors checkpoint (GPTQ / MSE).
 
-`qformats quantize DST --scheme W4A16 --calibrate [FILE] [--weight-search gptq]` lands here: the Flax MiniLM
+`qformats quantize DST --scheme W4A16 --calibrate [FILE] [--weight-search mse+gptq]` lands here: the Flax MiniLM
 (`examples.minilm`, real weights) runs the calibration sentences once through `qformats.nn.quantize_model`
-(static activation scales, per-layer H = E[x x^T], then the weight search: GPTQ by default), and the
-packed model is written with `converters.flax_io.save_compressed` under the HF tensor names, next to the
-packaged tokenizer and sentence-transformers files. The result is an ordinary compressed-tensors checkpoint:
+(static activation scales, per-layer H = E[x x^T], then the weight search: GPTQ on MSE-searched scales
+by default), and the packed model is written with `converters.flax_io.save_compressed` under the HF
+tensor names, next to the packaged tokenizer and sentence-transformers files. The result is an ordinary compressed-tensors checkpoint:
 GPTQ changes the codes, not the format (transformers / vLLM load a W4A16 GPTQ checkpoint like an RTN one).
 
 A data-free checkpoint of any HF model needs no Flax model (`converters.quantize_checkpoint`); calibration
@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 SEARCHES = ("rtn", "mse", "gptq", "mse+gptq")
 
 
-def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] = None, weight_search: str = "gptq",
+def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] = None, weight_search: str = "mse+gptq",
                         batch_size: int = 32, overwrite: bool = False,
                         log: Callable[[str], None] = lambda m: None) -> dict:
     """Quantize MiniLM's Linear layers (pooler included) with `scheme`, calibrated on `sentences` (default: the

