@@ -4,12 +4,14 @@ Two processes exchange .npz files in a temporary directory: this script, run wit
 draws W ([K, N], Flax layout), calibration inputs X and H = X^T X / T, then runs itself under the
 llm-compressor venv (`--torch-side DIR`, default interpreter /tmp/llmc/bin/python, or $LLMC_PYTHON), which
 computes llm-compressor's own Hessian (`accumulate_hessian`: 2 sum x x^T / #batches), its weight observer
-qparams (`memoryless_minmax`) and `quantize_weight` (act_order off) on the torch layout W^T [N, K].
-Back here: gptq_quantize(W, scheme, H); llm-compressor's dequantized output is re-quantized with its own
-scales to codes. Reported per case: scales identical (bitwise), fraction of identical codes, output error
-||X W - X Wq||^2 / ||X W||^2 of llm-compressor, ours and RTN.
+qparams (`memoryless_minmax`) and `quantize_weight` on the torch layout W^T [N, K], with the weight
+args' `actorder` set to --actorder (default none: column order; "static" is GPTQModifier's default,
+"weight" its alias in compressed-tensors). Back here: gptq_quantize(W, scheme, H, actorder=...);
+llm-compressor's dequantized output is re-quantized with its own scales to codes. Reported per case: scales
+identical (bitwise), fraction of identical codes, output error ||X W - X Wq||^2 / ||X W||^2 of
+llm-compressor, ours and RTN (and, with --actorder, ours in column order).
 
-    python bench/gptq_parity.py [--shapes 384x1536,1536x384] [--tokens 4096]
+    python bench/gptq_parity.py [--shapes 384x1536,1536x384] [--tokens 4096] [--actorder static]
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def torch_side(d: str) -> None:
 
     meta = np.load(os.path.join(d, "meta.npz"), allow_pickle=True)
     block_size, damp = int(meta["block_size"]), float(meta["damp"])
+    actorder = None if str(meta["actorder"]) == "none" else str(meta["actorder"])
     for tag in meta["tags"]:
         tag = str(tag)
         inp = np.load(os.path.join(d, f"in_{tag}.npz"), allow_pickle=True)
@@ -80,7 +83,7 @@ def torch_side(d: str) -> None:
         with torch.no_grad():
             lin.weight.copy_(torch.from_numpy(inp["w"].T.copy()).to(tdt))  # [N, K]; bf16 exact (drawn as bf16)
         lin = lin.to(tdt)
-        args = preset_name_to_scheme(preset, ["Linear"]).weights.model_copy(update={"actorder": None, **override})
+        args = preset_name_to_scheme(preset, ["Linear"]).weights.model_copy(update={"actorder": actorder, **override})
         x = torch.from_numpy(inp["x"]).to(tdt)
         hess = make_empty_hessian(lin)
         ns = torch.zeros(())
@@ -120,6 +123,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--damp", type=float, default=0.01)
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--actorder", default="none", choices=["none", "static", "weight"],
+                    help="activation order on both sides (llm-compressor's GPTQModifier default: static)")
     ap.add_argument("--torch-side", metavar="DIR", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.torch_side:
@@ -147,15 +152,19 @@ def main() -> None:
                 inputs[tag] = (name, k, n, spec, dtype, w, x)
                 np.savez(os.path.join(d, f"in_{tag}.npz"), w=w, x=x, preset=preset, dtype=dtype,
                          override=np.array(override, dtype=object))
-        np.savez(os.path.join(d, "meta.npz"), tags=np.array(tags), block_size=a.block_size, damp=a.damp)
+        np.savez(os.path.join(d, "meta.npz"), tags=np.array(tags), block_size=a.block_size, damp=a.damp,
+                 actorder=a.actorder)
         t0 = time.perf_counter()
         subprocess.run([LLMC_PYTHON, os.path.abspath(__file__), "--torch-side", d], check=True,
                        env={**os.environ, "LOGURU_LEVEL": "ERROR"})
         print(f"llm-compressor side: {time.perf_counter() - t0:.1f}s in all", file=sys.stderr)
 
+        actorder = None if a.actorder == "none" else a.actorder
+        extra = " out err ours, column order |" if actorder else ""
+        print(f"actorder={actorder}")
         print("| shape KxN | case | scales identical | codes identical | out err llm-compressor | out err ours "
-              "| out err RTN | ours / llmc | time llmc | time ours (warm) |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+              f"| out err RTN |{extra} ours / llmc | time llmc | time ours (warm) |")
+        print("| --- " * (11 if actorder else 10) + "|")
         for tag in tags:
             name, k, n, spec, dtype, w, x = inputs[tag]
             ref = np.load(os.path.join(d, f"out_{tag}.npz"))
@@ -163,23 +172,34 @@ def main() -> None:
             wj = jnp.asarray(w, dtype)
             xt = x.astype(np.float64)
             h = jnp.asarray(x.T @ x / x.shape[0], jnp.float32)
-            ours = gptq_quantize(wj, scheme, h, block_size=a.block_size, dampening_frac=a.damp)
+            kw = dict(block_size=a.block_size, dampening_frac=a.damp, actorder=actorder)
+            ours = gptq_quantize(wj, scheme, h, **kw)
             jax.block_until_ready(ours.codes)
             t0 = time.perf_counter()
-            ours = gptq_quantize(wj, scheme, h, block_size=a.block_size, dampening_frac=a.damp)
+            ours = gptq_quantize(wj, scheme, h, **kw)
             jax.block_until_ready(ours.codes)
             t_ours = time.perf_counter() - t0
             rtn = quantize(wj, scheme, 0)
-            _row(k, n, name, scheme, dtype, w, xt, ref, ours, rtn, t_ours)
+            plain = None
+            if actorder:
+                plain = gptq_quantize(wj, scheme, h, block_size=a.block_size, dampening_frac=a.damp)
+                dg = np.diagonal(np.asarray(h))
+                dg = dg[dg != 0]
+                if len(np.unique(dg)) < len(dg):  # torch's argsort is not stable: tied inputs may be ordered apart
+                    name += f" ({len(dg) - len(np.unique(dg))} tied diag(H) entries)"
+            _row(k, n, name, scheme, dtype, w, xt, ref, ours, rtn, t_ours, plain)
             if "dead" in name:
                 # dead inputs get H[k, k] = 1, which makes the dampening depend on H's scale: with
                 # llm-compressor's normalisation (2 sum x x^T / #batches of 512 tokens) the result is its own
                 hl = jnp.asarray(x.T @ x * (2.0 / -(-x.shape[0] // 512)), jnp.float32)
-                ours = gptq_quantize(wj, scheme, hl, block_size=a.block_size, dampening_frac=a.damp)
-                _row(k, n, name + ", H scaled as llm-compressor", scheme, dtype, w, xt, ref, ours, rtn, t_ours)
+                ours = gptq_quantize(wj, scheme, hl, **kw)
+                if actorder:
+                    plain = gptq_quantize(wj, scheme, hl, block_size=a.block_size, dampening_frac=a.damp)
+                _row(k, n, name + ", H scaled as llm-compressor", scheme, dtype, w, xt, ref, ours, rtn, t_ours,
+                     plain)
 
 
-def _row(k, n, name, scheme, dtype, w, xt, ref, ours, rtn, t_ours):
+def _row(k, n, name, scheme, dtype, w, xt, ref, ours, rtn, t_ours, plain=None):
     import jax.numpy as jnp
     from qformats import dequantize, quantize
     same_scale = np.array_equal(np.asarray(ours.scale_values(jnp.float32)).reshape(ref["scale"].shape),
@@ -198,10 +218,11 @@ def _row(k, n, name, scheme, dtype, w, xt, ref, ours, rtn, t_ours):
 
     e_ref, e_ours = err(ref["q"].T), err(dequantize(ours, jnp.float32))
     e_rtn = err(dequantize(rtn, jnp.float32))
+    extra = "" if plain is None else f" {err(dequantize(plain, jnp.float32)):.4e} |"
     flag = "" if roundtrip_ok else " (llmc output not on our grid!)"
     flag += " (llmc RTN fallback)" if bool(ref["fallback"]) else ""
     print(f"| {k}x{n} | {name}{flag} | {'yes' if same_scale else 'NO'} | {codes:.4%} | {e_ref:.4e} | "
-          f"{e_ours:.4e} | {e_rtn:.4e} | {e_ours / e_ref:.4f} | {float(ref['seconds']):.2f}s | "
+          f"{e_ours:.4e} | {e_rtn:.4e} |{extra} {e_ours / e_ref:.4f} | {float(ref['seconds']):.2f}s | "
           f"{t_ours:.2f}s |", flush=True)
 
 

@@ -4,7 +4,8 @@ GPTQ quantizes a weight one input column at a time and, after each column, sprea
 error over the columns not yet quantized, weighted by the inverse Hessian of the layer's reconstruction loss
 ||X W - X Q||^2 (X: calibration inputs). Reference: arXiv:2210.17323; the lazy-batch ("block") update and the
 Cholesky form of the inverse are its sections 3.3-3.4. The arithmetic here follows llm-compressor 0.14
-(`modifiers/gptq/gptq_quantize.py::quantize_weight` and `helpers.py::factorize_hessian`, act_order off).
+(`modifiers/gptq/gptq_quantize.py::quantize_weight`, `helpers.py::factorize_hessian` and
+`helpers.py::apply_activation_ordering`), with or without its "static" / "weight" activation ordering.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ from qformats.schemes import QuantScheme
 __all__ = ["gptq_quantize", "gptq_hinv"]
 
 
+_ACTORDERS = (None, "static", "weight")
+
+
 def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening_frac: float = 0.01,
-                  axis: int = 0, qparams: Optional[QArray] = None) -> QArray:
-    """Quantize `w` with GPTQ (act_order off) for the input second moment `h`.
+                  axis: int = 0, qparams: Optional[QArray] = None, actorder: Optional[str] = None) -> QArray:
+    """Quantize `w` with GPTQ for the input second moment `h`, optionally in activation order.
 
     Layout: `w` is a kernel whose contracted (input) axis is `axis` (0 for a Flax kernel `[K, N]`); every
     other axis is an independent output row. `h` is the `[K, K]` Hessian H = E[x x^T] over calibration
@@ -45,6 +49,13 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
          They stay fixed while GPTQ runs. Pass `qparams` (a QArray of w, e.g. from
          `observers.mse_quantize(w, scheme, importance=diag(h))`) to use other scales (llm-compressor's
          `memoryless_mse` observer plays that role).
+      1b. Activation order (`actorder="static"` or its alias `"weight"`; llm-compressor's
+         `apply_activation_ordering`, GPTQModifier's default "static"): the rows are processed in the order
+           perm = argsort(-diag(H))       (stable: equal entries keep index order; on H as given, before 2-3)
+         i.e. W <- W[perm], H <- H[perm][:, perm], and every row keeps the scales / zero point of its
+         *original* column (llm-compressor permutes g_idx along: g_idx[perm]), so the scales of step 1 are
+         unchanged and the result needs no g_idx. Steps 2-5 run on the permuted W and H, and the result is
+         un-permuted, Q <- Q[argsort(perm)]. Dead inputs (diag 0) thus come last.
       2. Dead inputs, H[k, k] == 0: H[k, k] = 1 and W[k, :] = 0.
       3. Dampening: H += dampening_frac * mean(diag H) * I.
       4. Hinv = U, the upper Cholesky factor of H^-1 (H = L L^T, H^-1 = cholesky_inverse(L), H^-1 = U^T U).
@@ -67,7 +78,13 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
     are divided by their scale in float32, not in their own dtype as RTN does (a few ties move). Dead inputs
     make the result depend on H's scale (their H[k, k] = 1 enters mean(diag H)): llm-compressor's H is
     2 * (tokens per calibration sample) * E[x x^T]. Any strategy and element format of qformats works
-    (llm-compressor 0.14 rounds only int, fp8 and fp4 elements); act_order is not implemented.
+    (llm-compressor 0.14 rounds only int, fp8 and fp4 elements). Activation order: torch's
+    `argsort(descending=True)` is not stable, so when two live inputs have exactly equal diag(H) entries the
+    processing order (hence a few codes) may differ from llm-compressor's; tied dead inputs do not matter
+    (their rows and columns of H are zero: they are decoupled from the rest and quantize to 0).
+    "group" act order (alias "dynamic"; older llm-compressor, rejected by the compressed-tensors that 0.14 pins:
+    scales computed on the permuted weight, groups of permuted columns) needs a per-column g_idx at inference,
+    which QArray and the checkpoint writer do not carry; it is refused.
 
     Args:
       w: float32/bfloat16/float16 weight, ndim >= 2 (block strategy: exactly 2), contracted axis `axis`.
@@ -77,11 +94,20 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
       dampening_frac: relative dampening (llm-compressor's `dampening_frac`, default 0.01).
       axis: the contracted axis of w.
       qparams: optional QArray of w (same scheme, shape, axis) whose scale / zero_point / global_scale to use.
+      actorder: None (column order) or "static" / "weight" (activation order, step 1b; "weight" is
+        compressed-tensors' alias of "static", same result). "group"/"dynamic" raise a SchemeError.
 
     Returns:
       A QArray like `quantize(w, scheme, axis)` returns (same scales unless `qparams` is given).
     """
     w = check_input(w, scheme, "gptq_quantize")
+    if isinstance(actorder, str) and actorder.lower() in ("group", "dynamic"):
+        raise SchemeError(f"gptq_quantize: actorder={actorder!r} computes group scales on the activation-ordered "
+                          "(permuted) weight, so each input column needs a g_idx (its group index) at inference; "
+                          "qformats' QArray and checkpoint writer carry no g_idx. Use actorder='static' (scales "
+                          "of the original column groups, no g_idx needed) or None")
+    if not (actorder is None or (isinstance(actorder, str) and actorder in _ACTORDERS)):
+        raise SchemeError(f"gptq_quantize: actorder must be None, 'static' or 'weight', got {actorder!r}")
     if w.ndim < 2:
         raise SchemeError(f"gptq_quantize: expected a kernel with ndim >= 2, got shape {tuple(w.shape)}")
     axis = _norm_axis(axis, w.ndim, "gptq_quantize")
@@ -115,7 +141,8 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
     s_rows, z_rows = _row_qparams(qparams, k, w2.shape[1])
     sdt = qparams.scale.dtype if qparams.scale.dtype in _FLOATS else jnp.dtype(jnp.float32)
     q2, fallback = _gptq_jit(w2.astype(jnp.float32), h.astype(jnp.float32), s_rows, z_rows,
-                             qparams.global_scale, jnp.float32(dampening_frac), scheme, block_size, sdt.name)
+                             qparams.global_scale, jnp.float32(dampening_frac), scheme, block_size, sdt.name,
+                             actorder is not None)
     if concrete and not isinstance(fallback, jax.core.Tracer) and bool(fallback):
         warnings.warn(f"gptq_quantize: the dampened Hessian ({k}x{k}) is not positive definite; weight of "
                       f"shape {tuple(w.shape)} quantized with round-to-nearest (as llm-compressor falls "
@@ -196,9 +223,16 @@ def _qdq_row(x, s, z, g, scheme: QuantScheme, sdt):
     return R.mul(vals, scale, sdt)
 
 
-@functools.partial(jax.jit, static_argnames=("scheme", "block_size", "sdt"))
-def _gptq_jit(w, h, s_rows, z_rows, g, dampening_frac, scheme: QuantScheme, block_size: int, sdt: str):
+@functools.partial(jax.jit, static_argnames=("scheme", "block_size", "sdt", "act_order"))
+def _gptq_jit(w, h, s_rows, z_rows, g, dampening_frac, scheme: QuantScheme, block_size: int, sdt: str,
+              act_order: bool = False):
     k, n = w.shape
+    if act_order:  # llm-compressor's apply_activation_ordering, on the raw H; rows keep their own qparams
+        perm = jnp.argsort(jnp.diagonal(h), descending=True, stable=True)
+        h = jnp.take(jnp.take(h, perm, axis=0), perm, axis=1)
+        w, s_rows = jnp.take(w, perm, axis=0), jnp.take(s_rows, perm, axis=0)
+        if z_rows is not None:
+            z_rows = jnp.take(z_rows, perm, axis=0)
     u, dead, fallback = gptq_hinv(h, dampening_frac)
     w = jnp.where(dead[:, None], 0.0, w)
 
@@ -239,5 +273,7 @@ def _gptq_jit(w, h, s_rows, z_rows, g, dampening_frac, scheme: QuantScheme, bloc
         wq = wq - jnp.where((row_ids >= i1 + b)[:, None], upd, 0.0)
         return jax.lax.dynamic_update_slice(wq, q1, (i1, 0))
 
-    wq = jax.lax.fori_loop(0, kp // b, block, w)
-    return wq[:k], fallback
+    wq = jax.lax.fori_loop(0, kp // b, block, w)[:k]
+    if act_order:
+        wq = jnp.take(wq, jnp.argsort(perm), axis=0)  # restore the original order (torch.gather by invperm)
+    return wq, fallback
