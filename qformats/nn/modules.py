@@ -67,13 +67,14 @@ NEEDS_HESSIAN = ("gptq", "mse+gptq")
 
 
 def quantize_weight(kernel, schemes: SchemeSet, weight_search: Optional[str] = None, importance=None,
-                    h=None) -> QArray:
+                    h=None, actorder: Optional[str] = "static") -> QArray:
     """A kernel `[..., K, N]` → QArray along K by `weight_search`:
 
       None: round-to-nearest, `quantize(w, scheme, 0)`;
       "mse": per-group clipping search minimising sum_k importance_k (w - Q(w))^2 (`observers.mse_quantize`);
       "gptq": GPTQ with H = E[x x^T] `h` [K, K] (`qformats.gptq.gptq_quantize`, llm-compressor's arithmetic),
-        round-to-nearest scales;
+        round-to-nearest scales, columns in `actorder` (default "static": descending diag(H), as
+        llm-compressor's GPTQModifier; None: column order);
       "mse+gptq": GPTQ with the scales of the "mse" search (llm-compressor's MSE observer + GPTQ).
 
     Leading axes (layers stacked by `nnx.vmap` for `nnx.scan`) are vmapped over, together with those of
@@ -94,7 +95,7 @@ def quantize_weight(kernel, schemes: SchemeSet, weight_search: Optional[str] = N
         if weight_search == "mse":
             return mse_quantize(w, ws, 0, importance=imp)
         qp = mse_quantize(w, ws, 0, importance=imp) if weight_search == "mse+gptq" else None
-        return gptq_quantize(w, ws, hh, qparams=qp)
+        return gptq_quantize(w, ws, hh, qparams=qp, actorder=actorder)
 
     lead = kernel.ndim - 2
     axes = [0]
@@ -188,7 +189,8 @@ class _QuantizedMatmul(nnx.Module):
         self.prepare_kernel()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def finalize(self, mode: str = "ptq", weight_search: Optional[str] = None) -> None:
+    def finalize(self, mode: str = "ptq", weight_search: Optional[str] = None,
+                 actorder: Optional[str] = "static") -> None:
         """End calibration: static activation scales from the observer, then the kernel for `mode`.
 
         With weight_search="mse" the per-group clipping search weights errors by E[x_k^2] measured on
@@ -217,7 +219,7 @@ class _QuantizedMatmul(nnx.Module):
             if weight_search is None:
                 return s, g, quantize_weight(w, schemes, None), None
             q = quantize_weight(w, schemes, weight_search, importance=jnp.where(seen, diag, 1.0),
-                                h=h if h.ndim == 2 else None)
+                                h=h if h.ndim == 2 else None, actorder=actorder)
             if h.ndim == 2:  # keep round-to-nearest where the search does not lower tr(dW^T H dW)
                 rtn = quantize_weight(w, schemes, None)
                 keep = seen & (_output_error(q, w, h) < _output_error(rtn, w, h))

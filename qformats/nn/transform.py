@@ -70,7 +70,7 @@ def _default_forward(model, batch):
 def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibration_data: Optional[Iterable] = None,
                    *, weight_search: Optional[str] = None, observer: Any = "minmax",
                    forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True,
-                   compare_rtn: bool = True) -> nnx.Module:
+                   compare_rtn: bool = True, actorder: Optional[str] = "static") -> nnx.Module:
     """Swap every `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Einsum` whose path matches a rule for its
     quantized counterpart (`QLinear` / `QLinearGeneral` / `QEinsum`), in place; returns `model`.
 
@@ -87,6 +87,8 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
       weight_search: None (round-to-nearest), "mse" (per-group clipping search, `observers.mse_quantize`),
         "gptq" (GPTQ, `qformats.gptq.gptq_quantize`: llm-compressor's algorithm, act_order off; needs
         calibration_data) or "mse+gptq" (GPTQ on the MSE search's scales).
+      actorder: GPTQ's column order: "static" (default, llm-compressor's GPTQModifier default: descending
+        diag(H); output error 0.5-0.75x of column order in bench/gptq_parity.py) or None (column order).
       compare_rtn: with calibration_data and a weight_search, run the calibration batches again with the
         searched weights and with round-to-nearest ones and keep whichever gives the lower squared error
         against the float model's outputs (so a search never makes the model worse on its calibration
@@ -120,7 +122,8 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         if hessian and not fits:
             raise ModelError(f"{path}: GPTQ needs the [K, K] input moments per layer; K = {k} x {layers} layer(s) "
                              f"exceeds the limit (K <= {MAX_FULL_MOMENTS_K}, {MAX_FULL_MOMENTS_ELEMS} elements)")
-        if hessian and isinstance(lin, nnx.Einsum) and not einsum_layout(lin.einsum_str, lin.kernel.get_value().shape)[2]:
+        if hessian and isinstance(lin, nnx.Einsum) and not einsum_layout(lin.einsum_str,
+                                                                          lin.kernel.get_value().shape)[2]:
             raise ModelError(f"{path}: einsum {lin.einsum_str!r} does not contract the input's last axis alone, so "
                              f"its input moments cannot be collected for GPTQ; leave it out with a rule")
         plan.append((path, lin, parents, ss))
@@ -182,7 +185,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             raise
         floats = [q.kernel.get_value() for q in swapped] if guard else []
         for q in swapped:
-            q.finalize(mode, weight_search=weight_search)
+            q.finalize(mode, weight_search=weight_search, actorder=actorder)
         if guard:
             _keep_better_of_search_and_rtn(model, swapped, floats, kept, reference, _jitted(fwd, jit))
     return model
