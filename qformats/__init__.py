@@ -8,6 +8,7 @@ from qformats.qarray import QArray
 from qformats.quantize import dequantize, fake_quantize, quantize
 from qformats.presets import presets
 from qformats.dispatch import prepare_weight, qdot, register_kernel, set_kernels_enabled
+from qformats.scaled_dot import scaled_dot
 
 __version__ = "0.1.0"
 
@@ -16,5 +17,5 @@ __all__ = [
     "E8M0", "E8M0Format", "FloatFormat", "IntFormat", "get_format",
     "code_table", "decode", "encode", "encode_e8m0",
     "QuantScheme", "SchemeSet", "QArray", "dequantize", "fake_quantize", "quantize", "presets",
-    "prepare_weight", "qdot", "register_kernel", "set_kernels_enabled",
+    "prepare_weight", "qdot", "register_kernel", "scaled_dot", "set_kernels_enabled",
 ]

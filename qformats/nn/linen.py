@@ -16,9 +16,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qformats.dispatch import qdot
 from qformats.errors import ModelError, SchemeError
-from qformats.nn.modules import _norm_axes, einsum_layout
+from qformats.nn.modules import _norm_axes, einsum_layout, packed_project
 from qformats.nn.rules import check_fit, resolve_scheme
 from qformats.qarray import QArray
 from qformats.quantize import dequantize, quantize
@@ -94,7 +93,7 @@ def _dense_general(x, kernel: QArray, bias, *, axis, features, dtype, ss: Scheme
     xt = xt.reshape(lead + (int(kernel.shape[0]),))
     if dtype is not None:
         xt = xt.astype(dtype)
-    y = qdot(_act(xt, ss), kernel).reshape(lead + tuple(features))
+    y = packed_project(xt, kernel, ss).reshape(lead + tuple(features))
     return y if bias is None else y + bias.astype(y.dtype)
 
 
@@ -147,7 +146,7 @@ class QDense(nn.Module):
                                                                              self.param_dtype), ss.weights, 0))
         if self.dtype is not None:
             x = x.astype(self.dtype)
-        y = qdot(_act(x, ss), kernel)
+        y = packed_project(x, kernel, ss)
         if self.use_bias:
             y = y + self.param("bias", self.bias_init, (self.features,), self.param_dtype).astype(y.dtype)
         return y

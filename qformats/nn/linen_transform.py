@@ -25,14 +25,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qformats.dispatch import qdot
 from qformats.errors import ModelError
-from qformats.nn.modules import _norm_axes, quantize_weight
+from qformats.nn.modules import _norm_axes, packed_project, quantize_weight
 from qformats.nn.rules import check_fit, compile_rules, select
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
 
-from qformats.nn.linen import _act, _dense_general, _einsum, _einsum_layout, _tuple
+from qformats.nn.linen import _dense_general, _einsum, _einsum_layout, _tuple
 
 
 # ---- layouts: what a kernel in the params tree is ---------------------------------------------------------
@@ -296,7 +295,7 @@ class QuantizedLinen:
         if isinstance(mod, nn.Dense):
             if mod.dtype is not None:
                 x = x.astype(mod.dtype)
-            y = qdot(_act(x, ss), kernel)
+            y = packed_project(x, kernel, ss)
             return y if bias is None else y + bias.astype(y.dtype)
         if isinstance(mod, nn.DenseGeneral):
             return _dense_general(x, kernel, bias, axis=mod.axis, features=layout.features, dtype=mod.dtype, ss=ss)

@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qformats.dispatch import prepare_weight, qdot
+from qformats.dispatch import kernels_enabled, prepare_weight, qdot
 from qformats.errors import ModelError
 from qformats.gptq import gptq_quantize
 from qformats.observers import Observer, mse_quantize, static_scale
 from qformats.qarray import QArray
 from qformats.quantize import dequantize, fake_quantize, quantize
+from qformats.scaled_dot import scaled_dot, scaled_dot_supported
 from qformats.schemes import SchemeSet
 
 MODES = ("ptq", "qat", "calibrate")
@@ -125,6 +126,29 @@ def _output_error(q: QArray, w, h) -> jax.Array:
 def output_error(q: QArray, w, h) -> float:
     """tr(dW^T H dW), dW = dequantize(q) - w: the mean squared output error of x @ W for E[x x^T] = H."""
     return float(_output_error(q, w, h))
+
+
+def on_codes(q: QArray, schemes: SchemeSet) -> bool:
+    """Whether `packed_project` multiplies codes for this weight and scheme set (`qformats.scaled_dot`)."""
+    a = schemes.input_activations
+    return a is not None and kernels_enabled() and scaled_dot_supported(a, q.scheme, q.shape[0])
+
+
+def packed_project(x, q: QArray, schemes: SchemeSet, *, input_scale=None, input_global_scale=None, prepared=None):
+    """y = Qa(x) @ dequantize(q) for x [..., K] (already in the compute dtype) and a packed [K, N] weight.
+
+    Qa quantizes x along K by `schemes.input_activations` (dynamic, or with the static scales given) and is
+    the identity for weight-only sets. Where both scales are constant along K, symmetric, both int or both
+    fp8 (W8A8, FP8, FP8_DYNAMIC; `on_codes`), y = (sum_k qx qw) * sx * sw on the codes (`scaled_dot`: int8 /
+    fp8 GEMM, as vLLM runs such checkpoints); otherwise `qdot(dequantize(Qa(x)), q, prepared)`.
+    `qformats.set_kernels_enabled(False)` also turns the code path off (then everything is dequantized).
+    """
+    a = schemes.input_activations
+    if on_codes(q, schemes):
+        return scaled_dot(quantize(x, a, -1, scale=input_scale), q)
+    if a is not None:
+        x = dequantize(quantize(x, a, -1, scale=input_scale, global_scale=input_global_scale))
+    return qdot(x, q, prepared)
 
 
 class _QuantizedMatmul(nnx.Module):
@@ -272,7 +296,7 @@ class _QuantizedMatmul(nnx.Module):
         """
         p = None
         k = self.kernel.get_value()
-        if self.mode == "ptq" and not self.stacked and isinstance(k, QArray):
+        if self.mode == "ptq" and not self.stacked and isinstance(k, QArray) and not on_codes(k, self.schemes):
             p = prepare_weight(k, backend)
         self.prepared = None if p is None else KernelCache(p)
         return p is not None
@@ -298,6 +322,18 @@ class _QuantizedMatmul(nnx.Module):
         g = None if self.input_global_scale is None else self.input_global_scale.get_value()
         y = dequantize(quantize(x, a, -1, scale=scale, global_scale=g))
         return _ste(x, y) if self.mode == "qat" else y
+
+    def _project(self, x):
+        """x [..., K] → Qa(x) @ W [..., N] (`packed_project` when packed)."""
+        if self.mode != "ptq":
+            return self._matmul(self._quantize_input(x))
+        if self.dtype is not None:
+            x = x.astype(self.dtype)
+        return packed_project(x, self.kernel.get_value(), self.schemes,
+                              input_scale=None if self.input_scale is None else self.input_scale.get_value(),
+                              input_global_scale=None if self.input_global_scale is None
+                              else self.input_global_scale.get_value(),
+                              prepared=None if self.prepared is None else self.prepared.get_value())
 
     def _matmul(self, x):
         """x [..., K] (already quantized) → x @ W [..., N]."""
@@ -352,7 +388,7 @@ class QLinear(_QuantizedMatmul):
     from_linear = from_module
 
     def __call__(self, x):
-        return self._add_bias(self._matmul(self._quantize_input(x)))
+        return self._add_bias(self._project(x))
 
 
 def _norm_axes(axes, ndim) -> Tuple[int, ...]:
@@ -392,7 +428,7 @@ class QLinearGeneral(_QuantizedMatmul):
         rest = [d for d in range(x.ndim) if d not in axes]
         xt = jnp.transpose(x, rest + list(axes))
         lead = xt.shape[: len(rest)]
-        y = self._matmul(self._quantize_input(xt.reshape(lead + (self.k_dim,))))
+        y = self._project(xt.reshape(lead + (self.k_dim,)))
         return self._add_bias(y.reshape(lead + self.out_shape))
 
 

@@ -249,7 +249,9 @@ def _contracted_size(path: str, m, ss, calibrating: bool) -> int:
 
 
 def convert(model: nnx.Module, *, weight_search: Optional[str] = None) -> nnx.Module:
-    """Every QAT QLinear → packed PTQ QLinear, in place (outputs identical on the XLA path); returns model."""
+    """Every QAT QLinear → packed PTQ QLinear, in place; returns model. Outputs are identical on the XLA path
+    where the packed layer dequantizes (weight-only schemes, MX, NVFP4, ...); W8A8 / FP8 layers multiply codes
+    (`qformats.scaled_dot`) and agree with the QAT forward pass to float rounding."""
     for _, m in nnx.iter_modules(model):
         if isinstance(m, _QuantizedMatmul):
             m.convert(weight_search)
