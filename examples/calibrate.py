@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-SEARCHES = ("rtn", "mse", "gptq", "mse+gptq")
+SEARCHES = ("rtn", "mse", "gptq", "mse+gptq")  # "rtn" + qformats.nn's weight searches (a test keeps them equal)
 
 
 def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] = None, weight_search: str = "mse+gptq",

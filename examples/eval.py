@@ -222,7 +222,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"qformats eval: {e}", file=sys.stderr)
         return 2
     searches = [w.strip() for w in args.search.split(",") if w.strip()]
-    bad = [w for w in searches if w not in ("mse", "gptq", "mse+gptq")]
+    from examples.calibrate import SEARCHES
+    bad = [w for w in searches if w not in SEARCHES or w == "rtn"]
     if bad or not searches:
         print(f"qformats eval: --search {args.search!r}: expected a comma-separated list of mse, gptq, mse+gptq",
               file=sys.stderr)

@@ -87,14 +87,14 @@ def select_kernel(x: Optional[jax.Array], q: QArray, backend: Optional[str] = No
     if not _ENABLED["kernels"]:
         return None
     backend = backend or jax.default_backend()
-    for e in _REGISTRY:
-        try:
-            ok = e.supports(x, q, backend)
-        except Exception:  # a predicate bug must never give a wrong answer: fall back to XLA
-            ok = False
-        if ok:
-            return e
-    return None
+    return next((e for e in _REGISTRY if _takes(e, x, q, backend)), None)
+
+
+def _takes(e: KernelEntry, x, q, backend: str) -> bool:
+    try:
+        return bool(e.supports(x, q, backend))
+    except Exception:  # a predicate bug must never give a wrong answer: fall back to XLA
+        return False
 
 
 def prepare_weight(q: QArray, backend: Optional[str] = None) -> Optional[Prepared]:
@@ -129,16 +129,9 @@ def qdot(x: jax.Array, q: QArray, prepared: Optional[Prepared] = None) -> jax.Ar
         raise KernelError(f"qdot: x has K = {x.shape[-1]} (shape {tuple(x.shape)}) but the weight has "
                           f"K = {q.shape[0]} (shape {q.shape}, {q.scheme.describe()})")
     if prepared is not None and _ENABLED["kernels"]:
-        backend = jax.default_backend()
-        for e in _REGISTRY:
-            if e.name == prepared.name:
-                try:
-                    ok = e.supports(x, q, backend)
-                except Exception:
-                    ok = False
-                if ok:
-                    return e.fn(x, q, prepared.payload)
-                break
+        e = next((e for e in _REGISTRY if e.name == prepared.name), None)
+        if e is not None and _takes(e, x, q, jax.default_backend()):
+            return e.fn(x, q, prepared.payload)
     entry = select_kernel(x, q)
     if entry is not None:
         return entry.fn(x, q, None)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from qformats.errors import ModelError, SchemeError
-from qformats.nn.modules import _norm_axes, einsum_layout, packed_project
+from qformats.nn.modules import _norm_axes, einsum_layout, packed_project, quantize_acts
 from qformats.nn.rules import check_fit, resolve_scheme
 from qformats.qarray import QArray
 from qformats.quantize import dequantize, quantize
@@ -32,7 +32,7 @@ def _act(x, schemes: SchemeSet):
     activations, else x. Linen has no calibration: a static activation scheme gets a dynamic scale of the
     same granularity, as an uncalibrated NNX layer does."""
     a = schemes.input_activations
-    return x if a is None else dequantize(quantize(x, a, -1))
+    return x if a is None else quantize_acts(x, a)
 
 
 def _tuple(v) -> Tuple[int, ...]:

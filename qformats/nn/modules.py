@@ -128,6 +128,16 @@ def output_error(q: QArray, w, h) -> float:
     return float(_output_error(q, w, h))
 
 
+def _value(v):
+    """The value of an optional nnx.Variable (None stays None)."""
+    return None if v is None else v.get_value()
+
+
+def quantize_acts(x, scheme, scale=None, global_scale=None):
+    """Qa(x) = dequantize(quantize(x, scheme, -1)) along the contracted (last) axis, with static scales when given."""
+    return dequantize(quantize(x, scheme, -1, scale=scale, global_scale=global_scale))
+
+
 def on_codes(q: QArray, schemes: SchemeSet) -> bool:
     """Whether `packed_project` multiplies codes for this weight and scheme set (`qformats.scaled_dot`)."""
     a = schemes.input_activations
@@ -147,7 +157,7 @@ def packed_project(x, q: QArray, schemes: SchemeSet, *, input_scale=None, input_
     if on_codes(q, schemes):
         return scaled_dot(quantize(x, a, -1, scale=input_scale), q)
     if a is not None:
-        x = dequantize(quantize(x, a, -1, scale=input_scale, global_scale=input_global_scale))
+        x = quantize_acts(x, a, input_scale, input_global_scale)
     return qdot(x, q, prepared)
 
 
@@ -318,9 +328,7 @@ class _QuantizedMatmul(nnx.Module):
             return x
         if a is None:
             return x
-        scale = None if self.input_scale is None else self.input_scale.get_value()
-        g = None if self.input_global_scale is None else self.input_global_scale.get_value()
-        y = dequantize(quantize(x, a, -1, scale=scale, global_scale=g))
+        y = quantize_acts(x, a, _value(self.input_scale), _value(self.input_global_scale))
         return _ste(x, y) if self.mode == "qat" else y
 
     def _project(self, x):
@@ -329,17 +337,12 @@ class _QuantizedMatmul(nnx.Module):
             return self._matmul(self._quantize_input(x))
         if self.dtype is not None:
             x = x.astype(self.dtype)
-        return packed_project(x, self.kernel.get_value(), self.schemes,
-                              input_scale=None if self.input_scale is None else self.input_scale.get_value(),
-                              input_global_scale=None if self.input_global_scale is None
-                              else self.input_global_scale.get_value(),
-                              prepared=None if self.prepared is None else self.prepared.get_value())
+        return packed_project(x, self.kernel.get_value(), self.schemes, input_scale=_value(self.input_scale),
+                              input_global_scale=_value(self.input_global_scale), prepared=_value(self.prepared))
 
     def _matmul(self, x):
-        """x [..., K] (already quantized) → x @ W [..., N]."""
+        """x [..., K] (already quantized) → x @ W [..., N] for a float kernel (QAT, calibration)."""
         k = self.kernel.get_value()
-        if self.mode == "ptq":
-            return qdot(x, k, None if self.prepared is None else self.prepared.get_value())
         if self.mode == "qat":
             return _dot(x, _fake_quantize_weight(k, self.schemes).astype(x.dtype))
         return _dot(x, k.astype(x.dtype))

@@ -181,3 +181,14 @@ def test_calibrated_gptq_checkpoint_of_the_embedded_minilm(tmp_path, capsys):
     for mod in ("encoder.layer.0.attention.self.query", "encoder.layer.5.output.dense"):
         want = np.asarray(qf.dequantize(qs[mod]), np.float32).T
         np.testing.assert_array_equal(sd[mod + ".weight"].float().numpy(), want, err_msg=mod)
+
+
+def test_weight_search_names_agree_everywhere():
+    """The CLI's --weight-search choices and examples.calibrate's names are "rtn" + qformats.nn's searches."""
+    from converters.cli import _parser
+    from examples.calibrate import SEARCHES
+    from qformats.nn.modules import WEIGHT_SEARCHES
+    assert set(SEARCHES) == {"rtn"} | {s for s in WEIGHT_SEARCHES if s}
+    q = next(a for a in _parser()._subparsers._group_actions[0].choices["quantize"]._actions
+             if a.dest == "weight_search")
+    assert tuple(q.choices) == SEARCHES
