@@ -35,6 +35,7 @@ import json
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from converters.patterns import compile_pattern, pattern_matches
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import FloatFormat, IntFormat, get_format
 from qformats.schemes import QuantScheme, SchemeSet
@@ -296,10 +297,8 @@ class ConfigGroup:
 
 
 def _re_match(pattern: str, name: str) -> bool:
-    try:
-        return re.match(pattern, name) is not None
-    except re.error:
-        return False
+    # Patterns were compiled (and refused if unmatchable in bounded time) when the config was parsed.
+    return pattern_matches(pattern, name, "quantization_config")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +364,9 @@ def parse_quantization_config(qc: Any, where: str = "config.json") -> QuantConfi
             targets = [targets]
         if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
             raise _err(gat, f"targets: expected a list of strings, found {targets!r}")
+        for i, t in enumerate(targets):
+            if t.startswith("re:"):
+                compile_pattern(t[3:], f"{gat}: targets[{i}]")
         gfmt = g.get("format") or (fmt if fmt != "mixed-precision" else None)
         if gfmt is None:
             raise _err(gat, "expected a per-group format in a mixed-precision config, found none")
@@ -389,6 +391,9 @@ def parse_quantization_config(qc: Any, where: str = "config.json") -> QuantConfi
     ignore = qc.get("ignore") or []
     if not (isinstance(ignore, list) and all(isinstance(t, str) for t in ignore)):
         raise _err(at, f"ignore: expected a list of strings, found {ignore!r}")
+    for i, t in enumerate(ignore):
+        if t.startswith("re:"):
+            compile_pattern(t[3:], f"{at}: ignore[{i}]")
     kv = qc.get("kv_cache_scheme")
     if kv is not None:
         _check_args(kv, f"{at}: kv_cache_scheme")
