@@ -59,7 +59,7 @@ def llama_shapes(layers: int):
 def build(dst: Path, layers: int) -> int:
     import ml_dtypes
 
-    from converters.safetensors_io import ShardedWriter
+    from converters.shard_writer import ShardedWriter
     shapes = list(llama_shapes(layers))
     total = sum(int(np.prod(s)) * 2 for _, s in shapes)
     rng = np.random.default_rng(0)

@@ -1,10 +1,11 @@
 """Write QArrays as a compressed-tensors checkpoint (0.20 layout): tensors, config.json, index, other files.
 
-`CompressedWriter` streams: tensors go to a `ShardedWriter` as they come, one module at a time, and
-`finish` writes config.json (the source config plus `quantization_config` exactly as compressed-tensors
-0.20 serializes it, `json.dump(indent=2, sort_keys=True)`) and copies the other files (tokenizer, ...).
-`write_compressed` is the one-call form. Both write into a temp directory renamed into place at the end
-(`atomic_directory`): an exception leaves no partial DST and an existing DST is refused unless `overwrite`.
+`CompressedWriter` streams: tensors go to a `converters.shard_writer.ShardedWriter` as they come, one module
+at a time, and `finish` adds config.json (the source config plus `quantization_config` exactly as
+compressed-tensors 0.20 serializes it, `json.dump(indent=2, sort_keys=True)`) and the other files (tokenizer,
+...), then moves the whole directory into place at once. `write_compressed` is the one-call form. An exception
+leaves no partial DST; an existing DST is refused unless `overwrite`, and then stays intact until the new
+checkpoint is complete.
 
 Tensors per weight (torch layout `[N, K]` = the QArray's `tshape`):
   naive/int/float-quantized, mxfp8-quantized: `weight` (I8 or F8_E4M3), `weight_scale`, [`weight_zero_point`]
@@ -17,27 +18,22 @@ Tensors per weight (torch layout `[N, K]` = the QArray's `tshape`):
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from converters.ct_config import FPX_FORMAT, format_for, serialize_quantization_config
-from converters.safetensors_io import INDEX_FILE, ShardedWriter, atomic_directory
+from converters.shard_writer import ShardedWriter, TensorSpec
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
 from qformats.packing import pack_int32, unpack
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
 
-__all__ = ["CompressedWriter", "copy_extra_files", "flatten_flax_params", "qarray_to_tensors", "write_compressed",
-           "write_config"]
-
-_SKIP_COPY = {"config.json", INDEX_FILE}
+__all__ = ["CompressedWriter", "config_with", "flatten_flax_params", "qarray_to_tensors", "write_compressed"]
 
 
 def qarray_to_tensors(q: QArray, fmt: str, where: str = "weight") -> Dict[str, np.ndarray]:
@@ -124,58 +120,33 @@ def _ml(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name))
 
 
-def copy_extra_files(src_dir: Path, dst_dir: Path) -> List[str]:
-    """Copy everything in src_dir except weights (*.safetensors, *.bin, the index) and config.json."""
-    copied = []
-    if src_dir is None or not Path(src_dir).is_dir():
-        return copied
-    for p in sorted(Path(src_dir).iterdir()):
-        if p.name in _SKIP_COPY or p.suffix in (".safetensors", ".bin", ".pt", ".pth") or \
-                p.name.endswith(".index.json") or p.name.startswith(".") or (dst_dir / p.name).exists():
-            continue
-        try:
-            if p.is_dir():
-                shutil.copytree(p, dst_dir / p.name)
-            else:
-                shutil.copy2(p, dst_dir / p.name)
-        except OSError as e:
-            raise CheckpointError(f"{p}: cannot copy it to {dst_dir} ({e.strerror or e})") from None
-        copied.append(p.name)
-    return copied
-
-
-def write_config(dst_dir: Path, base: Optional[Mapping[str, Any]], qconfig: Optional[Dict[str, Any]]) -> None:
-    """config.json = base + quantization_config, dumped as compressed-tensors does (indent 2, sorted keys)."""
+def config_with(base: Optional[Mapping[str, Any]], qconfig: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """config.json's content: `base` with `quantization_config` = qconfig (removed when qconfig is None)."""
     cfg = dict(base or {})
     if qconfig is None:
         cfg.pop("quantization_config", None)
     else:
         cfg["quantization_config"] = qconfig
-    try:
-        text = json.dumps(cfg, indent=2, sort_keys=True)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{dst_dir / 'config.json'}: the config is not JSON-serializable ({e})") from None
-    try:
-        (dst_dir / "config.json").write_text(text)
-    except OSError as e:
-        raise CheckpointError(f"{dst_dir / 'config.json'}: cannot write it ({e.strerror or e})") from None
+    return cfg
 
 
 class CompressedWriter:
-    """Streams tensors and QArrays into a compressed-tensors checkpoint directory (already created; use
-    `atomic_directory` around it). `add_dense(name, array)`, `add_qarray(module, q, scheme_set)`, then
-    `finish(base_config, ignore=..., targets=..., copy_from=...)`."""
+    """Streams tensors and QArrays into a compressed-tensors checkpoint at `dst`: `add_dense(name, array)`,
+    `add_qarray(module, q, scheme_set)`, then `finish(base_config, ignore=..., targets=..., copy_from=...)`,
+    which moves the complete directory into place; `abort` (or an exception inside `with`) leaves `dst` as
+    it was. `max_shard_size`, `overwrite` and `plan` (the tensor list, for a writer that streams each tensor
+    to disk as it comes) are `ShardedWriter`'s."""
 
-    def __init__(self, dst_dir: "str | os.PathLike", max_shard_size: "int | str" = "5GB", writer: Any = None):
-        """`writer`: a tensor sink with add/finish/abort (default: a ShardedWriter; quantize_checkpoint passes a
-        `converters.stream_writer.PlannedShardWriter`, which writes each tensor as it comes)."""
-        self.dst_dir = Path(dst_dir)
-        self._w = writer if writer is not None else ShardedWriter(self.dst_dir, max_shard_size)
+    def __init__(self, dst: "str | os.PathLike", max_shard_size: "int | str" = "5GB", *, overwrite: bool = False,
+                 plan: Optional[Sequence[TensorSpec]] = None):
+        self.dst = Path(dst)
+        self._w = ShardedWriter(self.dst, max_shard_size, overwrite=overwrite, plan=plan)
         self._groups: List[Tuple[Tuple[Any, Any, Any], SchemeSet, List[str]]] = []
         self.dense_bytes = 0  # bytes the quantized weights had dense
         self.written_bytes = 0
 
     def add_dense(self, name: str, array: Any) -> None:
+        """Writes tensor `name` as is (biases, norms, embeddings, weights left dense, ...)."""
         arr = np.asarray(array)
         self._w.add(name, arr)
         self.written_bytes += arr.nbytes
@@ -186,7 +157,7 @@ class CompressedWriter:
         oa = scheme_set.output_activations if scheme_set is not None else None
         fmt = format_for(q.scheme, ia)
         prefix = f"{module}." if module else ""
-        for local, arr in qarray_to_tensors(q, fmt, f"{self.dst_dir}: module {module!r}").items():
+        for local, arr in qarray_to_tensors(q, fmt, f"{self.dst}: module {module!r}").items():
             self._w.add(prefix + local, arr)
             self.written_bytes += arr.nbytes
         self.dense_bytes += q.dense_nbytes
@@ -215,15 +186,28 @@ class CompressedWriter:
     def finish(self, base_config: Optional[Mapping[str, Any]] = None, *, ignore: Sequence[str] = (),
                targets: Optional[Sequence[str]] = None, copy_from: "str | os.PathLike | None" = None
                ) -> Dict[str, Any]:
+        """Adds config.json (base_config + the quantization_config) and the other files of `copy_from`,
+        then moves the checkpoint into place; returns the quantization_config ({} when nothing is quantized)."""
+        try:
+            qc = self.quantization_config(ignore, targets)
+            self._w.add_json("config.json", config_with(base_config, qc))
+            self._w.copy_extra_files(copy_from)
+        except BaseException:
+            self._w.abort()
+            raise
         self._w.finish()
-        qc = self.quantization_config(ignore, targets)
-        write_config(self.dst_dir, base_config, qc)
-        if copy_from is not None:
-            copy_extra_files(Path(copy_from), self.dst_dir)
         return qc or {}
 
     def abort(self) -> None:
+        """Removes everything written so far; `dst` is as it was."""
         self._w.abort()
+
+    def __enter__(self) -> "CompressedWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is not None:
+            self.abort()
 
 
 def write_compressed(dst: "str | os.PathLike", tensors: Mapping[str, Any], schemes: "SchemeSet | Mapping[str, SchemeSet] | None" = None,
@@ -244,23 +228,17 @@ def write_compressed(dst: "str | os.PathLike", tensors: Mapping[str, Any], schem
     Returns the path written.
     """
     dst = Path(dst)
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
-        w = CompressedWriter(tmp, max_shard_size)
-        try:
-            for name in sorted(tensors):
-                v = tensors[name]
-                if isinstance(v, QArray):
-                    mod, _, local = name.rpartition(".")
-                    if local not in ("weight", "kernel"):
-                        raise CheckpointError(f"{dst}: tensor {name!r}: a QArray must be a module's 'weight' or "
-                                              f"'kernel', found {local!r}")
-                    ss = schemes.get(mod) if isinstance(schemes, Mapping) else schemes
-                    w.add_qarray(mod, v, ss)
-                else:
-                    w.add_dense(name, v)
-            w.finish(config, ignore=ignore, targets=targets, copy_from=copy_from)
-        except BaseException:
-            w.abort()
-            raise
+    with CompressedWriter(dst, max_shard_size, overwrite=overwrite) as w:
+        for name in sorted(tensors):
+            v = tensors[name]
+            if isinstance(v, QArray):
+                mod, _, local = name.rpartition(".")
+                if local not in ("weight", "kernel"):
+                    raise CheckpointError(f"{dst}: tensor {name!r}: a QArray must be a module's 'weight' or "
+                                          f"'kernel', found {local!r}")
+                ss = schemes.get(mod) if isinstance(schemes, Mapping) else schemes
+                w.add_qarray(mod, v, ss)
+            else:
+                w.add_dense(name, v)
+        w.finish(config, ignore=ignore, targets=targets, copy_from=copy_from)
     return dst
-

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from converters.ct_read import QUANT_PARAM_NAMES, iter_modules, open_compressed
-from converters.ct_write import copy_extra_files, write_config
-from converters.safetensors_io import ShardedWriter, atomic_directory
+from converters.ct_write import config_with
+from converters.shard_writer import ShardedWriter
 from qformats.errors import CheckpointError
 from qformats.qarray import QArray
 from qformats.quantize import dequantize
@@ -36,34 +36,27 @@ def dequantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", dt
     stream = sys.stderr if progress is True else (progress or None)
     n = 0
     try:
-        with atomic_directory(dst, overwrite=overwrite) as tmp:
-            w = ShardedWriter(tmp, max_shard_size)
-            try:
-                for mod in iter_modules(ck, qc):
-                    prefix = f"{mod.name}." if mod.name else ""
-                    quantized = isinstance(mod.tensors.get("weight"), QArray)
-                    for local, arr in mod.tensors.items():
-                        if isinstance(arr, QArray):
-                            dense = dequantize(arr, DTYPES[dtype] if dtype else None)
-                            w.add(prefix + local, np.ascontiguousarray(np.asarray(dense).T))
-                            n += 1
-                            if stream is not None:
-                                stream.write(f"\rdequantized {n} weights")
-                                stream.flush()
-                        elif quantized and local in QUANT_PARAM_NAMES:
-                            continue
-                        else:
-                            w.add(prefix + local, arr)
-                w.finish()
-            except BaseException:
-                w.abort()
-                raise
-            cfg = dict(cfg)
-            cfg.pop("quantization_config", None)
+        with ShardedWriter(dst, max_shard_size, overwrite=overwrite) as w:
+            for mod in iter_modules(ck, qc):
+                prefix = f"{mod.name}." if mod.name else ""
+                quantized = isinstance(mod.tensors.get("weight"), QArray)
+                for local, arr in mod.tensors.items():
+                    if isinstance(arr, QArray):
+                        dense = dequantize(arr, DTYPES[dtype] if dtype else None)
+                        w.add(prefix + local, np.ascontiguousarray(np.asarray(dense).T))
+                        n += 1
+                        if stream is not None:
+                            stream.write(f"\rdequantized {n} weights")
+                            stream.flush()
+                    elif quantized and local in QUANT_PARAM_NAMES:
+                        continue
+                    else:
+                        w.add(prefix + local, arr)
+            cfg = config_with(cfg, None)
             if dtype is not None:
                 cfg["torch_dtype"] = dtype
-            write_config(tmp, cfg, None)
-            copy_extra_files(src if src.is_dir() else src.parent, tmp)
+            w.add_json("config.json", cfg)
+            w.copy_extra_files(src if src.is_dir() else src.parent)
     finally:
         ck.close()
     if stream is not None:

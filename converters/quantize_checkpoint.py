@@ -18,8 +18,8 @@ dense with a warning and added to `ignore`, as llm-compressor users do by hand.
 
 Streaming: the output tensor list is planned from the header alone (shapes and dtypes of every compressed
 tensor), so each shard's header is written first and each tensor goes to disk as soon as it is produced
-(`converters.stream_writer`); one tensor is read (memory-mapped), quantized, written and dropped before the
-next, and the source pages are released (MADV_DONTNEED) as we go. Peak memory is about the largest tensor
+(`converters.shard_writer.ShardedWriter` with a plan); one tensor is read (memory-mapped), quantized, written
+and dropped before the next, and the source pages are released (MADV_DONTNEED) as we go. Peak memory is about the largest tensor
 times a small constant, whatever the model or shard size. Same-shape weights reuse one jit-compiled quantize
 (qformats.quantize is jitted on shape, dtype and scheme).
 """
@@ -39,13 +39,14 @@ import numpy as np
 
 from converters.ct_config import format_for
 from converters.ct_write import CompressedWriter, qarray_to_tensors
-from converters.safetensors_io import atomic_directory, open_checkpoint, parse_size, read_json
-from converters.stream_writer import PlannedShardWriter, TensorSpec
+from converters.safetensors_io import open_checkpoint, parse_size, read_json
+from converters.shard_writer import TensorSpec
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
+from qformats.grouping import expected_shapes
 from qformats.presets import presets
 from qformats.qarray import QArray
-from qformats.quantize import expected_shapes, quantize
+from qformats.quantize import quantize
 from qformats.schemes import SchemeSet
 
 __all__ = ["FUSED_GROUPS", "QuantizeSummary", "is_linear_weight", "quantize_checkpoint", "select_modules"]
@@ -331,29 +332,23 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
         if not fits:
             raise CheckpointError(f"{src}: none of the {len(chosen)} targeted weights fits scheme "
                                   f"{ss.name!r} (see the warnings); nothing written")
-        with atomic_directory(dst, overwrite=overwrite) as tmp:
-            sink = PlannedShardWriter(tmp, plan, max_shard_size)
-            w = CompressedWriter(tmp, writer=sink)
-            try:
-                for name in sorted(infos):
-                    mod, _, local = name.rpartition(".")
-                    info = infos[name]
-                    if local == "weight" and mod in fits:
-                        q = quantize(ck.get(name), ss.weights, axis=-1, global_scale=shared_g.get(mod))
-                        w.add_qarray(mod, q, ss)
-                        qdense += info.nbytes
-                        qstored += q.nbytes
-                        nq += 1
-                        del q
-                    else:
-                        w.add_dense(name, ck.get(name))
-                    ck.drop_pages()
-                    prog.update(info.nbytes)
-                prog.close()
-                w.finish(base_cfg, ignore=sorted(ignored + skipped), targets=list(targets), copy_from=src_dir)
-            except BaseException:
-                w.abort()
-                raise
+        with CompressedWriter(dst, max_shard_size, overwrite=overwrite, plan=plan) as w:
+            for name in sorted(infos):
+                mod, _, local = name.rpartition(".")
+                info = infos[name]
+                if local == "weight" and mod in fits:
+                    q = quantize(ck.get(name), ss.weights, axis=-1, global_scale=shared_g.get(mod))
+                    w.add_qarray(mod, q, ss)
+                    qdense += info.nbytes
+                    qstored += q.nbytes
+                    nq += 1
+                    del q
+                else:
+                    w.add_dense(name, ck.get(name))
+                ck.drop_pages()
+                prog.update(info.nbytes)
+            prog.close()
+            w.finish(base_cfg, ignore=sorted(ignored + skipped), targets=list(targets), copy_from=src_dir)
     dst_bytes = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
     summary = QuantizeSummary(str(src), str(dst), ss.name, nq, len(infos) - nq, src_bytes, dst_bytes, qdense,
                               qstored, time.monotonic() - t0)

@@ -1,4 +1,4 @@
-"""safetensors files and HF checkpoints without torch: validating memory-mapped reader, atomic writers.
+"""safetensors files and HF checkpoints without torch: validating memory-mapped reader, tensor encoder, file writer.
 
 The format: an 8-byte little-endian header length N, N bytes of UTF-8 JSON
 (`{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [begin, end]}, ...}`,
@@ -15,7 +15,8 @@ and `get` returns them unpacked, one ml_dtypes code per byte.
 
 The writer produces the bytes `safetensors.numpy.save_file` produces (tensors sorted by descending
 dtype rank, then by name; `__metadata__` first; header padded with spaces) -- except that metadata keys
-are sorted, where the reference writes them in hash order.
+are sorted, where the reference writes them in hash order. Whole checkpoint directories (shards, index,
+config) are written by `converters.shard_writer.ShardedWriter`.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ import math
 import mmap
 import os
 import re
-import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -39,16 +39,21 @@ from qformats.errors import CheckpointError
 
 __all__ = [
     "DTYPES",
+    "INDEX_FILE",
+    "SINGLE_FILE",
     "Checkpoint",
+    "EncodedTensor",
     "SafetensorsFile",
-    "ShardedWriter",
     "TensorInfo",
     "TensorSlice",
-    "atomic_directory",
+    "encode_tensor",
+    "header_bytes",
     "open_checkpoint",
     "parse_size",
     "read_json",
     "save_file",
+    "serialize",
+    "tensor_info",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -605,17 +610,48 @@ def _open_sharded(index_path: Path) -> Checkpoint:
 
 
 # --------------------------------------------------------------------------------------------------
-# writer
+# writer: tensors -> safetensors bytes (the shard writer, converters.shard_writer, builds on these)
 
 
-class _Prepared(NamedTuple):
+class EncodedTensor(NamedTuple):
+    """One tensor as a safetensors file stores it: its name, header entry, and bytes (1-D uint8, packed
+    little-endian; `data.size == info.nbytes`)."""
+
     name: str
-    code: str
-    shape: tuple[int, ...]
-    data: np.ndarray  # 1-D uint8, the bytes as stored
+    info: TensorInfo
+    data: np.ndarray
 
 
-def _prepare(where: str, name: Any, array: Any) -> _Prepared:
+def tensor_info(dtype: Any, shape: Any, *, where: str, name: str) -> TensorInfo:
+    """The header entry of a tensor of numpy `dtype` (ml_dtypes included) and `shape`.
+
+    float32 -> F32, bfloat16 -> BF16, float8_e4m3fn -> F8_E4M3, float4_e2m1fn -> F4, ...; a sub-byte
+    dtype needs `prod(shape) * bits` to be a multiple of 8. CheckpointError (naming `where` and `name`)
+    for a dtype safetensors cannot store.
+    """
+    try:
+        dt = np.dtype(dtype)
+        dims = tuple(int(d) for d in shape)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: tensor {name!r}: expected a numpy dtype and a shape, found "
+                              f"{type(e).__name__}: {e}") from None
+    code = _CODE_OF_NUMPY.get(dt.name)
+    if code is None:
+        raise CheckpointError(f"{where}: tensor {name!r}: expected a dtype safetensors stores "
+                              f"({', '.join(sorted(_CODE_OF_NUMPY))}), found {dt}")
+    if any(d < 0 for d in dims):
+        raise CheckpointError(f"{where}: tensor {name!r}: expected a shape of non-negative ints, found {list(dims)}")
+    bits = DTYPES[code].bits
+    if math.prod(dims) * bits % 8:
+        raise CheckpointError(f"{where}: tensor {name!r}: {math.prod(dims)} {code} elements do not fill whole "
+                              f"bytes; expected a multiple of {8 // math.gcd(8, bits)}")
+    return TensorInfo(code, dims)
+
+
+def encode_tensor(name: Any, array: Any, *, where: str) -> EncodedTensor:
+    """`array` (anything np.asarray takes) as safetensors stores it: dtype via `tensor_info`, bytes
+    little-endian row-major, sub-byte codes packed densely (element 2i in the low nibble for F4, four
+    6-bit codes per 3 bytes for F6_*). The bytes view `array` where no conversion is needed."""
     if not isinstance(name, str):
         raise CheckpointError(f"{where}: expected tensor names to be str, found {name!r}")
     if name == "__metadata__":
@@ -625,15 +661,9 @@ def _prepare(where: str, name: Any, array: Any) -> _Prepared:
         arr = np.asarray(array)
     except (UnicodeError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: tensor {name!r}: expected an array, found {type(e).__name__}: {e}") from None
-    code = _CODE_OF_NUMPY.get(arr.dtype.name)
-    if code is None:
-        raise CheckpointError(f"{where}: tensor {name!r}: expected a dtype safetensors stores "
-                              f"({', '.join(sorted(_CODE_OF_NUMPY))}), found {arr.dtype}")
-    bits = DTYPES[code].bits
+    info = tensor_info(arr.dtype, arr.shape, where=where, name=name)
+    bits = DTYPES[info.dtype].bits
     if bits < 8:
-        if arr.size * bits % 8:
-            raise CheckpointError(f"{where}: tensor {name!r}: {arr.size} {code} elements do not fill whole "
-                                  f"bytes; expected a multiple of {8 // math.gcd(8, bits)}")
         data = _pack(np.ascontiguousarray(arr).reshape(-1).view(np.uint8), bits)
     else:
         order = arr.dtype.byteorder
@@ -643,10 +673,14 @@ def _prepare(where: str, name: Any, array: Any) -> _Prepared:
             else:  # ml_dtypes (native order only) on a big-endian host: swap the raw words
                 arr = np.ascontiguousarray(arr).view(f"=u{arr.dtype.itemsize}").astype(f"<u{arr.dtype.itemsize}")
         data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-    return _Prepared(name, code, tuple(int(d) for d in arr.shape), data)
+    return EncodedTensor(name, info, data)
 
 
-def _header(where: str, tensors: list[_Prepared], metadata: Mapping[str, str] | None) -> bytes:
+def header_bytes(entries: Sequence[tuple[str, TensorInfo]], metadata: Mapping[str, str] | None, *,
+                 where: str) -> bytes:
+    """The first bytes of a safetensors file whose data section holds `entries` back to back, in order:
+    the 8-byte little-endian length N, then N bytes of JSON (`__metadata__` first, its keys sorted;
+    offsets [sum of previous nbytes, + nbytes]) padded with spaces to a multiple of 8."""
     header: dict[str, Any] = {}
     if metadata is not None:
         if not (isinstance(metadata, Mapping)
@@ -654,18 +688,42 @@ def _header(where: str, tensors: list[_Prepared], metadata: Mapping[str, str] | 
             raise CheckpointError(f"{where}: expected metadata to map str to str, found {metadata!r:.80}")
         header["__metadata__"] = dict(sorted(metadata.items()))
     offset = 0
-    for t in tensors:
-        header[t.name] = {"dtype": t.code, "shape": list(t.shape), "data_offsets": [offset, offset + t.data.size]}
-        offset += t.data.size
+    for name, info in entries:
+        if name in header:
+            raise CheckpointError(f"{where}: expected unique tensor names, found {name!r} twice")
+        header[name] = {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes]}
+        offset += info.nbytes
     try:
         raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     except UnicodeError as e:
         raise CheckpointError(f"{where}: expected names and metadata encodable as UTF-8, found {e}") from None
-    return raw + b" " * (-len(raw) % 8)
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
 
 
-def _write_atomic(path: Path, chunks: Iterator[Any]) -> None:
-    """Writes chunks to a hidden temp file next to `path`, fsyncs, then renames it over `path`."""
+def serialize(tensors: Sequence[EncodedTensor], metadata: Mapping[str, str] | None, *, where: str) -> list[Any]:
+    """A whole safetensors file as a list of buffers to write in turn: `header_bytes`, then each tensor's
+    data, tensors in safetensors' order (descending dtype rank, then name), as `safetensors.numpy.save_file`
+    lays them out."""
+    # Python str order == Rust's UTF-8 byte order.
+    tensors = sorted(tensors, key=lambda t: (-_RANK[t.info.dtype], t.name))
+    chunks: list[Any] = [header_bytes([(t.name, t.info) for t in tensors], metadata, where=where)]
+    chunks.extend(t.data.data for t in tensors if t.data.size)
+    return chunks
+
+
+def save_file(tensors: Mapping[str, Any], path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
+    """Writes `tensors` (numpy / ml_dtypes arrays, or anything np.asarray takes) as a safetensors file.
+
+    Byte-identical to `safetensors.numpy.save_file` (for metadata with at most one key; the reference
+    orders several keys by hash, we sort them). ml_dtypes float8 / bfloat16 map to F8_E4M3, F8_E5M2,
+    F8_E8M0, BF16, ...; float4_e2m1fn / float6_* arrays are packed into F4 / F6_*. Atomic: a temp file
+    in the same directory, fsynced, renamed over `path`.
+    """
+    path = Path(path)
+    if not isinstance(tensors, Mapping):
+        raise CheckpointError(f"{path}: expected a mapping of name -> array, found {type(tensors).__name__}")
+    chunks = serialize([encode_tensor(k, v, where=str(path)) for k, v in tensors.items()], metadata, where=str(path))
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         # os.open with 0o666 lets the umask decide the final mode, as for a plain open().
@@ -683,188 +741,4 @@ def _write_atomic(path: Path, chunks: Iterator[Any]) -> None:
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise
-
-
-def _write_prepared(path: Path, tensors: list[_Prepared], metadata: Mapping[str, str] | None) -> None:
-    names = [t.name for t in tensors]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise CheckpointError(f"{path}: expected unique tensor names, found duplicates {dup[:5]}")
-    # safetensors' order: descending dtype rank, then name (Python str order == Rust's UTF-8 byte order).
-    tensors = sorted(tensors, key=lambda t: (-_RANK[t.code], t.name))
-    header = _header(str(path), tensors, metadata)
-
-    def chunks() -> Iterator[Any]:
-        yield len(header).to_bytes(8, "little")
-        yield header
-        for t in tensors:
-            if t.data.size:
-                yield t.data.data
-
-    _write_atomic(path, chunks())
-
-
-def save_file(tensors: Mapping[str, Any], path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> None:
-    """Writes `tensors` (numpy / ml_dtypes arrays, or anything np.asarray takes) as a safetensors file.
-
-    Byte-identical to `safetensors.numpy.save_file` (for metadata with at most one key; the reference
-    orders several keys by hash, we sort them). ml_dtypes float8 / bfloat16 map to F8_E4M3, F8_E5M2,
-    F8_E8M0, BF16, ...; float4_e2m1fn / float6_* arrays are packed into F4 / F6_*. Atomic: a temp file
-    in the same directory, renamed over `path`.
-    """
-    path = Path(path)
-    if not isinstance(tensors, Mapping):
-        raise CheckpointError(f"{path}: expected a mapping of name -> array, found {type(tensors).__name__}")
-    _write_prepared(path, [_prepare(str(path), k, v) for k, v in tensors.items()], metadata)
-
-
-class ShardedWriter:
-    """Writes a checkpoint tensor by tensor, in shards of at most `max_shard_size` bytes of data.
-
-    `add` keeps the current shard's arrays (by reference: do not mutate them until written) and
-    writes the shard out when the next tensor would overflow it; a tensor larger than the limit gets
-    a shard of its own. `finish` names the shards `model-00001-of-0000N.safetensors` and writes
-    `model.safetensors.index.json` as transformers does, or writes a single `model.safetensors` and
-    no index when one shard holds everything. As a context manager it finishes on success and
-    removes its partial files on an exception. Pair with `atomic_directory` for an all-or-nothing
-    checkpoint.
-    """
-
-    def __init__(self, dst_dir: str | os.PathLike, max_shard_size: int | str = "5GB",
-                 metadata: Mapping[str, str] | None = None):
-        self.dst_dir = Path(dst_dir)
-        self.max_shard_size = parse_size(max_shard_size)
-        self.metadata = dict(metadata) if metadata is not None else None
-        for stale in (SINGLE_FILE, INDEX_FILE):
-            if (self.dst_dir / stale).exists():
-                raise CheckpointError(f"{self.dst_dir / stale}: expected a directory without a checkpoint, "
-                                      f"found this file already there")
-        try:
-            self.dst_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"{self.dst_dir}: cannot create the directory ({e.strerror or e})") from None
-        self._current: list[_Prepared] = []
-        self._current_size = 0
-        self._shards: list[tuple[Path, list[str]]] = []  # written partial file, names in it
-        self._names: set[str] = set()
-        self._total_size = 0
-        self._done = False
-
-    def add(self, name: str, array: Any) -> None:
-        """Queues tensor `name`; writes the current shard first if `array` would overflow it."""
-        if self._done:
-            raise CheckpointError(f"{self.dst_dir}: tensor {name!r}: expected an unfinished writer, found "
-                                  f"finish() already called")
-        t = _prepare(str(self.dst_dir), name, array)
-        if name in self._names:
-            raise CheckpointError(f"{self.dst_dir}: tensor {name!r}: expected unique names, found it added twice")
-        if self._current and self._current_size + t.data.size > self.max_shard_size:
-            self._flush()
-        self._names.add(name)
-        self._current.append(t)
-        self._current_size += t.data.size
-        self._total_size += t.data.size
-
-    def _flush(self) -> None:
-        part = self.dst_dir / f".shard-{len(self._shards) + 1:05d}.{uuid.uuid4().hex[:8]}.partial"
-        _write_prepared(part, self._current, self.metadata)
-        self._shards.append((part, [t.name for t in self._current]))
-        self._current, self._current_size = [], 0
-
-    def finish(self) -> list[Path]:
-        """Writes the last shard, renames all into place, writes the index; returns the files written."""
-        if self._done:
-            raise CheckpointError(f"{self.dst_dir}: expected finish() once, found it called again")
-        if self._current or not self._shards:
-            self._flush()
-        self._done = True
-        count = len(self._shards)
-        weight_map: dict[str, str] = {}
-        written = []
-        for i, (part, names) in enumerate(self._shards, start=1):
-            final = self.dst_dir / (SINGLE_FILE if count == 1 else f"model-{i:05d}-of-{count:05d}.safetensors")
-            try:
-                os.replace(part, final)
-            except OSError as e:
-                raise CheckpointError(f"{final}: cannot move the shard into place ({e.strerror or e})") from None
-            written.append(final)
-            weight_map.update((n, final.name) for n in names)
-        if count == 1:
-            return written
-        index = {"metadata": {"total_size": self._total_size}, "weight_map": weight_map}
-        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        _write_atomic(self.dst_dir / INDEX_FILE, iter([text.encode("utf-8")]))
-        return [*written, self.dst_dir / INDEX_FILE]
-
-    def abort(self) -> None:
-        """Removes the shards written so far; the writer cannot be used afterwards."""
-        self._done = True
-        self._current = []
-        for part, _ in self._shards:
-            with contextlib.suppress(OSError):
-                os.unlink(part)
-
-    def __enter__(self) -> ShardedWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is None:
-            if not self._done:
-                self.finish()
-        elif not self._done:
-            self.abort()
-
-
-# --------------------------------------------------------------------------------------------------
-# atomic directories
-
-
-@contextlib.contextmanager
-def atomic_directory(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yields a new hidden directory next to `dst` that becomes `dst` only if the block succeeds.
-
-    If `dst` exists and not `overwrite`: CheckpointError before anything is created. On an exception
-    the temp directory is removed and `dst` is untouched. With `overwrite`, an existing `dst` is
-    replaced at the very end: renamed aside, the new one renamed in, then the old one deleted (so a
-    crash leaves either the old or the new directory, plus at most a hidden leftover).
-    """
-    dst = Path(dst)
-    if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise CheckpointError(f"{dst}: expected a new path for the checkpoint, found it exists "
-                              f"(pass overwrite=True to replace it)")
-    try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:12]}")
-        tmp.mkdir(0o777)  # the umask applies, as for a plain mkdir
-    except OSError as e:
-        raise CheckpointError(f"{dst}: cannot create a temp directory next to it ({e.strerror or e})") from None
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        if not (dst.exists() or dst.is_symlink()):
-            os.rename(tmp, dst)
-            return
-        if not overwrite:
-            raise CheckpointError(f"{dst}: expected a new path for the checkpoint, found it created while "
-                                  f"writing")
-        old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:12]}")
-        os.rename(dst, old)
-        try:
-            os.rename(tmp, dst)
-        except OSError:
-            os.rename(old, dst)  # put the original back
-            raise
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"{dst}: cannot move the finished checkpoint into place ({e.strerror or e})") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise

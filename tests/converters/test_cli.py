@@ -119,7 +119,7 @@ def test_eval_delegates(monkeypatch, capsys):
 
 
 def test_quantize_sharded_source(tmp_path):
-    from converters.safetensors_io import ShardedWriter
+    from converters.shard_writer import ShardedWriter
     src = tmp_path / "src"
     with ShardedWriter(src, max_shard_size="40KB") as w:
         for i in range(3):

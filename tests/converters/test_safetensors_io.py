@@ -1,4 +1,4 @@
-"""safetensors reader/writer: round trips, byte-identity with the reference, sharding, atomicity, bad files."""
+"""safetensors reader/writer: round trips, byte-identity with the reference, sharded reads, bad files."""
 
 import json
 import os
@@ -13,12 +13,15 @@ from converters.safetensors_io import (
     INDEX_FILE,
     SINGLE_FILE,
     SafetensorsFile,
-    ShardedWriter,
-    atomic_directory,
+    TensorInfo,
+    encode_tensor,
+    header_bytes,
     open_checkpoint,
     parse_size,
     read_json,
     save_file,
+    serialize,
+    tensor_info,
 )
 from qformats.errors import CheckpointError
 
@@ -215,6 +218,27 @@ def test_save_file_is_atomic_and_rejects_bad_input(tmp_path):
     assert os.listdir(tmp_path) == ["t.safetensors"]  # no temp files left behind
 
 
+def test_encoder_parts(tmp_path):
+    assert tensor_info(ml_dtypes.float4_e2m1fn, (2, 3), where="w", name="t") == TensorInfo("F4", (2, 3))
+    assert tensor_info(np.float32, [5], where="w", name="t").nbytes == 20
+    with pytest.raises(CheckpointError, match="w: tensor 't'.*found complex128"):
+        tensor_info(np.complex128, (1,), where="w", name="t")
+    with pytest.raises(CheckpointError, match="w: tensor 't': 3 F6_E2M3 elements do not fill whole bytes"):
+        tensor_info(ml_dtypes.float6_e2m3fn, (3,), where="w", name="t")
+    t = encode_tensor("f6", np.arange(4, dtype=np.uint8).view(ml_dtypes.float6_e2m3fn), where="w")
+    assert t.info == TensorInfo("F6_E2M3", (4,)) and t.data.tolist() == [0x40, 0x20, 0x0C]  # 0|1<<6|2<<12|3<<18
+    # header_bytes + data in the given order is a file the reader takes; serialize sorts as save_file does
+    a, b = encode_tensor("b", np.ones(2, np.int8), where="w"), encode_tensor("a", np.ones(3, np.float32), where="w")
+    (tmp_path / "given.safetensors").write_bytes(header_bytes([(a.name, a.info), (b.name, b.info)], None, where="w")
+                                                 + a.data.tobytes() + b.data.tobytes())
+    with SafetensorsFile(tmp_path / "given.safetensors") as f:
+        assert f.get("b").tolist() == [1, 1] and f.get("a").tolist() == [1.0, 1.0, 1.0]
+    save_file({"b": np.ones(2, np.int8), "a": np.ones(3, np.float32)}, tmp_path / "ref.safetensors")
+    assert b"".join(bytes(c) for c in serialize([a, b], None, where="w")) == (tmp_path / "ref.safetensors").read_bytes()
+    with pytest.raises(CheckpointError, match="'b' twice"):
+        header_bytes([("b", b.info), ("b", b.info)], None, where="w")
+
+
 def test_save_file_takes_views_and_array_likes(tmp_path):
     base = np.arange(24, dtype=np.float32).reshape(4, 6)
     tensors = {"t": base.T, "strided": base[::2, 1::3], "f": np.asfortranarray(base), "list": [[1, 2], [3, 4]]}
@@ -234,85 +258,6 @@ def test_parse_size():
     for bad in ["", "GB", "5XB", "-1GB", "0", 0, 1.5, None, True]:
         with pytest.raises(CheckpointError):
             parse_size(bad)
-
-
-def test_sharded_write_and_read(tmp_path):
-    tensors = {f"layer.{i}.w": np.full((4, 8), i, np.float32) for i in range(5)}  # 128 bytes each
-    tensors["head"] = np.arange(100, dtype=np.float32)  # 400 bytes: larger than a shard, gets its own
-    tensors["tiny"] = _sample(ml_dtypes.float8_e4m3fn, (3,))
-    with ShardedWriter(tmp_path / "ckpt", max_shard_size=300, metadata={"format": "pt"}) as w:
-        for name, a in tensors.items():
-            w.add(name, a)
-    names = sorted(os.listdir(tmp_path / "ckpt"))
-    shards = [n for n in names if n.endswith(".safetensors")]
-    assert names == sorted([*shards, INDEX_FILE]) and len(shards) == 5
-    assert shards[0] == "model-00001-of-00005.safetensors"
-    index = read_json(tmp_path / "ckpt" / INDEX_FILE)
-    assert index["metadata"] == {"total_size": 5 * 128 + 400 + 3}
-    assert set(index["weight_map"]) == set(tensors)
-    # one shard's tensors at a time, in insertion order
-    assert index["weight_map"]["layer.0.w"] == index["weight_map"]["layer.1.w"] == shards[0]
-    assert index["weight_map"]["head"] == shards[3]
-    with open_checkpoint(tmp_path / "ckpt") as ckpt:
-        assert ckpt.keys() == sorted(tensors) and len(ckpt.files) == 5
-        assert ckpt.metadata == {"format": "pt"}
-        for name, want in tensors.items():
-            np.testing.assert_array_equal(_bits(ckpt.get(name)), _bits(want))
-            assert ckpt.file_of(name).name == index["weight_map"][name]
-            assert ckpt.info(name).shape == want.shape
-        np.testing.assert_array_equal(ckpt.get_slice("head")[10:20], tensors["head"][10:20])
-        with pytest.raises(CheckpointError, match="'absent'"):
-            ckpt.get("absent")
-
-
-def test_sharded_writer_single_shard_and_errors(tmp_path):
-    w = ShardedWriter(tmp_path / "one", max_shard_size="1MB")
-    w.add("a", np.zeros(3))
-    with pytest.raises(CheckpointError, match="'a'"):
-        w.add("a", np.zeros(3))
-    assert w.finish() == [tmp_path / "one" / SINGLE_FILE]
-    assert os.listdir(tmp_path / "one") == [SINGLE_FILE]
-    with open_checkpoint(tmp_path / "one") as ckpt:
-        assert ckpt.keys() == ["a"] and ckpt.index is None
-    with pytest.raises(CheckpointError, match=SINGLE_FILE):
-        ShardedWriter(tmp_path / "one")  # would leave two checkpoints in one directory
-    with pytest.raises(ValueError), ShardedWriter(tmp_path / "aborted", max_shard_size=8) as w:
-        w.add("x", np.zeros(4))
-        w.add("y", np.zeros(4))  # the first shard is on disk now
-        raise ValueError("boom")
-    assert os.listdir(tmp_path / "aborted") == []
-
-
-# -- atomic directories ----------------------------------------------------------------------------
-
-
-def test_atomic_directory(tmp_path):
-    dst = tmp_path / "out"
-    with atomic_directory(dst) as tmp:
-        assert tmp.parent == tmp_path and tmp.name.startswith(".") and not dst.exists()
-        (tmp / "f").write_text("new")
-    assert (dst / "f").read_text() == "new" and os.listdir(tmp_path) == ["out"]
-
-    # an exception leaves nothing behind and the existing checkpoint untouched
-    with pytest.raises(RuntimeError), atomic_directory(dst, overwrite=True) as tmp:
-        (tmp / "f").write_text("half")
-        raise RuntimeError
-    assert (dst / "f").read_text() == "new" and os.listdir(tmp_path) == ["out"]
-
-    # an existing dst without overwrite: refused before anything is created
-    with pytest.raises(CheckpointError) as e:
-        with atomic_directory(dst):
-            pytest.fail("must not be entered")
-    assert str(dst) in str(e.value) and os.listdir(tmp_path) == ["out"]
-
-    with atomic_directory(dst, overwrite=True) as tmp:
-        (tmp / "g").write_text("newer")
-        assert (dst / "f").exists()  # the old one stays until the very end
-    assert os.listdir(dst) == ["g"] and os.listdir(tmp_path) == ["out"]
-
-    with pytest.raises(RuntimeError), atomic_directory(tmp_path / "never") as tmp:
-        raise RuntimeError
-    assert os.listdir(tmp_path) == ["out"]
 
 
 # -- bad input: each is a CheckpointError naming the file (and the tensor) ---------------------------
