@@ -14,9 +14,24 @@ transformers' `run_compressed=False`): the scale's dtype for naive/int/float/pac
 the NVFP4 / MX formats (their decompressors compute in bfloat16). `qformats.dequantize(q)` then gives
 bit-identical values (transposed: `dequantize(q).T` is torch's `[N, K]` weight).
 
-Which modules are quantized: those holding `weight_packed` or `weight_scale`. A module takes the config
-group whose `re:` targets (or exact names) match its path; class-name targets ("Linear") cannot be checked
-without the model, so they match any module; among several candidates the one whose tensors fit wins.
+Which modules are quantized: those holding a compressed-looking tensor (`weight_packed`, `weight_shape`,
+`weight_scale`, `weight_zero_point`, `weight_global_scale`, `weight_g_idx`, or a `weight` that is not
+float). A module takes the config group whose `re:` targets (or exact names) match its path; class-name
+targets ("Linear") cannot be checked without the model, so they match any module; among several candidates
+the one whose tensors fit wins.
+
+Before any tensor data is read, the whole checkpoint is checked against its config from the headers alone
+(plus the two integers of each `weight_shape`): every compressed-looking tensor belongs to a module that a
+config group quantizes (a missing config.json, a missing or null quantization_config, no group with
+weights, an ignored module are errors, never a fallback to dense); every quantized module holds exactly
+the tensors its format stores, with their dtypes and the shapes the scheme and `weight_shape` imply; a
+module a compressing group targets by name holds its compressed tensors. Any mismatch is a CheckpointError
+naming the file, module, tensor and what was expected.
+
+Dense values: `dense_weight(q, dtype)` is what transformers loads (`from_pretrained(...,
+quantization_config=CompressedTensorsConfig(dequantize=True))`): compressed-tensors' decompression in
+`q.dtype` (one rounding of the product), then a cast to the model's dtype; `exact=True` rounds the
+float32 product straight to `dtype` instead.
 """
 
 from __future__ import annotations
@@ -32,24 +47,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from converters.ct_config import FPX_FORMAT, ConfigGroup, QuantConfig, parse_quantization_config
-from converters.safetensors_io import Checkpoint, open_checkpoint, read_json
+from converters.safe_files import read_json
+from converters.safetensors_io import Checkpoint, open_checkpoint
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
 from qformats.packing import pack, packed_length_int32, unpack_int32
 from qformats.qarray import QArray
-from qformats.quantize import expected_shapes
+from qformats.grouping import expected_shapes
+from qformats.quantize import dequantize
 from qformats.schemes import QuantScheme
 
-__all__ = ["CompressedModel", "QUANT_PARAM_NAMES", "open_compressed", "read_compressed", "to_flax_params",
-           "split_name"]
+__all__ = ["CompressedModel", "QUANT_PARAM_NAMES", "check_modules", "open_compressed", "read_compressed",
+           "to_flax_params", "split_name", "dense_weight"]
 
 #: Local tensor names that hold quantization parameters of a module (never dense weights).
 QUANT_PARAM_NAMES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_global_scale",
                      "input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point",
                      "k_scale", "v_scale", "k_zero_point", "v_zero_point", "weight_g_idx")
 _WEIGHT_PARTS = ("weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point",
-                 "weight_global_scale")
+                 "weight_global_scale", "weight_g_idx")
 _FLOAT_SCALE = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+#: Local names that only a quantized module holds (with `weight` in a dtype that is not float).
+_CODED_PARTS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_global_scale",
+                "weight_g_idx")
+_FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")
+_PACKED_FORMATS = ("pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp6-pack-quantized",
+                   FPX_FORMAT)
+_INT_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
 
 
 def split_name(name: str) -> Tuple[str, str]:
@@ -105,12 +129,30 @@ def to_flax_params(modules: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def dense_weight(q: QArray, dtype=None, exact: bool = False):
+    """The dense values of a weight read from a checkpoint, as transformers loads them (same layout as
+    `dequantize(q)`: the Flax kernel `[in, out]`; `.T` is torch's `[out, in]`).
+
+    Default: w = cast_dtype(dequantize(q, q.dtype)) -- compressed-tensors decompresses in `q.dtype`
+    (bfloat16 for NVFP4 / MX: `bf16((code * (scale / global_scale)))` computed in float32 and rounded
+    to bfloat16 once; the scale's dtype for the other formats), and transformers casts that to the
+    model's dtype. `exact=True`: w = cast_dtype(code * scale / global_scale computed in float32), the
+    value before that rounding (differs from the torch side for NVFP4 read as float32). `dtype` None:
+    `q.dtype`.
+    """
+    dtype = q.dtype if dtype is None else jnp.dtype(dtype)
+    if exact:
+        return dequantize(q, dtype)
+    return dequantize(q, q.dtype).astype(dtype)
+
+
 # ---- opening ----------------------------------------------------------------------------------------------------
 def _load_config(path: Path) -> Dict[str, Any]:
-    cfg_path = (path if path.is_dir() else path.parent) / "config.json"
-    if not cfg_path.exists():
+    root = path if path.is_dir() else path.parent
+    cfg_path = root / "config.json"
+    if not (cfg_path.exists() or cfg_path.is_symlink()):
         return {}
-    cfg = read_json(cfg_path)
+    cfg = read_json(cfg_path, root)
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{cfg_path}: expected a JSON object, found {type(cfg).__name__}")
     return cfg
@@ -171,44 +213,120 @@ class LoadedModule:
 
 
 def iter_modules(ck: Checkpoint, qc: Optional[QuantConfig]) -> Iterator[LoadedModule]:
-    """Yield modules one at a time (streaming: only one module's tensors are built at once)."""
+    """Yield modules one at a time (streaming: only one module's tensors are built at once), after
+    `check_modules` has checked the whole checkpoint against the config from its headers."""
     mods = _modules_of(ck)
-    used_groups = set()
-    # "dense" groups (e.g. a frozen, not yet compressed model: float weights beside their scales) stay raw
-    active = qc is not None and any(g.weights is not None and g.format != "dense" for g in qc.groups)
+    plan = _plan(ck, qc, mods)
     for name in sorted(mods):
         m = mods[name]
         stored = sum(ck.info(full).nbytes for full in m.tensors.values())
-        quantized = active and ("weight_packed" in m.tensors or "weight_scale" in m.tensors)
-        group = None
-        if quantized:
-            where = f"{ck.file_of(m.tensors.get('weight_packed') or m.tensors['weight_scale'])}: module {name!r}"
-            if qc.is_ignored(name):
-                raise CheckpointError(f"{where}: the module is in quantization_config.ignore but holds quantized "
-                                      f"weight tensors ({sorted(m.tensors)})")
-            group = _pick_group(ck, m, qc, where)
-            used_groups.add(group.name)
-            quantized = group.format != "dense"
-        if not quantized:
+        group = plan[name]
+        if group is None or group.format == "dense":
             yield LoadedModule(name, {k: ck.get(v) for k, v in m.tensors.items()}, None, None, stored)
             continue
+        where = _where(ck, m)
         tensors = {k: ck.get(v) for k, v in m.tensors.items() if k not in _WEIGHT_PARTS}
         q = _weight_qarray(ck, m, group, qc, where)
         tensors["weight"] = q
         if "weight_zero_point" in m.tensors and q.zero_point is None:
             tensors["weight_zero_point"] = ck.get(m.tensors["weight_zero_point"])
         yield LoadedModule(name, tensors, group.format, group.name, stored)
-    if active:
-        for g in qc.groups:
-            if g.weights is not None and g.name not in used_groups:
+
+
+def check_modules(ck: Checkpoint, qc: Optional[QuantConfig]) -> Dict[str, Optional[str]]:
+    """Check every module of `ck` against `qc` from the headers alone (see the module docstring); returns
+    module path -> the name of the config group that quantizes it (None: read as stored).
+
+    Raises CheckpointError naming the file, module, tensor and what was expected; warns about config
+    groups and ignore entries that match nothing."""
+    return {k: (g.name if g is not None else None) for k, g in _plan(ck, qc, _modules_of(ck)).items()}
+
+
+def _where(ck: Checkpoint, m: _Module) -> str:
+    first = next((m.tensors[p] for p in ("weight_packed", "weight_scale", "weight") if p in m.tensors),
+                 next(iter(m.tensors.values())))
+    return f"{ck.file_of(first)}: module {m.name!r}"
+
+
+def _coded(ck: Checkpoint, m: _Module) -> list:
+    """The module's tensors that only a quantized module holds."""
+    out = [p for p in _CODED_PARTS if p in m.tensors]
+    if "weight" in m.tensors and ck.info(m.tensors["weight"]).dtype not in _FLOAT_DTYPES:
+        out.append("weight")
+    return out
+
+
+def _no_config(ck: Checkpoint, qc: Optional[QuantConfig]) -> str:
+    root = ck.path if ck.path.is_dir() else ck.path.parent
+    if qc is not None:
+        return (f"{root / 'config.json'}: quantization_config has no config group with weights in a compressed "
+                f"format (groups: {[(g.name, list(g.targets), g.format) for g in qc.groups]})")
+    if not ((root / "config.json").exists() or (root / "config.json").is_symlink()):
+        return f"no config.json in {root}"
+    return f"{root / 'config.json'} has no quantization_config"
+
+
+def _plan(ck: Checkpoint, qc: Optional[QuantConfig], mods: Dict[str, _Module]) -> Dict[str, Optional[ConfigGroup]]:
+    groups = [g for g in qc.groups if g.weights is not None] if qc is not None else []
+    # "dense" groups (a frozen, not yet compressed model: float weights beside their scales) stay raw
+    compressing = [g for g in groups if g.format != "dense"]
+    plan: Dict[str, Optional[ConfigGroup]] = {}
+    used = set()
+    for name in sorted(mods):
+        m = mods[name]
+        coded = _coded(ck, m)
+        if not coded:
+            plan[name] = None
+            _check_dense(ck, m, qc, compressing)
+            continue
+        where = _where(ck, m)
+        if not groups:
+            raise CheckpointError(f"{where}: holds quantized tensors {coded} but the checkpoint does not say how "
+                                  f"to read them ({_no_config(ck, qc)}); expected a compressed-tensors "
+                                  f"quantization_config with a group that targets it")
+        if qc.is_ignored(name):
+            raise CheckpointError(f"{where}: the module is in quantization_config.ignore but holds quantized "
+                                  f"weight tensors ({sorted(m.tensors)})")
+        group = _pick_group(ck, m, qc, where)
+        used.add(group.name)
+        if group.format == "dense":
+            bad = [p for p in coded if p in ("weight_packed", "weight_shape", "weight")]
+            if bad or "weight" not in m.tensors:
+                raise CheckpointError(f"{where}: config group {group.name!r} has format 'dense' (float weights "
+                                      f"beside their scales), but the module holds "
+                                      f"{[m.name + '.' + p for p in bad] or 'no float weight'}; expected a "
+                                      f"float 'weight' and no packed tensors")
+        else:
+            _check_layout(ck, m, group, qc, f"{where} ({group.format}, group {group.name})")
+        plan[name] = group
+    if compressing or groups:
+        for g in groups:
+            if g.name not in used:
                 warnings.warn(f"{ck.path}: quantization_config group {g.name!r} (targets {list(g.targets)}) "
-                              f"matches no quantized module in the checkpoint", stacklevel=2)
+                              f"matches no quantized module in the checkpoint", stacklevel=3)
         for t in qc.ignore:
             if t.startswith("re:"):
                 continue
             if t not in mods and not any(k.startswith(t + ".") for k in mods):
                 warnings.warn(f"{ck.path}: quantization_config.ignore entry {t!r} matches no module in the "
-                              f"checkpoint", stacklevel=2)
+                              f"checkpoint", stacklevel=3)
+    return plan
+
+
+def _check_dense(ck: Checkpoint, m: _Module, qc: Optional[QuantConfig], compressing) -> None:
+    """A module without quantized tensors: a compressing group must not target it by name (its scale or
+    packed codes would then be missing, renamed or mis-encoded)."""
+    if not compressing or "weight" not in m.tensors or qc.is_ignored(m.name):
+        return
+    if len(ck.info(m.tensors["weight"]).shape) != 2:
+        return
+    for g in compressing:
+        if g.matches_by_name(m.name):
+            need = "weight_packed" if g.format in _PACKED_FORMATS else "weight_scale"
+            raise CheckpointError(f"{_where(ck, m)}: config group {g.name!r} ({g.format}) targets it by name, "
+                                  f"expected tensor {m.name + '.' + need!r} with its quantized weight, found "
+                                  f"only a {ck.info(m.tensors['weight']).dtype} weight (module tensors: "
+                                  f"{sorted(m.tensors)})")
 
 
 def _pick_group(ck: Checkpoint, m: _Module, qc: QuantConfig, where: str) -> ConfigGroup:
@@ -239,18 +357,17 @@ def _fits(ck: Checkpoint, m: _Module, g: ConfigGroup) -> bool:
 
 
 # ---- one weight -----------------------------------------------------------------------------------------------
-def _need(ck: Checkpoint, m: _Module, local: str, where: str, dtypes, ndim=None) -> np.ndarray:
+def _need(ck: Checkpoint, m: _Module, local: str, where: str, dtypes, ndim=None):
+    """The header info of tensor `local`, checked for dtype and rank (no data read)."""
     if local not in m.tensors:
         raise CheckpointError(f"{where}: expected tensor {m.name + '.' + local!r} for its format, found none "
                               f"(module tensors: {sorted(m.tensors)})")
-    full = m.tensors[local]
-    info = ck.info(full)
-    at = f"{ck.file_of(full)}: tensor {full!r}"
+    info = ck.info(m.tensors[local])
     if info.dtype not in dtypes:
-        raise CheckpointError(f"{at}: expected dtype {' or '.join(dtypes)}, found {info.dtype}")
+        raise CheckpointError(f"{_at(ck, m, local)}: expected dtype {' or '.join(dtypes)}, found {info.dtype}")
     if ndim is not None and len(info.shape) not in ((ndim,) if isinstance(ndim, int) else ndim):
-        raise CheckpointError(f"{at}: expected a {ndim}-d tensor, found shape {list(info.shape)}")
-    return ck.get(full)
+        raise CheckpointError(f"{_at(ck, m, local)}: expected a {ndim}-d tensor, found shape {list(info.shape)}")
+    return info
 
 
 def _at(ck: Checkpoint, m: _Module, local: str) -> str:
@@ -259,8 +376,12 @@ def _at(ck: Checkpoint, m: _Module, local: str) -> str:
 
 
 def _weight_shape(ck: Checkpoint, m: _Module, where: str) -> Tuple[int, int]:
-    ws = _need(ck, m, "weight_shape", where, ("I64", "I32", "U64", "U32", "I16"), 1)
-    if ws.shape != (2,) or (ws < 1).any() or (ws > 2**40).any():
+    info = _need(ck, m, "weight_shape", where, ("I64", "I32", "U64", "U32", "I16"), 1)
+    if info.shape != (2,):
+        raise CheckpointError(f"{_at(ck, m, 'weight_shape')}: expected shape [2] ([out, in]), found "
+                              f"{list(info.shape)}")
+    ws = ck.get(m.tensors["weight_shape"])
+    if (ws < 1).any() or (ws > 2**40).any():
         raise CheckpointError(f"{_at(ck, m, 'weight_shape')}: expected [out, in] of positive ints, found "
                               f"{ws.tolist()}")
     return int(ws[0]), int(ws[1])
@@ -271,46 +392,66 @@ def _check_int_range(a: np.ndarray, lo: int, hi: int, at: str) -> None:
         raise CheckpointError(f"{at}: expected values in [{lo}, {hi}], found [{int(a.min())}, {int(a.max())}]")
 
 
-def _weight_qarray(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, where: str) -> QArray:
+def _parts(fmt: str, s: QuantScheme) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(required, optional) weight tensors of a module stored in `fmt` with weight scheme `s`."""
+    packed = fmt in _PACKED_FORMATS
+    req = ["weight_packed" if packed else "weight", "weight_scale"]
+    opt = ["weight_g_idx"]
+    if fmt in ("pack-quantized", FPX_FORMAT):
+        req.append("weight_shape")
+    elif packed:
+        opt.append("weight_shape")  # written by some compressed-tensors versions; checked when present
+    if s.strategy == "tensor_group":
+        req.append("weight_global_scale")
+    # compressed-tensors before 0.9 wrote zero points for symmetric weights too
+    (opt if s.symmetric else req).append("weight_zero_point")
+    return tuple(req), tuple(opt)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    n: int  # out features
+    k: int  # in features
+    scale: Tuple[int, ...]  # the contracted scale shape the scheme gives
+    legacy: bool  # pre-0.18 `32 // bits` int32 layout of weight_packed
+    zp_legacy: bool  # the same for a packed weight_zero_point
+
+
+def _check_layout(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, where: str) -> _Layout:
+    """Header-level check of one quantized module: exactly its format's tensors, their dtypes, and the
+    shapes the scheme and weight_shape imply. Reads no tensor data except weight_shape's two ints."""
     s: QuantScheme = g.weights
-    fmt = g.format
-    bits = s.bits
-    where = f"{where} ({fmt}, group {g.name})"
-    if fmt == "dense":
-        raise CheckpointError(f"{where}: format 'dense' but the module holds quantization tensors")
+    fmt, bits = g.format, s.bits
+    req, opt = _parts(fmt, s)
+    present = [p for p in _WEIGHT_PARTS + ("weight_g_idx",) if p in m.tensors]
+    missing = [m.name + "." + p for p in req if p not in m.tensors]
+    extra = [m.name + "." + p for p in present if p not in req + opt]
+    if missing or extra:
+        raise CheckpointError(f"{where}: expected exactly the tensors {[m.name + '.' + p for p in req]} "
+                              f"(optional: {list(opt)}), " + (f"missing {missing}" if missing else "") +
+                              (", " if missing and extra else "") +
+                              (f"found {extra} which the format does not store" if extra else ""))
+    legacy = zp_legacy = False
     # -- codes ---------------------------------------------------------------------------------------------
     if fmt in ("naive-quantized", "int-quantized", "float-quantized", "mxfp8-quantized"):
         if isinstance(s.format, IntFormat):
-            w = _need(ck, m, "weight", where, ("I8",), 2)
-            n, k = w.shape
-            if bits == 8:
-                codes = w
-            else:
-                _check_int_range(w, s.format.qmin, s.format.qmax, _at(ck, m, "weight"))
-                codes = pack((w.astype(np.int16) - s.format.qmin).astype(np.uint8), bits)
+            info = _need(ck, m, "weight", where, ("I8",), 2)
         else:
             if bits != 8 or s.format.name != "fp8_e4m3fn":
                 raise CheckpointError(f"{where}: format {fmt!r} stores 8-bit e4m3 floats, but the weights args "
                                       f"say {s.format.name}")
-            w = _need(ck, m, "weight", where, ("F8_E4M3",), 2)
-            n, k = w.shape
-            codes = w.view(np.uint8)
+            info = _need(ck, m, "weight", where, ("F8_E4M3",), 2)
+        n, k = info.shape
     elif fmt == "pack-quantized":
         if not isinstance(s.format, IntFormat):
             raise CheckpointError(f"{where}: pack-quantized holds integers, but the weights args say "
                                   f"{s.format.name}")
-        wp = _need(ck, m, "weight_packed", where, ("I32",), 2)
+        info = _need(ck, m, "weight_packed", where, ("I32",), 2)
         n, k = _weight_shape(ck, m, where)
-        legacy = _legacy_layout(qc, bits, k, wp.shape[1], _at(ck, m, "weight_packed"))
-        if wp.shape[0] != n:
+        legacy = _legacy_layout(qc, bits, k, info.shape[1], _at(ck, m, "weight_packed"))
+        if info.shape[0] != n:
             raise CheckpointError(f"{_at(ck, m, 'weight_packed')}: expected {n} rows (weight_shape), found "
-                                  f"{wp.shape[0]}")
-        if bits == 8:
-            codes = (wp.view("<u1")[:, :k].astype(np.int16) - 128).astype(np.int8)
-        elif not legacy:
-            codes = np.ascontiguousarray(wp.view("<u1")[:, : (k * bits + 7) // 8])
-        else:
-            codes = pack(unpack_int32(wp, bits, k, legacy=True), bits)
+                                  f"{info.shape[0]}")
     elif fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp6-pack-quantized", FPX_FORMAT):
         want = {"nvfp4-pack-quantized": ("fp4_e2m1", "tensor_group"), "mxfp4-pack-quantized": ("fp4_e2m1", "e8m0"),
                 "mxfp6-pack-quantized": ("fp6_e2m3", "e8m0")}.get(fmt)
@@ -319,22 +460,26 @@ def _weight_qarray(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, 
             raise CheckpointError(f"{where}: format {fmt!r} expects {want[0]} weights "
                                   f"({'E8M0 group scales' if want[1] == 'e8m0' else 'tensor_group'}), the weights "
                                   f"args say {s.describe()}")
-        wp = _need(ck, m, "weight_packed", where, ("U8",), 2)
-        n, cols = wp.shape
+        info = _need(ck, m, "weight_packed", where, ("U8",), 2)
+        n, cols = info.shape
         if fmt == FPX_FORMAT:
             n2, k = _weight_shape(ck, m, where)
             if n2 != n or cols != (k * bits + 7) // 8:
                 raise CheckpointError(f"{_at(ck, m, 'weight_packed')}: expected shape [{n2}, "
                                       f"{(k * bits + 7) // 8}] for weight_shape [{n2}, {k}] of {bits}-bit "
-                                      f"codes, found {list(wp.shape)}")
-        elif bits == 4:
-            k = cols * 2
+                                      f"codes, found {list(info.shape)}")
         else:
-            if cols % 3:
+            if bits == 4:
+                k = cols * 2
+            elif cols % 3:
                 raise CheckpointError(f"{_at(ck, m, 'weight_packed')}: expected a multiple of 3 bytes per row "
                                       f"(four 6-bit codes in 3 bytes), found {cols}")
-            k = cols * 4 // 3
-        codes = wp
+            else:
+                k = cols * 4 // 3
+            if "weight_shape" in m.tensors and _weight_shape(ck, m, where) != (n, k):
+                raise CheckpointError(f"{_at(ck, m, 'weight_shape')}: expected [{n}, {k}] (the shape "
+                                      f"weight_packed {list(info.shape)} holds), found "
+                                      f"{list(_weight_shape(ck, m, where))}")
     else:
         raise CheckpointError(f"{where}: unsupported format {fmt!r}")
     # -- scale ------------------------------------------------------------------------------------------------
@@ -346,50 +491,95 @@ def _weight_qarray(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, 
         raise CheckpointError(f"{where}: in_features {k} is not a multiple of group_size {s.group_size}")
     if s.scale_format == "e8m0":
         sc = _need(ck, m, "weight_scale", where, ("U8", "F8_E8M0"))
-        sc = sc.view(np.uint8)
-        dtype = jnp.bfloat16
     elif s.strategy == "tensor_group":
         sc = _need(ck, m, "weight_scale", where, ("F8_E4M3",))
-        dtype = jnp.bfloat16
     else:
         sc = _need(ck, m, "weight_scale", where, tuple(_FLOAT_SCALE))
-        dtype = sc.dtype
-    if tuple(sc.shape) != exp["scale"]:
-        if s.strategy == "tensor" and sc.size == 1:
-            sc = sc.reshape(1)
-        else:
-            raise CheckpointError(f"{_at(ck, m, 'weight_scale')}: expected shape {list(exp['scale'])} for a "
-                                  f"{s.strategy} scale of weight [{n}, {k}], found {list(sc.shape)}")
-    # -- zero point / global scale -----------------------------------------------------------------------------
-    zp = None
-    if not s.symmetric:
-        zfull = m.tensors.get("weight_zero_point")
-        if zfull is None:
-            raise CheckpointError(f"{where}: asymmetric weights need tensor {m.name + '.weight_zero_point'!r}, "
-                                  f"found none")
+    if tuple(sc.shape) != exp["scale"] and not (s.strategy == "tensor" and math.prod(sc.shape) == 1):
+        raise CheckpointError(f"{_at(ck, m, 'weight_scale')}: expected shape {list(exp['scale'])} for a "
+                              f"{s.strategy} scale of weight [{n}, {k}], found {list(sc.shape)}")
+    # -- zero point / global scale / g_idx ----------------------------------------------------------------------
+    if "weight_zero_point" in m.tensors:
         g_count = exp["scale"][-1] if s.strategy != "tensor" else 1
-        if fmt == "pack-quantized" and s.strategy in ("group", "channel"):
+        if not s.symmetric and fmt == "pack-quantized" and s.strategy in ("group", "channel"):
             zpk = _need(ck, m, "weight_zero_point", where, ("I32",), 2)
-            leg = _legacy_layout(qc, bits, n, zpk.shape[0], _at(ck, m, "weight_zero_point"))
+            zp_legacy = _legacy_layout(qc, bits, n, zpk.shape[0], _at(ck, m, "weight_zero_point"))
             if zpk.shape[1] != g_count:
                 raise CheckpointError(f"{_at(ck, m, 'weight_zero_point')}: expected {g_count} columns (one per "
                                       f"scale column), found {zpk.shape[1]}")
-            u = np.asarray(unpack_int32(zpk, bits, n, legacy=leg, axis=0))
-            zp = (u.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
         else:
             z = _need(ck, m, "weight_zero_point", where, ("I8", "I32", "I16", "U8", "I64"))
-            if z.size != math.prod(exp["scale"]):
+            if math.prod(z.shape) != math.prod(exp["scale"]):
                 raise CheckpointError(f"{_at(ck, m, 'weight_zero_point')}: expected shape {list(exp['scale'])}, "
                                       f"found {list(z.shape)}")
-            _check_int_range(z, s.format.qmin, s.format.qmax, _at(ck, m, "weight_zero_point"))
-            zp = z.astype(np.int8).reshape(exp["scale"])
-    gs = None
-    if s.strategy == "tensor_group":
+    if "weight_global_scale" in m.tensors:
         gs = _need(ck, m, "weight_global_scale", where, ("F32",))
-        if gs.size != 1:
+        if math.prod(gs.shape) != 1:
             raise CheckpointError(f"{_at(ck, m, 'weight_global_scale')}: expected one float32, found shape "
                                   f"{list(gs.shape)}")
-        gs = gs.reshape(1)
+    if "weight_g_idx" in m.tensors:
+        gi = _need(ck, m, "weight_g_idx", where, ("I32", "I64"), 1)
+        if s.strategy != "group" or gi.shape != (k,):
+            raise CheckpointError(f"{_at(ck, m, 'weight_g_idx')}: expected a [{k}] group index of a group "
+                                  f"scheme, found shape {list(gi.shape)} with strategy {s.strategy!r}")
+    return _Layout(n, k, exp["scale"], legacy, zp_legacy)
+
+
+def _weight_qarray(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, where: str) -> QArray:
+    s: QuantScheme = g.weights
+    fmt = g.format
+    bits = s.bits
+    where = f"{where} ({fmt}, group {g.name})"
+    lay = _check_layout(ck, m, g, qc, where)
+    n, k = lay.n, lay.k
+    # -- codes ---------------------------------------------------------------------------------------------
+    if fmt in ("naive-quantized", "int-quantized", "float-quantized", "mxfp8-quantized"):
+        w = ck.get(m.tensors["weight"])
+        if not isinstance(s.format, IntFormat):
+            codes = w.view(np.uint8)
+        elif bits == 8:
+            codes = w
+        else:
+            _check_int_range(w, s.format.qmin, s.format.qmax, _at(ck, m, "weight"))
+            codes = pack((w.astype(np.int16) - s.format.qmin).astype(np.uint8), bits)
+    elif fmt == "pack-quantized":
+        wp = ck.get(m.tensors["weight_packed"])
+        if bits == 8:
+            codes = (wp.view("<u1")[:, :k].astype(np.int16) - 128).astype(np.int8)
+        elif not lay.legacy:
+            codes = np.ascontiguousarray(wp.view("<u1")[:, : (k * bits + 7) // 8])
+        else:
+            codes = pack(unpack_int32(wp, bits, k, legacy=True), bits)
+    else:
+        codes = ck.get(m.tensors["weight_packed"])
+    # -- scale ------------------------------------------------------------------------------------------------
+    sc = ck.get(m.tensors["weight_scale"])
+    if s.scale_format == "e8m0":
+        sc, dtype = sc.view(np.uint8), jnp.bfloat16
+    elif s.strategy == "tensor_group":
+        dtype = jnp.bfloat16
+    else:
+        dtype = sc.dtype
+    sc = sc.reshape(lay.scale)
+    # -- zero point / global scale / g_idx ----------------------------------------------------------------------
+    zp = None
+    if not s.symmetric:
+        if fmt == "pack-quantized" and s.strategy in ("group", "channel"):
+            zpk = ck.get(m.tensors["weight_zero_point"])
+            u = np.asarray(unpack_int32(zpk, bits, n, legacy=lay.zp_legacy, axis=0))
+            zp = (u.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+        else:
+            z = ck.get(m.tensors["weight_zero_point"])
+            _check_int_range(z, s.format.qmin, s.format.qmax, _at(ck, m, "weight_zero_point"))
+            zp = z.astype(np.int8).reshape(lay.scale)
+    gs = None
+    if s.strategy == "tensor_group":
+        gs = ck.get(m.tensors["weight_global_scale"]).reshape(1)
+    if "weight_g_idx" in m.tensors:
+        gi = ck.get(m.tensors["weight_g_idx"])
+        if not np.array_equal(gi, np.arange(k) // s.group_size):
+            raise CheckpointError(f"{_at(ck, m, 'weight_g_idx')}: expected the trivial group index "
+                                  f"(column // {s.group_size}); activation-ordered groups are not supported")
     q = QArray(codes, sc, zp, gs, scheme=s, shape=(k, n), dtype=dtype, axis=0)
     try:
         q.check()

@@ -1,5 +1,6 @@
-"""qformats: exact low-precision formats (FP8, FPx EyMz, MX, NVFP4, INT2-8) as pure JAX transforms."""
+"""qformats: exact low-precision formats (FP8, FPx EyMz, MX, NVFP4, INT1-8) as pure JAX transforms."""
 
+import importlib
 from qformats.errors import CheckpointError, FormatError, KernelError, ModelError, QFormatsError, SchemeError
 from qformats.formats import E8M0, E8M0Format, FloatFormat, IntFormat, get_format
 from qformats.codec import code_table, decode, encode, encode_e8m0
@@ -19,3 +20,18 @@ __all__ = [
     "QuantScheme", "SchemeSet", "QArray", "dequantize", "fake_quantize", "quantize", "presets",
     "prepare_weight", "qdot", "register_kernel", "scaled_dot", "set_kernels_enabled",
 ]
+
+# Flax integration and model definitions import flax: loaded on first attribute access (`qformats.nn`), so that
+# `import qformats` stays free of flax.
+_LAZY_SUBMODULES = ("nn", "models")
+
+
+def __getattr__(name):
+    """`qformats.nn` / `qformats.models` without an explicit import: the submodule, imported on first use."""
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))

@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from qformats.errors import FormatError
+from qformats.rounding import FLOAT_DTYPES
 from qformats.formats import E8M0Format, FloatFormat, Format, IntFormat, get_format
 
 OVERFLOW_MODES = ("saturate", "nan")
-_FLOAT_INPUTS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _as_f32_bits(x) -> jax.Array:
     x = jnp.asarray(x)
-    if x.dtype not in _FLOAT_INPUTS:
+    if x.dtype not in FLOAT_DTYPES:
         raise FormatError(f"encode: expected float32, bfloat16 or float16 input, got {x.dtype}")
     if x.dtype == jnp.bfloat16:  # a 16-bit shift: exact, and vectorised by XLA:CPU (its convert is not)
         return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
@@ -108,7 +108,7 @@ def _round_half_even_int(x: jax.Array) -> jax.Array:
 
 def _encode_int(x, fmt: IntFormat) -> jax.Array:
     x = jnp.asarray(x)
-    if x.dtype not in _FLOAT_INPUTS:
+    if x.dtype not in FLOAT_DTYPES:
         raise FormatError(f"encode: expected float32, bfloat16 or float16 input, got {x.dtype}")
     q = jnp.clip(_round_half_even_int(x.astype(jnp.float32)), fmt.qmin, fmt.qmax)
     q = jnp.where(jnp.isnan(q), 0.0, q)

@@ -169,7 +169,12 @@ class FloatFormat:
 
 @dataclasses.dataclass(frozen=True)
 class IntFormat:
-    """A two's complement (signed) or unsigned integer format of 2..8 bits: q in [qmin, qmax]."""
+    """A two's complement (signed) or unsigned integer format of 1..8 bits: q in [qmin, qmax].
+
+    qmin = -2^(bits-1), qmax = 2^(bits-1) - 1 when signed, else 0 and 2^bits - 1. compressed-tensors packs
+    1..8-bit integers (pack-quantized), so 1 bit is accepted (int1: {-1, 0}, uint1: {0, 1}); the presets use
+    2..8 bits.
+    """
 
     bits: int
     signed: bool = True
@@ -249,7 +254,7 @@ _INT_RE = re.compile(r"^(u?)int(\d)$")
 EXAMPLE_NAMES = (
     "fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz", "fp8_e4m3b11fnuz", "fp8_e3m4", "fp8_e4m3",
     "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp5_e3m1", "fp4_e2m1", "fp4_e3m0", "fp3_e2m0", "fpX_eYmZ",
-    "int2..int8", "uint2..uint8", "e8m0",
+    "int1..int8", "uint1..uint8", "e8m0",
 )
 
 
@@ -270,8 +275,8 @@ def get_format(name: "str | Format") -> Format:
     m = _INT_RE.match(key)
     if m:
         bits = int(m.group(2))
-        if not 2 <= bits <= 8:
-            raise FormatError(f"unknown format {name!r}: integer formats have 2..8 bits")
+        if not 1 <= bits <= 8:
+            raise FormatError(f"unknown format {name!r}: integer formats have 1..8 bits")
         return IntFormat(bits, signed=not m.group(1))
     m = _FP_RE.match(key)
     if m:

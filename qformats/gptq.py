@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from qformats import rounding as R
 from qformats.codec import decode
 from qformats.errors import SchemeError
-from qformats.formats import IntFormat
-from qformats.qarray import QArray
-from qformats.quantize import _FLOATS, _norm_axis, _round_elements, check_input, quantize
+from qformats.grouping import expand, normalize_axis
+from qformats.qarray import QArray, element_values, round_elements
+from qformats.quantize import check_input, quantize
 from qformats.scales import compute_scales
 from qformats.schemes import QuantScheme
 
@@ -94,8 +94,9 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
       dampening_frac: relative dampening (llm-compressor's `dampening_frac`, default 0.01).
       axis: the contracted axis of w.
       qparams: optional QArray of w (same scheme, shape, axis) whose scale / zero_point / global_scale to use.
-      actorder: None (column order) or "static" / "weight" (activation order, step 1b; "weight" is
-        compressed-tensors' alias of "static", same result). "group"/"dynamic" raise a SchemeError.
+      actorder: None (column order; the default of this function) or "static" / "weight" (activation
+        order, step 1b; "weight" is compressed-tensors' alias of "static", same result). The Flax layers
+        (`qformats.nn`) pass "static", GPTQModifier's default. "group"/"dynamic" raise a SchemeError.
 
     Returns:
       A QArray like `quantize(w, scheme, axis)` returns (same scales unless `qparams` is given).
@@ -110,7 +111,7 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
         raise SchemeError(f"gptq_quantize: actorder must be None, 'static' or 'weight', got {actorder!r}")
     if w.ndim < 2:
         raise SchemeError(f"gptq_quantize: expected a kernel with ndim >= 2, got shape {tuple(w.shape)}")
-    axis = _norm_axis(axis, w.ndim, "gptq_quantize")
+    axis = normalize_axis(axis, w.ndim, "gptq_quantize")
     if scheme.strategy == "block" and w.ndim != 2:
         raise SchemeError(f"gptq_quantize: block strategy needs a 2-D kernel, got shape {tuple(w.shape)}")
     if not isinstance(block_size, int) or block_size < 1:
@@ -139,7 +140,7 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
     # [K, N] working view (input rows; N = every other axis flattened, in QArray.tshape order).
     w2 = jnp.moveaxis(w, axis, 0).reshape(k, -1)
     s_rows, z_rows = _row_qparams(qparams, k, w2.shape[1])
-    sdt = qparams.scale.dtype if qparams.scale.dtype in _FLOATS else jnp.dtype(jnp.float32)
+    sdt = qparams.scale.dtype if qparams.scale.dtype in R.FLOAT_DTYPES else jnp.dtype(jnp.float32)
     q2, fallback = _gptq_jit(w2.astype(jnp.float32), h.astype(jnp.float32), s_rows, z_rows,
                              qparams.global_scale, jnp.float32(dampening_frac), scheme, block_size, sdt.name,
                              actorder is not None)
@@ -181,21 +182,11 @@ def gptq_hinv(h, dampening_frac: float = 0.01):
 def _row_qparams(qa: QArray, k: int, n: int):
     """Scale and zero point of every element of the [K, N] view, as float32 [K, N] (E8M0: the codes).
 
-    The stored scale is contracted over QArray.tshape = rest + (K,); N is `rest` flattened.
+    The stored scale is contracted over QArray.tshape = rest + (K,); N is `rest` flattened, so the [K, N]
+    view is the expanded scale (`grouping.expand`) reshaped to [N, K] and transposed.
     """
-    st = qa.scheme.strategy
-    cols = jnp.arange(k)
-
     def rows(a):
-        a = a.astype(jnp.float32)
-        if st == "tensor":
-            return jnp.broadcast_to(a.reshape(()), (k, n))
-        if st in ("channel", "token"):
-            return jnp.broadcast_to(a.reshape(1, n), (k, n))
-        if st in ("group", "tensor_group"):
-            return jnp.take(a.reshape(n, -1), cols // qa.scheme.group_size, axis=1).T
-        bh, bw = qa.scheme.block  # block: scale[ceil(N/bh), ceil(K/bw)]
-        return a[(jnp.arange(n) // bh)[None, :], (cols // bw)[:, None]]
+        return expand(a.astype(jnp.float32), qa.scheme, qa.tshape).reshape(n, k).T
 
     z = None if qa.zero_point is None else rows(qa.zero_point)
     return rows(qa.scale), z
@@ -208,13 +199,8 @@ def _qdq_row(x, s, z, g, scheme: QuantScheme, sdt):
     working copy) and the scheme's element rounding; dequantization: (value - z) * (s / g) rounded in the
     stored scale's dtype `sdt`, as `quantize.dequantize` (and compressed-tensors' `_dequantize`) do it.
     """
-    fmt = scheme.format
     sr = compute_scales(x, (0,), scheme, dtype=jnp.float32, global_scale=g, scale=s, zero_point=z)
-    codes = _round_elements(sr.apply(x), scheme)
-    if isinstance(fmt, IntFormat):
-        vals = codes.astype(jnp.float32) if codes.dtype == jnp.int8 else codes.astype(jnp.float32) + fmt.qmin
-    else:
-        vals = decode(codes, fmt, jnp.float32)
+    vals = element_values(round_elements(sr.apply(x), scheme.format), scheme.format, jnp.float32)
     scale = decode(s.astype(jnp.uint8), "e8m0", jnp.float32) if scheme.scale_format == "e8m0" else s
     if g is not None:
         scale = R.div(scale, g, sdt)

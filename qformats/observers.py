@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qformats.errors import SchemeError
+from qformats.grouping import contract, group, normalize_axis, ungroup
 from qformats.qarray import QArray
-from qformats.quantize import _contracted, _grouped, _norm_axis, _ungroup, dequantize, quantize
+from qformats.quantize import dequantize, quantize
 from qformats.schemes import QuantScheme
 
 DEFAULT_RATIOS = tuple(float(r) for r in np.linspace(0.5, 1.0, 26))
@@ -158,7 +159,7 @@ def mse_quantize(w, scheme: QuantScheme, axis: int = 0, ratios: Sequence[float] 
     Returns the QArray with the chosen scales (same layout as `quantize`).
     """
     w = jnp.asarray(w)
-    axis = _norm_axis(axis, w.ndim, "mse_quantize")
+    axis = normalize_axis(axis, w.ndim, "mse_quantize")
     rs = jnp.asarray(sorted(set(float(r) for r in ratios) | {1.0}), jnp.float32)
     imp = None if importance is None else jnp.asarray(importance, jnp.float32)
     if imp is not None and imp.shape != (w.shape[axis],):
@@ -172,7 +173,7 @@ def _mse_search(w, scheme, axis, rs, imp):
     base = quantize(w, scheme, axis)
     g = base.global_scale
     wt = jnp.moveaxis(w, axis, -1)
-    view, red = _grouped(wt, scheme)
+    view, red = group(wt, scheme)
     if scheme.symmetric:
         hi = jnp.max(jnp.abs(view), axis=red, keepdims=True)
         lo = -hi
@@ -189,11 +190,11 @@ def _mse_search(w, scheme, axis, rs, imp):
         d2 = (dequantize(q, jnp.float32) - wf) ** 2
         if imp is not None:
             d2 = d2 * impw
-        v, _ = _grouped(jnp.moveaxis(d2, axis, -1), scheme)
-        return _contracted(jnp.sum(v, axis=red, keepdims=True), scheme)
+        v, _ = group(jnp.moveaxis(d2, axis, -1), scheme)
+        return contract(jnp.sum(v, axis=red, keepdims=True), scheme)
 
     def body(best, r):
-        clipped = jnp.moveaxis(_ungroup(jnp.clip(view, r * lo, r * hi), scheme, wt.shape), -1, axis)
+        clipped = jnp.moveaxis(ungroup(jnp.clip(view, r * lo, r * hi), scheme, wt.shape), -1, axis)
         qc = quantize(clipped.astype(w.dtype), scheme, axis, global_scale=g)
         q = quantize(w, scheme, axis, scale=qc.scale, zero_point=qc.zero_point, global_scale=g)
         e = err_of(q)

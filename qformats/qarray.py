@@ -9,11 +9,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qformats.codec import decode
+from qformats.codec import decode, encode
 from qformats.errors import SchemeError
-from qformats.formats import IntFormat
+from qformats.formats import FloatFormat, IntFormat
+from qformats.grouping import expand, expected_shapes, transposed_shape
 from qformats.packing import unpack
 from qformats.schemes import QuantScheme
+
+
+def round_elements(scaled: jax.Array, fmt: "FloatFormat | IntFormat") -> jax.Array:
+    """The element codes a QArray stores for already-scaled values y = x / s + z (before packing).
+
+    Integers: q = round_half_even(clamp(y, qmin, qmax)) (NaN -> 0), stored offset as uint8 u = q - qmin,
+    except signed int8, stored as int8 q. Floats: `encode(y, fmt, overflow="saturate")` (nearest code, ties
+    to even, +-max on overflow), with an exact -0 input giving the +0 code, as llm-compressor's oneshot
+    writes it (compressed-tensors adds a zero point of 0 to symmetric weights: -0 + 0 = +0); tiny negatives
+    that round to zero keep their sign (-0 code).
+    """
+    if isinstance(fmt, IntFormat):
+        q = jnp.round(jnp.clip(scaled, fmt.qmin, fmt.qmax))
+        q = jnp.where(jnp.isnan(q), 0, q).astype(jnp.int32)
+        if fmt.bits == 8 and fmt.signed:
+            return q.astype(jnp.int8)
+        return (q - fmt.qmin).astype(jnp.uint8)
+    scaled = jnp.where(scaled == 0, jnp.float32(0), scaled)
+    return encode(scaled, fmt, overflow="saturate")
+
+
+def element_values(codes: jax.Array, fmt: "FloatFormat | IntFormat", dtype=jnp.float32) -> jax.Array:
+    """Inverse of `round_elements` on the codes it returns: the element values before scaling.
+
+    Integers: q = u + qmin (int8: q itself), the zero point not yet subtracted; floats: `decode(codes, fmt)`.
+    Exact in float32; a narrower `dtype` rounds as `astype` does.
+    """
+    if isinstance(fmt, IntFormat):
+        if codes.dtype == jnp.int8:
+            return codes.astype(dtype)
+        return (codes.astype(jnp.int32) + fmt.qmin).astype(dtype)
+    return decode(codes, fmt, dtype=dtype)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -66,9 +99,7 @@ class QArray:
     @property
     def tshape(self) -> Tuple[int, ...]:
         """The logical shape with the reduction axis moved last."""
-        s = list(self.shape)
-        k = s.pop(self.axis)
-        return tuple(s) + (k,)
+        return transposed_shape(self.shape, self.axis)
 
     @property
     def format(self):
@@ -98,13 +129,7 @@ class QArray:
 
     def element_values(self, dtype=jnp.float32) -> jax.Array:
         """Element values before scaling (integers for int formats, with zero point not yet applied)."""
-        fmt = self.scheme.format
-        c = self.element_codes()
-        if isinstance(fmt, IntFormat):
-            if c.dtype == jnp.int8:
-                return c.astype(dtype)
-            return (c.astype(jnp.int32) + fmt.qmin).astype(dtype)
-        return decode(c, fmt, dtype=dtype)
+        return element_values(self.element_codes(), self.scheme.format, dtype)
 
     def scale_values(self, dtype=jnp.float32) -> jax.Array:
         """The contracted scale as floats (E8M0 codes decoded to 2^(e-127)), global scale not applied."""
@@ -114,15 +139,13 @@ class QArray:
 
     def expanded_scale(self, dtype=jnp.float32) -> jax.Array:
         """The effective scale broadcast to `tshape` (a derived view; never stored)."""
-        from qformats.quantize import _expand  # local: quantize imports this module
         s = self.scale_values(jnp.float32)
         if self.global_scale is not None:
             s = s / self.global_scale.astype(jnp.float32)
-        return _expand(s, self.scheme, self.tshape).astype(dtype)
+        return expand(s, self.scheme, self.tshape).astype(dtype)
 
     def check(self) -> None:
         """Validate shapes of all parts against the scheme (non-jit; raises SchemeError)."""
-        from qformats.quantize import expected_shapes
         want = expected_shapes(self.scheme, self.shape, self.axis)
         for part in ("codes", "scale", "zero_point", "global_scale"):
             arr, exp = getattr(self, part), want.get(part)

@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+"""The float dtypes the library quantizes from and rounds to (inputs of encode/quantize, dtypes of `rnd`)."""
+
 _F16_MIN_NORMAL = np.float32(2.0 ** -14)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from qformats import (FormatError, QArray, QuantScheme, SchemeError, dequantize, fake_quantize, presets,
                       quantize)
-from qformats.quantize import expected_shapes
+from qformats.grouping import expected_shapes
 
 KEY = jax.random.key(0)
 W = jax.random.normal(KEY, (256, 96), jnp.float32) * 0.05  # a Flax kernel [in, out]
