@@ -1,8 +1,9 @@
 """Quantized matmul dispatch: x @ dequantize(q) through a registered kernel, or the XLA dequantize-then-dot path.
 
 A kernel may read its own weight layout: it registers a `prepare(q) -> payload` function, `prepare_weight(q)`
-runs it once (at load / quantize time) and the layers keep the returned `Prepared` (kernel name + payload
-pytree) next to the QArray; `qdot(x, q, prepared)` then hands the payload to that kernel instead of repacking.
+runs it once (at load / quantize time) and the layers keep the returned `KernelWeight` (kernel name + payload
+pytree) next to the QArray; `qdot(x, q, kernel_weight)` then hands the payload to that kernel instead of
+repacking.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class KernelEntry:
 
 
 @jax.tree_util.register_pytree_node_class
-class Prepared:
-    """A weight repacked for one kernel: `name` (static) and `payload` (a pytree of arrays)."""
+class KernelWeight:
+    """A weight repacked into one registered kernel's own layout: `name` (the kernel's, static) and `payload`
+    (a pytree of arrays, what that kernel's `prepare(q)` returned)."""
 
     def __init__(self, name: str, payload: Any):
         self.name = name
@@ -51,7 +53,7 @@ class Prepared:
         return cls(name, children[0])
 
     def __repr__(self) -> str:
-        return f"Prepared({self.name!r}, {self.payload!r})"
+        return f"KernelWeight({self.name!r}, {self.payload!r})"
 
 
 _REGISTRY: List[KernelEntry] = []
@@ -69,15 +71,23 @@ def register_kernel(name: str, supports, fn, priority: int = 0, prepare=None) ->
 
 
 def registered_kernels() -> List[str]:
+    """The names of the registered kernels, highest priority first."""
     return [e.name for e in _REGISTRY]
 
 
 def set_kernels_enabled(enabled: bool) -> None:
-    """Turn registered kernels on or off globally (env QFORMATS_DISABLE_KERNELS=1 starts with them off)."""
+    """Turn registered kernels on or off globally (env QFORMATS_DISABLE_KERNELS=1 starts with them off).
+
+    The flag is read at trace time: `qdot`, `prepare_weight` and the layers' code-path choice consult it when a
+    function is traced, so a function jit-compiled before the call keeps the path it was compiled with until
+    it is traced again (a new jit, or new shapes / static arguments). Refresh cached kernel layouts with
+    `qformats.nn.prepare_kernels(model)` after changing it.
+    """
     _ENABLED["kernels"] = bool(enabled)
 
 
 def kernels_enabled() -> bool:
+    """Whether registered kernels are on (`set_kernels_enabled`; read at trace time)."""
     return _ENABLED["kernels"]
 
 
@@ -97,7 +107,7 @@ def _takes(e: KernelEntry, x, q, backend: str) -> bool:
         return False
 
 
-def prepare_weight(q: QArray, backend: Optional[str] = None) -> Optional[Prepared]:
+def prepare_weight(q: QArray, backend: Optional[str] = None) -> Optional[KernelWeight]:
     """The kernel layout of q for the kernel `qdot` would pick on `backend`, or None (XLA path, kernels off,
     or a kernel that reads the QArray as it is). Run once per weight; pass the result to `qdot`."""
     if not isinstance(q, QArray) or q.ndim != 2:
@@ -105,7 +115,7 @@ def prepare_weight(q: QArray, backend: Optional[str] = None) -> Optional[Prepare
     entry = select_kernel(None, q, backend)
     if entry is None or entry.prepare is None:
         return None
-    return Prepared(entry.name, entry.prepare(q))
+    return KernelWeight(entry.name, entry.prepare(q))
 
 
 def xla_qdot(x: jax.Array, q: QArray) -> jax.Array:
@@ -115,12 +125,12 @@ def xla_qdot(x: jax.Array, q: QArray) -> jax.Array:
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def qdot(x: jax.Array, q: QArray, prepared: Optional[Prepared] = None) -> jax.Array:
+def qdot(x: jax.Array, q: QArray, kernel_weight: Optional[KernelWeight] = None) -> jax.Array:
     """y[..., n] = sum_k x[..., k] * W[k, n] with W = dequantize(q), q of logical shape [K, N] quantized along
     K (axis 0, the Flax kernel layout). Uses a registered kernel when one supports (x, q) on this backend,
     else the XLA path. Accumulates in float32; the result has x's dtype.
 
-    `prepared` (from `prepare_weight(q)`) is handed to its kernel when that kernel is enabled and takes
+    `kernel_weight` (from `prepare_weight(q)`) is handed to its kernel when that kernel is enabled and takes
     (x, q) here; otherwise it is ignored and the usual selection applies (never a wrong answer: a payload
     is only used by the kernel that made it)."""
     if q.ndim != 2:
@@ -128,10 +138,10 @@ def qdot(x: jax.Array, q: QArray, prepared: Optional[Prepared] = None) -> jax.Ar
     if x.shape[-1] != q.shape[0]:
         raise KernelError(f"qdot: x has K = {x.shape[-1]} (shape {tuple(x.shape)}) but the weight has "
                           f"K = {q.shape[0]} (shape {q.shape}, {q.scheme.describe()})")
-    if prepared is not None and _ENABLED["kernels"]:
-        e = next((e for e in _REGISTRY if e.name == prepared.name), None)
+    if kernel_weight is not None and _ENABLED["kernels"]:
+        e = next((e for e in _REGISTRY if e.name == kernel_weight.name), None)
         if e is not None and _takes(e, x, q, jax.default_backend()):
-            return e.fn(x, q, prepared.payload)
+            return e.fn(x, q, kernel_weight.payload)
     entry = select_kernel(x, q)
     if entry is not None:
         return entry.fn(x, q, None)

@@ -16,24 +16,27 @@ Linen::
     qmodule, qparams = quantize_linen(module, params, [Rule(".*", "W8A16")], x)  # x: example inputs
     y = qmodule.apply(qparams, x)
 
-Modules: `modules` (QLinear, QLinearGeneral, QEinsum), `rules` (Rule, validation), `transform`
-(quantize_model, convert, prepare_kernels), `linen` (QDense, QDenseGeneral, linen.QEinsum),
-`linen_transform` (quantize_linen), `checkpoint` (load_quantized / export_quantized: pure glue for
-checkpoint readers and writers), `stats` (param_bytes). Observers and the MSE weight search are pure
-functions in `qformats.observers`; GPTQ is `qformats.gptq`.
+Modules: `projection` (the layer math as pure functions of arrays, shared by NNX and linen), `nnx_layers`
+(QLinear, QLinearGeneral, QEinsum and their variable types), `weight_search` (WEIGHT_SEARCHES, quantize_weight),
+`rules` (Rule, validation), `graph` (find / replace modules in an NNX graph), `transform` (quantize_model,
+convert, prepare_kernels), `linen` (QDense, QDenseGeneral, linen.QEinsum), `linen_transform` (quantize_linen),
+`checkpoint` (load_quantized / export_quantized: pure glue for checkpoint readers and writers), `stats`
+(param_bytes). Observers and the MSE search are pure functions in `qformats.observers`; GPTQ is `qformats.gptq`.
 """
 
-from qformats.nn.modules import (CalibStat, KernelCache, PackedParam, QEinsum, QLinear, QLinearGeneral,
-                                 QuantStat, quantize_weight)
+from qformats.nn.nnx_layers import (CalibStat, KernelCache, PackedParam, QEinsum, QLinear, QLinearGeneral,
+                                    QuantizedMatmul, QuantStat)
+from qformats.nn.weight_search import WEIGHT_SEARCHES, quantize_weight
 from qformats.nn.rules import Rule, resolve_scheme
 from qformats.nn.transform import convert, prepare_kernels, quantize_model, quantized_layers
 from qformats.nn.stats import param_bytes
 from qformats.nn.linen import QDense, QDenseGeneral
-from qformats.nn.linen_transform import QuantizedLinen, quantize_linen, quantize_params, record_layouts
+from qformats.nn.linen_transform import QuantizedLinen, WeightLayout, quantize_linen, quantize_params, record_layouts
 from qformats.nn.checkpoint import export_quantized, load_quantized
 
-__all__ = ["QLinear", "QLinearGeneral", "QEinsum", "QuantStat", "CalibStat", "KernelCache", "PackedParam", "Rule",
+__all__ = ["QLinear", "QLinearGeneral", "QEinsum", "QuantizedMatmul", "QuantStat", "CalibStat", "KernelCache",
+           "PackedParam", "Rule", "WEIGHT_SEARCHES",
            "quantize_model", "convert", "prepare_kernels", "quantized_layers", "quantize_weight", "resolve_scheme",
            "param_bytes",
-           "QDense", "QDenseGeneral", "QuantizedLinen", "quantize_linen", "quantize_params", "record_layouts",
-           "load_quantized", "export_quantized"]
+           "QDense", "QDenseGeneral", "QuantizedLinen", "WeightLayout", "quantize_linen", "quantize_params",
+           "record_layouts", "load_quantized", "export_quantized"]

@@ -4,7 +4,7 @@
 The tensors are given per Flax module path ("encoder/layers/0/attention/query") as a dict of local names:
 "weight" (a QArray of logical shape [in, out] = the Flax kernel, quantized along axis 0 — the layout
 `converters.ct_read` returns) and optionally "bias", "input_scale", "input_global_scale". Mapping checkpoint
-names to module paths is the caller's (the model knows its names; see examples/eval.py for MiniLM).
+names to module paths is the caller's (the model knows its names).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qformats.errors import ModelError
-from qformats.nn.modules import QLinear, QuantStat, _QuantizedMatmul
-from qformats.nn.transform import _references, _set
+from qformats.nn.graph import module_references, replace_child
+from qformats.nn.nnx_layers import QLinear, QuantizedMatmul, QuantStat
 from qformats.qarray import QArray
 from qformats.schemes import QuantScheme, SchemeSet
 
@@ -35,7 +35,7 @@ def load_quantized(model: nnx.Module, modules: Mapping[str, Mapping[str, Any]],
     a mismatch raises ModelError naming the module path and nothing is swapped. Returns the swapped paths.
     """
     input_schemes = input_schemes or {}
-    refs = {path: (lin, parents) for path, lin, parents in _references(model, nnx.Linear).values()}
+    refs = {path: (lin, parents) for path, lin, parents in module_references(model, nnx.Linear).values()}
     plan = []
     for path, tensors in modules.items():
         q = tensors.get("weight")
@@ -66,7 +66,7 @@ def load_quantized(model: nnx.Module, modules: Mapping[str, Mapping[str, Any]],
         if tensors.get("input_global_scale") is not None:
             new.input_global_scale = QuantStat(jnp.asarray(tensors["input_global_scale"], jnp.float32).reshape(1))
         for parent, key in parents:
-            _set(parent, key, new)
+            replace_child(parent, key, new)
         done.append(path)
     return done
 
@@ -76,7 +76,7 @@ def export_quantized(model: nnx.Module) -> Dict[str, Dict[str, Any]]:
     plus its SchemeSet under "schemes" — what a compressed-tensors writer needs (the inverse of load_quantized).
     QAT layers must be `convert`ed first (ModelError otherwise)."""
     out = {}
-    for path, m, _ in _references(model, _QuantizedMatmul).values():
+    for path, m, _ in module_references(model, QuantizedMatmul).values():
         if m.mode != "ptq":
             raise ModelError(f"{path}: layer is in {m.mode!r} mode; call qformats.nn.convert(model) first")
         t: Dict[str, Any] = {"weight": m.kernel.get_value(), "schemes": m.schemes}

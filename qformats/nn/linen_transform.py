@@ -9,7 +9,7 @@ calls are intercepted — nothing global (no `jax.lax` patching), and only insid
 
 Params alone do not say which module a kernel belongs to or which of its axes are contracted, so
 `record_layouts` runs `module.apply` once under `jax.eval_shape` (no FLOPs, no memory) on example inputs
-with an interceptor that notes, per scope path, the module type and its attributes (`KernelLayout`).
+with an interceptor that notes, per scope path, the module type and its attributes (`WeightLayout`).
 Without example inputs only 2-D kernels can be quantized (taken as Dense [K, N]).
 """
 
@@ -26,17 +26,18 @@ import jax
 import jax.numpy as jnp
 
 from qformats.errors import ModelError
-from qformats.nn.modules import _norm_axes, packed_project, quantize_weight
+from qformats.nn.linen import as_shape
+from qformats.nn.projection import (check_einsum_acts, einsum_layout, einsum_matrix, norm_axes, packed_einsum,
+                                    packed_linear, packed_linear_general)
 from qformats.nn.rules import check_fit, compile_rules, select
+from qformats.nn.weight_search import RTN, quantize_weight, search_name
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
-
-from qformats.nn.linen import _dense_general, _einsum, _einsum_layout, _tuple
 
 
 # ---- layouts: what a kernel in the params tree is ---------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class KernelLayout:
+class WeightLayout:
     """How one linen layer's kernel becomes the [K, N] matrix it is quantized as.
 
     The matrix is `transpose(kernel, perm).reshape(K, N)` (per layer; `kernel_shape` excludes axes that
@@ -59,9 +60,9 @@ class KernelLayout:
     error: Optional[str] = None
 
 
-def _dense_layout(kernel_shape) -> KernelLayout:
+def _dense_layout(kernel_shape) -> WeightLayout:
     k, n = (int(d) for d in kernel_shape)
-    return KernelLayout("Dense", (k, n), (0, 1), k, n)
+    return WeightLayout("Dense", (k, n), (0, 1), k, n)
 
 
 def _call_input(args, kwargs):
@@ -74,32 +75,32 @@ def _einsum_str(mod: nn.Einsum, args, kwargs) -> Optional[str]:
     return None if s is None else s.replace(" ", "")
 
 
-def _layout_of(mod: nn.Module, kernel_shape, args, kwargs) -> KernelLayout:
+def _layout_of(mod: nn.Module, kernel_shape, args, kwargs) -> WeightLayout:
     """The layout of a Dense / DenseGeneral / Einsum call (`kernel_shape`: the per-layer kernel's)."""
     kernel_shape = tuple(int(d) for d in kernel_shape)
     if isinstance(mod, nn.Dense):
         return _dense_layout(kernel_shape)
     if isinstance(mod, nn.DenseGeneral):
         x = _call_input(args, kwargs)
-        axis, features = _norm_axes(mod.axis, x.ndim), _tuple(mod.features)
-        batch = _norm_axes(mod.batch_dims, x.ndim)
+        axis, features = norm_axes(mod.axis, x.ndim), as_shape(mod.features)
+        batch = norm_axes(mod.batch_dims, x.ndim)
         nb, na = len(batch), len(axis)
         k, n = math.prod(kernel_shape[nb:nb + na]), math.prod(kernel_shape[nb + na:])
         err = None
         if batch:
             err = (f"DenseGeneral with batch_dims {batch} is not supported (a quantized weight is one [K, N] "
                    "matrix); leave it out with Rule(path, None)")
-        return KernelLayout("DenseGeneral", kernel_shape, tuple(range(len(kernel_shape))), k, n, axis=axis,
+        return WeightLayout("DenseGeneral", kernel_shape, tuple(range(len(kernel_shape))), k, n, axis=axis,
                             features=features, batch_dims=batch, error=err)
     s = _einsum_str(mod, args, kwargs)
     try:
         if s is None:
             raise ModelError("Einsum without an einsum_str")
-        perm, k, last = _einsum_layout(s, kernel_shape)
+        perm, k, last = einsum_layout(s, kernel_shape)
     except ModelError as e:
-        return KernelLayout("Einsum", kernel_shape, tuple(range(len(kernel_shape))), 0, 0, einsum_str=s,
+        return WeightLayout("Einsum", kernel_shape, tuple(range(len(kernel_shape))), 0, 0, einsum_str=s,
                             contracts_last=False, error=str(e))
-    return KernelLayout("Einsum", kernel_shape, perm, k, math.prod(kernel_shape) // k, einsum_str=s,
+    return WeightLayout("Einsum", kernel_shape, perm, k, math.prod(kernel_shape) // k, einsum_str=s,
                         contracts_last=last)
 
 
@@ -110,15 +111,15 @@ def _root(variables):
     return variables["params"] if isinstance(variables.get("params"), Mapping) else variables
 
 
-def record_layouts(module: nn.Module, variables: Mapping, *example_args, **example_kwargs) -> Dict[str, KernelLayout]:
-    """{"/"-joined scope path: KernelLayout} for every `Dense` / `DenseGeneral` / `Einsum` that
+def record_layouts(module: nn.Module, variables: Mapping, *example_args, **example_kwargs) -> Dict[str, WeightLayout]:
+    """{"/"-joined scope path: WeightLayout} for every `Dense` / `DenseGeneral` / `Einsum` that
     `module.apply(variables, *example_args, **example_kwargs)` calls (the first call of each, inside
     `nn.scan` / `nn.vmap` too). Runs under `jax.eval_shape`: shapes only, nothing is computed.
 
     `variables` may be the params dict itself (no "params" key); `example_kwargs` go to `module.apply`
     (method arguments, `rngs=`, `mutable=`, ...). ModelError if the module cannot run on them.
     """
-    found: Dict[str, KernelLayout] = {}
+    found: Dict[str, WeightLayout] = {}
 
     def record(next_fun, args, kwargs, context):
         mod = context.module
@@ -154,7 +155,7 @@ def _kernel_nodes(tree, prefix=()):
             yield from _kernel_nodes(sub, prefix + (name,))
 
 
-def _plan(root, compiled, layouts) -> Dict[str, Tuple[KernelLayout, Tuple[int, ...], SchemeSet]]:
+def _plan(root, compiled, layouts) -> Dict[str, Tuple[WeightLayout, Tuple[int, ...], SchemeSet]]:
     """Select and validate every kernel a rule quantizes → {path: (layout, stacked axes, schemes)}."""
     items = []
     for p, node in _kernel_nodes(root):
@@ -187,24 +188,19 @@ def _plan(root, compiled, layouts) -> Dict[str, Tuple[KernelLayout, Tuple[int, .
                              "{'params': 0}) are supported")
         if lead and ss.weights.strategy == "block":
             raise ModelError(f"{path}: block scales ({ss.name}) need a 2-D kernel; this one is stacked {shape}")
-        if layout.kind == "Einsum" and ss.input_activations is not None and not layout.contracts_last:
-            raise ModelError(f"{path}: einsum {layout.einsum_str!r} does not contract the input's last axis alone, "
-                             f"so its activations cannot be quantized ({ss.name}); use a weight-only scheme")
+        if layout.kind == "Einsum":
+            check_einsum_acts(path, layout.einsum_str, layout.contracts_last, ss)
         check_fit(path, layout.k, ss, static_acts=False)
         plan[path] = (layout, lead, ss)
     return plan
 
 
-def _to_matrix(kernel, layout: KernelLayout, lead):
-    """kernel [*lead, *kernel_shape] → [*lead, K, N] (contracted axes first, flattened)."""
-    nl = len(lead)
-    perm = tuple(range(nl)) + tuple(nl + p for p in layout.perm)
-    return jnp.transpose(kernel, perm).reshape(tuple(lead) + (layout.k, layout.n))
+LINEN_SEARCHES = (RTN, "mse")
+"""The weight searches `quantize_linen` runs (linen has no calibration pass: no GPTQ)."""
 
 
 def _quantize(params: Mapping, rules: Sequence, weight_search, layouts):
-    if weight_search not in (None, "mse"):
-        raise ModelError(f"weight_search must be None or 'mse', got {weight_search!r}")
+    weight_search = search_name(weight_search, LINEN_SEARCHES)
     compiled = compile_rules(rules)
     root = _root(params)
     plan = _plan(root, compiled, layouts)
@@ -218,7 +214,7 @@ def _quantize(params: Mapping, rules: Sequence, weight_search, layouts):
                 out[name] = rebuild(sub, here)
             elif name == "kernel" and path in plan:
                 layout, lead, ss = plan[path]
-                out[name] = quantize_weight(_to_matrix(sub, layout, lead), ss, weight_search)
+                out[name] = quantize_weight(einsum_matrix(sub, layout.perm, layout.k, lead), ss, weight_search)
             else:
                 out[name] = sub
         return out
@@ -228,8 +224,8 @@ def _quantize(params: Mapping, rules: Sequence, weight_search, layouts):
     return new, plan
 
 
-def quantize_params(params: Mapping, rules: Sequence, *, weight_search: Optional[str] = None,
-                    layouts: Optional[Mapping[str, KernelLayout]] = None):
+def quantize_params(params: Mapping, rules: Sequence, *, weight_search: Optional[str] = RTN,
+                    layouts: Optional[Mapping[str, WeightLayout]] = None):
     """Params tree (with or without the top "params" key) → (new tree with each selected kernel a QArray
     W [K, N] along K, {path: SchemeSet}).
 
@@ -255,13 +251,14 @@ class QuantizedLinen:
       DenseGeneral: y = (Qa(x_t.reshape(..., K)) @ dequantize(W)).reshape(..., *features) + b
       Einsum:       y = einsum(eq, Qa(x), W') + b, W' = dequantize(W) back in the kernel's layout
     with Qa the rule's input-activation quantization along the contracted axis (identity when weight-only).
-    `layouts` (path → KernelLayout as quantized; `quantize_linen` fills them) are checked against each call; a path without one must
-    have a kernel whose contracted axes come first (then [K, N] is a plain reshape), else ModelError.
+    `layouts` (path → WeightLayout as quantized; `quantize_linen` fills them) are checked against each call; a
+    path without one must have a kernel whose contracted axes come first (then [K, N] is a plain reshape), else
+    ModelError.
     """
 
     module: nn.Module
     schemes: Dict[str, SchemeSet]
-    layouts: Optional[Dict[str, KernelLayout]] = None
+    layouts: Optional[Dict[str, WeightLayout]] = None
 
     def _interceptor(self, next_fun, args, kwargs, context):
         mod = context.module
@@ -293,37 +290,35 @@ class QuantizedLinen:
         x = _call_input(args, kwargs)
         bias = mod.get_variable("params", "bias") if mod.use_bias else None
         if isinstance(mod, nn.Dense):
-            if mod.dtype is not None:
-                x = x.astype(mod.dtype)
-            y = packed_project(x, kernel, ss)
-            return y if bias is None else y + bias.astype(y.dtype)
+            return packed_linear(x, kernel, bias, ss, dtype=mod.dtype)
         if isinstance(mod, nn.DenseGeneral):
-            return _dense_general(x, kernel, bias, axis=mod.axis, features=layout.features, dtype=mod.dtype, ss=ss)
-        return _einsum(x, kernel, bias, einsum_str=layout.einsum_str, kernel_shape=layout.kernel_shape,
-                       perm=layout.perm, contracts_last=layout.contracts_last, dtype=mod.dtype, ss=ss, where=path)
+            return packed_linear_general(x, kernel, bias, ss, axis=mod.axis, out_shape=layout.features,
+                                         dtype=mod.dtype)
+        return packed_einsum(x, kernel, bias, ss, einsum_str=layout.einsum_str, kernel_shape=layout.kernel_shape,
+                             perm=layout.perm, contracts_last=layout.contracts_last, where=path, dtype=mod.dtype)
 
     def apply(self, variables, *args, **kwargs):
         with nn.intercept_methods(self._interceptor):
             return self.module.apply(variables, *args, **kwargs)
 
 
-def _call_layout(mod, path: str, kernel: QArray, args, kwargs) -> KernelLayout:
+def _call_layout(mod, path: str, kernel: QArray, args, kwargs) -> WeightLayout:
     """The layout a DenseGeneral / Einsum call implies (its float kernel shape from the module's attributes)."""
     x = _call_input(args, kwargs)
     if isinstance(mod, nn.DenseGeneral):
         if tuple(mod.batch_dims):
             raise ModelError(f"{path}: DenseGeneral with batch_dims {tuple(mod.batch_dims)} is not supported")
-        axes = _norm_axes(mod.axis, x.ndim)
-        shape = tuple(int(x.shape[a]) for a in axes) + _tuple(mod.features)
+        axes = norm_axes(mod.axis, x.ndim)
+        shape = tuple(int(x.shape[a]) for a in axes) + as_shape(mod.features)
         return _layout_of(mod, shape, args, kwargs)
-    layout = _layout_of(mod, _tuple(mod.shape), args, kwargs)
+    layout = _layout_of(mod, as_shape(mod.shape), args, kwargs)
     if layout.error is not None:
         raise ModelError(f"{path}: {layout.error}")
     return layout
 
 
 def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example_args,
-                   weight_search: Optional[str] = None, **example_kwargs):
+                   weight_search: Optional[str] = RTN, **example_kwargs):
     """(module, params) → (QuantizedLinen wrapper, quantized params), under the same Rule semantics as NNX.
 
     Every `Dense` / `DenseGeneral` / `Einsum` whose "/"-joined scope path a rule selects gets its kernel
@@ -337,7 +332,8 @@ def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example
         (shapes matter, values do not: it runs under `jax.eval_shape`), used to learn each kernel's layer
         type and contracted axes (`record_layouts`). Needed for DenseGeneral / Einsum / stacked kernels;
         without them only 2-D kernels are quantized (as Dense) and a rule selecting another is a ModelError.
-      weight_search: None (round-to-nearest) or "mse" (per-group clipping search).
+      weight_search: "rtn" (round-to-nearest; None is accepted as its alias) or "mse" (per-group clipping
+        search); `LINEN_SEARCHES`.
 
     Everything (regexes, scheme names, shapes against schemes) is validated before any weight is quantized;
     errors are ModelErrors naming the rule or the module path. `params` is not modified.
@@ -352,5 +348,5 @@ def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example
     layouts = record_layouts(module, params, *example_args, **example_kwargs) if (example_args or example_kwargs) \
         else None
     qparams, plan = _quantize(params, rules, weight_search, layouts)
-    return (QuantizedLinen(module, {p: ss for p, (_, _, ss) in plan.items()}, {p: lay for p, (lay, _, _) in plan.items()}),
-            qparams)
+    schemes = {p: ss for p, (_, _, ss) in plan.items()}
+    return QuantizedLinen(module, schemes, {p: lay for p, (lay, _, _) in plan.items()}), qparams

@@ -13,8 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qformats.errors import ModelError
-from qformats.nn.modules import (NEEDS_HESSIAN, QUANTIZED, WEIGHT_SEARCHES, _QuantizedMatmul, einsum_layout,
-                                 quantize_weight)
+from qformats.nn.graph import module_references, replace_child
+from qformats.nn.nnx_layers import QUANTIZED, QuantizedMatmul
+from qformats.nn.projection import check_einsum_acts, einsum_last_axis_error, einsum_layout
+from qformats.nn.weight_search import NEEDS_HESSIAN, RTN, quantize_weight, search_name
 from qformats.nn.rules import check_fit, compile_rules, select
 from qformats.observers import get_observer
 
@@ -23,40 +25,6 @@ logger = logging.getLogger("qformats")
 _NOTHING = object()
 MAX_FULL_MOMENTS_K = 4096
 MAX_FULL_MOMENTS_ELEMS = 4 * 4096 * 4096  # per layer incl. stacked ones: 256 MiB of float32
-
-
-def _path_str(path) -> str:
-    return "/".join(str(p) for p in path)
-
-
-def _references(model: nnx.Module, kind) -> dict:
-    """id(module of type `kind`) → (first path, module, [(parent, key), ...]) over the whole graph.
-
-    A shared module appears once with every place that refers to it, so swapping it keeps it shared.
-    """
-    found = {}
-    for path, node in nnx.iter_modules(model):
-        if isinstance(node, kind) and id(node) not in found:
-            found[id(node)] = (_path_str(path), node, [])
-    for _, parent in nnx.iter_modules(model):
-        for key, value in list(vars(parent).items()):
-            if isinstance(value, kind) and id(value) in found:
-                found[id(value)][2].append((parent, key))
-            elif isinstance(value, (list, dict)):  # plain containers held as attributes
-                items = value.items() if isinstance(value, dict) else enumerate(value)
-                for k, v in items:
-                    if isinstance(v, kind) and id(v) in found:
-                        found[id(v)][2].append((value, k))
-    return found
-
-
-def _set(parent, key, new) -> None:
-    if isinstance(parent, nnx.List):
-        parent[int(key)] = new
-    elif isinstance(parent, nnx.Module):
-        setattr(parent, key, new)
-    else:
-        parent[key] = new
 
 
 def _default_forward(model, batch):
@@ -68,7 +36,7 @@ def _default_forward(model, batch):
 
 
 def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibration_data: Optional[Iterable] = None,
-                   *, weight_search: Optional[str] = None, observer: Any = "minmax",
+                   *, weight_search: Optional[str] = RTN, observer: Any = "minmax",
                    forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True,
                    compare_rtn: bool = True, actorder: Optional[str] = "static") -> nnx.Module:
     """Swap every `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Einsum` whose path matches a rule for its
@@ -84,8 +52,9 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         H = E[x x^T] per layer: `weight_search="mse"` weights its per-group error with diag(H) and keeps
         the searched weights only where tr(dW^T H dW) beats round-to-nearest; "gptq" runs GPTQ with H. If
         a batch fails, the original modules are put back and the error propagates.
-      weight_search: None (round-to-nearest), "mse" (per-group clipping search, `observers.mse_quantize`),
-        "gptq" (GPTQ, `qformats.gptq.gptq_quantize`: llm-compressor's algorithm, act_order off; needs
+      weight_search: one of `WEIGHT_SEARCHES` (`qformats.nn.weight_search`): "rtn" (round-to-nearest; None is
+        accepted as its alias), "mse" (per-group clipping search, `observers.mse_quantize`), "gptq" (GPTQ,
+        `qformats.gptq.gptq_quantize`: llm-compressor's algorithm, columns in `actorder`; needs
         calibration_data) or "mse+gptq" (GPTQ on the MSE search's scales).
       actorder: GPTQ's column order: "static" (default, llm-compressor's GPTQModifier default: descending
         diag(H); output error 0.5-0.75x of column order in bench/gptq_parity.py) or None (column order).
@@ -101,8 +70,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     """
     if mode not in ("ptq", "qat"):
         raise ModelError(f"quantize_model: mode must be 'ptq' or 'qat', got {mode!r}")
-    if weight_search not in WEIGHT_SEARCHES:
-        raise ModelError(f"quantize_model: weight_search must be one of {WEIGHT_SEARCHES}, got {weight_search!r}")
+    weight_search = search_name(weight_search, where="quantize_model: weight_search")
     compiled = compile_rules(rules)
     calibrating = calibration_data is not None
     hessian = weight_search in NEEDS_HESSIAN
@@ -111,21 +79,21 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
                          "layer inputs' H = E[x x^T]) and mode='ptq'")
     plan: List[Tuple[str, nnx.Linear, list, Any]] = []
     full_moments = {}
-    refs = ((path, (lin, parents)) for path, lin, parents in _references(model, tuple(QUANTIZED)).values())
+    refs = ((path, (lin, parents)) for path, lin, parents in module_references(model, tuple(QUANTIZED)).values())
     for path, (lin, parents), ss in select(compiled, refs):
         k = _contracted_size(path, lin, ss, calibrating)
         check_fit(path, k, ss, static_acts=calibrating)
         # full E[x x^T] only where a weight search uses it: K <= 4096, <= 256 MiB per (stacked) layer
         layers = math.prod(lin.kernel.get_value().shape[:-2]) if isinstance(lin, nnx.Linear) else 1
         fits = k <= MAX_FULL_MOMENTS_K and layers * k * k <= MAX_FULL_MOMENTS_ELEMS
-        full_moments[path] = weight_search is not None and fits
+        full_moments[path] = weight_search != RTN and fits
         if hessian and not fits:
             raise ModelError(f"{path}: GPTQ needs the [K, K] input moments per layer; K = {k} x {layers} layer(s) "
                              f"exceeds the limit (K <= {MAX_FULL_MOMENTS_K}, {MAX_FULL_MOMENTS_ELEMS} elements)")
         if hessian and isinstance(lin, nnx.Einsum) and not einsum_layout(lin.einsum_str,
                                                                           lin.kernel.get_value().shape)[2]:
-            raise ModelError(f"{path}: einsum {lin.einsum_str!r} does not contract the input's last axis alone, so "
-                             f"its input moments cannot be collected for GPTQ; leave it out with a rule")
+            raise einsum_last_axis_error(path, lin.einsum_str, "its input moments cannot be collected for GPTQ; "
+                                         "leave it out with a rule")
         plan.append((path, lin, parents, ss))
     observers, uncalibrated = {}, []
     for path, _, _, ss in plan:
@@ -160,14 +128,14 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         else:
             new = cls.from_module(lin, ss, mode=mode, path=path, weight_search=weight_search)
             if mode == "ptq":
-                new.weight_method = weight_search or "rtn"
+                new.weight_method = weight_search
         for parent, key in parents:
-            _set(parent, key, new)
+            replace_child(parent, key, new)
         swapped.append(new)
 
     if calibrating:
         fwd = forward or _default_forward
-        guard = weight_search is not None and mode == "ptq" and compare_rtn
+        guard = weight_search != RTN and mode == "ptq" and compare_rtn
         # with the guard, keep the batches and the float model's outputs (the calibrating layers run float)
         step = _jitted(lambda m, b: fwd(m, b) if guard else (fwd(m, b), None)[1], jit)
         kept, reference = [], []
@@ -181,7 +149,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             # the calibrating layers hold the float weights: put the original modules back, unchanged
             for (_, lin, parents, _), new in zip(plan, swapped):
                 for parent, key in parents:
-                    _set(parent, key, lin)
+                    replace_child(parent, key, lin)
             raise
         floats = [q.kernel.get_value() for q in swapped] if guard else []
         for q in swapped:
@@ -211,12 +179,12 @@ def _keep_better_of_search_and_rtn(model, layers, floats, batches, reference, ru
     searched = [q.kernel.get_value() for q in layers]
     err_search = _output_sq_error(model, run, batches, reference)
     for q, w in zip(layers, floats):
-        q.set_kernel(quantize_weight(w, q.schemes, None))
+        q.set_weight(quantize_weight(w, q.schemes, RTN))
     err_rtn = _output_sq_error(model, run, batches, reference)
-    chosen = "rtn" if err_rtn <= err_search else None
+    chosen = RTN if err_rtn <= err_search else None
     if chosen is None:
         for q, s in zip(layers, searched):
-            q.set_kernel(s)
+            q.set_weight(s)
     for q in layers:
         q.weight_method = chosen or q.weight_method
     logger.info("qformats.nn: weight search output error %.6g vs round-to-nearest %.6g on the calibration "
@@ -235,9 +203,7 @@ def _contracted_size(path: str, m, ss, calibrating: bool) -> int:
             _, k, last_only = einsum_layout(m.einsum_str, kernel.shape)
         except ModelError as e:
             raise ModelError(f"{path}: {e}") from e
-        if ss.input_activations is not None and not last_only:
-            raise ModelError(f"{path}: einsum {m.einsum_str!r} does not contract the input's last axis alone, so "
-                             f"its activations cannot be quantized ({ss.name}); use a weight-only scheme")
+        check_einsum_acts(path, m.einsum_str, last_only, ss)
         return k
     if getattr(kernel, "ndim", 2) < 2:
         raise ModelError(f"{path}: expected a Linear kernel [..., K, N], found shape {tuple(kernel.shape)}")
@@ -248,27 +214,28 @@ def _contracted_size(path: str, m, ss, calibrating: bool) -> int:
     return int(kernel.shape[-2])
 
 
-def convert(model: nnx.Module, *, weight_search: Optional[str] = None) -> nnx.Module:
+def convert(model: nnx.Module, *, weight_search: Optional[str] = RTN) -> nnx.Module:
     """Every QAT QLinear → packed PTQ QLinear, in place; returns model. Outputs are identical on the XLA path
     where the packed layer dequantizes (weight-only schemes, MX, NVFP4, ...); W8A8 / FP8 layers multiply codes
     (`qformats.scaled_dot`) and agree with the QAT forward pass to float rounding."""
     for _, m in nnx.iter_modules(model):
-        if isinstance(m, _QuantizedMatmul):
+        if isinstance(m, QuantizedMatmul):
             m.convert(weight_search)
     return model
 
 
 def prepare_kernels(model: nnx.Module, backend: Optional[str] = None) -> int:
-    """Cache, on every packed layer, its weight in the layout of the kernel `qdot` picks on `backend`
-    (`qformats.dispatch.prepare_weight`); clears caches where none applies. Returns how many are cached.
+    """Cache, on every packed layer, its weight in the layout of the Pallas kernel `qdot` picks on `backend`
+    (the layer's `kernel_cache`, see `QuantizedMatmul.cache_kernel_layout`); clears caches where none applies.
+    Returns how many are cached.
 
     quantize_model, convert and the checkpoint loaders do this already; call it after turning kernels on or
     off, after `kernels_pallas.set_interpret`, or after replacing packed params by other means (e.g.
     `nnx.update` with params only), since the cache is derived from the codes.
     """
-    return sum(bool(m.prepare_kernel(backend)) for m in quantized_layers(model).values())
+    return sum(bool(m.cache_kernel_layout(backend)) for m in quantized_layers(model).values())
 
 
 def quantized_layers(model: nnx.Module) -> dict:
     """path → QLinear / QLinearGeneral / QEinsum for every quantized layer (first path of shared ones)."""
-    return {p: m for p, m, _ in _references(model, _QuantizedMatmul).values()}
+    return {p: m for p, m, _ in module_references(model, QuantizedMatmul).values()}

@@ -187,7 +187,7 @@ def test_weight_search_names_agree_everywhere():
     """The CLI's --weight-search choices and examples.calibrate's names are "rtn" + qformats.nn's searches."""
     from converters.cli import _parser
     from examples.calibrate import SEARCHES
-    from qformats.nn.modules import WEIGHT_SEARCHES
+    from qformats.nn.weight_search import WEIGHT_SEARCHES
     assert set(SEARCHES) == {"rtn"} | {s for s in WEIGHT_SEARCHES if s}
     q = next(a for a in _parser()._subparsers._group_actions[0].choices["quantize"]._actions
              if a.dest == "weight_search")

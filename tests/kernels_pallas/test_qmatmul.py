@@ -309,7 +309,7 @@ def test_layers_cache_the_kernel_layout(monkeypatch):
     try:
         model = Net()
         quantize_model(model, [Rule(".*", "MXFP4A16")])
-        cache = model.proj.prepared
+        cache = model.proj.kernel_cache
         assert isinstance(cache, KernelCache) and cache.get_value().name == "pallas_qmatmul"
         assert isinstance(cache.get_value().payload, kernels_pallas.PreparedWeight)
         assert param_bytes(model) == model.proj.kernel.get_value().nbytes + 200 * 2  # cache is not a Param
@@ -320,7 +320,7 @@ def test_layers_cache_the_kernel_layout(monkeypatch):
         assert calls == [], "the layer repacked its weight in the forward pass"
         qformats.set_kernels_enabled(False)
         try:
-            assert prepare_kernels(model) == 0 and model.proj.prepared is None
+            assert prepare_kernels(model) == 0 and model.proj.kernel_cache is None
         finally:
             qformats.set_kernels_enabled(True)
         assert prepare_kernels(model) == 1

@@ -104,7 +104,7 @@ def test_gpu_layer_uses_its_cached_layout():
             return self.proj(x)
 
     model = quantize_model(Net(), [Rule(".*", "FP6_E3M2")])
-    cache = model.proj.prepared
+    cache = model.proj.kernel_cache
     assert cache is not None and cache.get_value().name == "pallas_qmatmul"
     x = make_x((4, 512), jnp.bfloat16)
     y = nnx.jit(lambda m, v: m(v))(model, x)

@@ -53,7 +53,7 @@ def test_payload_is_prepared_once_and_used(fake_kernel):
 def test_payload_of_an_unregistered_kernel_is_ignored(fake_kernel):
     q = quantize(np.ones((128, 8), np.float32), presets["W8A16"].weights, 0)
     x = jnp.ones((1, 128), jnp.float32)
-    stale = dispatch.Prepared("gone", jnp.zeros((128, 8)))
+    stale = dispatch.KernelWeight("gone", jnp.zeros((128, 8)))
     y = qformats.qdot(x, q, stale)  # falls through to normal selection: the fake kernel, repacking itself
     assert fake_kernel == ["fn", "prepare"]
     np.testing.assert_allclose(np.asarray(y), np.asarray(dispatch.xla_qdot(x, q)) + 1.0, rtol=1e-6)
@@ -75,4 +75,4 @@ def test_layer_without_a_kernel_has_no_cache():
             self.lin = lin
 
     m = quantize_model(M(), [Rule(".*", "W4A16")])
-    assert m.lin.prepared is None and prepare_kernels(m) == 0
+    assert m.lin.kernel_cache is None and prepare_kernels(m) == 0

@@ -90,7 +90,7 @@ def test_layers_multiply_codes_and_the_flag_turns_it_off(name):
     m = One()
     calib = [x, 2 * x] if not ss.input_activations.dynamic else None
     quantize_model(m, [Rule(".*", name)], calibration_data=calib)
-    assert isinstance(m.lin, QLinear) and m.lin.prepared is None
+    assert isinstance(m.lin, QLinear) and m.lin.kernel_cache is None
     q = m.lin.kernel.get_value()
     scale = None if m.lin.input_scale is None else m.lin.input_scale.get_value()
     want = scaled_dot(quantize(x, ss.input_activations, -1, scale=scale), q)

@@ -275,11 +275,17 @@ def test_gptq_needs_calibration_data_and_fitting_layers():
 
 
 def test_without_calibration_static_scheme_warns_and_runs_dynamic():
+    """FP8's static per-tensor activation scale, uncalibrated, becomes a dynamic per-tensor one: the output is
+    the manual reference quantizing x with quantize(x, acts, -1) (FP8 multiplies codes: float rounding only)."""
+    want = _manual(Toy(), X, "FP8", acts=True)
     model = Toy()
     with pytest.warns(UserWarning, match="calibration_data"):
         quantize_model(model, [Rule(".*", "FP8")])
     assert model.heads["cls"].input_scale is None
-    assert np.isfinite(np.asarray(model(X))).all()
+    np.testing.assert_allclose(np.asarray(model(X)), np.asarray(want), rtol=2e-5, atol=2e-5)
+    # and not the weight-only result: the activations were quantized
+    weight_only = _manual(Toy(), X, "FP8", acts=False)
+    assert np.abs(np.asarray(model(X)) - np.asarray(weight_only)).max() > 1e-3
 
 
 def test_split_merge_and_jit_roundtrip():
@@ -431,7 +437,7 @@ class Unrolled(nnx.Module):
         return x
 
 
-@pytest.mark.parametrize("scheme,search", [("FP8", None), ("W4A16", "mse"), ("NVFP4", None), ("W4A16", "gptq")])
+@pytest.mark.parametrize("scheme,search", [("FP8", "rtn"), ("W4A16", "mse"), ("NVFP4", "rtn"), ("W4A16", "gptq")])
 def test_scanned_layers_calibrate_like_unrolled_ones(scheme, search):
     """Calibrating a scanned stack gives each layer the scales (and searched weights) it gets unrolled."""
     rng = np.random.default_rng(3)

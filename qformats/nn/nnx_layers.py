@@ -1,28 +1,28 @@
 """NNX quantized layers: QLinear, QLinearGeneral, QEinsum hold a packed QArray kernel (PTQ) or a float one (QAT).
 
-All three keep their weight as a 2-D matrix [K, N] (K = the contracted size, quantized along axis 0 —
-the Flax kernel layout, and compressed-tensors' [out, in] storage once transposed): an nnx.Linear
-kernel as is, a LinearGeneral kernel [*in_features, *out_features] flattened, an Einsum kernel with its
-contracted axes moved first and flattened. Scales and groups therefore run along the contraction, as
-the formats define them.
+All three keep their weight as a 2-D matrix [K, N] quantized along K (`qformats.nn.projection`, whose pure
+functions compute the packed forward passes, shared with linen): an nnx.Linear kernel as is, a LinearGeneral
+kernel [*in_features, *out_features] flattened, an Einsum kernel with its contracted axes moved first and
+flattened. This module adds what NNX needs around them: the variable types, the QAT and calibration modes.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qformats.dispatch import kernels_enabled, prepare_weight, qdot
+from qformats.dispatch import prepare_weight
 from qformats.errors import ModelError
-from qformats.gptq import gptq_quantize
-from qformats.observers import Observer, mse_quantize, static_scale
+from qformats.nn.projection import (add_bias, add_einsum_bias, check_einsum_acts, dot, einsum_apply, einsum_layout,
+                                    einsum_matrix, fake_quantize_weight, on_codes, packed_einsum, packed_linear,
+                                    packed_linear_general, quantize_acts, to_rows)
+from qformats.nn.weight_search import RTN, output_error_array, quantize_weight, search_name
+from qformats.observers import Observer, static_scale
 from qformats.qarray import QArray
-from qformats.quantize import dequantize, fake_quantize, quantize
-from qformats.scaled_dot import scaled_dot, scaled_dot_supported
 from qformats.schemes import SchemeSet
 
 MODES = ("ptq", "qat", "calibrate")
@@ -43,8 +43,9 @@ class PackedParam(nnx.Param):
 
 
 class KernelCache(nnx.Cache):
-    """A packed weight repacked into a registered kernel's own layout (`qformats.dispatch.Prepared`): derived
-    from the `kernel` param by `prepare_kernels`, not a parameter (not in `nnx.state(m, nnx.Param)`)."""
+    """A packed weight repacked into a registered Pallas kernel's own layout (`qformats.dispatch.KernelWeight`):
+    derived from the `kernel` param by `cache_kernel_layout` / `prepare_kernels`, not a parameter (not in
+    `nnx.state(m, nnx.Param)`)."""
 
 
 def _param(kernel):
@@ -56,113 +57,14 @@ def _ste(x, y):
     return x + jax.lax.stop_gradient(y - x)
 
 
-def _dot(x, w):
-    # The same contraction and accumulation as qformats.dispatch.xla_qdot, so a QAT layer and the
-    # packed layer convert() makes from it give bit-identical outputs on the XLA path.
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-WEIGHT_SEARCHES = (None, "mse", "gptq", "mse+gptq")
-NEEDS_HESSIAN = ("gptq", "mse+gptq")
-
-
-def quantize_weight(kernel, schemes: SchemeSet, weight_search: Optional[str] = None, importance=None,
-                    h=None, actorder: Optional[str] = "static") -> QArray:
-    """A kernel `[..., K, N]` → QArray along K by `weight_search`:
-
-      None: round-to-nearest, `quantize(w, scheme, 0)`;
-      "mse": per-group clipping search minimising sum_k importance_k (w - Q(w))^2 (`observers.mse_quantize`);
-      "gptq": GPTQ with H = E[x x^T] `h` [K, K] (`qformats.gptq.gptq_quantize`, llm-compressor's arithmetic),
-        round-to-nearest scales, columns in `actorder` (default "static": descending diag(H), as
-        llm-compressor's GPTQModifier; None: column order);
-      "mse+gptq": GPTQ with the scales of the "mse" search (llm-compressor's MSE observer + GPTQ).
-
-    Leading axes (layers stacked by `nnx.vmap` for `nnx.scan`) are vmapped over, together with those of
-    `importance` / `h` when they have them: every leaf of the result has them in front and the QArray's
-    static shape is the per-layer `[K, N]`, so slicing the leaves (what `nnx.scan` does) gives a valid
-    per-layer QArray.
-    """
-    if weight_search not in WEIGHT_SEARCHES:
-        raise ModelError(f"weight_search must be one of {WEIGHT_SEARCHES}, got {weight_search!r}")
-    if weight_search in NEEDS_HESSIAN and h is None:
-        raise ModelError(f"weight_search={weight_search!r} needs the layer inputs' second moments H = E[x x^T]: "
-                         "quantize with calibration_data")
-    ws = schemes.weights
-
-    def one(w, imp, hh):
-        if weight_search is None:
-            return quantize(w, ws, 0)
-        if weight_search == "mse":
-            return mse_quantize(w, ws, 0, importance=imp)
-        qp = mse_quantize(w, ws, 0, importance=imp) if weight_search == "mse+gptq" else None
-        return gptq_quantize(w, ws, hh, qparams=qp, actorder=actorder)
-
-    lead = kernel.ndim - 2
-    axes = [0]
-    for name, a, base in (("importance", importance, 1), ("h", h, 2)):
-        if a is not None and a.ndim not in (base, base + lead):
-            raise ModelError(f"quantize_weight: {name} of shape {tuple(a.shape)} does not fit a kernel of shape "
-                             f"{tuple(kernel.shape)} (expected {base} or {base + lead} dims)")
-        axes.append(0 if a is not None and a.ndim == base + lead and lead else None)
-    fn = one
-    for _ in range(lead):
-        fn = jax.vmap(fn, in_axes=tuple(axes))
-    return fn(kernel, importance, h)
-
-
-def _fake_quantize_weight(kernel, schemes: SchemeSet):
-    fn = lambda w: fake_quantize(w, schemes.weights, 0)  # noqa: E731
-    for _ in range(kernel.ndim - 2):
-        fn = jax.vmap(fn)
-    return fn(kernel)
-
-
-def _output_error(q: QArray, w, h) -> jax.Array:
-    d = dequantize(q, jnp.float32) - w.astype(jnp.float32)
-    return jnp.sum(d * (h @ d))
-
-
-def output_error(q: QArray, w, h) -> float:
-    """tr(dW^T H dW), dW = dequantize(q) - w: the mean squared output error of x @ W for E[x x^T] = H."""
-    return float(_output_error(q, w, h))
-
-
 def _value(v):
     """The value of an optional nnx.Variable (None stays None)."""
     return None if v is None else v.get_value()
 
 
-def quantize_acts(x, scheme, scale=None, global_scale=None):
-    """Qa(x) = dequantize(quantize(x, scheme, -1)) along the contracted (last) axis, with static scales when given."""
-    return dequantize(quantize(x, scheme, -1, scale=scale, global_scale=global_scale))
-
-
-def on_codes(q: QArray, schemes: SchemeSet) -> bool:
-    """Whether `packed_project` multiplies codes for this weight and scheme set (`qformats.scaled_dot`)."""
-    a = schemes.input_activations
-    return a is not None and kernels_enabled() and scaled_dot_supported(a, q.scheme, q.shape[0])
-
-
-def packed_project(x, q: QArray, schemes: SchemeSet, *, input_scale=None, input_global_scale=None, prepared=None):
-    """y = Qa(x) @ dequantize(q) for x [..., K] (already in the compute dtype) and a packed [K, N] weight.
-
-    Qa quantizes x along K by `schemes.input_activations` (dynamic, or with the static scales given) and is
-    the identity for weight-only sets. Where both scales are constant along K, symmetric, both int or both
-    fp8 (W8A8, FP8, FP8_DYNAMIC; `on_codes`), y = (sum_k qx qw) * sx * sw on the codes (`scaled_dot`: int8 /
-    fp8 GEMM, as vLLM runs such checkpoints); otherwise `qdot(dequantize(Qa(x)), q, prepared)`.
-    `qformats.set_kernels_enabled(False)` also turns the code path off (then everything is dequantized).
-    """
-    a = schemes.input_activations
-    if on_codes(q, schemes):
-        return scaled_dot(quantize(x, a, -1, scale=input_scale), q)
-    if a is not None:
-        x = quantize_acts(x, a, input_scale, input_global_scale)
-    return qdot(x, q, prepared)
-
-
-class _QuantizedMatmul(nnx.Module):
-    """Shared state and logic: a [K, N] weight (QArray or float), bias, activation quantization, calibration.
+class QuantizedMatmul(nnx.Module):
+    """The base of QLinear, QLinearGeneral, QEinsum: a [K, N] weight (QArray or float), bias, activation
+    quantization, calibration.
 
     Modes:
       "ptq": `kernel` is an `nnx.Param` holding a packed `QArray` (its leaves — codes, scale, zero point,
@@ -203,7 +105,7 @@ class _QuantizedMatmul(nnx.Module):
         # data attributes that calibration fills in (nnx.data: they may later hold Variables)
         self.input_scale = nnx.data(None)
         self.input_global_scale = nnx.data(None)
-        self.prepared = nnx.data(None)
+        self.kernel_cache = nnx.data(None)  # a KernelCache when a Pallas kernel takes the packed weight
         # how the packed weight was chosen: "rtn", or the weight search when it won (in any stacked layer)
         self.weight_method = "rtn"
         self.observer = observer
@@ -220,12 +122,13 @@ class _QuantizedMatmul(nnx.Module):
             shape = (k, k) if full_moments else (k,)
             self.calib_sq = CalibStat((jnp.zeros(self.stacked + shape, jnp.float32),
                                        jnp.zeros(self.stacked, jnp.float32)))
-        self.prepare_kernel()
+        self.cache_kernel_layout()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def finalize(self, mode: str = "ptq", weight_search: Optional[str] = None,
+    def finalize(self, mode: str = "ptq", weight_search: Optional[str] = RTN,
                  actorder: Optional[str] = "static") -> None:
-        """End calibration: static activation scales from the observer, then the kernel for `mode`.
+        """End calibration: static activation scales from the observer, then the weight for `mode` (packed
+        by `weight_search`, one of `WEIGHT_SEARCHES`; None is an alias of "rtn").
 
         With weight_search="mse" the per-group clipping search weights errors by E[x_k^2] measured on
         the calibration batches; "gptq" / "mse+gptq" run GPTQ with H = E[x x^T] (full moments needed).
@@ -235,6 +138,7 @@ class _QuantizedMatmul(nnx.Module):
         """
         if self.mode != "calibrate":
             raise ModelError(f"{self.path}: finalize() is for a calibrating layer, mode is {self.mode!r}")
+        weight_search = search_name(weight_search, where=f"{self.path}: weight_search")
         a = self.schemes.input_activations
         static_acts = a is not None and a.dynamic is not True
         w = self.kernel.get_value()
@@ -250,13 +154,13 @@ class _QuantizedMatmul(nnx.Module):
             seen = n > 0
             h = total / jnp.maximum(n, 1.0)
             diag = jnp.diagonal(h) if h.ndim == 2 else h
-            if weight_search is None:
-                return s, g, quantize_weight(w, schemes, None), None
+            if weight_search == RTN:
+                return s, g, quantize_weight(w, schemes, RTN), None
             q = quantize_weight(w, schemes, weight_search, importance=jnp.where(seen, diag, 1.0),
                                 h=h if h.ndim == 2 else None, actorder=actorder)
             if h.ndim == 2:  # keep round-to-nearest where the search does not lower tr(dW^T H dW)
-                rtn = quantize_weight(w, schemes, None)
-                keep = seen & (_output_error(q, w, h) < _output_error(rtn, w, h))
+                rtn = quantize_weight(w, schemes, RTN)
+                keep = seen & (output_error_array(q, w, h) < output_error_array(rtn, w, h))
                 q = jax.tree.map(lambda u, v: jnp.where(keep, u, v), q, rtn)
                 return s, g, q, keep
             return s, g, q, None
@@ -274,41 +178,44 @@ class _QuantizedMatmul(nnx.Module):
         self.mode = mode
         if mode == "ptq":
             self.kernel = PackedParam(q)
-            searched = weight_search is not None and (kept is None or bool(jnp.any(kept)))
-            self.weight_method = weight_search if searched else "rtn"
-            self.prepare_kernel()
+            searched = weight_search != RTN and (kept is None or bool(jnp.any(kept)))
+            self.weight_method = weight_search if searched else RTN
+            self.cache_kernel_layout()
 
-    def convert(self, weight_search: Optional[str] = None) -> None:
-        """QAT → PTQ in place: pack the float kernel (same quantization the QAT forward pass used)."""
+    def convert(self, weight_search: Optional[str] = RTN) -> None:
+        """QAT → PTQ in place: pack the float weight by `weight_search` ("rtn": the same quantization the QAT
+        forward pass used)."""
         if self.mode == "qat":
             self.kernel = PackedParam(quantize_weight(self.kernel.get_value(), self.schemes, weight_search))
             self.mode = "ptq"
-            self.prepare_kernel()
+            self.cache_kernel_layout()
 
-    def set_kernel(self, q: QArray) -> None:
-        """Replace the packed weight (same [K, N] shape) and refresh the kernel layout cache."""
+    def set_weight(self, q: QArray) -> None:
+        """Replace the packed weight (the `kernel` param, same [K, N] shape) and refresh the Pallas kernel
+        layout cache."""
         if self.mode != "ptq" or not isinstance(q, QArray):
-            raise ModelError(f"{self.path}: set_kernel takes a QArray for a PTQ layer (mode {self.mode!r}, "
+            raise ModelError(f"{self.path}: set_weight takes a QArray for a PTQ layer (mode {self.mode!r}, "
                              f"got {type(q).__name__})")
         if tuple(q.shape) != (self.k_dim, self.n_dim):
-            raise ModelError(f"{self.path}: set_kernel: expected a [{self.k_dim}, {self.n_dim}] weight, got {q.shape}")
+            raise ModelError(f"{self.path}: set_weight: expected a [{self.k_dim}, {self.n_dim}] weight, got {q.shape}")
         self.kernel = PackedParam(q)
-        self.prepare_kernel()
+        self.cache_kernel_layout()
 
-    def prepare_kernel(self, backend: Optional[str] = None) -> bool:
-        """Cache the weight in the layout of the kernel `qdot` picks on `backend` (default: jax's), once.
+    def cache_kernel_layout(self, backend: Optional[str] = None) -> bool:
+        """Cache the packed weight in the layout of the Pallas kernel `qdot` picks on `backend` (default: jax's),
+        once (`kernel_cache`: a KernelCache of a `qformats.dispatch.KernelWeight`, or None).
 
         Returns whether a layout is cached now. Cleared (the XLA path, or a kernel that repacks per call)
         when no registered, enabled kernel takes this weight there, or for layers stacked for `nnx.scan`
         (their cache would have to be split the way the scan splits params). Call again after replacing
-        the kernel's values by other means than this module (e.g. `nnx.update` with params only): the cache
+        the weight's values by other means than this module (e.g. `nnx.update` with params only): the cache
         is derived from the codes and is not refreshed on its own.
         """
         p = None
         k = self.kernel.get_value()
         if self.mode == "ptq" and not self.stacked and isinstance(k, QArray) and not on_codes(k, self.schemes):
             p = prepare_weight(k, backend)
-        self.prepared = None if p is None else KernelCache(p)
+        self.kernel_cache = None if p is None else KernelCache(p)
         return p is not None
 
     # ---- forward pieces -----------------------------------------------------------------------------
@@ -331,33 +238,28 @@ class _QuantizedMatmul(nnx.Module):
         y = quantize_acts(x, a, _value(self.input_scale), _value(self.input_global_scale))
         return _ste(x, y) if self.mode == "qat" else y
 
-    def _project(self, x):
-        """x [..., K] → Qa(x) @ W [..., N] (`packed_project` when packed)."""
-        if self.mode != "ptq":
-            return self._matmul(self._quantize_input(x))
-        if self.dtype is not None:
-            x = x.astype(self.dtype)
-        return packed_project(x, self.kernel.get_value(), self.schemes, input_scale=_value(self.input_scale),
-                              input_global_scale=_value(self.input_global_scale), prepared=_value(self.prepared))
+    def _packed(self) -> dict:
+        """The keyword arguments of the `projection.packed_*` forward passes (PTQ mode)."""
+        return dict(dtype=self.dtype, input_scale=_value(self.input_scale),
+                    input_global_scale=_value(self.input_global_scale))
 
-    def _matmul(self, x):
-        """x [..., K] (already quantized) → x @ W [..., N] for a float kernel (QAT, calibration)."""
+    def _float_project(self, x):
+        """x [..., K] → Qa(x) @ W [..., N] for a float kernel (QAT: fake-quantized, calibration: float)."""
+        x = self._quantize_input(x)
         k = self.kernel.get_value()
         if self.mode == "qat":
-            return _dot(x, _fake_quantize_weight(k, self.schemes).astype(x.dtype))
-        return _dot(x, k.astype(x.dtype))
+            return dot(x, fake_quantize_weight(k, self.schemes).astype(x.dtype))
+        return dot(x, k.astype(x.dtype))
 
     def _dense_weight(self, dtype):
-        """W [K, N] as the forward pass sees it (dequantized / fake-quantized / float)."""
+        """W [K, N] as the QAT / calibration forward pass sees it (fake-quantized / float)."""
         k = self.kernel.get_value()
-        if self.mode == "ptq":
-            return dequantize(k, dtype)
         if self.mode == "qat":
-            return _fake_quantize_weight(k, self.schemes).astype(dtype)
+            return fake_quantize_weight(k, self.schemes).astype(dtype)
         return k.astype(dtype)
 
     def _add_bias(self, y):
-        return y if self.bias is None else y + self.bias.get_value().astype(y.dtype)
+        return add_bias(y, _value(self.bias))
 
     @property
     def weight_nbytes(self) -> int:
@@ -365,7 +267,7 @@ class _QuantizedMatmul(nnx.Module):
         return k.nbytes if isinstance(k, QArray) else int(k.size * k.dtype.itemsize)
 
 
-class QLinear(_QuantizedMatmul):
+class QLinear(QuantizedMatmul):
     """A quantized `nnx.Linear`: y = Qa(x) @ W + b, W `[in, out]` quantized along `in`."""
 
     @property
@@ -378,7 +280,7 @@ class QLinear(_QuantizedMatmul):
 
     @classmethod
     def from_module(cls, linear: nnx.Linear, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = None, observer: Optional[Observer] = None,
+                    weight_search: Optional[str] = RTN, observer: Optional[Observer] = None,
                     full_moments: bool = False) -> "QLinear":
         """The quantized counterpart of `linear` (which is left untouched)."""
         kernel = linear.kernel.get_value()
@@ -391,15 +293,13 @@ class QLinear(_QuantizedMatmul):
     from_linear = from_module
 
     def __call__(self, x):
-        return self._add_bias(self._project(x))
+        if self.mode == "ptq":
+            return packed_linear(x, self.kernel.get_value(), _value(self.bias), self.schemes,
+                                 kernel_weight=_value(self.kernel_cache), **self._packed())
+        return self._add_bias(self._float_project(x))
 
 
-def _norm_axes(axes, ndim) -> Tuple[int, ...]:
-    axes = (axes,) if isinstance(axes, int) else tuple(axes)
-    return tuple(a % ndim for a in axes)
-
-
-class QLinearGeneral(_QuantizedMatmul):
+class QLinearGeneral(QuantizedMatmul):
     """A quantized `nnx.LinearGeneral` (no batch_axis): contracts `axis` of x with a kernel
     `[*in_features, *out_features]` stored flattened as [prod(in), prod(out)]."""
 
@@ -411,7 +311,7 @@ class QLinearGeneral(_QuantizedMatmul):
 
     @classmethod
     def from_module(cls, lg: nnx.LinearGeneral, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = None, observer: Optional[Observer] = None,
+                    weight_search: Optional[str] = RTN, observer: Optional[Observer] = None,
                     full_moments: bool = False):
         if lg.batch_axis:
             raise ModelError(f"{path}: LinearGeneral with batch_axis {dict(lg.batch_axis)} is not supported")
@@ -427,52 +327,38 @@ class QLinearGeneral(_QuantizedMatmul):
                    mode=mode, dtype=lg.dtype, path=path, observer=observer, full_moments=full_moments)
 
     def __call__(self, x):
-        axes = _norm_axes(self.axis, x.ndim)
-        rest = [d for d in range(x.ndim) if d not in axes]
-        xt = jnp.transpose(x, rest + list(axes))
-        lead = xt.shape[: len(rest)]
-        y = self._project(xt.reshape(lead + (self.k_dim,)))
-        return self._add_bias(y.reshape(lead + self.out_shape))
+        if self.mode == "ptq":
+            return packed_linear_general(x, self.kernel.get_value(), _value(self.bias), self.schemes, axis=self.axis,
+                                         out_shape=self.out_shape, kernel_weight=_value(self.kernel_cache),
+                                         **self._packed())
+        xr, lead = to_rows(x, self.axis)
+        return self._add_bias(self._float_project(xr).reshape(lead + self.out_shape))
 
 
-def einsum_layout(einsum_str: str, kernel_shape) -> Tuple[Tuple[int, ...], int, bool]:
-    """(perm putting the kernel's contracted axes first, K, whether x's last axis is the only contraction)."""
-    spec = einsum_str.replace(" ", "")
-    if "->" not in spec or spec.count(",") != 1 or "." in spec:
-        raise ModelError(f"einsum {einsum_str!r}: expected 'x,kernel->out' without ellipsis")
-    ins, out = spec.split("->")
-    xs, ks = ins.split(",")
-    if len(ks) != len(kernel_shape):
-        raise ModelError(f"einsum {einsum_str!r}: kernel spec {ks!r} does not fit kernel shape {tuple(kernel_shape)}")
-    contracted = [i for i, c in enumerate(ks) if c in xs and c not in out]
-    if not contracted:
-        raise ModelError(f"einsum {einsum_str!r}: the kernel shares no contracted axis with the input")
-    perm = tuple(contracted + [i for i in range(len(ks)) if i not in contracted])
-    k = math.prod(int(kernel_shape[i]) for i in contracted)
-    last_only = len(contracted) == 1 and xs[-1] == ks[contracted[0]]
-    return perm, k, last_only
+class QEinsum(QuantizedMatmul):
+    """A quantized `nnx.Einsum`: the kernel's contracted axes moved first and flattened to W [K, N]
+    (`projection.einsum_layout`):
 
+      y = einsum(einsum_str, Qa(x), W') + b,   W' = W (dequantized / fake-quantized) back in the kernel's layout,
 
-class QEinsum(_QuantizedMatmul):
-    """A quantized `nnx.Einsum`: the kernel's contracted axes moved first and flattened to [K, N].
-
-    The forward pass reshapes the (dequantized) weight back and runs the einsum. Activations can be
-    quantized (and calibrated) when the contraction is over x's last axis alone.
+    b broadcast as `nnx.Einsum` does. Activations can be quantized (and calibrated) when the contraction is
+    over x's last axis alone (ModelError naming the path otherwise); an ellipsis may stand in x and the output.
     """
 
     def __init__(self, kernel, bias, schemes, *, einsum_str, kernel_shape, **kw):
         self.einsum_str = einsum_str
         self.kernel_shape = tuple(int(d) for d in kernel_shape)
         self.perm, _, self.contracts_last = einsum_layout(einsum_str, kernel_shape)
+        check_einsum_acts(f"QEinsum {kw.get('path') or '<module>'}", einsum_str, self.contracts_last, schemes)
         super().__init__(kernel, bias, schemes, record_inputs=self.contracts_last, **kw)
 
     @classmethod
     def from_module(cls, e: nnx.Einsum, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = None, observer: Optional[Observer] = None,
+                    weight_search: Optional[str] = RTN, observer: Optional[Observer] = None,
                     full_moments: bool = False):
         kernel = e.kernel.get_value()
         perm, k, _ = einsum_layout(e.einsum_str, kernel.shape)
-        kernel = jnp.transpose(kernel, perm).reshape(k, -1)
+        kernel = einsum_matrix(kernel, perm, k)
         bias = None if e.bias is None else e.bias.get_value()
         if mode == "ptq":
             kernel = quantize_weight(kernel, schemes, weight_search)
@@ -480,15 +366,16 @@ class QEinsum(_QuantizedMatmul):
                    mode=mode, dtype=e.dtype, path=path, observer=observer, full_moments=full_moments)
 
     def __call__(self, x):
+        if self.mode == "ptq":
+            return packed_einsum(x, self.kernel.get_value(), _value(self.bias), self.schemes,
+                                 einsum_str=self.einsum_str, kernel_shape=self.kernel_shape, perm=self.perm,
+                                 contracts_last=self.contracts_last, where=self.path, **self._packed())
         if self.contracts_last:
             x = self._quantize_input(x)
         elif self.dtype is not None:
             x = x.astype(self.dtype)
-        w = self._dense_weight(x.dtype)
-        w = w.reshape(tuple(self.kernel_shape[i] for i in self.perm))
-        w = jnp.transpose(w, tuple(sorted(range(len(self.perm)), key=lambda i: self.perm[i])))
-        y = jnp.einsum(self.einsum_str, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-        return self._add_bias(y)
+        y = einsum_apply(self.einsum_str, x, self._dense_weight(x.dtype), self.kernel_shape, self.perm)
+        return add_einsum_bias(y, _value(self.bias), self.einsum_str, self.kernel_shape)
 
 
 QUANTIZED = {nnx.Linear: QLinear, nnx.LinearGeneral: QLinearGeneral, nnx.Einsum: QEinsum}
