@@ -6,7 +6,8 @@ padded with spaces to a multiple of 8), then the data section; offsets are relat
 every element is stored little-endian, row-major.
 
 The reader validates the whole header before it maps any data (sizes, offsets inside the data
-section, no overlap, known dtypes), then hands out read-only numpy views of the memory map, so a
+section tiled exactly as safetensors requires: no gap, no overlap, no trailing byte; known dtypes; regular
+files only), then hands out read-only numpy views of the memory map, so a
 tensor, or a range of its rows, costs nothing until it is touched. Dtypes go through ml_dtypes
 (`F8_E4M3` -> `float8_e4m3fn`, `BF16` -> `bfloat16`, ...) because safetensors' own numpy loader
 rejects them. The sub-byte dtypes `F4`, `F6_E2M3`, `F6_E3M2` are packed densely little-endian (element
@@ -35,6 +36,8 @@ from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 import ml_dtypes
 import numpy as np
 
+from converters.safe_files import loads_strict as _loads_strict
+from converters.safe_files import open_regular, read_json
 from qformats.errors import CheckpointError
 
 __all__ = [
@@ -122,44 +125,6 @@ class TensorInfo(NamedTuple):
 # helpers
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """Parses a JSON file (config.json, an index, ...); any failure is a CheckpointError naming it."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: expected a JSON file, found no such file") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: expected a readable JSON file, found {e.strerror or e}") from None
-    try:
-        return _loads_strict(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{path}: expected UTF-8 JSON, found invalid UTF-8 at byte {e.start}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: expected JSON, found a syntax error ({e.msg}, line {e.lineno} "
-                              f"column {e.colno})") from None
-    except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path}: expected JSON, found {type(e).__name__}: {e}") from None
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _loads_strict(text: str) -> Any:
-    # Strict JSON: no NaN/Infinity, no duplicate keys (a duplicate tensor name would be ambiguous).
-    return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
-
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -227,11 +192,14 @@ class SafetensorsFile:
     a new array. Use as a context manager.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, root: str | os.PathLike | None = None):
+        # root: the checkpoint directory a link to this file must stay inside (None: no restriction).
         self.path = Path(path)
         self._mmap: mmap.mmap | None = None
+        # Regular files only (a FIFO would block the open, /dev/zero would read forever): see safe_files.
+        fd, _ = open_regular(self.path, root, "a safetensors file")
         try:
-            with open(self.path, "rb") as f:
+            with open(fd, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 self._entries, self._metadata = self._parse_header(f, size)
                 # An empty data section still leaves 8+N > 0 bytes, so the map is never empty.
@@ -257,6 +225,8 @@ class SafetensorsFile:
         if n > MAX_HEADER_SIZE:
             raise CheckpointError(f"{where}: header length {n} exceeds safetensors' limit of "
                                   f"{MAX_HEADER_SIZE} bytes")
+        if n == 0:
+            raise CheckpointError(f"{where}: header length 0: expected a JSON object (at least '{{}}')")
         raw = f.read(n)
         if len(raw) != n:
             raise CheckpointError(f"{where}: expected a {n}-byte header, read {len(raw)} bytes")
@@ -282,18 +252,34 @@ class SafetensorsFile:
             raise CheckpointError(f"{where}: __metadata__: expected an object of string values, found "
                                   f"{_brief(metadata)}")
 
+        for key, value in metadata.items():
+            _check_text(where, "__metadata__ key", key)
+            _check_text(where, "__metadata__ value", value)
+
         entries: dict[str, _Entry] = {}
         for name, spec in header.items():
+            _check_text(where, "tensor name", name)
             info, begin, end = self._check_entry(where, name, spec, data_size)
             entries[name] = _Entry(info, data_start + begin, end - begin)
 
-        # No two non-empty tensors may share a byte (zero-size tensors may sit anywhere in range).
-        spans = sorted((e.begin, e.begin + e.nbytes, name) for name, e in entries.items() if e.nbytes)
-        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
-            if b1 < e0:
+        # As safetensors: the byte ranges, sorted, tile the data section exactly -- each begins where the
+        # previous ended, the first at 0, the last at the end of the file (no gap, no overlap, no trailing
+        # bytes). A header length a byte short (the padding absorbing it) fails here, not as a shifted read.
+        at, prev = 0, None
+        for begin, end, name in sorted((e.begin - data_start, e.begin - data_start + e.nbytes, name)
+                                       for name, e in entries.items()):
+            if begin != at:
+                how = (f"tensors {prev!r} and {name!r} overlap" if begin < at else
+                       f"tensor {name!r} leaves a gap of {begin - at} bytes before it")
                 raise CheckpointError(
-                    f"{where}: tensors {n0!r} and {n1!r} overlap: expected disjoint data_offsets, found "
-                    f"[{b0 - data_start}, {e0 - data_start}] and [{b1 - data_start}, {e1 - data_start}]")
+                    f"{where}: {how}: expected data_offsets [{at}, ...] (the end of "
+                    f"{repr(prev) if prev is not None else 'nothing: the first tensor begins at 0'}), found "
+                    f"[{begin}, {end}]")
+            at, prev = end, name
+        if at != data_size:
+            raise CheckpointError(f"{where}: expected the tensors to cover the data section exactly: they end at "
+                                  f"byte {at}, the data section holds {data_size} bytes (header length {n}, file "
+                                  f"{size} bytes)")
         return entries, dict(metadata)
 
     @staticmethod
@@ -467,6 +453,16 @@ class TensorSlice:
         return self._source.get(self._name)[key]
 
 
+def _check_text(where: str, what: str, text: str) -> None:
+    """Names and metadata must be valid Unicode (a JSON escape of a lone surrogate is not; safetensors
+    rejects it, and no file system or writer could use such a name)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointError(f"{where}: {what} {ascii(text)[:120]}: expected valid Unicode, found a lone "
+                              f"surrogate escape") from None
+
+
 def _brief(value: Any) -> str:
     """A short rendering of a (JSON) value for an error message."""
     try:
@@ -560,27 +556,32 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
     A sharded index is validated up front: every shard exists and every name in `weight_map` is in
     the shard it names. Tensors a shard holds beyond its `weight_map` entries are not exposed.
+    Every file read must be a regular file (in a directory: one inside it, see `safe_files`).
     """
     path = Path(path)
-    if path.is_file():
-        f = SafetensorsFile(path)
-        return Checkpoint(path, [f], {name: f for name in f.keys()})
     if not path.is_dir():
-        raise CheckpointError(f"{path}: expected a safetensors file or a checkpoint directory, found no such "
-                              f"path")
-    if (path / SINGLE_FILE).is_file():
-        return open_checkpoint(path / SINGLE_FILE)
-    if (path / INDEX_FILE).is_file():
+        if not os.path.lexists(path):
+            raise CheckpointError(f"{path}: expected a safetensors file or a checkpoint directory, found no "
+                                  f"such path")
+        return _open_single(path, None)
+    if os.path.lexists(path / SINGLE_FILE):
+        return _open_single(path / SINGLE_FILE, path)
+    if os.path.lexists(path / INDEX_FILE):
         return _open_sharded(path / INDEX_FILE)
-    candidates = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())
+    candidates = sorted(p.name for p in path.glob("*.safetensors"))
     if len(candidates) == 1:
-        return open_checkpoint(path / candidates[0])
+        return _open_single(path / candidates[0], path)
     found = f"{len(candidates)} other .safetensors files ({', '.join(candidates[:4])})" if candidates else "none"
     raise CheckpointError(f"{path}: expected {SINGLE_FILE} or {INDEX_FILE} in the directory, found {found}")
 
 
+def _open_single(path: Path, root: Path | None) -> Checkpoint:
+    f = SafetensorsFile(path, root)
+    return Checkpoint(path, [f], {name: f for name in f.keys()})
+
+
 def _open_sharded(index_path: Path) -> Checkpoint:
-    index = read_json(index_path)
+    index = read_json(index_path, index_path.parent)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_path}: expected an object with a 'weight_map' object, found "
@@ -594,10 +595,10 @@ def _open_sharded(index_path: Path) -> Checkpoint:
                 raise CheckpointError(f"{index_path}: tensor {name!r}: expected a shard file name inside "
                                       f"the directory, found {_brief(shard)}")
             if shard not in shards:
-                if not (root / shard).is_file():
+                if not os.path.lexists(root / shard):
                     raise CheckpointError(f"{index_path}: tensor {name!r}: expected shard file {shard!r} "
                                           f"next to the index, found no such file")
-                shards[shard] = SafetensorsFile(root / shard)
+                shards[shard] = SafetensorsFile(root / shard, root)
             if name not in shards[shard]:
                 raise CheckpointError(f"{index_path}: tensor {name!r}: expected in shard {shard!r} as the "
                                       f"weight_map says, found it missing from {root / shard}")
