@@ -10,12 +10,11 @@ from typing import Optional, TextIO
 import jax.numpy as jnp
 import numpy as np
 
-from converters.ct_read import QUANT_PARAM_NAMES, iter_modules, open_compressed
+from converters.ct_read import QUANT_PARAM_NAMES, dense_weight, iter_modules, open_compressed
 from converters.ct_write import config_with
 from converters.shard_writer import ShardedWriter
 from qformats.errors import CheckpointError
 from qformats.qarray import QArray
-from qformats.quantize import dequantize
 
 __all__ = ["DTYPES", "dequantize_checkpoint"]
 
@@ -24,9 +23,11 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 def dequantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", dtype: Optional[str] = "float32",
                           max_shard_size: "int | str" = "5GB", overwrite: bool = False,
-                          progress: "bool | TextIO" = False) -> int:
-    """Write a dense checkpoint at `dst`: each quantized module's `weight` = dequantize(q, dtype) in torch layout
-    `[out, in]` (dtype None: the dtype compressed-tensors' decompression gives), its quantization parameters
+                          progress: "bool | TextIO" = False, exact: bool = False) -> int:
+    """Write a dense checkpoint at `dst`: each quantized module's `weight` = `ct_read.dense_weight(q, dtype, exact)`
+    in torch layout `[out, in]` -- by default the values transformers loads into a `dtype` model
+    (compressed-tensors' decompression, then a cast to `dtype`; dtype None: the dtype that decompression
+    gives); exact=True: the float32 product rounded once to `dtype`. Its quantization parameters
     (weight_scale, input_scale, ...) dropped; every other tensor and file copied; config.json without
     `quantization_config` (and `torch_dtype` set to `dtype`). Returns the number of weights dequantized."""
     if dtype is not None and dtype not in DTYPES:
@@ -42,7 +43,7 @@ def dequantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", dt
                 quantized = isinstance(mod.tensors.get("weight"), QArray)
                 for local, arr in mod.tensors.items():
                     if isinstance(arr, QArray):
-                        dense = dequantize(arr, DTYPES[dtype] if dtype else None)
+                        dense = dense_weight(arr, DTYPES[dtype] if dtype else None, exact=exact)
                         w.add(prefix + local, np.ascontiguousarray(np.asarray(dense).T))
                         n += 1
                         if stream is not None:

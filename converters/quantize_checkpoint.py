@@ -302,7 +302,7 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
     stream = sys.stderr if progress is True else (progress or None)
     src_dir = src if src.is_dir() else src.parent
     cfg_path = src_dir / "config.json"
-    base_cfg = read_json(cfg_path) if cfg_path.exists() else {}
+    base_cfg = read_json(cfg_path, src_dir) if os.path.lexists(cfg_path) else {}
     if not isinstance(base_cfg, dict):
         raise CheckpointError(f"{cfg_path}: expected a JSON object, found {type(base_cfg).__name__}")
     if base_cfg.get("quantization_config"):
