@@ -85,6 +85,7 @@ class ShardedWriter:
         self.dst = Path(dst)
         self.max_shard_size = parse_size(max_shard_size)
         self.overwrite = bool(overwrite)
+        header_bytes([], metadata, where=str(self.dst))  # checks metadata (str -> str) before any work
         self.metadata = dict(metadata) if metadata is not None else None
         self._names: set[str] = set()
         self._files: set[str] = set()  # non-tensor files added
@@ -102,7 +103,9 @@ class ShardedWriter:
         if _occupied(self.dst) and not self.overwrite:
             raise CheckpointError(f"{self.dst}: expected a new path for the checkpoint, found it exists "
                                   f"(pass overwrite=True to replace it)")
-        tmp = self.dst.with_name(f".{self.dst.name}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        tag = f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        tmp = self.dst.with_name(f".{self.dst.name}.tmp-{tag}")
+        self._aside = self.dst.with_name(f".{self.dst.name}.old-{tag}")  # the old dst, where no atomic swap
         try:
             self.dst.parent.mkdir(parents=True, exist_ok=True)
             tmp.mkdir(0o777)  # the umask applies, as for a plain mkdir
@@ -225,7 +228,13 @@ class ShardedWriter:
         index, and added once."""
         self._check_open(f"file {filename!r}")
         self._check_filename(filename)
-        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        if not isinstance(data, (str, bytes, bytearray, memoryview)):
+            raise CheckpointError(f"{self.dst / filename}: expected str or bytes to write, found "
+                                  f"{type(data).__name__}")
+        try:
+            raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        except UnicodeEncodeError as e:
+            raise CheckpointError(f"{self.dst / filename}: expected text encodable as UTF-8, found {e}") from None
         self._files.add(filename)
         _write(self._tmp / filename, [raw])
         return self.dst / filename
@@ -276,7 +285,7 @@ class ShardedWriter:
         try:
             paths = self._finish_files()
             _fsync_dir(self._tmp)
-            _commit(self._tmp, self.dst, self.overwrite)
+            _commit(self._tmp, self.dst, self.overwrite, self._aside)
         except BaseException:
             self.abort()
             raise
@@ -413,9 +422,9 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def _commit(tmp: Path, dst: Path, overwrite: bool) -> None:
+def _commit(tmp: Path, dst: Path, overwrite: bool, aside: Path) -> None:
     """Moves the finished directory `tmp` to `dst` in one rename; an existing `dst` (with `overwrite`) is
-    swapped out atomically where the OS allows, then deleted."""
+    swapped out atomically where the OS allows (else renamed to `aside` first), then deleted."""
     try:
         if not _occupied(dst):
             os.rename(tmp, dst)  # replaces an empty directory atomically; refuses a non-empty one
@@ -424,7 +433,6 @@ def _commit(tmp: Path, dst: Path, overwrite: bool) -> None:
         elif _exchange(tmp, dst):
             _remove(tmp)  # the old checkpoint, now at the temp path
         else:
-            aside = tmp.with_name(tmp.name.replace(".tmp-", ".old-", 1))
             os.rename(dst, aside)
             try:
                 os.rename(tmp, dst)

@@ -127,6 +127,8 @@ def test_planned_mode_errors(tmp_path):
                              ([("x", np.float32)], "name, dtype, shape")]:
         with pytest.raises(CheckpointError, match=needle):
             ShardedWriter(tmp_path / "p", plan=bad_plan)
+    with pytest.raises(CheckpointError, match="metadata"):
+        ShardedWriter(tmp_path / "p", metadata={"k": 1})
     assert os.listdir(tmp_path) == []  # refused before anything is created
     for name, arr, needle in [("y", a, "expected tensor 'x'.*found 'y'"),
                               ("x", np.zeros(4, np.float16), "F32 \\[4\\] next, found 'x' F16"),
@@ -168,6 +170,8 @@ def test_json_and_extra_files(tmp_path):
                             ("", "plain file name"), ("w.safetensors", "weights file"), (INDEX_FILE, "weights file")]:
             with pytest.raises(CheckpointError, match=needle):
                 w.add_file(bad, "x")
+        with pytest.raises(CheckpointError, match="expected str or bytes to write, found int"):
+            w.add_file("n.txt", 5)
         with pytest.raises(CheckpointError, match="JSON-serializable"):
             w.add_json("bad.json", {"a": object()})
     assert sorted(os.listdir(tmp_path / "dst")) == sorted(["README.md", "config.json", SINGLE_FILE, "sub",
