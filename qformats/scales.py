@@ -68,7 +68,8 @@ def e8m0_code(amax: jax.Array, fmt: FloatFormat, rule: str) -> jax.Array:
       ceil:  ceil(log2 amax) - emax_elem              (torchao CEIL)
       even:  floor(log2 round_m(amax)) - emax_elem, round_m = amax rounded up at the element's mantissa
              width (torchao EVEN)
-      rceil: ceil(log2(amax / max_elem))              (NVIDIA cuBLAS / torchao RCEIL), clamped to [-127, 127]
+      rceil: ceil(log2(amax / max_elem))              (NVIDIA cuBLAS / torchao RCEIL), clamped to [-127, 127];
+             a float32 quotient below 2^-126 gives -127 (torchao's eager fallback gives -126 on (2^-127, 2^-126))
       ct:    floor(log2 p2(amax)) - floor(log2 max_elem), p2 = amax rounded to a power of two by adding
              2^(22 - m) to its f32 bits (m = 3 for 6-bit elements, else 1) and masking the mantissa
              (compressed-tensors `generate_mx_scales`), clamped to [0, 255].
@@ -127,7 +128,8 @@ def compute_scales(view: jax.Array, red: Tuple[int, ...], scheme: QuantScheme, *
     Symmetric absmax: s = amax / ((qmax - qmin) / 2), computed in x's dtype for scale_format "input" and
     NVFP4 (as compressed-tensors computes it), else in float32; zero scales -> eps of the scale dtype.
     Asymmetric int: s = (max - min) / (qmax - qmin), z = round(clamp(qmin - min / s, qmin, qmax)).
-    NVFP4: g = (1 / max(amax_tensor, tiny)) * 448 * 6 (torch's rounding; NaN/inf -> 1), s = fp8(clamp(g * amax / 6, +-448)).
+    NVFP4: g = (1 / max(amax_tensor, tiny)) * 448 * 6 (torch's rounding; NaN/inf -> 1),
+    s = fp8(clamp(g * amax / 6, +-448)).
     E8M0: see `e8m0_code`.
     """
     xd = jnp.dtype(dtype or view.dtype)  # the input's dtype: decides rounding; `view` may be upcast to f32

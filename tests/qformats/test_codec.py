@@ -6,8 +6,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qformats import FloatFormat, FormatError, decode, encode, encode_e8m0, get_format
+from qformats import FloatFormat, FormatError, IntFormat, decode, encode, encode_e8m0, get_format
 from qformats.codec import code_table
+from qformats.formats import EXAMPLE_NAMES
 
 ALL16 = np.arange(1 << 16, dtype=np.uint16)
 INPUTS = {"bfloat16": ALL16.view(ml_dtypes.bfloat16), "float16": ALL16.view(np.float16)}
@@ -176,16 +177,35 @@ def test_default_specials_ocp_rule():
     assert get_format("float6_e2m3fn") == get_format("fp6_e2m3") == FloatFormat(2, 3)
 
 
-@pytest.mark.parametrize("bad", ["fp7_e4m3", "fp9_e5m3", "fp2_e1m0", "bf17", "int9", "int1", "", "fp8_e4m3xx"])
+@pytest.mark.parametrize("bad", ["fp7_e4m3", "fp9_e5m3", "fp2_e1m0", "bf17", "int9", "int0", "uint0", "", "fp8_e4m3xx"])
 def test_get_format_rejects(bad):
     with pytest.raises(FormatError, match="unknown format|FloatFormat"):
         get_format(bad)
 
 
 def test_get_format_error_lists_valid_names():
+    """An unknown name: the error lists every example name; a fpX name whose widths do not add up: says so."""
     with pytest.raises(FormatError) as e:
+        get_format("fp8_e4m3xx")
+    for example in EXAMPLE_NAMES:
+        assert example in str(e.value)
+    with pytest.raises(FormatError, match=r"fp8 must have 1 \+ e \+ m = 8 bits, e9m9 has 19"):
         get_format("fp8_e9m9")
-    assert "fp8_e4m3fn" in str(e.value) or "1 + e + m" in str(e.value)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("signed", [True, False])
+def test_int_format_names_parse_back(bits, signed):
+    """IntFormat takes 1..8 bits (compressed-tensors packs 1..8); every name parses back to its format."""
+    fmt = IntFormat(bits, signed)
+    assert get_format(fmt.name) == fmt
+    assert (fmt.qmin, fmt.qmax) == ((-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1))
+
+
+@pytest.mark.parametrize("bits", [0, 9, 2.0, "4"])
+def test_int_format_rejects_bits(bits):
+    with pytest.raises(FormatError, match="1..8"):
+        IntFormat(bits)
 
 
 def test_invalid_float_format():
@@ -221,3 +241,68 @@ def test_int_encode_round_half_even_and_clamp():
     x = jnp.array([-9.0, -8.5, -7.5, -0.5, 0.5, 1.5, 2.5, 7.49, 7.5, 100.0, jnp.nan])
     np.testing.assert_array_equal(np.asarray(encode(x, "int4")), [-8, -8, -8, 0, 0, 2, 2, 7, 7, 7, 0])
     np.testing.assert_array_equal(np.asarray(encode(x, "uint4")), [0, 0, 0, 0, 0, 2, 2, 7, 8, 15, 0])
+
+
+# ---- float32 inputs: the sticky bits below bf16/f16 precision -------------------------------------------------
+def _random_f32(n, seed):
+    return np.random.default_rng(seed).integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+
+
+def _f32_inputs(fmt: FloatFormat, seed: int = 0) -> np.ndarray:
+    """2^20 uniformly random float32 bit patterns, 2^20 random patterns with exponents around the format's range
+    (normals, subnormals, overflow; random low bits), and every midpoint between neighbouring codes (finite
+    and the overflow neighbour past max) exactly, one float32 ulp below and above, and with random sticky bits."""
+    rng = np.random.default_rng(seed)
+    uniform = _random_f32(1 << 20, seed).view(np.uint32)
+    lo_e = max(127 + fmt.emin - fmt.mbits - 3, 0)
+    hi_e = min(127 + fmt.emax + 2, 254)
+    e = rng.integers(lo_e, hi_e + 1, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    near = (e << 23) | rng.integers(0, 1 << 23, e.size, dtype=np.uint64).astype(np.uint32)
+    vals = np.array([fmt.code_value(c) for c in range(fmt.max_code + 1)], np.float64)
+    nxt = fmt.max_code + 1  # the next value past max, as if the exponent range went on (IEEE's overflow rule)
+    nxt_val = (1 + (nxt & ((1 << fmt.mbits) - 1)) / 2 ** fmt.mbits) * 2.0 ** ((nxt >> fmt.mbits) - fmt.bias)
+    vals = np.append(vals, nxt_val)
+    mids = ((vals[:-1] + vals[1:]) / 2).astype(np.float32)  # exact: one bit more than the format has
+    assert np.all(mids.astype(np.float64) == (vals[:-1] + vals[1:]) / 2)
+    mb = mids.view(np.uint32)
+    sticky = rng.integers(1, 1 << 12, (8, mb.size), dtype=np.uint64).astype(np.uint32)
+    ties = np.concatenate([mb, mb - 1, mb + 1, (mb + sticky).ravel(), (mb - sticky).ravel()])
+    x = np.concatenate([uniform, near, ties, ties | np.uint32(1 << 31)])
+    return x.view(np.float32)
+
+
+def _saturate_oracle(x: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """overflow="saturate": ml_dtypes' cast of x clamped to [-max, max] (inf kept where the format has inf; NaN
+    as the cast gives it)."""
+    with np.errstate(invalid="ignore"):
+        clipped = np.where(np.isinf(x) & fmt.has_inf, x, np.clip(x, -fmt.max, fmt.max)).astype(np.float32)
+    return _ref_cast(clipped, fmt)
+
+
+@pytest.mark.parametrize("overflow", ["nan", "saturate"])
+@pytest.mark.parametrize("name", ML_DTYPES_FORMATS)
+def test_encode_float32_matches_ml_dtypes(name, overflow):
+    """Torch-free float32 check of every ml_dtypes format: overflow="nan" is ml_dtypes' cast bit for bit;
+    overflow="saturate" is the cast of the clamped input (`_saturate_oracle`)."""
+    fmt = get_format(name)
+    x = _f32_inputs(fmt, seed=len(name))
+    got = np.asarray(_encode_jit(jnp.asarray(x), fmt=fmt, overflow=overflow))
+    want = _ref_cast(x, fmt) if overflow == "nan" else _saturate_oracle(x, fmt)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("overflow", ["saturate", "nan"])
+@pytest.mark.parametrize("fmt", ORACLE_FORMATS, ids=lambda f: f.name)
+def test_encode_float32_near_ties_match_bruteforce_oracle(fmt, overflow):
+    """Formats without an ml_dtypes type: float32 midpoints and their sticky-bit neighbours against the brute
+    force oracle (nearest code by exact float64 distance, ties to even)."""
+    x = _f32_inputs(fmt, seed=7)[2 << 20:]  # the midpoint part
+    got = np.asarray(_encode_jit(jnp.asarray(x), fmt=fmt, overflow=overflow))
+    np.testing.assert_array_equal(got, _oracle(x, fmt, overflow))
+
+
+def test_e8m0_encode_float32_random_bits():
+    x = _random_f32(1 << 20, 11)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = x.astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
+    np.testing.assert_array_equal(np.asarray(jax.jit(encode_e8m0)(jnp.asarray(x))), want)

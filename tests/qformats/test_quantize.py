@@ -118,19 +118,47 @@ def test_fake_quantize_forward_and_straight_through_gradient():
                                   np.asarray(dequantize(quantize(x, scheme))))
     g = jax.grad(lambda v: jnp.sum(fake_quantize(v, scheme) * 3.0))(x)
     np.testing.assert_array_equal(np.asarray(g), 3.0)  # absmax scale: everything is inside the range
-    # with a static scale that clips, gradients outside the range are zero
-    g2 = jax.grad(lambda v: jnp.sum(fake_quantize(v, QuantScheme("fp8_e4m3fn", "tensor")) ** 2))(x)
-    assert np.all(np.isfinite(np.asarray(g2)))
 
 
-def test_fake_quantize_clipped_gradient_zero():
-    from qformats.quantize import _fq_bwd, _fq_fwd
-    x = jnp.array([[0.1, 0.5, 100.0]])
-    scheme = QuantScheme("int4", "channel")
-    _, inside = _fq_fwd(x, scheme, 1)
-    assert np.asarray(inside).all()  # absmax never clips
-    (g,) = _fq_bwd(scheme, 1, jnp.array([[True, False, True]]), jnp.ones((1, 3)))
-    np.testing.assert_array_equal(np.asarray(g), [[1, 0, 1]])
+MXFP4_FLOOR = QuantScheme("fp4_e2m1", "group", group_size=32, scale_format="e8m0", scale_rule="floor")
+
+
+def _mx_floor_inside(x: np.ndarray, axis: int) -> np.ndarray:
+    """Where x / s stays within the fp4 range [-6, 6] for OCP's floor rule, s = 2^(floor(log2 amax_G) - 2) over
+    groups of 32 along `axis` (exact powers of two: numpy float64 is exact here)."""
+    xt = np.moveaxis(x.astype(np.float64), axis, -1)
+    g = xt.reshape(xt.shape[:-1] + (-1, 32))
+    amax = np.abs(g).max(-1, keepdims=True)
+    s = 2.0 ** (np.floor(np.log2(amax)) - 2)
+    inside = (np.abs(g) / s <= 6).reshape(xt.shape)
+    return np.moveaxis(inside, -1, axis)
+
+
+def test_fake_quantize_clipped_gradient_is_zero():
+    """The floor rule clips: amax_G / s lies in [4, 8), so elements above 6 s saturate and get no gradient."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 6)).astype(np.float32)
+    x[5, 1], x[40, 3] = 7.9, -7.5  # groups whose amax is far into the clipped part of its binade
+    inside = _mx_floor_inside(x, 0)
+    assert 0 < (~inside).sum() < inside.size // 4  # some elements clipped, most not
+    g = jax.grad(lambda v: jnp.sum(fake_quantize(v, MXFP4_FLOOR, axis=0) * 3.0))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(g), np.where(inside, 3.0, 0.0))
+    np.testing.assert_array_equal(np.asarray(fake_quantize(jnp.asarray(x), MXFP4_FLOOR, axis=0)),
+                                  np.asarray(dequantize(quantize(jnp.asarray(x), MXFP4_FLOOR, axis=0))))
+
+
+def test_fake_quantize_backward_uses_the_forward_mask():
+    """jax.vjp: the cotangent passes exactly where the forward pass found x inside the range (its residual),
+    for an arbitrary cotangent, along a non-default axis."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 64)).astype(np.float32) * 4
+    x[0, 5], x[2, 40] = 13.0, -30.0  # 13 / 2^(3 - 2) = 6.5 and 30 / 2^(4 - 2) = 7.5: clipped
+    _, vjp = jax.vjp(lambda v: fake_quantize(v, MXFP4_FLOOR, axis=1), jnp.asarray(x))
+    ct = rng.standard_normal(x.shape).astype(np.float32)
+    (g,) = vjp(jnp.asarray(ct))
+    inside = _mx_floor_inside(x, 1)
+    assert (~inside).any() and inside.any()
+    np.testing.assert_array_equal(np.asarray(g), np.where(inside, ct, 0.0))
 
 
 @pytest.mark.parametrize("bad, err, match", [
