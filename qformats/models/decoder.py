@@ -1,0 +1,564 @@
+"""The llama / mistral / qwen2 / qwen3 causal-LM family in Flax NNX, built from an HF config.json, with a KV cache.
+
+One skeleton covers the four HF families (they differ only in config switches):
+
+    embed_tokens -> L x [x + o(attn(rope(q), rope(k), v)); x + down(silu(gate(x)) * up(x))] -> norm -> lm_head
+
+with RMSNorm before each sub-block, grouped-query attention (`num_key_value_heads` <= `num_attention_heads`),
+q/k/v biases (qwen2, or `attention_bias`), per-head q/k RMSNorm (qwen3), sliding-window layers (mistral,
+qwen2/qwen3 with `use_sliding_window`) and tied input/output embeddings. Every module sits at its HF path
+(`model/layers/{i}/self_attn/q_proj`, `model/layers/{i}/mlp/gate_proj`, `lm_head`, ...), so HF tensor names,
+compressed-tensors module names and `qformats.nn` rules map 1:1 ('.' <-> '/').
+
+The KV cache is an explicit pytree (`KVCache`) passed in and out of `CausalLM.__call__`; prefill and decode are
+the same function (positions start at `cache.length`), so both jit and `qformats.models.generate` runs them in one
+compiled loop. No file I/O here: `load_hf_tensors` fills a model from a mapping of HF state-dict tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qformats.errors import ModelError
+from qformats.nn import QLinear, Rule
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "llama3")
+# transformers' config-class defaults for keys a config.json may leave out (others are required)
+_HEAD_DIM_DEFAULT = {"qwen3": 128}
+_MISTRAL_SLIDING_WINDOW_DEFAULT = 4096
+_QWEN_SLIDING_WINDOW_DEFAULT = 4096
+_QWEN_MAX_WINDOW_LAYERS_DEFAULT = 28
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding of HF's "default" and "llama3" rope types.
+
+    default: inv_freq_j = theta^(-2j / head_dim), j = 0 .. head_dim/2 - 1.
+    llama3 (Llama 3.1): with wavelen_j = 2 pi / inv_freq_j, L = original_max_position_embeddings,
+      inv_freq_j / factor                            if wavelen_j > L / low_freq_factor,
+      inv_freq_j                                     if wavelen_j < L / high_freq_factor,
+      (1 - s) inv_freq_j / factor + s inv_freq_j     otherwise, s = (L / wavelen_j - low) / (high - low).
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """The [head_dim / 2] float32 inverse frequencies (computed in float32, as transformers does)."""
+        exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+        inv = (np.float32(1.0) / np.power(np.float32(self.theta), exponent)).astype(np.float32)
+        if self.rope_type == "default":
+            return inv
+        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > low_wavelen, inv / np.float32(self.factor), inv)
+        smooth = ((self.original_max_position_embeddings / wavelen - self.low_freq_factor)
+                  / (self.high_freq_factor - self.low_freq_factor))
+        smoothed = (1 - smooth) * scaled / np.float32(self.factor) + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """The hyper-parameters of one llama / mistral / qwen2 / qwen3 model (frozen, hashable).
+
+    `sliding_windows[i]` is layer i's attention window (None: full causal attention): query position p sees
+    key positions s with p - window < s <= p. `qkv_bias` / `o_bias` / `mlp_bias`: which projections have a
+    bias. `qk_norm`: per-head RMSNorm on queries and keys before RoPE (qwen3). `dtype`: the checkpoint's stored
+    dtype name from config.json ("bfloat16", ...), informational (the model's dtype is chosen at construction).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    sliding_windows: Tuple[Optional[int], ...] = ()
+    max_position_embeddings: int = 2048
+    dtype: Optional[str] = None
+
+    def __post_init__(self):
+        if not self.sliding_windows:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise ModelError(f"DecoderConfig: {len(self.sliding_windows)} sliding windows for {self.num_layers} layers")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelError(f"DecoderConfig: num_attention_heads = {self.num_heads} is not a multiple of "
+                             f"num_key_value_heads = {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ModelError(f"DecoderConfig: head_dim = {self.head_dim} must be even for RoPE")
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> "DecoderConfig":
+        """Read an HF `config.json` dict of model_type llama, mistral, qwen2 or qwen3 (transformers' defaults for
+        keys it leaves out). Anything this model would not compute as transformers does is a ModelError:
+        another model_type, an activation other than silu, a rope type other than default / llama3, a partial
+        rotary factor, unknown layer types."""
+        mt = cfg.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ModelError(f"config.json: model_type {mt!r} is not supported; supported model types: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+        def need(key):
+            if cfg.get(key) is None:
+                raise ModelError(f"config.json ({mt}): missing {key!r}")
+            return cfg[key]
+
+        hidden, heads, layers = int(need("hidden_size")), int(need("num_attention_heads")), int(need("num_hidden_layers"))
+        kv_heads = cfg.get("num_key_value_heads")
+        if kv_heads is None:
+            kv_heads = 8 if mt == "mistral" else heads
+        head_dim = cfg.get("head_dim") or _HEAD_DIM_DEFAULT.get(mt) or hidden // heads
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelError(f"config.json ({mt}): hidden_act {act!r} is not supported (only 'silu')")
+        max_pos = int(cfg.get("max_position_embeddings") or 2048)
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+        return cls(
+            model_type=mt, vocab_size=int(need("vocab_size")), hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")), num_layers=layers, num_heads=heads,
+            num_kv_heads=int(kv_heads), head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf(cfg, mt, max_pos),
+            qkv_bias=mt == "qwen2" or (mt in ("llama", "qwen3") and bool(cfg.get("attention_bias", False))),
+            o_bias=mt in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
+            mlp_bias=mt == "llama" and bool(cfg.get("mlp_bias", False)),
+            qk_norm=mt == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_windows=_windows_from_hf(cfg, mt, layers),
+            max_position_embeddings=max_pos, dtype=None if dtype is None else str(dtype))
+
+
+def _rope_from_hf(cfg: Mapping[str, Any], mt: str, max_pos: int) -> RopeConfig:
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rp, Mapping):
+        raise ModelError(f"config.json ({mt}): rope_parameters must be a dict, got {rp!r}")
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelError(f"config.json ({mt}): rope type {rope_type!r} is not supported; supported: "
+                         f"{', '.join(ROPE_TYPES)}")
+    prf = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if prf is not None and float(prf) != 1.0:
+        raise ModelError(f"config.json ({mt}): partial_rotary_factor {prf} is not supported (only 1.0)")
+    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return RopeConfig("default", theta)
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if rp.get(k) is None]
+    if missing:
+        raise ModelError(f"config.json ({mt}): llama3 rope parameters lack {', '.join(missing)}")
+    return RopeConfig("llama3", theta, float(rp["factor"]), float(rp["low_freq_factor"]),
+                      float(rp["high_freq_factor"]), int(rp.get("original_max_position_embeddings") or max_pos))
+
+
+def _windows_from_hf(cfg: Mapping[str, Any], mt: str, layers: int) -> Tuple[Optional[int], ...]:
+    """Per-layer attention windows as transformers computes them (masking_utils' sliding_window_overlay)."""
+    if mt == "llama":
+        return (None,) * layers
+    if mt == "mistral":  # every layer windowed unless sliding_window is null
+        w = cfg.get("sliding_window", _MISTRAL_SLIDING_WINDOW_DEFAULT)
+        return (None if w is None else int(w),) * layers
+    w = cfg.get("sliding_window", _QWEN_SLIDING_WINDOW_DEFAULT) if cfg.get("use_sliding_window", False) else None
+    types = cfg.get("layer_types")
+    if types is None:
+        first = int(cfg.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS_DEFAULT))
+        types = ["sliding_attention" if w is not None and i >= first else "full_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise ModelError(f"config.json ({mt}): layer_types must list 'full_attention' / 'sliding_attention' for each "
+                         f"of the {layers} layers, got {types!r}")
+    return tuple(int(w) if t == "sliding_attention" and w is not None else None for t in types)
+
+
+# ----------------------------------------------------------------------------------------------- cache
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every layer for positions 0 .. length-1, in buffers of `max_len` positions.
+
+    keys[i], values[i]: [batch, max_len, num_kv_heads, head_dim] (after RoPE, for keys); length: int32 scalar,
+    the number of positions filled, i.e. the position of the next token (the same for every row).
+    """
+
+    keys: Tuple[jax.Array, ...]
+    values: Tuple[jax.Array, ...]
+    length: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return int(self.keys[0].shape[1])
+
+
+# ----------------------------------------------------------------------------------------------- modules
+
+class RMSNorm(nnx.Module):
+    """y = w * (x / sqrt(mean(x^2) + eps)), the normalisation in float32 and cast back before the scale (as HF)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        return self.weight.get_value().astype(x.dtype) * y
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> Tuple[jax.Array, jax.Array]:
+    """cos, sin [T, head_dim] of angles positions_t * inv_freq_j, the half-table repeated (HF's layout)."""
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x * cos + rotate_half(x) * sin for x [B, T, H, D], rotate_half(x) = [-x2, x1] (HF's rotate-half convention)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rot = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos[None, :, None] + rot * sin[None, :, None]).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with RoPE: softmax(q k^T / sqrt(head_dim) + mask) v; num_heads / num_kv_heads query
+    heads share each key/value head; optional per-head q/k RMSNorm (qwen3) and q/k/v(/o) biases."""
+
+    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        def lin(i, o, bias):
+            return nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+        hd = cfg.head_dim
+        self.q_proj = lin(cfg.hidden_size, cfg.num_heads * hd, cfg.qkv_bias)
+        self.k_proj = lin(cfg.hidden_size, cfg.num_kv_heads * hd, cfg.qkv_bias)
+        self.v_proj = lin(cfg.hidden_size, cfg.num_kv_heads * hd, cfg.qkv_bias)
+        self.o_proj = lin(cfg.num_heads * hd, cfg.hidden_size, cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.qk_norm = cfg.qk_norm
+
+    def __call__(self, x, cos, sin, mask, kv=None, start=0):
+        """x [B, T, d]; cos/sin [T, D]; mask [T, S] (True = visible); kv: this layer's (keys, values) cache buffers
+        [B, S, G, D] (written at `start`) or None (S = T). Returns (output [B, T, d], (keys, values))."""
+        b, t, _ = x.shape
+        g, hd = self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(b, t, self.num_heads, hd)
+        k = self.k_proj(x).reshape(b, t, g, hd)
+        v = self.v_proj(x).reshape(b, t, g, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:
+            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, start, 0, 0))
+            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, start, 0, 0))
+        q = q.reshape(b, t, g, self.num_heads // g, hd)
+        scores = jnp.einsum("btgrd,bsgd->bgrts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = jnp.where(mask, scores * (hd ** -0.5), jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bgrts,bsgd->btgrd", probs, v.astype(x.dtype)).reshape(b, t, self.num_heads * hd)
+        return self.o_proj(out), (k, v)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        def lin(i, o):
+            return nnx.Linear(i, o, use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+        self.gate_proj = lin(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = lin(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = lin(cfg.intermediate_size, cfg.hidden_size)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """x + attn(norm(x)), then h + mlp(norm(h)) (pre-norm residual block)."""
+
+    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask, kv=None, start=0):
+        with jax.named_scope("self_attn"):
+            h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, start)
+        x = x + h
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+class DecoderModel(nnx.Module):
+    """HF's `model`: embed_tokens, layers, norm."""
+
+    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
+                                      rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+
+
+def attention_mask(q_pos: jax.Array, s: int, window: Optional[int]) -> jax.Array:
+    """[T, S] visibility: key position k is seen by query position p iff k <= p and (no window or k > p - window)."""
+    k_pos = jnp.arange(s)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos > q_pos[:, None] - window
+    return mask
+
+
+@functools.lru_cache(maxsize=None)
+def inv_freq(config: DecoderConfig) -> np.ndarray:
+    """The config's RoPE inverse frequencies [head_dim / 2] (float32, a compile-time constant)."""
+    return config.rope.inv_freq(config.head_dim)
+
+
+def _concrete_int(x) -> Optional[int]:
+    try:
+        return int(x)
+    except (jax.errors.ConcretizationTypeError, TypeError):
+        return None
+
+
+class CausalLM(nnx.Module):
+    """HF's *ForCausalLM: token ids [B, T] -> logits [B, T, vocab] (float32), with an optional KV cache.
+
+    Args:
+      config: a DecoderConfig (`DecoderConfig.from_hf(config_json_dict)`).
+      dtype: the compute dtype of activations, projections and the cache (float32 by default).
+      param_dtype: the dtype of the parameters (float32 by default).
+      rngs: initialisers' randomness (the weights are random until `load_hf_tensors` fills them).
+
+    Tied embeddings (`config.tie_word_embeddings`): there is no `lm_head` module (None); logits = h E^T with
+    the embedding E. Otherwise `lm_head` is an nnx.Linear, left dense by `quantization_rules`.
+    """
+
+    def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.model = DecoderModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
+            config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty KVCache for `batch` rows and up to `max_len` positions (dtype: the compute dtype by default)."""
+        c = self.config
+        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+        dtype = dtype or self.dtype
+        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
+                       tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)), jnp.zeros((), jnp.int32))
+
+    def __call__(self, ids: jax.Array, cache: Optional[KVCache] = None, *,
+                 last_only: bool = False) -> Tuple[jax.Array, Optional[KVCache]]:
+        """ids [B, T] at positions cache.length .. cache.length + T - 1 (0 .. T - 1 without a cache) ->
+        (logits [B, T, vocab] float32 — [B, 1, vocab] for the last position only with `last_only` —, the cache
+        with these T positions written and length + T; None without a cache).
+
+        Attention is causal (and windowed on sliding-window layers) by position; the cache buffers have a fixed
+        size, so prefill and decode steps compile once per (B, T, max_len). The cache must hold length + T
+        positions (checked when length is concrete; under jit it is the caller's contract).
+        """
+        if ids.ndim != 2:
+            raise ModelError(f"CausalLM: expected token ids [batch, time], got shape {tuple(ids.shape)}")
+        b, t = ids.shape
+        if cache is None:
+            start, s = 0, t
+        else:
+            start, s = cache.length, cache.max_len
+            n = _concrete_int(start)
+            if n is not None and n + t > s:
+                raise ModelError(f"CausalLM: the cache holds {s} positions; {n} are filled and {t} more were given")
+        positions = start + jnp.arange(t, dtype=jnp.int32)
+        cos, sin = rope_tables(positions, inv_freq(self.config))
+        masks = {w: attention_mask(positions, s, w) for w in set(self.config.sliding_windows)}
+        x = self.model.embed_tokens(ids)
+        keys, values = [], []
+        for i, layer in enumerate(self.model.layers):
+            kv = None if cache is None else (cache.keys[i], cache.values[i])
+            with jax.named_scope(f"layers_{i}"):
+                x, (k, v) = layer(x, cos, sin, masks[self.config.sliding_windows[i]], kv, start)
+            keys.append(k)
+            values.append(v)
+        h = self.model.norm(x)
+        if last_only:
+            h = h[:, -1:]
+        with jax.named_scope("lm_head"):
+            logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+        new_cache = None if cache is None else KVCache(tuple(keys), tuple(values), start + t)
+        return logits.astype(jnp.float32), new_cache
+
+
+# ----------------------------------------------------------------------------------------------- HF names
+
+class TensorSlot(NamedTuple):
+    """Where an HF state-dict tensor goes: the Flax parameter path and whether it is transposed
+    (torch Linear weight [out, in] -> Flax kernel [in, out])."""
+
+    path: Tuple[Union[str, int], ...]
+    transpose: bool = False
+
+
+def hf_tensor_names(config: DecoderConfig) -> Dict[str, TensorSlot]:
+    """HF tensor name -> TensorSlot for every parameter of `CausalLM(config)`.
+
+    Module paths are HF's with '.' -> '/': "model.layers.0.self_attn.q_proj.weight" is the kernel of
+    `model/layers/0/self_attn/q_proj` (transposed); a norm's "weight" is the norm's `weight`;
+    "model.embed_tokens.weight" is the embedding table [vocab, d] as is.
+    """
+    out: Dict[str, TensorSlot] = {"model.embed_tokens.weight": TensorSlot(("model", "embed_tokens", "embedding"))}
+
+    def linear(prefix: Tuple, bias: bool):
+        name = ".".join(str(p) for p in prefix)
+        out[name + ".weight"] = TensorSlot(prefix + ("kernel",), True)
+        if bias:
+            out[name + ".bias"] = TensorSlot(prefix + ("bias",))
+
+    def norm(prefix: Tuple):
+        out[".".join(str(p) for p in prefix) + ".weight"] = TensorSlot(prefix + ("weight",))
+
+    c = config
+    for i in range(c.num_layers):
+        lp = ("model", "layers", i)
+        norm(lp + ("input_layernorm",))
+        norm(lp + ("post_attention_layernorm",))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            linear(lp + ("self_attn", name), c.qkv_bias)
+        linear(lp + ("self_attn", "o_proj"), c.o_bias)
+        if c.qk_norm:
+            norm(lp + ("self_attn", "q_norm"))
+            norm(lp + ("self_attn", "k_norm"))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            linear(lp + ("mlp", name), c.mlp_bias)
+    norm(("model", "norm"))
+    if not c.tie_word_embeddings:
+        linear(("lm_head",), False)
+    return out
+
+
+def module_path(hf_module: str) -> str:
+    """HF module name -> Flax module path ("model.layers.0.mlp.up_proj" -> "model/layers/0/mlp/up_proj")."""
+    return hf_module.replace(".", "/")
+
+
+def _resolve(model: nnx.Module, path: Tuple[Union[str, int], ...]):
+    node = model
+    for p in path:
+        node = node[p] if isinstance(p, int) else getattr(node, p)
+    return node
+
+
+def _rotary_name(name: str) -> bool:
+    return name.endswith(".rotary_emb.inv_freq")
+
+
+def load_hf_tensors(model: CausalLM, tensors: Mapping[str, Any]) -> CausalLM:
+    """Fill `model` in place from HF state-dict tensors (numpy or jax arrays by HF name); returns `model`.
+
+    Every parameter named by `hf_tensor_names` must be given with its HF shape (Linear weights [out, in], stored
+    transposed as the [in, out] kernel; cast to the parameter's dtype). Layers already swapped for packed
+    `QLinear`s (e.g. by `qformats.nn.load_quantized` from a compressed-tensors checkpoint) take no dense weight
+    or bias here. Tensors the model has no place for are an error, except two that carry no information and
+    are checked instead: a tied model's "lm_head.weight" must equal the embedding, and old checkpoints'
+    "*.rotary_emb.inv_freq" must equal the config's inverse frequencies.
+
+    Raises ModelError naming the missing, unexpected or misshapen tensors; the model is unchanged then.
+    """
+    slots = hf_tensor_names(model.config)
+    expected: Dict[str, Tuple[TensorSlot, nnx.Variable]] = {}
+    packed = []
+    for name, slot in slots.items():
+        owner = _resolve(model, slot.path[:-1])
+        if isinstance(owner, QLinear):
+            packed.append(name)
+            continue
+        expected[name] = (slot, getattr(owner, slot.path[-1]))
+    missing = [n for n in expected if n not in tensors]
+    unexpected, checks = [], []
+    for n in tensors:
+        if n in expected:
+            continue
+        if n in packed:
+            unexpected.append(f"{n} (its module is already packed)")
+        elif n == "lm_head.weight" and model.config.tie_word_embeddings:
+            checks.append(n)
+        elif _rotary_name(n):
+            checks.append(n)
+        else:
+            unexpected.append(n)
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected: {_listing(unexpected)}")
+    bad_shape = []
+    for n, (slot, var) in expected.items():
+        if n not in tensors:
+            continue
+        want = tuple(var.get_value().shape)
+        want = want[::-1] if slot.transpose else want
+        got = tuple(np.shape(tensors[n]))
+        if got != want:
+            bad_shape.append(f"{n} {got} (expected {want})")
+    if bad_shape:
+        problems.append(f"{len(bad_shape)} with the wrong shape: {_listing(bad_shape)}")
+    for n in checks:
+        if n == "lm_head.weight":
+            if "model.embed_tokens.weight" in tensors and not np.array_equal(
+                    np.asarray(tensors[n]), np.asarray(tensors["model.embed_tokens.weight"])):
+                problems.append("lm_head.weight differs from model.embed_tokens.weight but the config ties them "
+                                "(tie_word_embeddings)")
+        else:
+            want = inv_freq(model.config)
+            got = np.asarray(tensors[n], np.float32)
+            if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6, atol=0):
+                problems.append(f"{n} does not equal the inverse frequencies of the config's rope "
+                                f"({model.config.rope})")
+    if problems:
+        raise ModelError(f"load_hf_tensors ({model.config.model_type}): " + "; ".join(problems))
+    for n, (slot, var) in expected.items():
+        value = jnp.asarray(tensors[n], dtype=var.get_value().dtype)
+        var.set_value(value.T if slot.transpose else value)
+    return model
+
+
+def _listing(names: List[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def quantization_rules(scheme, *, quantize_lm_head: bool = False) -> List[Rule]:
+    """`qformats.nn` rules quantizing the seven projections of every decoder layer with `scheme` and leaving
+    `lm_head` dense (as llm-compressor's recipes do: `ignore=["lm_head"]`) unless `quantize_lm_head` (and the
+    model has an untied lm_head). The embedding is an nnx.Embed, which rules never touch."""
+    rules = [Rule(r"model/layers/\d+/(self_attn/[qkvo]_proj|mlp/(gate|up|down)_proj)", scheme)]
+    return rules + [Rule("lm_head", scheme)] if quantize_lm_head else rules
