@@ -434,6 +434,12 @@ def _check_layout(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, w
     legacy = zp_legacy = False
     # -- codes ---------------------------------------------------------------------------------------------
     if fmt in ("naive-quantized", "int-quantized", "float-quantized", "mxfp8-quantized"):
+        if (fmt == "int-quantized") != isinstance(s.format, IntFormat) and fmt != "naive-quantized":
+            raise CheckpointError(f"{where}: format {fmt!r} does not store the {s.format.name} weights the "
+                                  f"weights args describe")
+        if (fmt == "mxfp8-quantized") != (s.scale_format == "e8m0"):
+            raise CheckpointError(f"{where}: E8M0 scales go with format 'mxfp8-quantized' only; the weights args "
+                                  f"say {s.describe()}")
         if isinstance(s.format, IntFormat):
             info = _need(ck, m, "weight", where, ("I8",), 2)
         else:
@@ -572,6 +578,9 @@ def _weight_qarray(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, 
             z = ck.get(m.tensors["weight_zero_point"])
             _check_int_range(z, s.format.qmin, s.format.qmax, _at(ck, m, "weight_zero_point"))
             zp = z.astype(np.int8).reshape(lay.scale)
+    elif "weight_zero_point" in m.tensors and ck.get(m.tensors["weight_zero_point"]).any():
+        raise CheckpointError(f"{_at(ck, m, 'weight_zero_point')}: the weights args say symmetric, expected no "
+                              f"zero point or an all-zero one, found nonzero values")
     gs = None
     if s.strategy == "tensor_group":
         gs = ck.get(m.tensors["weight_global_scale"]).reshape(1)

@@ -132,8 +132,8 @@ def read_json(path: "str | os.PathLike", root: "str | os.PathLike | None" = None
         if st.st_size > max_bytes:
             raise CheckpointError(f"{path}: expected a JSON file of at most {max_bytes} bytes, found "
                                   f"{st.st_size} bytes")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(max_bytes + 1)
+        with os.fdopen(os.dup(fd), "rb") as f:  # read(n) allocates n bytes up front: ask for the size + 1
+            raw = f.read(st.st_size + 1)
     except OSError as e:
         raise CheckpointError(f"{path}: expected a readable JSON file, found {e.strerror or e}") from None
     finally:

@@ -555,7 +555,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     transformers), `model.safetensors.index.json` with its shards, or exactly one other *.safetensors.
 
     A sharded index is validated up front: every shard exists and every name in `weight_map` is in
-    the shard it names. Tensors a shard holds beyond its `weight_map` entries are not exposed.
+    the shard it names, and every tensor of a shard is listed in `weight_map` for that shard.
     Every file read must be a regular file (in a directory: one inside it, see `safe_files`).
     """
     path = Path(path)
@@ -580,13 +580,31 @@ def _open_single(path: Path, root: Path | None) -> Checkpoint:
     return Checkpoint(path, [f], {name: f for name in f.keys()})
 
 
+_SHARD_NAME = re.compile(r"(.+)-(\d+)-of-(\d+)\.safetensors")
+
+
+def _check_all_shards_listed(index_path: Path, listed: set) -> None:
+    """A shard of the series the index names (`P-0000i-of-0000N.safetensors`) that the index does not list
+    would be silently dropped: an error. (Other .safetensors files, e.g. `consolidated.safetensors`, are
+    another copy of the model and stay ignored, as transformers ignores them.)"""
+    series = {(m.group(1), m.group(3)) for m in map(_SHARD_NAME.fullmatch, map(str, listed)) if m}
+    for p in sorted(index_path.parent.glob("*.safetensors")):
+        m = _SHARD_NAME.fullmatch(p.name)
+        if m and (m.group(1), m.group(3)) in series and p.name not in listed:
+            raise CheckpointError(f"{index_path}: expected every shard of the series in the weight_map, found "
+                                  f"{p.name} next to it but not listed")
+
+
 def _open_sharded(index_path: Path) -> Checkpoint:
     index = read_json(index_path, index_path.parent)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_path}: expected an object with a 'weight_map' object, found "
                               f"{_brief(index)}")
+    if not weight_map:
+        raise CheckpointError(f"{index_path}: expected a weight_map naming the checkpoint's tensors, found it empty")
     root = index_path.parent
+    _check_all_shards_listed(index_path, set(weight_map.values()))
     shards: dict[str, SafetensorsFile] = {}
     file_of: dict[str, SafetensorsFile] = {}
     try:
@@ -603,6 +621,12 @@ def _open_sharded(index_path: Path) -> Checkpoint:
                 raise CheckpointError(f"{index_path}: tensor {name!r}: expected in shard {shard!r} as the "
                                       f"weight_map says, found it missing from {root / shard}")
             file_of[name] = shards[shard]
+        for shard, f in shards.items():  # a tensor the index does not list would be silently dropped
+            unlisted = [k for k in f.keys() if weight_map.get(k) != shard]
+            if unlisted:
+                raise CheckpointError(f"{root / shard}: tensor {unlisted[0]!r}: expected every tensor of the shard "
+                                      f"in the index's weight_map, found {len(unlisted)} missing from "
+                                      f"{index_path.name} or mapped to another shard")
     except BaseException:
         for f in shards.values():
             f.close()
