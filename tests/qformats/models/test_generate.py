@@ -1,0 +1,110 @@
+"""generate(): one jit of prefill + lax loop; greedy equals the teacher-forced argmax of the full forward pass,
+eos handling, seeded sampling, packed models, argument errors, no recompilation for new prompts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from qformats.errors import ModelError
+from qformats.models import generate as generate_module
+from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names, load_hf_tensors, quantization_rules
+from qformats.models.generate import generate
+from qformats.nn import quantize_model
+
+CONFIG = dict(model_type="llama", vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2)
+PROMPT = np.random.RandomState(1).randint(0, 128, (2, 6))
+forward = nnx.jit(lambda m, ids: m(ids)[0])
+
+
+def random_model(cfg_dict=CONFIG, seed=0):
+    """A CausalLM filled through load_hf_tensors with random HF-layout tensors (std 0.1 Linear weights)."""
+    cfg = DecoderConfig.from_hf(cfg_dict)
+    model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.RandomState(seed)
+    tensors = {}
+    for name, slot in hf_tensor_names(cfg).items():
+        node = model
+        for p in slot.path:
+            node = node[p] if isinstance(p, int) else getattr(node, p)
+        shape = node.get_value().shape[::-1] if slot.transpose else node.get_value().shape
+        tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape) if name.endswith("norm.weight")
+                         else 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    return load_hf_tensors(model, tensors)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model()
+
+
+def teacher_forced(model, prompt, toks):
+    """argmax of the full forward pass over prompt + generated tokens at the places that predicted them."""
+    t = prompt.shape[1]
+    logits = forward(model, jnp.concatenate([jnp.asarray(prompt), jnp.asarray(toks)[:, :-1]], axis=1))
+    return np.asarray(jnp.argmax(logits[:, t - 1:], axis=-1))
+
+
+def test_greedy_is_the_argmax_of_the_full_forward(model):
+    toks = generate(model, PROMPT, 12)
+    assert toks.shape == (2, 12) and toks.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(toks), teacher_forced(model, PROMPT, toks))
+    single = generate(model, PROMPT[0], 12)  # a 1-D prompt gives a 1-D result
+    np.testing.assert_array_equal(np.asarray(single), np.asarray(toks[0]))
+
+
+def test_new_prompt_of_the_same_shape_does_not_recompile(model):
+    generate(model, PROMPT, 12)
+    size = generate_module._generate._cache_size()
+    generate(model, PROMPT[::-1] + 1, 12)
+    assert generate_module._generate._cache_size() == size
+
+
+def test_eos_finishes_a_row(model):
+    greedy = np.asarray(generate(model, PROMPT, 12))
+    eos = int(greedy[0, 3])
+    first = int(np.argmax(greedy[0] == eos))
+    toks = np.asarray(generate(model, PROMPT, 12, eos_id=eos))
+    np.testing.assert_array_equal(toks[0, :first + 1], greedy[0, :first + 1])
+    assert (toks[0, first:] == eos).all()  # finished: padded with the eos id
+    hits = np.flatnonzero(greedy[1] == eos)
+    end = hits[0] + 1 if hits.size else 12
+    np.testing.assert_array_equal(toks[1, :end], greedy[1, :end])  # the other row runs on until its own eos
+    assert (toks[1, end:] == eos).all()
+    # several eos ids: each row finishes at its first one; finished places hold the first eos id
+    both = np.asarray(generate(model, PROMPT, 12, eos_id=[int(greedy[0, 0]), int(greedy[1, 0])]))
+    np.testing.assert_array_equal(both[:, 0], greedy[:, 0])
+    assert (both[:, 1:] == greedy[0, 0]).all()
+
+
+def test_sampling_is_deterministic_per_key(model):
+    kw = dict(temperature=1.0, top_k=20, top_p=0.95)
+    a = generate(model, PROMPT, 10, key=jax.random.key(0), **kw)
+    b = generate(model, PROMPT, 10, key=jax.random.key(0), **kw)
+    c = generate(model, PROMPT, 10, key=jax.random.key(1), **kw)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(a), np.asarray(c))
+    # top_k = 1 samples the argmax: the greedy tokens, for any key
+    np.testing.assert_array_equal(np.asarray(generate(model, PROMPT, 10, key=jax.random.key(5), temperature=2.0,
+                                                      top_k=1)), np.asarray(generate(model, PROMPT, 10)))
+
+
+def test_packed_model_generates_its_own_greedy_tokens():
+    packed = random_model()
+    quantize_model(packed, quantization_rules("W4A16"))
+    toks = generate(packed, PROMPT, 8)
+    np.testing.assert_array_equal(np.asarray(toks), teacher_forced(packed, PROMPT, toks))
+
+
+@pytest.mark.parametrize("args, kw, message", [
+    ((np.zeros((2, 3), np.float32), 4), {}, "integer dtype"),
+    ((np.zeros((2, 0), np.int32), 4), {}, "time >= 1"),
+    ((PROMPT, 0), {}, "max_new_tokens must be a positive integer"),
+    ((PROMPT, 4), dict(temperature=0.5), "needs a key"),
+    ((PROMPT, 4), dict(top_p=0.5), "give a temperature > 0"),
+])
+def test_bad_arguments(model, args, kw, message):
+    with pytest.raises(ModelError, match=message):
+        generate(model, *args, **kw)
