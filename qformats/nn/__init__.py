@@ -18,9 +18,9 @@ Linen::
 
 Modules: `projection` (the layer math as pure functions of arrays, shared by NNX and linen), `nnx_layers`
 (QLinear, QLinearGeneral, QEinsum and their variable types), `weight_search` (WEIGHT_SEARCHES, quantize_weight),
-`rules` (Rule, validation), `graph` (find / replace modules in an NNX graph), `transform` (quantize_model,
+`rules` (Rule, validation), `graph` (find / replace modules in an NNX graph), `nnx_transform` (quantize_model,
 convert, prepare_kernels), `linen` (QDense, QDenseGeneral, linen.QEinsum), `linen_transform` (quantize_linen),
-`checkpoint` (load_quantized / export_quantized: pure glue for checkpoint readers and writers), `stats`
+`checkpoint` (load_quantized / export_quantized: pure glue for checkpoint readers and writers), `sizes`
 (param_bytes). Observers and the MSE search are pure functions in `qformats.observers`; GPTQ is `qformats.gptq`.
 """
 
@@ -28,8 +28,8 @@ from qformats.nn.nnx_layers import (CalibStat, KernelCache, PackedParam, QEinsum
                                     QuantizedMatmul, QuantStat)
 from qformats.nn.weight_search import WEIGHT_SEARCHES, quantize_weight
 from qformats.nn.rules import Rule, resolve_scheme
-from qformats.nn.transform import convert, prepare_kernels, quantize_model, quantized_layers
-from qformats.nn.stats import param_bytes
+from qformats.nn.nnx_transform import convert, prepare_kernels, quantize_model, quantized_layers
+from qformats.nn.sizes import param_bytes
 from qformats.nn.linen import QDense, QDenseGeneral
 from qformats.nn.linen_transform import QuantizedLinen, WeightLayout, quantize_linen, quantize_params, record_layouts
 from qformats.nn.checkpoint import export_quantized, load_quantized

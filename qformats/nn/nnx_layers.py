@@ -69,8 +69,9 @@ class QuantizedMatmul(nnx.Module):
     Modes:
       "ptq": `kernel` is an `nnx.Param` holding a packed `QArray` (its leaves — codes, scale, zero point,
         global scale — are the parameter state, so `nnx.state(m, nnx.Param)` holds exactly
-        `QArray.nbytes` for the weight); the matmul is `qformats.qdot` (a registered kernel or the XLA
-        dequantize-then-dot path).
+        `QArray.nbytes` for the weight); the forward pass is `projection.packed_linear` / `packed_linear_general`
+        / `packed_einsum` (`qformats.qdot`: a registered kernel or the XLA dequantize-then-dot path, or
+        `qformats.scaled_dot` on the codes).
       "qat": `kernel` is a float `nnx.Param`, the forward pass uses `fake_quantize` (straight-through
         gradient inside the representable range); `convert()` packs it.
       "calibrate": float forward pass that records activation statistics (see `quantize_model`).
@@ -107,7 +108,7 @@ class QuantizedMatmul(nnx.Module):
         self.input_global_scale = nnx.data(None)
         self.kernel_cache = nnx.data(None)  # a KernelCache when a Pallas kernel takes the packed weight
         # how the packed weight was chosen: "rtn", or the weight search when it won (in any stacked layer)
-        self.weight_method = "rtn"
+        self.weight_method = RTN
         self.observer = observer
         self.calib_amax = nnx.data(None)
         self.calib_sq = nnx.data(None)

@@ -78,8 +78,13 @@ def fake_quantize_weight(kernel, schemes: SchemeSet) -> jax.Array:
 
 # ---- LinearGeneral: the contracted axes of x moved last and flattened -------------------------------------------
 def norm_axes(axes: Axes, ndim: int) -> Tuple[int, ...]:
-    """`axes` (an int or a sequence, negative allowed) as non-negative axes of an ndim-array, in the given order."""
+    """`axes` (an int or a sequence, -ndim <= a < ndim) as non-negative axes of an ndim-array (a mod ndim), in
+    the given order; ModelError for an axis out of range. (A layer's contracted axes; the quantization axis of
+    an array is `qformats.grouping.normalize_axis`.)"""
     axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    bad = [a for a in axes if not -ndim <= a < ndim]
+    if bad:
+        raise ModelError(f"axes {axes}: {bad} out of range for an input of {ndim} dims")
     return tuple(a % ndim for a in axes)
 
 

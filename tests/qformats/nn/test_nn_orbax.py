@@ -41,7 +41,7 @@ def test_orbax_roundtrip(tmp_path):
     restored = ckpt.restore(tmp_path / "q", abstract_state)
     m2 = nnx.merge(graphdef, restored)
     assert isinstance(m2.heads["cls"].kernel.get_value(), QArray)
-    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(m2))):
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(m2)), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(m2(X)), np.asarray(model(X)))

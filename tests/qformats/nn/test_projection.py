@@ -60,6 +60,8 @@ def test_to_rows_moves_the_contracted_axes_last_in_order():
     xr, lead = to_rows(x, (-1, 1))  # contract axes 3 then 1
     assert lead == (2, 4) and xr.shape == (2, 4, 15)
     np.testing.assert_array_equal(np.asarray(xr), np.asarray(jnp.transpose(x, (0, 2, 3, 1)).reshape(2, 4, 15)))
+    with pytest.raises(ModelError, match=r"\[4\] out of range for an input of 4 dims"):
+        to_rows(x, (1, 4))
 
 
 def test_on_codes_follows_the_schemes_and_the_flag():
