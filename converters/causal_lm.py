@@ -1,0 +1,215 @@
+"""Causal-LM checkpoints (dense HF safetensors, compressed-tensors, GGUF) into the Flax decoder `qformats.models.decoder`.
+
+`load_causal_lm(src)` builds the model's structure without materialising random weights
+(`nnx.eval_shape`), then fills every parameter from the checkpoint one tensor at a time:
+
+- a dense HF directory (model.safetensors, or shards + model.safetensors.index.json): the memory-mapped
+  tensors go through `decoder.load_hf_tensors` (HF names, Linear weights transposed to Flax kernels);
+- a compressed-tensors directory (config.json with a compressed-tensors `quantization_config`, any format
+  `converters.ct_read` reads): `converters.flax_io.load_compressed` swaps every quantized projection for a
+  packed `qformats.nn.QLinear` holding the checkpoint's codes and scales as they are (nothing dequantized);
+  the rest (embedding, norms, dense layers such as lm_head) is filled dense;
+- a `.gguf` file: `converters.gguf_convert.open_gguf`, each tensor dequantized by gguf on its way in (the
+  result equals loading `convert_gguf`'s output, without writing it).
+
+A parameter the checkpoint does not fill, a tensor the model has no place for, or a shape that differs is an
+error; nothing is left at an initial value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from qformats.errors import CheckpointError, ModelError
+
+__all__ = ["load_causal_lm", "load_tokenizer"]
+
+
+class _LazyTensor:
+    """An array read on demand: `.shape` from the header, `__array__` loads (np.shape and jnp.asarray use these)."""
+
+    def __init__(self, shape: tuple[int, ...], load: Callable[[], np.ndarray]):
+        self.shape = tuple(shape)
+        self.ndim = len(self.shape)
+        self._load = load
+
+    def __array__(self, dtype=None, copy=None):
+        a = self._load()
+        return a if dtype is None else a.astype(dtype)
+
+
+class _LazyTensors(Mapping):
+    """HF name -> `_LazyTensor` over a checkpoint, so the loader holds one tensor's data at a time."""
+
+    def __init__(self, names: list[str], shape: Callable[[str], tuple[int, ...]], get: Callable[[str], np.ndarray]):
+        self._names = list(names)
+        self._set = set(self._names)
+        self._shape, self._get = shape, get
+
+    def __getitem__(self, name: str) -> _LazyTensor:
+        if name not in self._set:
+            raise KeyError(name)
+        return _LazyTensor(self._shape(name), lambda: self._get(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._set
+
+
+def _abstract_model(hf_config: Mapping[str, Any], dtype, param_dtype, where: str):
+    from flax import nnx
+
+    from qformats.models import decoder
+
+    try:
+        cfg = decoder.DecoderConfig.from_hf(hf_config)
+    except ModelError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    model = nnx.eval_shape(lambda: decoder.CausalLM(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    return model, cfg
+
+
+def _check_filled(model, where: str) -> None:
+    """Every parameter holds an array (none left as the abstract placeholder of eval_shape)."""
+    import jax
+    from flax import nnx
+
+    empty = []
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Variable) and isinstance(var.get_value(), jax.ShapeDtypeStruct):
+            empty.append("/".join(str(p) for p in path))
+    if empty:
+        raise CheckpointError(f"{where}: expected every parameter of the model in the checkpoint, found "
+                              f"{len(empty)} not filled: {', '.join(empty[:6])}" + (" ..." if len(empty) > 6 else ""))
+
+
+def _flax_name_map(cfg) -> dict[str, tuple[str, bool]]:
+    """HF tensor name -> (Flax variable path, transposed), for converters.flax_io."""
+    from qformats.models import decoder
+
+    return {name: ("/".join(str(p) for p in slot.path), slot.transpose)
+            for name, slot in decoder.hf_tensor_names(cfg).items()}
+
+
+def _is_compressed(hf_config: Mapping[str, Any]) -> bool:
+    qc = hf_config.get("quantization_config")
+    return isinstance(qc, Mapping) and qc.get("quant_method") == "compressed-tensors"
+
+
+def load_tokenizer(src: str | os.PathLike):
+    """The `tokenizers.Tokenizer` of a checkpoint directory (its tokenizer.json) or of a .gguf file (built as
+    `converters.gguf_convert` writes it); None when the directory has no tokenizer.json.
+
+    Raises CheckpointError when there is a tokenizer but the `tokenizers` package is not installed.
+    """
+    p = Path(src)
+    if p.is_file() and p.suffix == ".gguf":
+        from converters.gguf_convert import open_gguf
+
+        text = json.dumps(open_gguf(p).tokenizer_files()["tokenizer.json"], ensure_ascii=False)
+    else:
+        f = p / "tokenizer.json"
+        if not f.is_file():
+            return None
+        text = f.read_text(encoding="utf-8")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise CheckpointError(f"{p}: reading its tokenizer needs the 'tokenizers' package; found it not installed "
+                              f"(pip install tokenizers), or pass tokenizer=False") from None
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type for a bad file
+        raise CheckpointError(f"{p}: tokenizer.json: expected a tokenizers file, found {e}") from None
+
+
+def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, tokenizer: bool = True):
+    """Loads a llama / mistral / qwen2 / qwen3 causal LM as `qformats.models.decoder.CausalLM`.
+
+    Args:
+      src: a dense HF checkpoint directory (single file or sharded), a compressed-tensors checkpoint
+        directory, or a `.gguf` file.
+      dtype: compute dtype of the model (default float32). param_dtype: dtype of the dense parameters
+        (default: `dtype`); packed layers keep the checkpoint's codes and scales.
+      tokenizer: also return the checkpoint's tokenizer (`load_tokenizer`).
+
+    Returns:
+      (model, hf_config, tokenizer or None): hf_config is the config.json dict (for a GGUF file, the one
+      `convert_gguf` writes), with the token ids (`eos_token_id`, ...).
+
+    Raises:
+      CheckpointError: unreadable or unsupported checkpoint, missing / unexpected / misshapen tensors.
+    """
+    import jax.numpy as jnp
+
+    from converters.safetensors_io import open_checkpoint, read_json
+    from qformats.models import decoder
+
+    dtype = jnp.float32 if dtype is None else dtype
+    param_dtype = dtype if param_dtype is None else param_dtype
+    p = Path(src)
+    where = str(p)
+    if p.is_file() and p.suffix == ".gguf":
+        from converters.gguf_convert import open_gguf
+
+        g = open_gguf(p)
+        hf_config = dict(g.config)
+        model, cfg = _abstract_model(hf_config, dtype, param_dtype, where)
+        try:
+            decoder.load_hf_tensors(model, _LazyTensors(g.keys(), g.shape, g.get))
+        except ModelError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+    elif p.is_dir():
+        hf_config = read_json(p / "config.json")
+        if not isinstance(hf_config, dict):
+            raise CheckpointError(f"{p / 'config.json'}: expected a JSON object, found {type(hf_config).__name__}")
+        model, cfg = _abstract_model(hf_config, dtype, param_dtype, str(p / "config.json"))
+        if _is_compressed(hf_config):
+            _load_compressed(p, model, cfg)
+        else:
+            with open_checkpoint(p) as ck:
+                try:
+                    decoder.load_hf_tensors(model, _LazyTensors(ck.keys(), lambda n: ck.info(n).shape, ck.get))
+                except ModelError as e:
+                    raise CheckpointError(f"{where}: {e}") from None
+    else:
+        raise CheckpointError(f"{p}: expected a checkpoint directory or a .gguf file, found "
+                              f"{'no such path' if not p.exists() else 'another kind of file'}")
+    _check_filled(model, where)
+    tok = load_tokenizer(p) if tokenizer else None
+    return model, hf_config, tok
+
+
+def _load_compressed(path: Path, model, cfg) -> None:
+    """Fills `model` from a compressed-tensors checkpoint: quantized projections become packed QLinear layers."""
+    from converters.flax_io import load_compressed
+
+    table = _flax_name_map(cfg)
+    ignore = ()
+    if cfg.tie_word_embeddings:
+        # A tied model saved with its (redundant) lm_head: accepted only when it equals the embedding.
+        ignore = ("lm_head.weight",)
+    try:
+        load_compressed(path, model, table, ignore=ignore)
+    except ModelError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    if cfg.tie_word_embeddings:
+        from converters.safetensors_io import open_checkpoint
+
+        with open_checkpoint(path) as ck:
+            if "lm_head.weight" in ck:
+                emb = np.asarray(ck.get("model.embed_tokens.weight"))
+                if not np.array_equal(np.asarray(ck.get("lm_head.weight")), emb):
+                    raise CheckpointError(f"{path}: lm_head.weight differs from model.embed_tokens.weight but the "
+                                          f"config ties them (tie_word_embeddings)")
