@@ -604,7 +604,7 @@ def _open_sharded(index_path: Path) -> Checkpoint:
     if not weight_map:
         raise CheckpointError(f"{index_path}: expected a weight_map naming the checkpoint's tensors, found it empty")
     root = index_path.parent
-    _check_all_shards_listed(index_path, set(weight_map.values()))
+    _check_all_shards_listed(index_path, {v for v in weight_map.values() if isinstance(v, str)})
     shards: dict[str, SafetensorsFile] = {}
     file_of: dict[str, SafetensorsFile] = {}
     try:
