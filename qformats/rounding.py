@@ -18,8 +18,8 @@ _F16_MIN_NORMAL = np.float32(2.0 ** -14)
 
 
 def to_f32(x) -> jax.Array:
-    """Exact upcast to float32; bf16 through a 16-bit shift of its bits, which XLA:CPU vectorises inside
-    fusions (its bf16 convert does not, and costs more than the rest of a quantization)."""
+    """float32(x), exact for float32/bfloat16/float16 x; bf16 through a 16-bit shift of its bits, which XLA:CPU
+    vectorises inside fusions (its bf16 convert does not, and costs more than the rest of a quantization)."""
     x = jnp.asarray(x)
     if x.dtype == jnp.bfloat16:
         u = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
@@ -53,6 +53,9 @@ def div(a, b, dtype) -> jax.Array:
     XLA:CPU rewrites `x / broadcast(s)` into `x * broadcast(1 / s)`, which is off by an ulp for about half
     of all inputs. The divisor is made full-shaped as `s + 0 * finite(x)` (XLA does not fold `0 * x` for
     floats), which keeps a true IEEE division and fuses without materialising a broadcast.
+
+    Like all arithmetic on XLA:CPU, float32 subnormal operands and results of div/mul/add/sub are flushed to a
+    zero of the same sign (`rnd` itself keeps bf16 subnormals).
     """
     a = to_f32(a)
     b = to_f32(b)
@@ -64,12 +67,15 @@ def div(a, b, dtype) -> jax.Array:
 
 
 def mul(a, b, dtype) -> jax.Array:
+    """a * b, correctly rounded in float32, then rounded once to `dtype` (torch's per-op semantics); f32 out."""
     return rnd(to_f32(a) * to_f32(b), dtype)
 
 
 def add(a, b, dtype) -> jax.Array:
+    """a + b, correctly rounded in float32, then rounded once to `dtype` (torch's per-op semantics); f32 out."""
     return rnd(to_f32(a) + to_f32(b), dtype)
 
 
 def sub(a, b, dtype) -> jax.Array:
+    """a - b, correctly rounded in float32, then rounded once to `dtype` (torch's per-op semantics); f32 out."""
     return rnd(to_f32(a) - to_f32(b), dtype)

@@ -79,7 +79,8 @@ def test_pytree_jit_vmap_device_put():
     np.testing.assert_array_equal(np.asarray(dequantize(q_back)), np.asarray(dequantize(q)))
     f = jax.jit(lambda q, x: x @ dequantize(q))
     x = jnp.ones((3, 256))
-    np.testing.assert_allclose(np.asarray(f(q, x)), np.asarray(x @ dequantize(q)), rtol=1e-5, atol=1e-5)  # dot order only
+    # tolerance for the dot's accumulation order only
+    np.testing.assert_allclose(np.asarray(f(q, x)), np.asarray(x @ dequantize(q)), rtol=1e-5, atol=1e-5)
     qd = jax.device_put(q, jax.devices()[0])
     assert isinstance(qd, QArray)
     stacked = jax.vmap(lambda w: quantize(w, scheme, axis=0))(jnp.stack([W, 2 * W]))
