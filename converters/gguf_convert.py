@@ -205,6 +205,10 @@ class GGUFModel:
         keys = dict(_CONFIG_KEYS)
         if arch == "llama":
             keys["rope.dimension_count"] = "head_dim"
+        if arch == "qwen3":
+            # transformers' GGUF mapping leaves head_dim to Qwen3Config's default (128, every released Qwen3);
+            # the file states it (llama.cpp's default: hidden / heads), so it is written explicitly.
+            keys["attention.key_length"] = "head_dim"
         for gguf_key, hf_key in keys.items():
             value = self._value(f"{arch}.{gguf_key}")
             if value is None:
@@ -226,6 +230,8 @@ class GGUFModel:
             raise CheckpointError(f"{path}: expected {arch}.vocab_size or tokenizer.ggml.tokens to give the "
                                   f"vocabulary size, found neither")
         config["tie_word_embeddings"] = all(t.name != "output.weight" for t in self._reader.tensors)
+        if arch == "qwen3" and "head_dim" not in config:
+            config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
         theta = config.pop("rope_theta", None)
         if theta is not None:
             config["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
