@@ -71,7 +71,7 @@ from qformats.formats import FloatFormat, IntFormat
 from qformats.qarray import QArray
 
 __all__ = ["LayoutMeta", "PreparedWeight", "prepare", "dequantize_prepared", "unsupported_reason",
-           "plane_split", "decode_words", "scale_values", "finish"]
+           "plane_split", "decode_words", "decode_elements", "scale_values", "finish"]
 
 _FLOAT_SCALES = ("float32", "bfloat16", "float16")
 MIN_CHUNK = 16  # Triton's tl.dot needs every dimension >= 16
@@ -337,6 +337,17 @@ def decode_words(code: jax.Array, meta: LayoutMeta) -> List[jax.Array]:
                 v = _specials(v, p, fmt)
             out[lane] = v
     return out
+
+
+def decode_elements(code: jax.Array, fmt) -> jax.Array:
+    """uint32 codes, one per element (each < 2^bits) -> f32, by the same f16 placement as `decode_words`:
+    floats give value(code) * 2^(bias - 15) (the half `sign << 15 | magnitude << (10 - m)`; the scale carries
+    2^(15 - bias)), ints u = q - qmin give q exactly (the half 1024 + u, minus 1024 - qmin)."""
+    if isinstance(fmt, IntFormat):
+        return _u16_to_f32(code | np.uint32(0x6400)) - np.float32(1024 - fmt.qmin)
+    b, m = fmt.bits, fmt.mbits
+    pat = ((code >> (b - 1)) << 15) | ((code & np.uint32((1 << (b - 1)) - 1)) << (10 - m))
+    return _specials(_u16_to_f32(pat), pat, fmt)
 
 
 def _specials(v: jax.Array, pat: jax.Array, fmt: FloatFormat) -> jax.Array:

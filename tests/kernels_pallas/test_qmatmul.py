@@ -199,7 +199,20 @@ def test_errors_name_shapes_and_formats():
 
 
 # ---- dispatch -----------------------------------------------------------------------------------------------
-def test_registered_for_gpu_only_by_default():
+@pytest.fixture
+def triton_only():
+    """The Pallas Triton kernel as the only registered kernel (the Mosaic GPU one, first on GPU, takes no
+    weight) for the dispatch tests of this kernel; both registered again afterwards."""
+    import kernels_pallas.register as reg
+    qformats.dispatch.register_kernel(reg.MGPU_KERNEL_NAME, lambda x, q, backend: False, lambda x, q, p=None: None,
+                                      priority=20)
+    try:
+        yield
+    finally:
+        reg.register()
+
+
+def test_registered_for_gpu_only_by_default(triton_only):
     q = make_q("MXFP4A16", 64, 32)
     x = jnp.ones((1, 64), jnp.bfloat16)
     assert "pallas_qmatmul" in qformats.dispatch.registered_kernels()
@@ -218,7 +231,7 @@ def test_registered_for_gpu_only_by_default():
         qformats.set_kernels_enabled(True)
 
 
-def test_qdot_uses_the_kernel_when_forced_to_interpret(monkeypatch):
+def test_qdot_uses_the_kernel_when_forced_to_interpret(monkeypatch, triton_only):
     q = make_q("W4A16", 384, 200)  # cheap to compile: the nested jit below compiles at full optimization
     x = make_x((2, 384), jnp.bfloat16)
     calls = []
@@ -257,7 +270,7 @@ def test_lowers_to_triton(name):
     _lower_gpu(jnp.zeros((3, pw.meta.K_pad), jnp.float16), pw, BlockSizes(block_m=4, split_k=min(2, tiles)))
 
 
-def test_flax_layer_runs_the_kernel(monkeypatch):
+def test_flax_layer_runs_the_kernel(monkeypatch, triton_only):
     """A qformats.nn-quantized nnx.Linear calls qdot, which takes the kernel (forced to interpret here)."""
     nnx = pytest.importorskip("flax.nnx")
     from qformats.nn import Rule, quantize_model
@@ -288,7 +301,7 @@ def test_flax_layer_runs_the_kernel(monkeypatch):
     np.testing.assert_allclose(y, y_xla, rtol=0, atol=2.0 ** -7 * np.abs(y_xla).max())
 
 
-def test_layers_cache_the_kernel_layout(monkeypatch):
+def test_layers_cache_the_kernel_layout(monkeypatch, triton_only):
     """Packed layers keep the kernel's layout (prepared once): the forward pass never repacks, the cache is
     not a parameter, and it is dropped (XLA path) when kernels are turned off."""
     nnx = pytest.importorskip("flax.nnx")
@@ -332,7 +345,7 @@ def test_layers_cache_the_kernel_layout(monkeypatch):
     np.testing.assert_array_equal(y, y_jit)
 
 
-def test_qdot_ignores_a_payload_its_kernel_does_not_take():
+def test_qdot_ignores_a_payload_its_kernel_does_not_take(triton_only):
     """A cached layout is used only by the kernel that made it, and only when it takes (x, q) here."""
     q = make_q("W4A16", 128, 64)
     x = make_x((2, 128), jnp.bfloat16)

@@ -1,4 +1,5 @@
-"""qmatmul compiled for the GPU (Triton), against qformats.dequantize + jnp.dot. Skipped without a GPU.
+"""qmatmul_mgpu (Mosaic GPU) and qmatmul (Pallas Triton) compiled for the GPU, against qformats.dequantize +
+jnp.dot. Skipped without a GPU.
 
 Run by bench/gpu_all.sh on the device machine; also runnable as a script (`python -m pytest` or
 `python tests/kernels_pallas/test_qmatmul_gpu.py`).
@@ -15,7 +16,7 @@ import qformats
 from qformats.dispatch import select_kernel
 
 import kernels_pallas
-from kernels_pallas import BlockSizes, prepare, qmatmul
+from kernels_pallas import BlockSizes, MgpuBlockSizes, prepare, prepare_mgpu, qmatmul, qmatmul_mgpu
 
 try:
     from kernel_cases import SCHEMES, make_x, reference
@@ -36,7 +37,8 @@ def _q(name, k, n, seed=0):
 def check(y, x, q):
     """The CPU suite's bound, plus for NVFP4 one bf16 ulp of every |x w| term: Triton's f32 division
     (div.full.f32) may be an ulp off the IEEE scale / global that qformats.dequantize computes, which can
-    move a weight by one bf16 ulp. Returns the worst err / tol."""
+    move a weight by one bf16 ulp (the Mosaic kernel takes scale / global precomputed by XLA). Returns the
+    worst err / tol."""
     ref, mag = reference(x, q)
     k = q.shape[0]
     eps = float(jnp.finfo(x.dtype).eps)
@@ -53,12 +55,46 @@ def check(y, x, q):
 NAMES = sorted(SCHEMES)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_gpu_all_formats(name):
+def _k(name):
     g = SCHEMES[name].group_size or 1
     k = 1000 + (-1000 % g)
     if g < 128 and k % 128 == 0:
         k += g  # K not a multiple of 128 where the group allows
+    return k
+
+
+MOSAIC_STRICT = pytest.mark.filterwarnings("error::DeprecationWarning")  # jax 0.11: no deprecated API
+
+
+@MOSAIC_STRICT
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_mosaic_all_formats(name):
+    """The Mosaic GPU kernel (default tilings, weight in registers) at decode and prefill sizes."""
+    k = _k(name)
+    q = _q(name, k, 1000)
+    mw = prepare_mgpu(q)
+    for m in (1, 7, 64, 256):
+        x = make_x((m, k), jnp.bfloat16, seed=m)
+        check(qmatmul_mgpu(x, mw, interpret=False), x, q)
+
+
+@MOSAIC_STRICT
+@pytest.mark.parametrize("name", ["FP6_E3M2", "NVFP4A16", "W4A16_ASYM", "MXFP4A16", "FP8_E4M3"])
+def test_gpu_mosaic_variants(name):
+    """f16, the shared-memory weight operand, split-K, other token tiles and stage counts."""
+    q = _q(name, 2048, 512)
+    mw = prepare_mgpu(q)
+    x = make_x((7, 2048), jnp.float16)
+    check(qmatmul_mgpu(x, mw, interpret=False), x, q)
+    x = make_x((100, 2048), jnp.bfloat16)
+    for bs in (MgpuBlockSizes(16, 4, 2, "smem"), MgpuBlockSizes(32, 2, 3, "regs"), MgpuBlockSizes(128, 1, 1, "smem"),
+               MgpuBlockSizes(64, 1, 4, "regs"), MgpuBlockSizes(256, 1, 1, "regs")):
+        check(qmatmul_mgpu(x, mw, interpret=False, block_sizes=bs), x, q)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_all_formats(name):
+    k = _k(name)
     q = _q(name, k, 1000)
     pw = prepare(q)
     for m in (1, 7, 256):  # M = 1: GEMV form (default); 7: 16-row dot, masked rows; 256: 128-row dot
@@ -82,10 +118,12 @@ def test_gpu_dtypes_and_tilings(name):
         check(qmatmul(x, pw128, interpret=False, block_sizes=bs), x, q)
 
 
+@MOSAIC_STRICT
 def test_gpu_dispatch():
     q = _q("MXFP4A16", 512, 256)
     x = make_x((2, 3, 512), jnp.bfloat16)
-    assert select_kernel(x, q).name == "pallas_qmatmul"
+    assert select_kernel(x, q).name == "mosaic_qmatmul"
+    assert select_kernel(x.astype(jnp.float32), q).name == "pallas_qmatmul"
     y = jax.jit(qformats.qdot)(x, q)
     check(y.reshape(6, 256), x.reshape(6, 512), q)
 
@@ -105,7 +143,7 @@ def test_gpu_layer_uses_its_cached_layout():
 
     model = quantize_model(Net(), [Rule(".*", "FP6_E3M2")])
     cache = model.proj.kernel_cache
-    assert cache is not None and cache.get_value().name == "pallas_qmatmul"
+    assert cache is not None and cache.get_value().name == "mosaic_qmatmul"
     x = make_x((4, 512), jnp.bfloat16)
     y = nnx.jit(lambda m, v: m(v))(model, x)
     check(y, x, model.proj.kernel.get_value())
