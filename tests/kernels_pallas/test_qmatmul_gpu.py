@@ -69,17 +69,18 @@ MOSAIC_STRICT = pytest.mark.filterwarnings("error::DeprecationWarning")  # jax 0
 @MOSAIC_STRICT
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_mosaic_all_formats(name):
-    """The Mosaic GPU kernel (default tilings, weight in registers) at decode and prefill sizes."""
+    """The Mosaic GPU kernel (default tilings, weight in registers) at decode (M = 1 and 7 share the 16-token
+    tile) and prefill (two 128-token tiles) sizes."""
     k = _k(name)
     q = _q(name, k, 1000)
     mw = prepare_mgpu(q)
-    for m in (1, 7, 64, 256):
+    for m in (1, 7, 256):
         x = make_x((m, k), jnp.bfloat16, seed=m)
         check(qmatmul_mgpu(x, mw, interpret=False), x, q)
 
 
 @MOSAIC_STRICT
-@pytest.mark.parametrize("name", ["FP6_E3M2", "NVFP4A16", "W4A16_ASYM", "MXFP4A16", "FP8_E4M3"])
+@pytest.mark.parametrize("name", ["FP6_E3M2", "NVFP4A16", "W4A16_ASYM"])
 def test_gpu_mosaic_variants(name):
     """f16, the shared-memory weight operand, split-K, other token tiles and stage counts."""
     q = _q(name, 2048, 512)
@@ -87,8 +88,8 @@ def test_gpu_mosaic_variants(name):
     x = make_x((7, 2048), jnp.float16)
     check(qmatmul_mgpu(x, mw, interpret=False), x, q)
     x = make_x((100, 2048), jnp.bfloat16)
-    for bs in (MgpuBlockSizes(16, 4, 2, "smem"), MgpuBlockSizes(32, 2, 3, "regs"), MgpuBlockSizes(128, 1, 1, "smem"),
-               MgpuBlockSizes(64, 1, 4, "regs"), MgpuBlockSizes(256, 1, 1, "regs")):
+    for bs in (MgpuBlockSizes(16, 4, 2, "smem"), MgpuBlockSizes(32, 2, 3, "regs"), MgpuBlockSizes(64, 1, 4, "regs"),
+               MgpuBlockSizes(128, 1, 1, "smem")):
         check(qmatmul_mgpu(x, mw, interpret=False, block_sizes=bs), x, q)
 
 
