@@ -6,7 +6,8 @@ the mean / min cosine against the torch fp32 sentence-transformers embeddings is
 bytes of the Linear weights. Without torch the reference is the dense JAX model (and it says so).
 
 Scheme names are presets (`qformats.presets`), "dense", or a preset with the suffix ":w" for its weight
-scheme alone (e.g. "FP8_BLOCK:w": block-quantized weights, float activations). Positional SRC arguments
+scheme alone (e.g. "FP8_BLOCK:w": block-quantized weights, float activations) and/or ":gN" for weight groups
+of N columns (e.g. "W4A16:g64"; `qformats.presets.parse_scheme`). Positional SRC arguments
 are compressed-tensors checkpoints of the model (read by `converters`), evaluated the same way.
 """
 
@@ -25,7 +26,8 @@ import numpy as np
 from flax import nnx
 
 from converters import embedded
-from qformats import SchemeSet, presets
+from qformats import SchemeSet
+from qformats.presets import parse_scheme
 from qformats.errors import QFormatsError, SchemeError
 from qformats.models import minilm
 from qformats.nn import QLinear, Rule, quantize_model
@@ -44,20 +46,15 @@ SEARCHES = tuple(s for s in WEIGHT_SEARCHES if s != RTN)
 
 
 def resolve(name: str) -> Optional[SchemeSet]:
-    """Scheme name → SchemeSet (None for "dense"); "NAME:w" keeps only the preset's weight scheme.
+    """Scheme string → SchemeSet (None for "dense"): `qformats.presets.parse_scheme` ("NAME", "NAME:w" for the
+    weights alone, "NAME:gN" for weight groups of N, combinable).
 
     Raises:
-      SchemeError: an unknown preset or a suffix other than ":w".
+      SchemeError: an unknown preset or suffix (see parse_scheme).
     """
-    if name.lower() == "dense":
+    if name.strip().lower() == "dense":
         return None
-    base, _, suffix = name.partition(":")
-    ss = presets[base]
-    if suffix:
-        if suffix.lower() != "w":
-            raise SchemeError(f"scheme {name!r}: the only suffix is ':w' (weights only), got {suffix!r}")
-        return SchemeSet(f"{ss.name}:w", weights=ss.weights)
-    return ss
+    return parse_scheme(name)
 
 
 def linear_weight_bytes(model: nnx.Module) -> int:
@@ -163,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
                                           "(e.g. written by `qformats quantize`)")
     p.add_argument("--sentences", help="text file, one sentence a line (default: the shipped set)")
     p.add_argument("--schemes", default=None,
-                   help="comma-separated: dense, preset names, NAME:w for weights only (default: the weight-only "
+                   help="comma-separated: dense, preset names, NAME:w for weights only, NAME:gN for weight groups of N (default: the weight-only "
                         f"table {', '.join(DEFAULT_SCHEMES)}; with SRC given: dense)")
     p.add_argument("--json", action="store_true", help="print one JSON object scheme → metrics")
     p.add_argument("--calibrated", action="store_true",

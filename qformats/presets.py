@@ -1,7 +1,9 @@
-"""Preset scheme sets under compressed-tensors' names, plus the FPx weight-only presets the torch side dropped."""
+"""Preset scheme sets under compressed-tensors' names (plus the FPx ones the torch side dropped) and scheme strings."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Dict, Iterator
 
@@ -91,3 +93,60 @@ class Presets(Mapping):
 
 
 presets = Presets(_build())
+
+
+# Group sizes fixed by the format's definition: MX (OCP MX v1.0) scales 32 elements, NVFP4 16; another size would
+# be neither format (and no longer a compressed-tensors / vLLM one).
+_FIXED_GROUPS = {"e8m0": ("MX", 32), "tensor_group": ("NVFP4", 16)}
+
+
+def parse_scheme(text: str) -> SchemeSet:
+    """A scheme string -> SchemeSet: a preset name with optional suffixes, each at most once, in any order:
+
+      ":w"    the preset's weight scheme alone (float activations), e.g. "FP8_BLOCK:w";
+      ":gN"   group size N (a positive integer) for the weight scheme's groups, e.g. "W4A16:g64";
+              the weights' scale groups become N consecutive input columns; activations are unchanged.
+
+    "W4A16:g64:w" and "W4A16:w:g64" are the same scheme; the returned SchemeSet's name is the canonical
+    "NAME[:gN][:w]" (NAME as the preset table spells it).
+
+    Raises:
+      SchemeError: an unknown preset or suffix, a repeated suffix, ":gN" on a preset whose weights have no
+        groups (channel, tensor or block scales), or on an MX / NVFP4 preset with N other than the format's
+        own group size (32 / 16), or on a preset without weights.
+    """
+    if not isinstance(text, str):
+        raise SchemeError(f"expected a scheme string such as 'W4A16' or 'W4A16:g64', got {type(text).__name__}")
+    base, *suffixes = text.strip().split(":")
+    ss = presets[base]
+    name = next(k for k in presets if k == base.upper())
+    weights_only, group = False, None
+    for suf in suffixes:
+        s = suf.strip().lower()
+        if s == "w" and not weights_only:
+            weights_only = True
+        elif re.fullmatch(r"g[0-9]+", s) and group is None:
+            group = int(s[1:])
+            if group < 1:
+                raise SchemeError(f"scheme {text!r}: the group size of ':{suf}' must be a positive integer")
+        else:
+            seen = "repeated " if s == "w" or re.fullmatch(r"g[0-9]+", s) else ""
+            raise SchemeError(f"scheme {text!r}: {seen}suffix ':{suf}'; expected NAME with ':w' (weights only) "
+                              f"and/or ':gN' (weight group size N), each at most once")
+    w = ss.weights
+    if group is not None:
+        if w is None:
+            raise SchemeError(f"scheme {text!r}: preset {name} quantizes no weights, so ':g{group}' has no groups "
+                              f"to size")
+        if w.strategy not in ("group", "tensor_group"):
+            raise SchemeError(f"scheme {text!r}: the weights of {name} ({w.describe()}) have {w.strategy} scales, "
+                              f"not groups; ':gN' applies to group presets such as W4A16, W4A16_ASYM, FP6_E3M2_G128")
+        fixed = _FIXED_GROUPS.get(w.scale_format) or _FIXED_GROUPS.get(w.strategy)
+        if fixed is not None and group != fixed[1]:
+            raise SchemeError(f"scheme {text!r}: {fixed[0]} scales groups of {fixed[1]} by definition "
+                              f"({name}: {w.describe()}); ':g{group}' would make another format")
+        w = dataclasses.replace(w, group_size=group)
+        name += f":g{group}"
+    if weights_only:
+        return SchemeSet(f"{name}:w", weights=w)
+    return dataclasses.replace(ss, name=name, weights=w)

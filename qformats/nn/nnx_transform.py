@@ -17,7 +17,7 @@ from qformats.nn.graph import module_references, replace_child
 from qformats.nn.nnx_layers import QUANTIZED, QuantizedMatmul
 from qformats.nn.projection import check_einsum_acts, einsum_last_axis_error, einsum_layout
 from qformats.nn.weight_search import NEEDS_HESSIAN, RTN, quantize_weight, search_name
-from qformats.nn.rules import check_fit, compile_rules, select
+from qformats.nn.rules import check_fits, compile_rules, select
 from qformats.observers import get_observer
 
 
@@ -80,9 +80,10 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     plan: List[Tuple[str, nnx.Linear, list, Any]] = []
     full_moments = {}
     refs = ((path, (lin, parents)) for path, lin, parents in module_references(model, tuple(QUANTIZED)).values())
-    for path, (lin, parents), ss in select(compiled, refs):
-        k = _contracted_size(path, lin, ss, calibrating)
-        check_fit(path, k, ss, static_acts=calibrating)
+    selected = [(path, lp, ss, _contracted_size(path, lp[0], ss, calibrating))
+                for path, lp, ss in select(compiled, refs)]
+    check_fits([(path, k, ss) for path, _, ss, k in selected], static_acts=calibrating)  # every misfit in one error
+    for path, (lin, parents), ss, k in selected:
         # full E[x x^T] only where a weight search uses it: K <= 4096, <= 256 MiB per (stacked) layer
         layers = math.prod(lin.kernel.get_value().shape[:-2]) if isinstance(lin, nnx.Linear) else 1
         fits = k <= MAX_FULL_MOMENTS_K and layers * k * k <= MAX_FULL_MOMENTS_ELEMS
