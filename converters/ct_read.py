@@ -57,8 +57,8 @@ from qformats.grouping import expected_shapes
 from qformats.quantize import dequantize
 from qformats.schemes import QuantScheme
 
-__all__ = ["CompressedModel", "QUANT_PARAM_NAMES", "check_modules", "open_compressed", "read_compressed",
-           "to_flax_params", "split_name", "dense_weight"]
+__all__ = ["CompressedModel", "QUANT_PARAM_NAMES", "dense_weight", "iter_modules", "open_compressed",
+           "read_compressed", "to_flax_params", "split_name"]
 
 #: Local tensor names that hold quantization parameters of a module (never dense weights).
 QUANT_PARAM_NAMES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_global_scale",
@@ -213,8 +213,8 @@ class LoadedModule:
 
 
 def iter_modules(ck: Checkpoint, qc: Optional[QuantConfig]) -> Iterator[LoadedModule]:
-    """Yield modules one at a time (streaming: only one module's tensors are built at once), after
-    `check_modules` has checked the whole checkpoint against the config from its headers."""
+    """Yield modules one at a time (streaming: only one module's tensors are built at once), after the whole
+    checkpoint has been checked against the config from its headers (see the module docstring)."""
     mods = _modules_of(ck)
     plan = _plan(ck, qc, mods)
     for name in sorted(mods):
@@ -231,15 +231,6 @@ def iter_modules(ck: Checkpoint, qc: Optional[QuantConfig]) -> Iterator[LoadedMo
         if "weight_zero_point" in m.tensors and q.zero_point is None:
             tensors["weight_zero_point"] = ck.get(m.tensors["weight_zero_point"])
         yield LoadedModule(name, tensors, group.format, group.name, stored)
-
-
-def check_modules(ck: Checkpoint, qc: Optional[QuantConfig]) -> Dict[str, Optional[str]]:
-    """Check every module of `ck` against `qc` from the headers alone (see the module docstring); returns
-    module path -> the name of the config group that quantizes it (None: read as stored).
-
-    Raises CheckpointError naming the file, module, tensor and what was expected; warns about config
-    groups and ignore entries that match nothing."""
-    return {k: (g.name if g is not None else None) for k, g in _plan(ck, qc, _modules_of(ck)).items()}
 
 
 def _where(ck: Checkpoint, m: _Module) -> str:

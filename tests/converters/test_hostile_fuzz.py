@@ -126,6 +126,10 @@ NASTY = [None, True, -1, 0, 1, 2**63, -(2**63), 1.5, "", "x", "F32", "re:(a|aa)+
          {"a": 1}, "\ud800", "I32", "U8", "F8_E4M3", 10**30]
 
 
+CODED = ["weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_shape", "weight_g_idx"]
+RENAMES = CODED + ["weight", "bias", "weight_scales", "weigh"]
+
+
 def _rand_value(r: random.Random, old):
     if isinstance(old, bool) or old is None:
         return r.choice(NASTY)
@@ -181,7 +185,7 @@ def m_header(base: Base, r: random.Random):
             del h[k]
     elif op == 2:  # rename: another local name, another module, a compressed-looking name
         mod, _, local = k.rpartition(".")
-        new = r.choice([f"{mod}.{r.choice(['weight_scale', 'weight_packed', 'weight', 'weight_shape', 'bias', 'weight_zero_point', 'weight_global_scale', 'weight_scales', 'weigh'])}",
+        new = r.choice([f"{mod}.{r.choice(RENAMES)}",
                         f"{r.choice(['m.a', 'm.b', 'm.norm', 'emb', 'm.c', ''])}.{local}".lstrip("."),
                         k + "_", k.upper()])
         if new not in h:
@@ -277,7 +281,7 @@ def m_tensor(base: Base, r: random.Random):
                          a.shape[0] > 1 else a])
     elif op == 4:
         mod = r.choice(["m.a", "m.b", "m.norm", "emb"])
-        new = f"{mod}.{r.choice(['weight_packed', 'weight_scale', 'weight_global_scale', 'weight_zero_point', 'weight_shape', 'weight_g_idx'])}"
+        new = f"{mod}.{r.choice(CODED)}"
         if new not in t and not any(new in v for v in base.headers.values()):
             t[new] = r.choice([np.ones(1, np.float32), np.zeros((48, 2), np.int32), np.array([48, 64], np.int64)])
             touched.add(new)
@@ -451,7 +455,8 @@ def test_hostile_checkpoints_typed_error_or_same_reading(bases, tmp_path):
                 size = _materialize(base, work, files, outside)
                 tracemalloc.reset_peak()
                 before = tracemalloc.get_traced_memory()[0]
-                what = f"{cls} #{i} on {base.name}: {sorted(files)} {[v if isinstance(v, tuple) else '...' for v in files.values()]}"
+                shown = [v if isinstance(v, tuple) else "..." for v in files.values()]
+                what = f"{cls} #{i} on {base.name}: {sorted(files)} {shown}"
                 try:
                     with _time_limit(PER_CASE_SECONDS):
                         got = _reading(work)
