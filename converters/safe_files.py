@@ -2,9 +2,9 @@
 
 A checkpoint directory comes from elsewhere, so none of its entries may make a reader block, read without
 end or write outside its destination:
-  - a file is opened with O_NONBLOCK (a FIFO then opens at once instead of waiting for a writer) and
-    checked with fstat on the open descriptor (no race between the check and the read): anything but a
-    regular file (FIFO, device such as /dev/zero, socket, directory) is a CheckpointError;
+  - a file is checked with stat before it is opened, opened with O_NONBLOCK (a FIFO swapped in meanwhile
+    then opens at once instead of waiting for a writer) and checked again with fstat on the descriptor:
+    anything but a regular file (FIFO, device such as /dev/zero, socket, directory) is a CheckpointError;
   - a symbolic link may point only inside the checkpoint directory, or into the `blobs/` folder of a
     Hugging Face cache repository when the directory is one of its `snapshots/<revision>/` (the layout
     `huggingface_hub` downloads into: every file there is such a link);
@@ -79,6 +79,11 @@ def open_regular(path: "str | os.PathLike", root: "str | os.PathLike | None" = N
     real = _check_target(path, allowed_roots(root) if root is not None else None, what)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
     try:
+        # stat first, so that no device is ever opened (opening one can have effects); fstat after the open
+        # closes the window in which the path could be swapped.
+        mode = os.stat(real).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{path}: expected {what}, found {_kind(mode)}")
         fd = os.open(real, flags)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: expected {what}, found no such file") from None
