@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 
+from converters.safe_files import read_json
 from qformats.errors import CheckpointError
 
 NameMap = Mapping[str, Tuple[str, bool]]  # HF tensor name -> (Flax variable path, transposed [out, in] <-> [in, out])
@@ -131,6 +131,6 @@ def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: O
         else:
             tensors[name] = np.asarray(value).T if transpose else np.asarray(value)
     if config is None and copy_from is not None and (Path(copy_from) / "config.json").exists():
-        config = json.loads((Path(copy_from) / "config.json").read_text())
+        config = read_json(Path(copy_from) / "config.json", copy_from)
     return write_compressed(dst, tensors, schemes, config=config, copy_from=copy_from,
                             max_shard_size=max_shard_size, overwrite=overwrite)
