@@ -117,21 +117,27 @@ def load_tokenizer(src: str | os.PathLike):
     if p.is_file() and p.suffix == ".gguf":
         from converters.gguf_convert import open_gguf
 
-        text = json.dumps(open_gguf(p).tokenizer_files()["tokenizer.json"], ensure_ascii=False)
-    else:
-        f = p / "tokenizer.json"
-        if not f.is_file():
-            return None
-        text = f.read_text(encoding="utf-8")
+        return _gguf_tokenizer(open_gguf(p))
+    f = p / "tokenizer.json"
+    if not f.is_file():
+        return None
+    return _tokenizer_from_str(f.read_text(encoding="utf-8"), f)
+
+
+def _gguf_tokenizer(g):
+    return _tokenizer_from_str(json.dumps(g.tokenizer_files()["tokenizer.json"], ensure_ascii=False), g.path)
+
+
+def _tokenizer_from_str(text: str, where: Path):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise CheckpointError(f"{p}: reading its tokenizer needs the 'tokenizers' package; found it not installed "
-                              f"(pip install tokenizers), or pass tokenizer=False") from None
+        raise CheckpointError(f"{where}: reading its tokenizer needs the 'tokenizers' package; found it not "
+                              f"installed (pip install tokenizers), or pass tokenizer=False") from None
     try:
         return Tokenizer.from_str(text)
     except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type for a bad file
-        raise CheckpointError(f"{p}: tokenizer.json: expected a tokenizers file, found {e}") from None
+        raise CheckpointError(f"{where}: expected a tokenizers tokenizer.json, found {e}") from None
 
 
 def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, tokenizer: bool = True):
@@ -160,10 +166,12 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
     param_dtype = dtype if param_dtype is None else param_dtype
     p = Path(src)
     where = str(p)
+    tok = None
     if p.is_file() and p.suffix == ".gguf":
         from converters.gguf_convert import open_gguf
 
         g = open_gguf(p)
+        tok = _gguf_tokenizer(g) if tokenizer else None  # before the weights: a bad tokenizer fails fast
         hf_config = dict(g.config)
         model, cfg = _abstract_model(hf_config, dtype, param_dtype, where)
         try:
@@ -183,11 +191,11 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
                     decoder.load_hf_tensors(model, _LazyTensors(ck.keys(), lambda n: ck.info(n).shape, ck.get))
                 except ModelError as e:
                     raise CheckpointError(f"{where}: {e}") from None
+        tok = load_tokenizer(p) if tokenizer else None
     else:
         raise CheckpointError(f"{p}: expected a checkpoint directory or a .gguf file, found "
                               f"{'no such path' if not p.exists() else 'another kind of file'}")
     _check_filled(model, where)
-    tok = load_tokenizer(p) if tokenizer else None
     return model, hf_config, tok
 
 

@@ -187,3 +187,82 @@ def test_unsupported_model_type_is_an_error(tiny_dirs, tmp_path):
 def test_not_a_checkpoint_is_an_error(tmp_path):
     with pytest.raises(CheckpointError, match="no such path"):
         load_causal_lm(tmp_path / "nothing")
+
+
+# ------------------------------------------------------------------------------------- GGUF files
+
+from converters.gguf_convert import convert_gguf, open_gguf  # noqa: E402
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.mark.parametrize("arch,head_dim", [("llama", None), ("qwen3", None), ("qwen2", None)])
+def test_tiny_gguf_logits_equal_transformers(tmp_path, arch, head_dim):
+    """A .gguf loads in memory as its converted checkpoint loads in transformers (qwen3 with head_dim =
+    hidden / heads, which transformers' own GGUF path would take as 128)."""
+    from test_gguf_convert import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, hidden=128, heads=4, kv_heads=2, inter=256,
+                           weight_type=gguf.GGMLQuantizationType.Q8_0, head_dim=head_dim)
+    model, hf_config, tok = load_causal_lm(path)
+    assert hf_config == open_gguf(path).config and tok is not None
+    ids = np.array([tok.encode("the fox and the fox").ids] * 2)
+    dense = convert_gguf(path, tmp_path / "dense")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = ref(torch.from_numpy(ids)).logits.numpy()
+    ours, _ = model(jnp.asarray(ids, jnp.int32))
+    assert np.abs(np.asarray(ours) - theirs).max() <= DENSE_ATOL * np.abs(theirs).max()
+
+
+# ------------------------------------------------------------------------------------- SmolLM2 (GGUF)
+
+PROMPT = "The capital of France is"
+# 30 layers in float32 against torch's float32: accumulation order only. The logits reach |x| ~ 25.
+SMOLLM2_ATOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from converters.embedded import smollm2_gguf
+
+    path = smollm2_gguf()
+    model, hf_config, tok = load_causal_lm(path)
+    # The torch reference: transformers' LlamaForCausalLM with the GGUF tensors (equal, bit for bit, to
+    # transformers' own GGUF loading: test_gguf_convert).
+    cfg = transformers.AutoConfig.for_model(**hf_config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    result = ref.load_state_dict({n: torch.from_numpy(a) for n, a in open_gguf(path).items()}, strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
+    assert ref.lm_head.weight.data_ptr() == ref.model.embed_tokens.weight.data_ptr()  # tied
+    return model, tok, ref
+
+
+def test_smollm2_gguf_logits_equal_transformers(smollm2):
+    model, tok, ref = smollm2
+    ids = np.array([tok.encode(PROMPT).ids])
+    with torch.no_grad():
+        theirs = ref(torch.from_numpy(ids)).logits.numpy()
+    ours, _ = model(jnp.asarray(ids, jnp.int32))
+    diff = np.abs(np.asarray(ours) - theirs).max()
+    assert diff <= SMOLLM2_ATOL, diff
+
+
+def test_smollm2_gguf_greedy_tokens_equal_transformers(smollm2):
+    from qformats.models.generate import generate
+
+    model, tok, ref = smollm2
+    ids = tok.encode(PROMPT).ids
+    ours = np.asarray(generate(model, jnp.asarray([ids], jnp.int32), 32))[0].tolist()
+    theirs, past, step = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(32):  # greedy with the KV cache, no end-of-sequence stop
+            out = ref(step, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            step = out.logits[:, -1].argmax(-1, keepdim=True)
+            theirs.append(int(step))
+    assert ours == theirs, (tok.decode(ours), tok.decode(theirs))
