@@ -223,13 +223,14 @@ def test_no_partial_output_on_failure(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense", "keep"]
 
 
-def test_shape_not_fitting_scheme_left_dense(tmp_path):
+def test_shape_not_fitting_scheme_refused_or_left_dense_on_request(tmp_path):
     src = tmp_path / "dense"
     src.mkdir()
     save_file({"a.weight": W_A.T.copy(), "odd.weight": np.ones((8, 40), np.float32)}, src / "model.safetensors")
-    with pytest.warns(UserWarning, match="'odd.weight'.*left dense"):
-        s = quantize_checkpoint(src, tmp_path / "out", "MXFP4A16", progress=False)
-    assert s.quantized == 1
+    with pytest.raises(CheckpointError, match=r"- odd \(weight \[8, 40\] .*columns=40 not divisible by group_size=32"):
+        quantize_checkpoint(src, tmp_path / "out", "MXFP4A16", progress=False)
+    s = quantize_checkpoint(src, tmp_path / "out", "MXFP4A16", progress=False, skip_indivisible=True)
+    assert s.quantized == 1 and s.skipped == ["odd"]
     qc = json.loads((tmp_path / "out/config.json").read_text())["quantization_config"]
     assert qc["ignore"] == ["odd"]
 
