@@ -105,6 +105,8 @@ def _candidates(backend, m, meta, tune):
         cands = [bs0] + [dataclasses.replace(bs0, split_k=sk) for sk in (1, 2, 4, 8)
                          if tiles % sk == 0 and sk != bs0.split_k]
         cands += [dataclasses.replace(bs0, lhs="smem"), dataclasses.replace(bs0, stages=max(1, bs0.stages // 2))]
+        if m >= 64 and meta.N_pad % 128 == 0:
+            cands.append(dataclasses.replace(bs0, compute_wgs=3 - bs0.compute_wgs))
         return cands
     bs0 = default_block_sizes(m, meta)
     if not tune:

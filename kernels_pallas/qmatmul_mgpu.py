@@ -5,25 +5,29 @@ channels per warpgroup, wgmma's M), the activations the shared-memory operand (t
 N: 16 .. 256 tokens, so M = 1 pays for 16 rows of tensor-core work, not 64, and the weight never goes back
 to shared memory). The layout is `layout_mgpu`'s (byte planes [N, 64] per 64 K positions, scale rows).
 
-Grid `(N_pad / 64, M_pad / tile_m, split_k)`. A program owns 64 output channels x tile_m tokens and
-`K_pad / tile_k / split_k` K tiles, streamed by `plgpu.emit_pipeline` (TMA copies of the x^T tile, every
-plane chunk and the tile's scale (f32, or E8M0 codes) and zero rows into shared memory, `stages` tiles in
-flight). Per K tile and per 64-position chunk: the plane bytes are loaded into registers (WGMMA layout, 64-byte swizzle), shifted,
-masked and OR-ed into codes (`layout_mgpu.chunk_codes`), placed into IEEE halves and widened to f32
+Grid `(N_pad / (64 compute_wgs), M_pad / tile_m, split_k)`. A program owns 64 (one compute warpgroup) or
+128 (two, warp-specialized) output channels x tile_m tokens and `K_pad / tile_k / split_k` K tiles, streamed
+by TMA into shared memory, `stages` tiles in flight: the x^T tile, every plane chunk and the tile's scale
+(f32, or E8M0 codes) and zero rows. One warpgroup: `plgpu.emit_pipeline` (the same warpgroup issues the
+copies and computes). Two: `plgpu.emit_pipeline_warp_specialized` (a memory warpgroup with 40 registers
+issues the copies; each compute warpgroup decodes and multiplies its 64 channels of the shared tiles and
+writes its own epilogue), the default from 64 tokens on.
+
+Per K tile and per 64-position chunk: the plane bytes are loaded into registers (WGMMA layout, 64-byte
+swizzle), shifted, masked and OR-ed into codes (`layout_mgpu.chunk_codes`), placed into IEEE halves and widened to f32
 (`layout.decode_elements`), zero point subtracted and scale multiplied as `qformats.dequantize` rounds
 them (`layout.finish`), cast to x's dtype and fed to `wgmma` against the matching rows of the x^T tile (one
 wgmma per scale group when the group is 16 or 32; the x^T tile is swizzled at min(2 tile_m, 2 group, 128)
-bytes). The f32 accumulator goes through shared memory to y^T (f32 partial sums per
-split when split_k > 1, added outside), transposed back outside the kernel.
+bytes). The f32 accumulator goes through shared memory to y^T (f32 partial sums per split when split_k > 1,
+added outside), transposed back outside the kernel.
 
 `lhs="smem"` stores each decoded slice into a swizzled shared-memory tile and runs wgmma from there: that is
 what GPU interpret mode (which only takes reference operands) runs on the CPU, and a variant to measure on
 the device; `lhs="regs"` (default on GPU) keeps the weight in registers. Both are lowered for cuda in the
 tests.
 
-Not done (see NOTES.md): warp specialization (a producer warpgroup issuing TMA while 1-2 consumer
-warpgroups decode: `plgpu.emit_pipeline_warp_specialized`), an FMA GEMV path for M <= 8 (wgmma with a 16-token
-tile does the work here), f32 activations (wgmma would be tf32: not exact; they take the Triton or XLA path).
+Not done (see NOTES.md): an FMA GEMV path for M <= 8 (wgmma with a 16-token tile does the work here), f32
+activations (wgmma would be tf32: not exact; they take the Triton or XLA path), a persistent grid.
 
 Numerics: weights bit-identical to `qformats.dequantize(q, x.dtype)`; products exact in f32, accumulated in
 f32 (wgmma's order): |y - y_ref| <= eps(x.dtype) |y_ref| + 2 K 2^-24 (|x| @ |w|).
@@ -73,47 +77,64 @@ class MgpuBlockSizes:
     """Tiling of one Mosaic GPU qmatmul call.
 
     tile_m: tokens per program (wgmma's N; the x^T tile's swizzled minor dimension): 16, 32, 64, 128, 192
-    or 256; split_k: K splits (divides the K tile
-    count); stages: K tiles in flight in the TMA pipeline; lhs: "regs" (decoded weight as wgmma's register
-    operand) or "smem" (through a shared-memory tile; forced in interpret mode).
+    or 256; split_k: K splits (divides the K tile count); stages: K tiles in flight in the TMA pipeline;
+    lhs: "regs" (decoded weight as wgmma's register operand) or "smem" (through a shared-memory tile; forced
+    in interpret mode); compute_wgs: 1 (one warpgroup loads and computes 64 channels: `emit_pipeline`) or 2
+    (warp specialization: a memory warpgroup issues the TMA copies while two compute warpgroups decode and
+    multiply 64 channels each, 128 per program: `emit_pipeline_warp_specialized`; needs N_pad % 128 == 0).
     """
 
     tile_m: int = 16
     split_k: int = 1
     stages: int = 2
     lhs: str = "regs"
+    compute_wgs: int = 1
 
 
-def _stage_bytes(tm: int, meta: MgpuMeta, xbytes: int = 2) -> int:
-    tk = meta.tile_k
+def _stage_bytes(tm: int, meta: MgpuMeta, wgs: int = 1, xbytes: int = 2) -> int:
+    tk, n = meta.tile_k, TILE_N * wgs
     rows = max(1, tk // meta.group)
     sbytes = 1 if meta.scale_kind == "e8m0" else 4
-    return tm * tk * xbytes + TILE_N * tk * meta.fmt.bits // 8 + rows * TILE_N * (sbytes + 4 * meta.has_zero)
+    return tm * tk * xbytes + n * tk * meta.fmt.bits // 8 + rows * n * (sbytes + 4 * meta.has_zero)
 
 
 def _smem_bytes(bs: MgpuBlockSizes, meta: MgpuMeta) -> int:
-    """Shared memory of one program: the pipeline stages, the f32 epilogue tile, the weight tile of lhs="smem"
-    and 1 KB for barriers."""
-    return (bs.stages * _stage_bytes(bs.tile_m, meta) + TILE_N * bs.tile_m * 4
-            + (TILE_N * meta.sub * 2 if bs.lhs == "smem" else 0) + 1024)
+    """Shared memory of one program: the pipeline stages, the f32 epilogue tiles, the weight tiles of
+    lhs="smem" and 1 KB for barriers."""
+    wgs = bs.compute_wgs
+    return (bs.stages * _stage_bytes(bs.tile_m, meta, wgs) + wgs * TILE_N * bs.tile_m * 4
+            + (wgs * TILE_N * meta.sub * 2 if bs.lhs == "smem" else 0) + 1024)
 
 
 def default_mgpu_block_sizes(m: int, meta: MgpuMeta, num_sms: int = 132) -> MgpuBlockSizes:
     """Heuristic (to be replaced by measured winners): tile_m = the first of 16, 32, 64, 128 that holds M, at
-    most 128 (64 for the 512-row K tiles of 3/5/7-bit codes); split-K (dividing the K tiles, >= 2 tiles per split) until about
-    two programs per SM; as many pipeline stages (<= 4, <= the K tiles per split) as fit in shared memory."""
+    most 128 (64 for the 512-row K tiles of 3/5/7-bit codes); warp specialization (2 compute warpgroups) from
+    64 tokens on when N_pad is a multiple of 128; split-K (dividing the K tiles, >= 2 tiles per split) until
+    about two programs per SM; as many pipeline stages (<= 4, <= the K tiles per split) as fit in shared
+    memory."""
     tm = next(t for t in (16, 32, 64, 128) if t >= m or t == 128)
     tm = min(tm, 128 if meta.tile_k <= 256 else 64)
-    programs = (meta.N_pad // TILE_N) * -(-m // tm)
+    wgs = 2 if tm >= 64 and meta.N_pad % (2 * TILE_N) == 0 else 1
+    programs = (meta.N_pad // (TILE_N * wgs)) * -(-m // tm)
     tiles = meta.K_pad // meta.tile_k
     split = 1
     while programs * split * 2 <= 2 * num_sms and tiles % (split * 2) == 0 and tiles // (split * 2) >= 2:
         split *= 2
-    bs = MgpuBlockSizes(tile_m=tm, split_k=split, stages=1, lhs="regs")
+    bs = MgpuBlockSizes(tile_m=tm, split_k=split, stages=1, lhs="regs", compute_wgs=wgs)
     for stages in range(min(MAX_STAGES, tiles // split), 1, -1):
         if _smem_bytes(dataclasses.replace(bs, stages=stages), meta) <= SMEM_LIMIT:
             return dataclasses.replace(bs, stages=stages)
     return bs
+
+
+class _Chunks:
+    """Plane chunk s of a plane's SMEM tile [S, channels, 64] on `[s]`, for one warpgroup's 64 channels."""
+
+    def __init__(self, ref, channels):
+        self.ref, self.channels = ref, channels
+
+    def __getitem__(self, s):
+        return self.ref[s] if self.channels is None else self.ref[s, self.channels]
 
 
 def _swizzle_transforms(minor_bytes: int, itemsize: int):
@@ -140,73 +161,111 @@ def _qmatmul_mgpu_2d(x, mw: MgpuWeight, bs: MgpuBlockSizes, interpret: bool):
     srows = max(1, tk // g)
     out_dt = xdt if split == 1 else jnp.dtype(jnp.float32)
 
+    wgs = bs.compute_wgs
+    cta_n = TILE_N * wgs
+
     def as_row(v):
         """A [64] scale row in the layout of a WGMMA tile's rows (a no-op for the interpreter)."""
         return v if interpret else plgpu.layout_cast(v, plgpu.Layout.WGMMA.reduce(1))
+
+    def tile_math(acc, x_smem, tile_refs, wg, lhs_ref):
+        """One K tile into acc: decode each 64-row chunk of this warpgroup's 64 channels, scale, wgmma."""
+        ch = None if wg is None else pl.ds(wg * TILE_N, TILE_N)
+        plane_refs = [_Chunks(r, ch) for r in tile_refs[:n_planes]]
+        s_smem = tile_refs[n_planes]
+        z_smem = tile_refs[n_planes + 1] if meta.has_zero else None
+
+        def row(ref, r):
+            return as_row(ref[r] if ch is None else ref[r, ch])
+
+        for j in range(tk // CHUNK):
+            v = decode_elements(chunk_codes(plane_refs, meta, j), meta.fmt)  # f32 [64, 64]
+            for i in range(CHUNK // sub):
+                k0 = j * CHUNK + i * sub
+                r = k0 // g if g < tk else 0
+                vs = v if sub == CHUNK else v[:, i * sub:(i + 1) * sub]
+                sc = lax.broadcast_in_dim(meta.scale_f32(row(s_smem, r)), (TILE_N, sub), (0,))
+                z = None if z_smem is None else lax.broadcast_in_dim(row(z_smem, r), (TILE_N, sub), (0,))
+                wq = finish(vs, sc, z, meta, xdt)  # finish reads meta.scale_dtype only
+                rhs = x_smem.at[pl.ds(k0, sub), :]
+                if lhs_smem:
+                    lhs_ref[...] = wq
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc, lhs_ref, rhs)
+                    plgpu.wgmma_wait(0)  # lhs_ref is rewritten by the next slice
+                else:
+                    plgpu.wgmma(acc, wq, rhs)
+        plgpu.wgmma_wait(0)  # the pipeline reuses this step's SMEM slots once the body returns
 
     def kernel(x_gmem, *refs):
         in_refs = refs[: n_planes + 1 + meta.has_zero]
         o_gmem = refs[len(in_refs)]
         scratch = refs[len(in_refs) + 1:]
         o_smem = scratch[0]
-        lhs_ref = scratch[1] if lhs_smem else None
+        lhs_all = scratch[1] if lhs_smem else None
         ni, mi, si = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
         base = si * tps
 
-        def step(acc, _, x_smem, *tile_refs):
-            plane_refs = tile_refs[:n_planes]
-            s_smem = tile_refs[n_planes]
-            z_smem = tile_refs[n_planes + 1] if meta.has_zero else None
-            for j in range(tk // CHUNK):
-                v = decode_elements(chunk_codes(plane_refs, meta, j), meta.fmt)  # f32 [64, 64]
-                for i in range(CHUNK // sub):
-                    k0 = j * CHUNK + i * sub
-                    r = k0 // g if g < tk else 0
-                    vs = v if sub == CHUNK else v[:, i * sub:(i + 1) * sub]
-                    sc = lax.broadcast_in_dim(meta.scale_f32(as_row(s_smem[r])), (TILE_N, sub), (0,))
-                    z = None if z_smem is None else lax.broadcast_in_dim(as_row(z_smem[r]), (TILE_N, sub), (0,))
-                    wq = finish(vs, sc, z, meta, xdt)  # finish reads meta.scale_dtype only
-                    rhs = x_smem.at[pl.ds(k0, sub), :]
-                    if lhs_smem:
-                        lhs_ref[...] = wq
-                        plgpu.commit_smem()
-                        plgpu.wgmma(acc, lhs_ref, rhs)
-                        plgpu.wgmma_wait(0)  # lhs_ref is rewritten by the next slice
-                    else:
-                        plgpu.wgmma(acc, wq, rhs)
-            plgpu.wgmma_wait(0)  # the pipeline reuses this step's SMEM slots once the body returns
-
-        n_sl = pl.ds(ni * TILE_N, TILE_N)
+        n_sl = pl.ds(ni * cta_n, cta_n)
         in_specs = [plgpu.BlockSpec((tk, tm), lambda k: (base + k, 0), transforms=x_tr)]
         args = [x_gmem.at[:, pl.ds(mi * tm, tm)]]
         for (w, _), S, p_gmem in zip(meta.planes, meta.plane_chunks(), in_refs[:n_planes]):
-            in_specs.append(plgpu.BlockSpec((S, TILE_N, CHUNK), lambda k: (base + k, 0, 0), transforms=w_tr))
+            in_specs.append(plgpu.BlockSpec((S, cta_n, CHUNK), lambda k: (base + k, 0, 0), transforms=w_tr))
             args.append(p_gmem.at[:, n_sl])
         row_map = (lambda k: ((base + k) * tk // g, 0)) if g >= tk else (lambda k: (base + k, 0))
         for r_gmem in in_refs[n_planes:]:
-            in_specs.append(plgpu.BlockSpec((srows, TILE_N), row_map))
+            in_specs.append(plgpu.BlockSpec((srows, cta_n), row_map))
             args.append(r_gmem.at[:, n_sl])
 
-        def scope(acc):
-            plgpu.emit_pipeline(functools.partial(step, acc), grid=(tps,), in_specs=in_specs,
-                                max_concurrent_steps=max(1, min(bs.stages, tps)))(*args)
-            o_smem[...] = acc[...].astype(out_dt)
+        def epilogue(acc, wg):
+            """acc -> this warpgroup's epilogue tile -> its 64 rows of y^T (or of the split's partial sum)."""
+            o_ref = o_smem.at[wg]
+            o_ref[...] = acc[...].astype(out_dt)
+            plgpu.commit_smem()
+            rows = pl.ds(ni * cta_n + wg * TILE_N, TILE_N)
+            cols = pl.ds(mi * tm, tm)
+            plgpu.copy_smem_to_gmem(o_ref, o_gmem.at[rows, cols] if split == 1 else o_gmem.at[si, rows, cols])
+            plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(scope, plgpu.ACC((TILE_N, tm), jnp.float32))
-        plgpu.commit_smem()
-        dst = o_gmem.at[pl.ds(ni * TILE_N, TILE_N), pl.ds(mi * tm, tm)] if split == 1 else \
-            o_gmem.at[si, pl.ds(ni * TILE_N, TILE_N), pl.ds(mi * tm, tm)]
-        plgpu.copy_smem_to_gmem(o_smem, dst)
-        plgpu.wait_smem_to_gmem(0)
+        stages = max(1, min(bs.stages, tps))
+        if wgs == 1:
+            def scope(acc):
+                def step(_, x_smem, *tile_refs):
+                    tile_math(acc, x_smem, tile_refs, None, None if lhs_all is None else lhs_all.at[0])
+                plgpu.emit_pipeline(step, grid=(tps,), in_specs=in_specs, max_concurrent_steps=stages)(*args)
+                epilogue(acc, 0)
 
-    scratch = [plgpu.SMEM((TILE_N, tm), out_dt)]
+            pl.run_scoped(scope, plgpu.ACC((TILE_N, tm), jnp.float32))
+            return
+
+        def compute_context(eval_pipeline):
+            wg = lax.axis_index("wg")
+
+            def scope(acc):
+                eval_pipeline(acc)
+                epilogue(acc, wg)
+
+            pl.run_scoped(scope, plgpu.ACC((TILE_N, tm), jnp.float32))
+
+        def ws_step(_, x_smem, *tile_refs_and_acc):
+            *tile_refs, acc = tile_refs_and_acc
+            wg = lax.axis_index("wg")
+            tile_math(acc, x_smem, tile_refs, wg, None if lhs_all is None else lhs_all.at[wg])
+            return acc
+
+        plgpu.emit_pipeline_warp_specialized(
+            ws_step, grid=(tps,), memory_registers=40, in_specs=in_specs, wg_axis="wg", num_compute_wgs=wgs,
+            max_concurrent_steps=stages, compute_context=compute_context)(*args)
+
+    scratch = [plgpu.SMEM((wgs, TILE_N, tm), out_dt)]
     if lhs_smem:
-        scratch.append(plgpu.SMEM((TILE_N, sub), xdt, transforms=_swizzle_transforms(sw, 2)))
+        scratch.append(plgpu.SMEM((wgs, TILE_N, sub), xdt, transforms=_swizzle_transforms(sw, 2)))
     out_shape = (meta.N_pad, m_pad) if split == 1 else (split, meta.N_pad, m_pad)
     args = [x, *mw.planes, mw.scale] + ([mw.zero] if meta.has_zero else [])
     f = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dt),
-                     grid=(meta.N_pad // TILE_N, m_pad // tm, split), grid_names=("n", "m", "s"),
-                     scratch_types=scratch, interpret=interpret_params() if interpret else None)
+                     grid=(meta.N_pad // cta_n, m_pad // tm, split), grid_names=("n", "m", "s"),
+                     scratch_types=scratch, interpret=interpret_params() if interpret else None,
+                     **({} if wgs == 1 else {"num_threads": wgs + 1, "thread_name": "wg"}))
     return f(*args)
 
 
@@ -241,6 +300,8 @@ def _check_block_sizes(bs: MgpuBlockSizes, meta: MgpuMeta) -> None:
         bad.append(f"split_k={bs.split_k} (must divide the {tiles} K tiles of {meta.tile_k})")
     if bs.stages < 1:
         bad.append(f"stages={bs.stages} (>= 1)")
+    if bs.compute_wgs not in (1, 2) or meta.N_pad % (TILE_N * bs.compute_wgs):
+        bad.append(f"compute_wgs={bs.compute_wgs} (1, or 2 when N_pad = {meta.N_pad} is a multiple of 128)")
     if bs.lhs not in ("regs", "smem"):
         bad.append(f"lhs={bs.lhs!r} ('regs' or 'smem')")
     if bs.tile_m % 8 == 0 and _smem_bytes(bs, meta) > SMEM_LIMIT:

@@ -70,7 +70,7 @@ MOSAIC_STRICT = pytest.mark.filterwarnings("error::DeprecationWarning")  # jax 0
 @pytest.mark.parametrize("name", NAMES)
 def test_gpu_mosaic_all_formats(name):
     """The Mosaic GPU kernel (default tilings, weight in registers) at decode (M = 1 and 7 share the 16-token
-    tile) and prefill (two 128-token tiles) sizes."""
+    tile) and prefill (two 128-token tiles, warp-specialized) sizes."""
     k = _k(name)
     q = _q(name, k, 1000)
     mw = prepare_mgpu(q)
@@ -82,14 +82,15 @@ def test_gpu_mosaic_all_formats(name):
 @MOSAIC_STRICT
 @pytest.mark.parametrize("name", ["FP6_E3M2", "NVFP4A16", "W4A16_ASYM"])
 def test_gpu_mosaic_variants(name):
-    """f16, the shared-memory weight operand, split-K, other token tiles and stage counts."""
+    """f16, the shared-memory weight operand, split-K, other token tiles and stage counts, one or two compute
+    warpgroups."""
     q = _q(name, 2048, 512)
     mw = prepare_mgpu(q)
     x = make_x((7, 2048), jnp.float16)
     check(qmatmul_mgpu(x, mw, interpret=False), x, q)
     x = make_x((100, 2048), jnp.bfloat16)
     for bs in (MgpuBlockSizes(16, 4, 2, "smem"), MgpuBlockSizes(32, 2, 3, "regs"), MgpuBlockSizes(64, 1, 4, "regs"),
-               MgpuBlockSizes(128, 1, 1, "smem")):
+               MgpuBlockSizes(128, 1, 1, "smem", 2), MgpuBlockSizes(128, 2, 2, "regs", 1)):
         check(qmatmul_mgpu(x, mw, interpret=False, block_sizes=bs), x, q)
 
 

@@ -1,6 +1,8 @@
 """qmatmul_mgpu (Mosaic GPU) in GPU interpret mode on the CPU against qformats.dequantize + jnp.dot, its layout,
 errors, dispatch, and every kernel variant lowered for cuda on the CPU (Mosaic GPU's own lowering checks)."""
 
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -68,14 +70,19 @@ def test_interpret_all_formats(name):
     assert_close(qmatmul_mgpu(x, prepare_mgpu(q), interpret=True), x, q)
 
 
-@pytest.mark.parametrize("name,m", [("MXFP4A16", 1), ("NVFP4A16", 16), ("FP6_E3M2", 64), ("W4A16_ASYM", 64),
-                                    ("FP8_E4M3", 256), ("MXFP4A16", 256)])
-def test_interpret_m_sweep(name, m):
-    """M = 1 and 16 pad to the 16-token tile of M = 3 above (same compiled kernel); 64 is one 64-token tile;
-    256 two 128-token tiles."""
+@pytest.mark.parametrize("name,m,bs", [("MXFP4A16", 1, None), ("NVFP4A16", 16, None), ("FP6_E3M2", 64, None),
+                                       ("W4A16_ASYM", 64, None), ("NVFP4A16", 64, {"compute_wgs": 1}),
+                                       ("FP8_E4M3", 256, None), ("MXFP4A16", 256, None)])
+def test_interpret_m_sweep(name, m, bs):
+    """M = 1 and 16 pad to the 16-token tile of M = 3 above (same compiled kernel); 64 is one 64-token tile
+    and 256 two 128-token tiles, warp-specialized by default (a memory warpgroup, two compute warpgroups of
+    64 channels each); one 64-token case with a single warpgroup."""
     q = _q(name)
     x = make_x((m, q.shape[0]), jnp.bfloat16, seed=m + 1)
-    assert_close(qmatmul_mgpu(x, prepare_mgpu(q), interpret=True), x, q)
+    mw = prepare_mgpu(q)
+    want = 2 if bs is None and m >= 64 else 1
+    assert dataclasses.replace(default_mgpu_block_sizes(m, mw.meta), **(bs or {})).compute_wgs == want
+    assert_close(qmatmul_mgpu(x, mw, interpret=True, block_sizes=bs), x, q)
 
 
 def test_interpret_f16_batch_dims_split_k():
@@ -93,10 +100,12 @@ def test_default_block_sizes():
     from kernels_pallas.layout_mgpu import MgpuMeta
     big = MgpuMeta(**{**big.__dict__, "K": 4096, "K_pad": 4096, "N": 4096, "N_pad": 4096})
     bs = default_mgpu_block_sizes(1, big)
-    assert bs.tile_m == 16 and bs.lhs == "regs"
+    assert bs.tile_m == 16 and bs.lhs == "regs" and bs.compute_wgs == 1
     assert (4096 // 64) * bs.split_k >= 132 and (4096 // 256) % bs.split_k == 0
-    assert default_mgpu_block_sizes(64, big).tile_m == 64
+    assert default_mgpu_block_sizes(64, big).tile_m == 64 and default_mgpu_block_sizes(64, big).compute_wgs == 2
     assert default_mgpu_block_sizes(256, big).tile_m == 128
+    odd = MgpuMeta(**{**big.__dict__, "N": 4000, "N_pad": 4032})  # 63 blocks of 64: no pairs
+    assert default_mgpu_block_sizes(256, odd).compute_wgs == 1
 
 
 # ---- lowering for cuda (no GPU needed) ---------------------------------------------------------------------------
@@ -110,25 +119,31 @@ def _lower(q, bs, xdt=jnp.bfloat16):
 
 @pytest.mark.parametrize("name", ALL)
 def test_lowered_for_cuda(name):
-    """The GPU variant (weight in registers) of every format at decode (16-token tile, split-K) and prefill
-    (128-token tile) tilings passes Mosaic GPU's lowering (layouts, swizzles, wgmma operand rules)."""
+    """The GPU variant (weight in registers) of every format at decode (16-token tile, split-K, one
+    warpgroup) and prefill (128-token tile, warp-specialized) tilings passes Mosaic GPU's lowering (layouts,
+    swizzles, wgmma operand rules)."""
     q = make_q(name, 4 * awkward_k(SCHEMES[name]), 200)
     meta = prepare_mgpu(q).meta
     tiles = meta.K_pad // meta.tile_k
-    for bs in (MgpuBlockSizes(16, 2 if tiles % 2 == 0 else 1, 2, "regs"), default_mgpu_block_sizes(256, meta)):
+    prefill = default_mgpu_block_sizes(256, meta)
+    assert prefill.compute_wgs == 2
+    for bs in (MgpuBlockSizes(16, 2 if tiles % 2 == 0 else 1, 2, "regs"), prefill):
         _lower(q, bs)
 
 
 @pytest.mark.parametrize("name,bs,xdt", [
     ("FP6_E3M2", MgpuBlockSizes(32, 1, 3, "regs"), jnp.float16),
     ("NVFP4A16", MgpuBlockSizes(64, 1, 4, "smem"), jnp.bfloat16),
+    ("NVFP4A16", MgpuBlockSizes(64, 2, 2, "smem", 2), jnp.float16),
     ("MXFP4A16", MgpuBlockSizes(256, 1, 2, "regs"), jnp.bfloat16),
     ("W4A16_ASYM", MgpuBlockSizes(16, 1, 2, "smem"), jnp.float16),
+    ("W4A16_ASYM", MgpuBlockSizes(128, 1, 2, "regs", 2), jnp.bfloat16),
     ("FP5_E2M2", MgpuBlockSizes(128, 1, 1, "regs"), jnp.bfloat16),
     ("FP8_E4M3_G128", MgpuBlockSizes(192, 2, 2, "regs"), jnp.bfloat16),
     ("FP8_BLOCK", MgpuBlockSizes(128, 1, 2, "smem"), jnp.bfloat16)])
 def test_lowered_variants(name, bs, xdt):
-    """Other tile sizes, stage counts, f16 and the shared-memory weight operand (what interpret mode runs)."""
+    """Other tile sizes, stage counts, f16, one or two compute warpgroups, and the shared-memory weight
+    operand (what interpret mode runs)."""
     _lower(make_q(name, 4 * awkward_k(SCHEMES[name]), 200), bs, xdt)
 
 
@@ -143,6 +158,9 @@ def test_errors_name_shapes_and_formats():
         qmatmul_mgpu(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes={"tile_m": 24})
     with pytest.raises(KernelError, match=r"split_k=3 \(must divide the 1 K tiles"):
         qmatmul_mgpu(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes={"split_k": 3})
+    with pytest.raises(KernelError, match=r"compute_wgs=2 \(1, or 2 when N_pad = 64"):
+        qmatmul_mgpu(jnp.ones((2, 160), jnp.bfloat16), make_q("FP6_E3M2", 160, 40), interpret=True,
+                     block_sizes={"compute_wgs": 2})
     with pytest.raises(KernelError, match=r"lhs='tmem'"):
         qmatmul_mgpu(jnp.ones((2, 160), jnp.bfloat16), q, interpret=True, block_sizes={"lhs": "tmem"})
     with pytest.raises(KernelError, match=r"tile_m=256 x stages=4: \d+ bytes of shared memory"):
