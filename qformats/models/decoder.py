@@ -201,7 +201,7 @@ def _windows_from_hf(cfg: Mapping[str, Any], mt: str, layers: int) -> Tuple[Opti
 class KVCache:
     """Keys and values of every layer for positions 0 .. length-1, in buffers of `max_len` positions.
 
-    keys[i], values[i]: [batch, max_len, num_kv_heads, head_dim] (after RoPE, for keys); length: int32 scalar,
+    keys[i], values[i]: [batch, num_kv_heads, max_len, head_dim] (after RoPE, for keys); length: int32 scalar,
     the number of positions filled, i.e. the position of the next token (the same for every row).
     """
 
@@ -211,7 +211,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return int(self.keys[0].shape[1])
+        return int(self.keys[0].shape[2])
 
 
 # ----------------------------------------------------------------------------------------------- modules
@@ -264,7 +264,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, mask, kv=None, start=0):
         """x [B, T, d]; cos/sin [T, D]; mask [T, S] (True = visible); kv: this layer's (keys, values) cache buffers
-        [B, S, G, D] (written at `start`) or None (S = T). Returns (output [B, T, d], (keys, values))."""
+        [B, G, S, D] (written at `start`) or None (S = T). Returns (output [B, T, d], (keys, values))."""
         b, t, _ = x.shape
         g, hd = self.num_kv_heads, self.head_dim
         q = self.q_proj(x).reshape(b, t, self.num_heads, hd)
@@ -273,14 +273,18 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # cache layout [B, G, S, D]: the (B, G) batch axes lead, so neither dot transposes the cache
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         if kv is not None:
-            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, start, 0, 0))
-            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, start, 0, 0))
-        q = q.reshape(b, t, g, self.num_heads // g, hd)
-        scores = jnp.einsum("btgrd,bsgd->bgrts", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-        scores = jnp.where(mask, scores * (hd ** -0.5), jnp.finfo(jnp.float32).min)
+            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, 0, start, 0))
+            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, 0, start, 0))
+        r = self.num_heads // g
+        q = q.reshape(b, t, g, r, hd).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, hd)  # rows (r, t)
+        scores = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = jnp.where(jnp.tile(mask, (r, 1)), scores * (hd ** -0.5), jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bgrts,bsgd->btgrd", probs, v.astype(x.dtype)).reshape(b, t, self.num_heads * hd)
+        out = jnp.einsum("bgms,bgsd->bgmd", probs, v.astype(x.dtype))
+        out = out.reshape(b, g, r, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, self.num_heads * hd)
         return self.o_proj(out), (k, v)
 
 
@@ -373,7 +377,7 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty KVCache for `batch` rows and up to `max_len` positions (dtype: the compute dtype by default)."""
         c = self.config
-        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
         dtype = dtype or self.dtype
         return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
                        tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)), jnp.zeros((), jnp.int32))

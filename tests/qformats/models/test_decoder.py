@@ -16,8 +16,8 @@ from qformats.models.generate import generate
 from qformats.nn import QLinear, quantize_model, quantized_layers
 from qformats.quantize import dequantize
 
-# Measured max |logits - transformers'| over these configs: 4.2e-7 (float32; logits of magnitude ~3). The bound
-# allows for accumulation order only.
+# Measured max |logits - transformers'| over these configs: 1.8e-6 .. 2.3e-6 (float32, logits up to 3.6 in
+# magnitude). The bound allows for accumulation order only.
 LOGITS_ATOL = 1e-5
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, eos_token_id=None,
