@@ -4,7 +4,9 @@ What transformers' own GGUF loader (`from_pretrained(dir, gguf_file=...)`, its l
 architectures: `modeling_gguf_pytorch_utils.load_gguf_checkpoint`) does, done without torch:
 
 - the config is rebuilt from the metadata under llama.cpp's key names (`llama.block_count` ->
-  `num_hidden_layers`, ...; the table below is transformers' `GGUF_CONFIG_MAPPING` for these architectures);
+  `num_hidden_layers`, ...; the table below is transformers' `GGUF_CONFIG_MAPPING` for these architectures),
+  plus qwen3's `head_dim` from `qwen3.attention.key_length` (transformers leaves Qwen3Config's default of
+  128, right for every released Qwen3, wrong for a file stating another);
 - every tensor is dequantized with gguf's own `gguf.quants.dequantize` (float32, whatever the block
   type: Q4_0/Q4_1/Q5_x/Q8_0, the K-quants, the IQ types, F16/BF16, ...), then renamed to its HF name;
 - llama.cpp stores a `llama` model's Q and K projections with the rows of each head interleaved for its
@@ -110,13 +112,13 @@ def supported_tensor_types() -> tuple[str, ...]:
 
     names = []
     for qtype in gguf.GGMLQuantizationType:
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        try:
-            gguf.quants.dequantize(np.zeros((1, size), np.uint8), qtype)
-        except NotImplementedError:
+        if qtype not in gguf.GGML_QUANT_SIZES:
             continue
-        except Exception:  # noqa: BLE001 - a block type whose smallest row is wider than one block
-            pass
+        _, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        try:  # one all-zero block: NotImplementedError (or any failure) means gguf cannot read this type
+            gguf.quants.dequantize(np.zeros((1, block_bytes), np.uint8), qtype)
+        except Exception:  # noqa: BLE001
+            continue
         names.append(qtype.name)
     return tuple(names)
 
@@ -413,8 +415,8 @@ class GGUFModel:
             out.append({"Sequence": {"id": seq, "type_id": type_id}})
             if add_eos:
                 out.append(_special("eos", type_id))
-        for key in ("bos", "eos") if add_bos or add_eos else ():
-            if (add_bos if key == "bos" else add_eos):
+        for key, added_here in (("bos", add_bos), ("eos", add_eos)):
+            if added_here:
                 tok = special[key]
                 specials[tok] = {"id": tok, "ids": [ids[key]], "tokens": [tok]}
         split = _PRE_TOKENIZER_SPLITS.get(self._value("tokenizer.ggml.pre"))
@@ -501,7 +503,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str =
     plan = [TensorSpec(name, target, model.shape(name)) for name in model.keys()]
     with ShardedWriter(dst, max_shard_size, overwrite=overwrite, plan=plan, metadata={"format": "pt"}) as w:
         for name, array in model.items():
-            w.add(name, array.astype(target))
+            w.add(name, array.astype(target, copy=False))
         w.add_json("config.json", config)
         w.add_json("generation_config.json", model.generation_config())
         for filename, content in files.items():

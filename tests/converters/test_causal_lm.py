@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from converters.causal_lm import load_causal_lm  # noqa: E402
+from converters.gguf_convert import convert_gguf, open_gguf  # noqa: E402
 from converters.quantize_checkpoint import quantize_checkpoint  # noqa: E402
 from converters.safetensors_io import open_checkpoint, save_file  # noqa: E402
 from qformats.errors import CheckpointError  # noqa: E402
@@ -191,19 +192,16 @@ def test_not_a_checkpoint_is_an_error(tmp_path):
 
 # ------------------------------------------------------------------------------------- GGUF files
 
-from converters.gguf_convert import convert_gguf, open_gguf  # noqa: E402
 
-gguf = pytest.importorskip("gguf")
-
-
-@pytest.mark.parametrize("arch,head_dim", [("llama", None), ("qwen3", None), ("qwen2", None)])
-def test_tiny_gguf_logits_equal_transformers(tmp_path, arch, head_dim):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_tiny_gguf_logits_equal_transformers(tmp_path, arch):
     """A .gguf loads in memory as its converted checkpoint loads in transformers (qwen3 with head_dim =
     hidden / heads, which transformers' own GGUF path would take as 128)."""
+    gguf = pytest.importorskip("gguf")
     from test_gguf_convert import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, hidden=128, heads=4, kv_heads=2, inter=256,
-                           weight_type=gguf.GGMLQuantizationType.Q8_0, head_dim=head_dim)
+                           weight_type=gguf.GGMLQuantizationType.Q8_0)
     model, hf_config, tok = load_causal_lm(path)
     assert hf_config == open_gguf(path).config and tok is not None
     ids = np.array([tok.encode("the fox and the fox").ids] * 2)
@@ -220,12 +218,13 @@ def test_tiny_gguf_logits_equal_transformers(tmp_path, arch, head_dim):
 # ------------------------------------------------------------------------------------- SmolLM2 (GGUF)
 
 PROMPT = "The capital of France is"
-# 30 layers in float32 against torch's float32: accumulation order only. The logits reach |x| ~ 25.
-SMOLLM2_ATOL = 2e-3
+# 30 layers in float32 against torch's float32: accumulation order only (measured 1.7e-4; logits reach |x| ~ 30).
+SMOLLM2_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
 def smollm2():
+    pytest.importorskip("gguf")
     from converters.embedded import smollm2_gguf
 
     path = smollm2_gguf()
