@@ -235,7 +235,7 @@ def smollm2():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    result = ref.load_state_dict({n: torch.from_numpy(a) for n, a in open_gguf(path).items()}, strict=False)
+    result = ref.load_state_dict({n: torch.tensor(a) for n, a in open_gguf(path).items()}, strict=False)
     assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
     assert ref.lm_head.weight.data_ptr() == ref.model.embed_tokens.weight.data_ptr()  # tied
     return model, tok, ref

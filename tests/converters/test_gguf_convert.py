@@ -233,7 +233,7 @@ def test_dtype_and_sharding(tmp_path):
     g = open_gguf(path)
     with open_checkpoint(dst) as ck:
         for name in g.keys():
-            want = torch.from_numpy(g.get(name)).to(torch.bfloat16).view(torch.int16).numpy()
+            want = torch.tensor(g.get(name)).to(torch.bfloat16).view(torch.int16).numpy()
             np.testing.assert_array_equal(np.asarray(ck.get(name)).view(np.int16), want, err_msg=name)
 
 
