@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from qformats.errors import ModelError
+from qformats.kv_cache import KVCacheScheme, dequantize_kv, dynamic_scale, quantize_kv
 from qformats.nn import QLinear, Rule
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -130,7 +131,8 @@ class DecoderConfig:
                 raise ModelError(f"config.json ({mt}): missing {key!r}")
             return cfg[key]
 
-        hidden, heads, layers = int(need("hidden_size")), int(need("num_attention_heads")), int(need("num_hidden_layers"))
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        layers = int(need("num_hidden_layers"))
         kv_heads = cfg.get("num_key_value_heads")
         if kv_heads is None:
             kv_heads = 8 if mt == "mistral" else heads
@@ -203,11 +205,23 @@ class KVCache:
 
     keys[i], values[i]: [batch, num_kv_heads, max_len, head_dim] (after RoPE, for keys); length: int32 scalar,
     the number of positions filled, i.e. the position of the next token (the same for every row).
+
+    With KV-cache quantization (`enable_kv_cache_quantization`) keys/values hold uint8 fp8_e4m3fn codes
+    (`qformats.kv_cache`); a dynamic scheme adds key_scales[i] / value_scales[i]: float32 [max_len, 1], the
+    scale of the block each position was written in. Static scales live on the attention modules.
     """
 
     keys: Tuple[jax.Array, ...]
     values: Tuple[jax.Array, ...]
     length: jax.Array
+    key_scales: Optional[Tuple[jax.Array, ...]] = None
+    value_scales: Optional[Tuple[jax.Array, ...]] = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers (codes or values, plus per-position scales)."""
+        leaves = jax.tree_util.tree_leaves((self.keys, self.values, self.key_scales, self.value_scales))
+        return int(sum(a.size * a.dtype.itemsize for a in leaves))
 
     @property
     def max_len(self) -> int:
@@ -261,6 +275,10 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         self.qk_norm = cfg.qk_norm
+        # KV-cache quantization (enable_kv_cache_quantization): the scheme, and static k_scale / v_scale
+        self.kv_scheme: Optional[KVCacheScheme] = None
+        self.k_scale = nnx.data(None)
+        self.v_scale = nnx.data(None)
 
     def __call__(self, x, cos, sin, mask, kv=None, start=0):
         """x [B, T, d]; cos/sin [T, D]; mask [T, S] (True = visible); kv: this layer's (keys, values) cache buffers
@@ -275,9 +293,12 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # cache layout [B, G, S, D]: the (B, G) batch axes lead, so neither dot transposes the cache
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        if kv is not None:
+        if self.kv_scheme is not None and (kv is None or kv[0].dtype == jnp.uint8):
+            k, v, kv = self._quantized_kv(k, v, kv, start)
+        elif kv is not None:
             k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, 0, start, 0))
             v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, 0, start, 0))
+            kv = (k, v)
         r = self.num_heads // g
         q = q.reshape(b, t, g, r, hd).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, hd)  # rows (r, t)
         scores = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
@@ -285,7 +306,27 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bgms,bgsd->bgmd", probs, v.astype(x.dtype))
         out = out.reshape(b, g, r, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, self.num_heads * hd)
-        return self.o_proj(out), (k, v)
+        return self.o_proj(out), (kv if kv is not None else (k, v))
+
+    def _quantized_kv(self, k, v, kv, start):
+        """Quantize the new states k, v [B, G, T, D] to fp8 codes (static scales, or this block's dynamic scale),
+        write them into the code buffers of `kv` at `start`; return the dequantized keys, values attention reads
+        (the whole buffers, or the new block without a cache) and the updated cache entries."""
+        if self.kv_scheme.dynamic:
+            ks, vs = dynamic_scale(k), dynamic_scale(v)
+        else:
+            ks, vs = self.k_scale.get_value(), self.v_scale.get_value()
+        kc, vc = quantize_kv(k, ks), quantize_kv(v, vs)
+        if kv is None:
+            return dequantize_kv(kc, ks), dequantize_kv(vc, vs), None
+        kc = jax.lax.dynamic_update_slice(kv[0], kc, (0, 0, start, 0))
+        vc = jax.lax.dynamic_update_slice(kv[1], vc, (0, 0, start, 0))
+        if not self.kv_scheme.dynamic:
+            return dequantize_kv(kc, ks), dequantize_kv(vc, vs), (kc, vc)
+        t = k.shape[2]
+        kp = jax.lax.dynamic_update_slice(kv[2], jnp.broadcast_to(ks.astype(jnp.float32), (t, 1)), (start, 0))
+        vp = jax.lax.dynamic_update_slice(kv[3], jnp.broadcast_to(vs.astype(jnp.float32), (t, 1)), (start, 0))
+        return (dequantize_kv(kc, kp.astype(ks.dtype)), dequantize_kv(vc, vp.astype(vs.dtype)), (kc, vc, kp, vp))
 
 
 class MLP(nnx.Module):
@@ -375,12 +416,22 @@ class CausalLM(nnx.Module):
             config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """An empty KVCache for `batch` rows and up to `max_len` positions (dtype: the compute dtype by default)."""
+        """An empty KVCache for `batch` rows and up to `max_len` positions (dtype: the compute dtype by default).
+
+        With KV-cache quantization enabled the buffers hold uint8 fp8 codes (plus float32 per-position scales
+        for a dynamic scheme) unless `dtype` asks for a float cache, which then holds the unquantized states."""
         c = self.config
         shape = (batch, c.num_kv_heads, max_len, c.head_dim)
+        scheme = kv_cache_scheme(self)
+        if scheme is not None and dtype is None:
+            dtype = jnp.uint8
         dtype = dtype or self.dtype
-        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
-                       tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)), jnp.zeros((), jnp.int32))
+        n = c.num_layers
+        scales = None
+        if dtype == jnp.uint8 and scheme is not None and scheme.dynamic:
+            scales = tuple(jnp.zeros((max_len, 1), jnp.float32) for _ in range(n))
+        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(n)), tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+                       jnp.zeros((), jnp.int32), scales, scales)
 
     def __call__(self, ids: jax.Array, cache: Optional[KVCache] = None, *,
                  last_only: bool = False) -> Tuple[jax.Array, Optional[KVCache]]:
@@ -406,19 +457,25 @@ class CausalLM(nnx.Module):
         cos, sin = rope_tables(positions, inv_freq(self.config))
         masks = {w: attention_mask(positions, s, w) for w in set(self.config.sliding_windows)}
         x = self.model.embed_tokens(ids)
-        keys, values = [], []
+        entries = []
         for i, layer in enumerate(self.model.layers):
-            kv = None if cache is None else (cache.keys[i], cache.values[i])
+            kv = None
+            if cache is not None:
+                kv = (cache.keys[i], cache.values[i])
+                if cache.key_scales is not None:
+                    kv += (cache.key_scales[i], cache.value_scales[i])
             with jax.named_scope(f"layers_{i}"):
-                x, (k, v) = layer(x, cos, sin, masks[self.config.sliding_windows[i]], kv, start)
-            keys.append(k)
-            values.append(v)
+                x, kv = layer(x, cos, sin, masks[self.config.sliding_windows[i]], kv, start)
+            entries.append(kv)
         h = self.model.norm(x)
         if last_only:
             h = h[:, -1:]
         with jax.named_scope("lm_head"):
             logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
-        new_cache = None if cache is None else KVCache(tuple(keys), tuple(values), start + t)
+        new_cache = None
+        if cache is not None:
+            cols = tuple(zip(*entries))
+            new_cache = KVCache(cols[0], cols[1], start + t, *(cols[2:] if len(cols) == 4 else (None, None)))
         return logits.astype(jnp.float32), new_cache
 
 
@@ -558,6 +615,89 @@ def load_hf_tensors(model: CausalLM, tensors: Mapping[str, Any]) -> CausalLM:
 def _listing(names: List[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+# ----------------------------------------------------------------------------------------------- KV cache
+
+class KVScale(nnx.Variable):
+    """A static KV-cache scale (`k_scale` / `v_scale` of an attention module), shape [1] or [kv_heads, 1, 1]."""
+
+
+def _attentions(model: CausalLM) -> List[Attention]:
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def kv_cache_scheme(model: CausalLM) -> Optional[KVCacheScheme]:
+    """The model's KV-cache scheme (the same on every layer), or None when its cache is not quantized."""
+    return _attentions(model)[0].kv_scheme
+
+
+def enable_kv_cache_quantization(model: CausalLM, scheme: KVCacheScheme,
+                                 scales: Optional[Sequence[Tuple[Any, Any]]] = None) -> CausalLM:
+    """Quantize the KV cache of `model` (in place; returns it) with `scheme` (`qformats.kv_cache`).
+
+    scales: per layer (k_scale, v_scale), each of shape `scheme.scale_shape(num_kv_heads)` (static schemes:
+    required, e.g. from `calibrate_kv_cache`; dynamic: must be None). They are stored as `KVScale` variables
+    in the compute dtype, as compressed-tensors keeps them in the model's dtype. From then on attention reads
+    fake-quantized keys / values, and `init_cache` gives fp8-code caches. ModelError for a missing scale,
+    a wrong count or shape, or a scale that is not finite and positive.
+    """
+    attns = _attentions(model)
+    c = model.config
+    want = scheme.scale_shape(c.num_kv_heads)
+    if scheme.dynamic:
+        if scales is not None:
+            raise ModelError("enable_kv_cache_quantization: a dynamic KV-cache scheme takes no static scales")
+        for a in attns:
+            a.kv_scheme, a.k_scale, a.v_scale = scheme, None, None
+        return model
+    if scales is None or len(scales) != len(attns):
+        raise ModelError(f"enable_kv_cache_quantization: a static KV-cache scheme needs (k_scale, v_scale) for each "
+                         f"of the {len(attns)} layers, found {'none' if scales is None else len(scales)}")
+    checked = []
+    for i, pair in enumerate(scales):
+        row = []
+        for name, sc in zip(("k_scale", "v_scale"), pair):
+            a = np.asarray(sc, np.float32)
+            if a.shape != want or not np.all(np.isfinite(a)) or not np.all(a > 0):
+                raise ModelError(f"enable_kv_cache_quantization: model/layers/{i}/self_attn/{name}: expected finite "
+                                 f"positive scales of shape {want} ({scheme.strategy}), found shape {a.shape}"
+                                 + ("" if a.shape != want else f", values {a.ravel()[:4]}"))
+            row.append(jnp.asarray(sc, model.dtype))
+        checked.append(row)
+    for a, (ks, vs) in zip(attns, checked):
+        a.kv_scheme, a.k_scale, a.v_scale = scheme, KVScale(ks), KVScale(vs)
+    return model
+
+
+def kv_states(model: CausalLM, ids: jax.Array) -> List[Tuple[jax.Array, jax.Array]]:
+    """Per layer the (keys, values) [B, G, T, D] that tokens `ids` [B, T] put into the cache, unquantized
+    (post-RoPE keys; the states `calibrate_kv_cache` observes)."""
+    b, t = ids.shape
+    _, cache = model(ids, model.init_cache(b, t, dtype=model.dtype))
+    return list(zip(cache.keys, cache.values))
+
+
+def calibrate_kv_cache(model: CausalLM, batches: Iterable[Any], scheme: KVCacheScheme) -> CausalLM:
+    """Static KV-cache scales from calibration token batches ([B, T] ids each), then
+    `enable_kv_cache_quantization(model, scheme, scales)`: scale = max |state| / 448 over all batches (per
+    tensor or per KV head), `qformats.kv_cache.calibrate_kv_scales`. Returns the model."""
+    from qformats.kv_cache import calibrate_kv_scales
+
+    step = nnx.jit(kv_states)
+    scales = calibrate_kv_scales((step(model, jnp.asarray(ids)) for ids in batches), scheme)
+    return enable_kv_cache_quantization(model, scheme, scales)
+
+
+def kv_scale_tensors(model: CausalLM) -> Dict[str, jax.Array]:
+    """compressed-tensors names -> static KV-cache scales: "model.layers.{i}.self_attn.k_scale" / "v_scale"
+    ({} without static KV-cache quantization)."""
+    out: Dict[str, jax.Array] = {}
+    for i, a in enumerate(_attentions(model)):
+        if a.k_scale is not None:
+            out[f"model.layers.{i}.self_attn.k_scale"] = a.k_scale.get_value()
+            out[f"model.layers.{i}.self_attn.v_scale"] = a.v_scale.get_value()
+    return out
 
 
 def quantization_rules(scheme, *, quantize_lm_head: bool = False) -> List[Rule]:

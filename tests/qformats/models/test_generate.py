@@ -81,14 +81,14 @@ def test_eos_finishes_a_row(model):
 
 def test_sampling_is_deterministic_per_key(model):
     kw = dict(temperature=1.0, top_k=20, top_p=0.95)
-    a = generate(model, PROMPT, 10, key=jax.random.key(0), **kw)
-    b = generate(model, PROMPT, 10, key=jax.random.key(0), **kw)
-    c = generate(model, PROMPT, 10, key=jax.random.key(1), **kw)
+    a = generate(model, PROMPT, 12, key=jax.random.key(0), **kw)
+    b = generate(model, PROMPT, 12, key=jax.random.key(0), **kw)
+    c = generate(model, PROMPT, 12, key=jax.random.key(1), **kw)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(a), np.asarray(c))
     # top_k = 1 samples the argmax: the greedy tokens, for any key
-    np.testing.assert_array_equal(np.asarray(generate(model, PROMPT, 10, key=jax.random.key(5), temperature=2.0,
-                                                      top_k=1)), np.asarray(generate(model, PROMPT, 10)))
+    np.testing.assert_array_equal(np.asarray(generate(model, PROMPT, 12, key=jax.random.key(5), temperature=2.0,
+                                                      top_k=1)), np.asarray(generate(model, PROMPT, 12)))
 
 
 def test_packed_model_generates_its_own_greedy_tokens():
@@ -108,3 +108,14 @@ def test_packed_model_generates_its_own_greedy_tokens():
 def test_bad_arguments(model, args, kw, message):
     with pytest.raises(ModelError, match=message):
         generate(model, *args, **kw)
+
+
+def test_bfloat16_model_runs_in_bfloat16(model):
+    m16 = nnx.eval_shape(lambda: CausalLM(model.config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                          rngs=nnx.Rngs(0)))
+    nnx.update(m16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model, nnx.Param)))
+    assert m16.init_cache(1, 4).keys[0].dtype == jnp.bfloat16
+    got, want = forward(m16, jnp.asarray(PROMPT)), forward(model, jnp.asarray(PROMPT))
+    assert got.dtype == jnp.float32
+    # bfloat16 rounding (8-bit significand) of weights and activations through 2 layers; logits up to ~4
+    assert float(jnp.abs(got - want).max()) < 0.15
