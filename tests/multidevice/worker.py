@@ -102,7 +102,8 @@ def case_tp(n: int, workdir: str):
         per = param_bytes_per_device(tp)
         gd, st = nnx.split(tp)
         hlo = jax.jit(lambda s, i: nnx.merge(gd, s)(i)[0]).lower(st, ids).compile().as_text()
-        res[scheme or "dense"] = dict(ref=ref.tolist(), out=out.tolist(), total=total,
+        replicated = sum(a.nbytes for a in jax.tree.leaves(nnx.state(tp, nnx.Param)) if a.sharding.is_fully_replicated)
+        res[scheme or "dense"] = dict(ref=ref.tolist(), out=out.tolist(), total=total, replicated=replicated,
                                       per_device=sorted(per.values()), devices=len(per),
                                       collectives=collectives(hlo), leaf_shapes=leaf_shapes(tp))
     # quantize_model on a sharded float model: packed leaves land where the float weights' rules put them
