@@ -116,6 +116,11 @@ def _rows_cols(ck, name: str, rows: slice, cols: Tuple[slice, ...], stats: Optio
     return a
 
 
+def _whole(ck, name: str, stats: Optional[ReadStats]) -> np.ndarray:
+    """A small stored tensor whole (shapes, global scales, zero-point checks), counted in `stats`."""
+    return _rows_cols(ck, name, slice(None), (), stats)
+
+
 def _dense_reader(ck, name: str, transpose: bool, stats):
     """read(index) of the Flax-layout parameter from the stored HF tensor (transposed for Linear kernels)."""
     def read(index: Index) -> np.ndarray:
@@ -168,7 +173,7 @@ def _module_qarray(ck, qc, mod: str, tensors: Dict[str, str], group, mesh, rules
 
     if "weight_shape" in tensors:
         expect("weight_shape", (2,), ("I64", "I32"))
-        ws = np.asarray(ck.get(tensors["weight_shape"])).reshape(-1)
+        ws = np.asarray(_whole(ck, tensors["weight_shape"], stats)).reshape(-1)
         n, k = int(ws[0]), int(ws[1])
     elif "weight_packed" in tensors and len(ck.info(tensors["weight_packed"]).shape) == 2:
         # packed bytes without a weight_shape (NVFP4 / MX): K = bytes * 8 / bits
@@ -271,18 +276,18 @@ def _module_qarray(ck, qc, mod: str, tensors: Dict[str, str], group, mesh, rules
             return z.astype(np.int8)
     elif "weight_zero_point" in tensors:
         # symmetric: the stored zero point (scale-sized) must be all zero, as ct_read requires
-        if np.asarray(ck.get(tensors["weight_zero_point"])).any():
+        if np.asarray(_whole(ck, tensors["weight_zero_point"], stats)).any():
             raise CheckpointError(f"{where}: weight_zero_point: the weights args say symmetric, expected no zero "
                                   f"point or an all-zero one, found nonzero values")
     if "weight_g_idx" in tensors:
-        gi = np.asarray(ck.get(tensors["weight_g_idx"]))
+        gi = np.asarray(_whole(ck, tensors["weight_g_idx"], stats))
         if not np.array_equal(gi, np.arange(k) // s.group_size):
             raise CheckpointError(f"{where}: weight_g_idx: expected the trivial group index (column // "
                                   f"{s.group_size}); activation-ordered groups are not supported")
     gs = gs_host = None
     if s.strategy == "tensor_group":
         expect("weight_global_scale", (1,), ("F32",))
-        gs_host = np.asarray(ck.get(tensors["weight_global_scale"]), np.float32).reshape(1)
+        gs_host = np.asarray(_whole(ck, tensors["weight_global_scale"], stats), np.float32).reshape(1)
     # -- shardings from the float kernel's rules, then the leaves ---------------------------------------------
     sds = jax.ShapeDtypeStruct
     abstract = QArray(sds(want["codes"], codes_dtype), sds(want["scale"], s_dtype),
@@ -414,7 +419,7 @@ def load_causal_lm_sharded(src: "str | os.PathLike", mesh, rules=None, *, dtype=
                 entry: Dict[str, Any] = {"weight": q}
                 for local in ("input_scale", "input_global_scale"):
                     if local in t:
-                        entry[local] = np.asarray(ck.get(t[local]))
+                        entry[local] = np.asarray(_whole(ck, t[local], stats))
                 bias = f"{mod}.bias"
                 if bias in ck:
                     sl = slots[bias]
