@@ -262,7 +262,13 @@ def _eval_text(a) -> int:
 def _convert(a) -> int:
     import time
 
+    from pathlib import Path
+
     from converters.gguf_convert import convert_gguf
+    from qformats.errors import CheckpointError
+    if Path(a.dst).exists() and not a.overwrite:  # before reading the file (seconds for a large one)
+        raise CheckpointError(f"{a.dst}: expected a new path for the checkpoint, found it exists (pass --overwrite "
+                              f"to replace it)")
     t0 = time.monotonic()
     print(f"converting {a.src} -> {a.dst} ({a.dtype}) ...", file=sys.stderr, flush=True)
     out = convert_gguf(a.src, a.dst, dtype=a.dtype, max_shard_size=a.max_shard_size, overwrite=a.overwrite)

@@ -23,12 +23,14 @@ from __future__ import annotations
 import functools
 import math
 import os
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from converters.safetensors_io import read_json
 from qformats.errors import CheckpointError, ModelError
 
 __all__ = ["STORED", "token_windows", "window_nll", "perplexity", "is_quantized", "load_for_scheme", "encode_text",
@@ -130,6 +132,13 @@ def _indivisible_paths(model, rules, ss) -> List[str]:
     return out
 
 
+def _refuse_quantized(src, cfg, name: str) -> None:
+    if is_quantized(cfg):
+        qm = cfg["quantization_config"].get("format") or cfg["quantization_config"].get("quant_method")
+        raise CheckpointError(f"{src}: scheme {name!r} needs a dense checkpoint, found a quantized one ({qm}); "
+                              f"use 'stored' to run it as stored, or quantize its dense original")
+
+
 def load_for_scheme(src: "str | os.PathLike", scheme: str, *, dtype=None, tokenizer: bool = True,
                     skip_indivisible: bool = False):
     """(model, hf_config, tokenizer, skipped) of the causal LM at `src` (`converters.causal_lm.load_causal_lm`)
@@ -149,11 +158,11 @@ def load_for_scheme(src: "str | os.PathLike", scheme: str, *, dtype=None, tokeni
 
     name = scheme.strip()
     ss = None if name.lower() in (STORED, "dense") else parse_scheme(name)
+    if name.lower() != STORED and Path(src).is_dir():  # refuse before loading the weights
+        _refuse_quantized(src, read_json(Path(src) / "config.json"), name)
     model, cfg, tok = load_causal_lm(src, dtype=dtype, tokenizer=tokenizer)
-    if is_quantized(cfg) and name.lower() != STORED:
-        qm = cfg["quantization_config"].get("format") or cfg["quantization_config"].get("quant_method")
-        raise CheckpointError(f"{src}: scheme {name!r} needs a dense checkpoint, found a quantized one ({qm}); "
-                              f"use 'stored' to run it as stored, or quantize its dense original")
+    if name.lower() != STORED:
+        _refuse_quantized(src, cfg, name)
     skipped: List[str] = []
     if ss is not None:
         rules = decoder.quantization_rules(ss)
