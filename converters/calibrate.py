@@ -1,4 +1,4 @@
-"""Calibrated quantization of the embedded all-MiniLM-L6-v2 to a compressed-tensors checkpoint (GPTQ / MSE).
+"""Calibrated quantization to compressed-tensors checkpoints: the embedded all-MiniLM-L6-v2 and the decoder family.
 
 `qformats quantize DST --scheme W4A16 --calibrate [FILE] [--weight-search mse+gptq]` lands here: the Flax MiniLM
 (`qformats.models.minilm`, real weights from `converters.embedded`) runs the calibration sentences once through
@@ -8,8 +8,14 @@ the HF tensor names, next to the packaged tokenizer and sentence-transformers fi
 compressed-tensors checkpoint: GPTQ changes the codes, not the format (transformers / vLLM load a W4A16 GPTQ
 checkpoint like an RTN one).
 
+Causal LMs (llama / mistral / qwen2 / qwen3: `quantize_calibrated_lm`): the checkpoint is loaded into the Flax
+decoder (`converters.causal_lm`), calibrated layer by layer on samples from a text / jsonl / .npy file
+(`converters.calibration_data`, `qformats.models.sequential`), optionally after SmoothQuant or AWQ scales are
+folded into each layer, and written with `converters.flax_io.save_compressed` (lm_head left dense and listed
+in `ignore`, as llm-compressor's recipes do).
+
 A data-free checkpoint of any HF model needs no Flax model (`converters.quantize_checkpoint`); calibration
-does, and this package ships one, MiniLM's.
+does.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from qformats.errors import CheckpointError, ModelError
 from qformats.nn import Rule, quantize_model, quantized_layers
 from qformats.nn.weight_search import RTN, WEIGHT_SEARCHES
 
-__all__ = ["DEFAULT_WEIGHT_SEARCH", "quantize_calibrated"]
+__all__ = ["DEFAULT_WEIGHT_SEARCH", "DEFAULT_LM_WEIGHT_SEARCH", "quantize_calibrated", "quantize_calibrated_lm"]
 
 DEFAULT_WEIGHT_SEARCH = "mse+gptq"  # the best held-out fidelity measured (BENCHMARKS.md)
+DEFAULT_LM_WEIGHT_SEARCH = "gptq"  # llm-compressor's GPTQModifier (round-to-nearest scales, GPTQ codes)
 
 
 def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] = None,
@@ -90,3 +97,88 @@ class _LogTo(logging.Handler):
 
     def emit(self, record):
         self.fn(record.getMessage())
+
+
+def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search: str = DEFAULT_LM_WEIGHT_SEARCH,
+                           awq: bool = False, smooth: Optional[float] = None, calibration_tokens: int = 65536,
+                           seq_len: int = 512, seed: Optional[int] = 0, dampening_frac: float = 0.01,
+                           block_size: int = 128, actorder: Optional[str] = "static",
+                           propagate: str = "quantized", overwrite: bool = False,
+                           log: Callable[[str], None] = lambda m: None) -> dict:
+    """Quantize a causal LM's decoder projections with `scheme`, calibrated layer by layer, and write a
+    compressed-tensors checkpoint at `dst`. Returns {"layers", "projections", "searched", "tokens", "samples",
+    "seconds", "path"}.
+
+    Args:
+      src: a dense HF checkpoint directory (llama / mistral / qwen2 / qwen3) or a .gguf file.
+      dst: the output directory (atomic write; tokenizer and other files of a directory `src` copied, a .gguf
+        file's tokenizer written as tokenizer.json / tokenizer_config.json).
+      scheme: a scheme string ("W4A16", "W4A16:g64", "W8A8", ...) for every projection; lm_head stays dense.
+      calibration: a text file (one sample per non-empty line), a .jsonl file ({"text": ...} per line) or a
+        .npy array of token ids (`converters.calibration_data.load_calibration`).
+      weight_search: "rtn", "mse", "gptq" (default) or "mse+gptq".
+      awq: fold AWQ scales into each layer before the weight search (`qformats.awq`; weight-only schemes).
+      smooth: SmoothQuant migration strength alpha in [0, 1] (`qformats.smoothquant`), or None.
+      calibration_tokens, seq_len, seed: the token budget, the longest sample, the sample order's seed.
+      dampening_frac, block_size, actorder: GPTQ's options (llm-compressor 0.14's names and defaults).
+      propagate: "quantized" (llm-compressor's default) or "float" (`qformats.models.sequential`).
+
+    Raises:
+      CheckpointError: unreadable src / calibration file, dst exists without overwrite. ModelError / SchemeError:
+        a scheme that does not fit, bad options.
+    """
+    import tempfile
+
+    import numpy as np
+
+    from converters.calibration_data import load_calibration
+    from converters.causal_lm import load_causal_lm
+    from converters.flax_io import save_compressed
+    from qformats.models.decoder import hf_tensor_names
+    from qformats.models.sequential import GPTQOptions, calibrate_decoder
+
+    if Path(dst).exists() and not overwrite:  # fail before the calibration work, not after
+        raise CheckpointError(f"{dst}: already exists (pass overwrite=True / --overwrite to replace it)")
+    if awq and smooth is not None:
+        raise ModelError("quantize_calibrated_lm: pass either awq or smooth, not both (both rescale the same "
+                         "norm -> projection pairs)")
+    gptq = GPTQOptions(block_size=block_size, dampening_frac=dampening_frac, actorder=actorder)
+    t0 = time.perf_counter()
+    model, hf_config, tok = load_causal_lm(src)
+    tokenize = None if tok is None else (lambda text: tok.encode(text).ids)
+    samples = load_calibration(calibration, tokenize, seq_len=seq_len, max_tokens=calibration_tokens, seed=seed,
+                               vocab_size=model.config.vocab_size)
+    log(f"loaded {src} ({model.config.model_type}, {model.config.num_layers} layers) in "
+        f"{time.perf_counter() - t0:.1f} s; {len(samples)} calibration samples, "
+        f"{sum(len(s) for s in samples)} tokens from {calibration}")
+    transform = None
+    if smooth is not None:
+        from qformats.smoothquant import smoothquant_transform
+
+        transform = smoothquant_transform(smooth)
+    elif awq:
+        from qformats.awq import awq_transform
+
+        transform = awq_transform(scheme)
+    info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq, propagate=propagate,
+                             transform=transform, log=log)
+    names = {n: ("/".join(str(p) for p in slot.path), slot.transpose)
+             for n, slot in hf_tensor_names(model.config).items()}
+    ignore = [] if model.lm_head is None else ["lm_head"]
+    src_path = Path(src)
+    with tempfile.TemporaryDirectory() as extra:
+        copy_from = src_path if src_path.is_dir() else None
+        if copy_from is None and tok is not None:  # a GGUF file: its tokenizer as transformers' GGUF loading saves it
+            import json
+
+            from converters.gguf_convert import open_gguf
+
+            for name, content in open_gguf(src_path).tokenizer_files().items():
+                text = content if isinstance(content, str) else json.dumps(content, indent=2, ensure_ascii=False)
+                (Path(extra) / name).write_text(text, encoding="utf-8")
+            copy_from = Path(extra)
+        save_compressed(model, dst, names, config=dict(hf_config), copy_from=copy_from, overwrite=overwrite,
+                        ignore=ignore)
+    seconds = time.perf_counter() - t0
+    log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")
+    return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}
