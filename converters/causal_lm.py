@@ -28,7 +28,7 @@ import numpy as np
 
 from qformats.errors import CheckpointError, ModelError
 
-__all__ = ["load_causal_lm", "load_tokenizer"]
+__all__ = ["load_causal_lm", "load_tokenizer", "save_causal_lm"]
 
 
 class _LazyTensor:
@@ -199,19 +199,31 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
     return model, hf_config, tok
 
 
+def _kv_scale_names(cfg) -> list[str]:
+    return [f"model.layers.{i}.self_attn.{n}_scale" for i in range(cfg.num_layers) for n in "kv"]
+
+
 def _load_compressed(path: Path, model, cfg) -> None:
-    """Fills `model` from a compressed-tensors checkpoint: quantized projections become packed QLinear layers."""
+    """Fills `model` from a compressed-tensors checkpoint: quantized projections become packed QLinear layers;
+    a `kv_cache_scheme` quantizes the model's KV cache (static `k_scale` / `v_scale` read from each attention
+    module, as compressed-tensors names them)."""
+    from converters.ct_config import parse_quantization_config
     from converters.flax_io import load_compressed
 
     table = _flax_name_map(cfg)
-    ignore = ()
+    ignore: tuple[str, ...] = ()
     if cfg.tie_word_embeddings:
         # A tied model saved with its (redundant) lm_head: accepted only when it equals the embedding.
         ignore = ("lm_head.weight",)
+    kv = parse_quantization_config(_read_config(path)["quantization_config"], str(path / "config.json")).kv_cache
+    if kv is not None and not kv.dynamic:
+        ignore += tuple(_kv_scale_names(cfg))
     try:
         load_compressed(path, model, table, ignore=ignore)
     except ModelError as e:
         raise CheckpointError(f"{path}: {e}") from None
+    if kv is not None:
+        _load_kv_scales(path, model, cfg, kv)
     if cfg.tie_word_embeddings:
         from converters.safetensors_io import open_checkpoint
 
@@ -221,3 +233,78 @@ def _load_compressed(path: Path, model, cfg) -> None:
                 if not np.array_equal(np.asarray(ck.get("lm_head.weight")), emb):
                     raise CheckpointError(f"{path}: lm_head.weight differs from model.embed_tokens.weight but the "
                                           f"config ties them (tie_word_embeddings)")
+
+
+def _read_config(path: Path) -> dict:
+    from converters.safe_files import read_json
+
+    return read_json(path / "config.json", path)
+
+
+def _write_config(path: Path, config: dict) -> None:
+    """config.json replaced atomically (a temp file in the same directory, renamed over it)."""
+    tmp = path / ".config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path / "config.json")
+
+
+def _load_kv_scales(path: Path, model, cfg, kv) -> None:
+    """Static k_scale / v_scale of every layer ([1] per tensor, [kv_heads, 1, 1] per head, a float dtype) ->
+    `decoder.enable_kv_cache_quantization`; a dynamic scheme takes none."""
+    from converters.safetensors_io import open_checkpoint
+    from qformats.models import decoder
+
+    if kv.dynamic:
+        decoder.enable_kv_cache_quantization(model, kv)
+        return
+    want = kv.scale_shape(cfg.num_kv_heads)
+    scales, problems = [], []
+    with open_checkpoint(path) as ck:
+        for i in range(cfg.num_layers):
+            pair = []
+            for n in ("k", "v"):
+                name = f"model.layers.{i}.self_attn.{n}_scale"
+                if name not in ck:
+                    problems.append(f"{name} missing")
+                    continue
+                info = ck.info(name)
+                shape = tuple(info.shape)
+                if info.dtype not in ("F32", "BF16", "F16") or shape not in (want, () if want == (1,) else want):
+                    problems.append(f"{name} {info.dtype} {list(shape)} (expected a float tensor of shape {list(want)})")
+                    continue
+                pair.append(np.asarray(ck.get(name), np.float32).reshape(want))
+            scales.append(tuple(pair))
+    if problems:
+        raise CheckpointError(f"{path}: kv_cache_scheme {kv.strategy} (static) needs k_scale / v_scale under every "
+                              f"attention module: {'; '.join(problems[:6])}" + (" ..." if len(problems) > 6 else ""))
+    try:
+        decoder.enable_kv_cache_quantization(model, kv, scales)
+    except ModelError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def save_causal_lm(model, dst: str | os.PathLike, hf_config: Mapping[str, Any], *, copy_from=None,
+                   max_shard_size: str = "5GB", overwrite: bool = False) -> Path:
+    """Write a `decoder.CausalLM` (dense, packed `QLinear` projections, and a quantized KV cache) as a
+    compressed-tensors checkpoint: `converters.flax_io.save_compressed` under HF names, plus, with KV-cache
+    quantization, `model.layers.{i}.self_attn.k_scale` / `v_scale` (static scales, in the model's dtype, shapes
+    [1] or [kv_heads, 1, 1]) and `quantization_config.kv_cache_scheme`. Returns the path written."""
+    from converters.ct_config import kv_cache_scheme_to_args, serialize_quantization_config
+    from converters.flax_io import save_compressed
+    from qformats.models import decoder
+
+    cfg = model.config
+    table = _flax_name_map(cfg)
+    kv = decoder.kv_cache_scheme(model)
+    if kv is not None and not kv.dynamic:
+        table.update({n: (decoder.module_path(n), False) for n in _kv_scale_names(cfg)})
+    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    out = save_compressed(model, dst, table, config=config, copy_from=copy_from, max_shard_size=max_shard_size,
+                          overwrite=overwrite)
+    if kv is not None:
+        full = _read_config(Path(out))
+        qc = full.get("quantization_config") or serialize_quantization_config([], [])
+        qc["kv_cache_scheme"] = kv_cache_scheme_to_args(kv)
+        full["quantization_config"] = qc
+        _write_config(Path(out), full)
+    return Path(out)

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from converters.patterns import compile_pattern, pattern_matches
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import FloatFormat, IntFormat, get_format
+from qformats.kv_cache import KVCacheScheme
 from qformats.schemes import QuantScheme, SchemeSet
 
 __all__ = [
@@ -49,6 +50,8 @@ __all__ = [
     "args_to_dict",
     "args_to_scheme",
     "format_for",
+    "kv_cache_scheme_from_args",
+    "kv_cache_scheme_to_args",
     "parse_quantization_config",
     "parse_version",
     "scheme_to_args",
@@ -264,6 +267,36 @@ def format_for(weights: Optional[QuantScheme], input_activations: Optional[Quant
     return "float-quantized" if input_activations is not None else "naive-quantized"
 
 
+# ---- kv_cache_scheme ----------------------------------------------------------------------------------------
+def kv_cache_scheme_from_args(args: Any, where: str = "quantization_config: kv_cache_scheme") -> KVCacheScheme:
+    """`kv_cache_scheme` QuantizationArgs -> KVCacheScheme (`qformats.kv_cache`). Supported: what vLLM serves,
+    FP8 e4m3 (`type: float`, `num_bits: 8`), symmetric, strategy "tensor" (static or dynamic) or "attn_head"
+    (static), no group size, block or scale dtype. Anything else is a CheckpointError naming the field."""
+    a = _check_args(args, where)
+    if a["type"] != "float" or a["num_bits"] != 8:
+        raise _err(where, f"only FP8 (type 'float', num_bits 8) KV caches are supported, found type {a['type']!r} "
+                          f"num_bits {a['num_bits']}")
+    if not a["symmetric"]:
+        raise _err(where, "asymmetric KV-cache quantization is not supported (expected symmetric: true)")
+    if a["strategy"] not in ("tensor", "attn_head"):
+        raise _err(where, f"KV-cache strategy {a['strategy']!r} is not supported; expected 'tensor' or 'attn_head'")
+    for key in ("group_size", "scale_dtype", "zp_dtype", "actorder"):
+        if a.get(key) is not None:
+            raise _err(where, f"{key} {a[key]!r} is not supported for a KV cache (expected null)")
+    if a["dynamic"] not in (True, False):
+        raise _err(where, f"dynamic {a['dynamic']!r} is not supported for a KV cache (expected true or false)")
+    try:
+        return KVCacheScheme(a["strategy"], bool(a["dynamic"]))
+    except QFormatsError as e:
+        raise _err(where, str(e)) from None
+
+
+def kv_cache_scheme_to_args(s: KVCacheScheme) -> Dict[str, Any]:
+    """KVCacheScheme -> the `kv_cache_scheme` dict compressed-tensors 0.20 serializes for the same args."""
+    return {"dynamic": s.dynamic, "group_size": None, "num_bits": 8, "strategy": s.strategy, "symmetric": True,
+            "type": "float"}
+
+
 # ---- the whole config ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ConfigGroup:
@@ -312,6 +345,11 @@ class QuantConfig:
     kv_cache_scheme: Optional[Dict[str, Any]]
     quantization_status: Optional[str]
     raw: Dict[str, Any]
+
+    @property
+    def kv_cache(self) -> Optional[KVCacheScheme]:
+        """The parsed kv_cache_scheme (validated when the config was parsed), or None."""
+        return None if self.kv_cache_scheme is None else kv_cache_scheme_from_args(self.kv_cache_scheme)
 
     @property
     def dense_packing(self) -> Optional[bool]:
@@ -396,7 +434,7 @@ def parse_quantization_config(qc: Any, where: str = "config.json") -> QuantConfi
             compile_pattern(t[3:], f"{at}: ignore[{i}]")
     kv = qc.get("kv_cache_scheme")
     if kv is not None:
-        _check_args(kv, f"{at}: kv_cache_scheme")
+        kv_cache_scheme_from_args(kv, f"{at}: kv_cache_scheme")
     status = qc.get("quantization_status")
     if status is not None and not isinstance(status, str):
         raise _err(at, f"quantization_status: expected a string, found {status!r}")
@@ -404,8 +442,10 @@ def parse_quantization_config(qc: Any, where: str = "config.json") -> QuantConfi
 
 
 def serialize_quantization_config(groups: List[Tuple[List[str], SchemeSet]], ignore: List[str],
-                                  version: str = CT_VERSION) -> Dict[str, Any]:
-    """The `quantization_config` compressed-tensors 0.20 writes for these (targets, SchemeSet) groups.
+                                  version: str = CT_VERSION, kv_cache: Optional[KVCacheScheme] = None
+                                  ) -> Dict[str, Any]:
+    """The `quantization_config` compressed-tensors 0.20 writes for these (targets, SchemeSet) groups
+    (and `kv_cache`, the KV-cache scheme, as its kv_cache_scheme).
 
     Group names are group_0, group_1, ... in order; the global format is the groups' common format or
     "mixed-precision"; status "compressed". Write it with json.dump(indent=2, sort_keys=True).
@@ -431,7 +471,7 @@ def serialize_quantization_config(groups: List[Tuple[List[str], SchemeSet]], ign
         "format": gfmt,
         "global_compression_ratio": None,
         "ignore": list(ignore),
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": None if kv_cache is None else kv_cache_scheme_to_args(kv_cache),
         "moe_sparsity_config": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
