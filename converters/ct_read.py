@@ -28,6 +28,10 @@ the tensors its format stores, with their dtypes and the shapes the scheme and `
 module a compressing group targets by name holds its compressed tensors. Any mismatch is a CheckpointError
 naming the file, module, tensor and what was expected.
 
+Legacy `weight_g_idx` (older llm-compressor / converted GPTQ checkpoints): the trivial index (column // group_size)
+reads as usual; an activation-ordered one (integer weights) gives the module's dense torch-layout [N, K] weight
+W[:, j] = (q[:, j] - z[:, g[j]]) * s[:, g[j]] instead of a QArray, with a warning naming the module.
+
 Dense values: `dense_weight(q, dtype)` is what transformers loads (`from_pretrained(...,
 quantization_config=CompressedTensorsConfig(dequantize=True))`): compressed-tensors' decompression in
 `q.dtype` (one rounding of the product), then a cast to the model's dtype; `exact=True` rounds the
@@ -226,9 +230,9 @@ def iter_modules(ck: Checkpoint, qc: Optional[QuantConfig]) -> Iterator[LoadedMo
             continue
         where = _where(ck, m)
         tensors = {k: ck.get(v) for k, v in m.tensors.items() if k not in _WEIGHT_PARTS}
-        q = _weight_qarray(ck, m, group, qc, where)
+        q = _weight_qarray(ck, m, group, qc, where)  # a dense array for legacy activation-ordered g_idx groups
         tensors["weight"] = q
-        if "weight_zero_point" in m.tensors and q.zero_point is None:
+        if "weight_zero_point" in m.tensors and isinstance(q, QArray) and q.zero_point is None:
             tensors["weight_zero_point"] = ck.get(m.tensors["weight_zero_point"])
         yield LoadedModule(name, tensors, group.format, group.name, stored)
 
@@ -522,7 +526,7 @@ def _check_layout(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, w
     return _Layout(n, k, exp["scale"], legacy, zp_legacy)
 
 
-def _weight_qarray(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, where: str) -> QArray:
+def _weight_qarray(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, where: str):
     s: QuantScheme = g.weights
     fmt = g.format
     bits = s.bits
@@ -578,14 +582,42 @@ def _weight_qarray(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, 
     if "weight_g_idx" in m.tensors:
         gi = ck.get(m.tensors["weight_g_idx"])
         if not np.array_equal(gi, np.arange(k) // s.group_size):
-            raise CheckpointError(f"{_at(ck, m, 'weight_g_idx')}: expected the trivial group index "
-                                  f"(column // {s.group_size}); activation-ordered groups are not supported")
+            return _g_idx_dense(ck, m, s, fmt, codes, sc, zp, gi, n, k, where)
     q = QArray(codes, sc, zp, gs, scheme=s, shape=(k, n), dtype=dtype, axis=0)
     try:
         q.check()
     except QFormatsError as e:
         raise CheckpointError(f"{where}: {e}") from None
     return q
+
+
+def _g_idx_dense(ck: Checkpoint, m: _Module, s: QuantScheme, fmt: str, codes, sc, zp, gi, n: int, k: int,
+                 where: str) -> np.ndarray:
+    """The dense torch-layout [N, K] weight of a module with a non-trivial `weight_g_idx` (legacy activation-
+    ordered GPTQ groups): W[:, j] = (q[:, j] - z[:, g[j]]) * s[:, g[j]], the product rounded once to the scale's
+    dtype as compressed-tensors' dequantization does. A QArray keeps its groups contiguous along K, so such a
+    layer is loaded dense, with a warning naming it."""
+    at = _at(ck, m, "weight_g_idx")
+    if not isinstance(s.format, IntFormat):
+        raise CheckpointError(f"{at}: a non-trivial group index is supported for integer weights only, found "
+                              f"{s.format.name} ({fmt})")
+    groups = sc.shape[-1]
+    _check_int_range(gi, 0, groups - 1, at)
+    if s.bits == 8:
+        vals = np.asarray(codes).view(np.int8).astype(np.float32)
+    else:  # packed offset codes, little-endian bit stream of each row: back to unsigned values, minus the offset
+        from qformats.packing import unpack
+
+        vals = np.asarray(unpack(np.asarray(codes), s.bits, k)).astype(np.float32) + s.format.qmin
+    g = np.asarray(gi, np.int64)
+    if zp is not None:
+        vals = vals - np.asarray(zp, np.float32)[:, g]
+    dtype = sc.dtype
+    w = (vals * np.asarray(sc, np.float32)[:, g]).astype(dtype)
+    warnings.warn(f"{where}: weight_g_idx holds activation-ordered groups (not column // {s.group_size}); this "
+                  f"layer is loaded as a dense [{n}, {k}] {np.dtype(dtype).name} weight, "
+                  "W[:, j] = (q[:, j] - z[:, g[j]]) * s[:, g[j]]", stacklevel=3)
+    return w
 
 
 def _legacy_layout(qc: QuantConfig, bits: int, n: int, words: int, at: str) -> bool:
