@@ -117,7 +117,7 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
       calibration: a text file (one sample per non-empty line), a .jsonl file ({"text": ...} per line) or a
         .npy array of token ids (`converters.calibration_data.load_calibration`).
       weight_search: "rtn", "mse", "gptq" (default) or "mse+gptq".
-      awq: fold AWQ scales into each layer before the weight search (`qformats.awq`; weight-only schemes).
+      awq: reserved for AWQ scales (not implemented: True raises a ModelError).
       smooth: SmoothQuant migration strength alpha in [0, 1] (`qformats.smoothquant`), or None.
       calibration_tokens, seq_len, seed: the token budget, the longest sample, the sample order's seed.
       dampening_frac, block_size, actorder: GPTQ's options (llm-compressor 0.14's names and defaults).
@@ -139,9 +139,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
 
     if Path(dst).exists() and not overwrite:  # fail before the calibration work, not after
         raise CheckpointError(f"{dst}: already exists (pass overwrite=True / --overwrite to replace it)")
-    if awq and smooth is not None:
-        raise ModelError("quantize_calibrated_lm: pass either awq or smooth, not both (both rescale the same "
-                         "norm -> projection pairs)")
+    if awq:
+        raise ModelError("quantize_calibrated_lm: AWQ is not available yet (llm-compressor's AWQModifier "
+                         "arithmetic is not implemented in qformats); use --smooth ALPHA or the weight search alone")
     gptq = GPTQOptions(block_size=block_size, dampening_frac=dampening_frac, actorder=actorder)
     t0 = time.perf_counter()
     model, hf_config, tok = load_causal_lm(src)
@@ -156,10 +156,6 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         from qformats.smoothquant import smoothquant_transform
 
         transform = smoothquant_transform(smooth)
-    elif awq:
-        from qformats.awq import awq_transform
-
-        transform = awq_transform(scheme)
     info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq, propagate=propagate,
                              transform=transform, log=log)
     names = {n: ("/".join(str(p) for p in slot.path), slot.transpose)

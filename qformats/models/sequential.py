@@ -201,9 +201,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
       propagate: "quantized" (layer i+1 calibrates on layer i's outputs with its quantized weights: llm-compressor's
         default) or "float" (on the float outputs: then the result equals `quantize_model` on the whole model).
       guard: keep round-to-nearest for a projection where the search does not lower tr(dW^T H dW).
-      transform: optional `transform(layer, index, xs, layer_inputs)` run on the float layer before its calibration
-        pass (e.g. `qformats.smoothquant` / `qformats.awq` folding scales into the layer); `xs` the layer's input
-        batches, `layer_inputs(T) -> (cos, sin, mask)`, and `valid` masks reachable as `xs.valid`.
+      transform: optional `transform(layer, index, xs, valid, layer_inputs)` run on the float layer before its
+        calibration pass (e.g. `qformats.smoothquant.smoothquant_transform` folding scales into the layer): `xs`
+        the layer's input batches [B, T, d], `valid` their [B, T] real-token masks, `layer_inputs(T) -> (cos,
+        sin, mask)` the layer's other arguments.
       tokens_per_batch, bucket: batching (`make_batches`).
       log: progress messages.
 
