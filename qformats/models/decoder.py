@@ -414,6 +414,12 @@ class CausalLM(nnx.Module):
         self.model = DecoderModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
             config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.sharding = None  # (mesh, ShardingRules) once placed by qformats.sharding.shard_model
+
+    def set_sharding(self, mesh, rules) -> None:
+        """Called by `qformats.sharding.shard_model`: the KV cache buffers `init_cache` makes are laid out on
+        `mesh` by the logical axes `KV_CACHE_AXES` (split by KV heads under `tensor_parallel_rules`)."""
+        self.sharding = (mesh, rules)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty KVCache for `batch` rows and up to `max_len` positions (dtype: the compute dtype by default).
@@ -430,7 +436,15 @@ class CausalLM(nnx.Module):
         scales = None
         if dtype == jnp.uint8 and scheme is not None and scheme.dynamic:
             scales = tuple(jnp.zeros((max_len, 1), jnp.float32) for _ in range(n))
-        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(n)), tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+        zeros = functools.partial(jnp.zeros, shape, dtype)
+        if self.sharding is not None:  # placed on a mesh: pin the buffers' layout (XLA would pick its own)
+            from jax.sharding import NamedSharding
+
+            from qformats.sharding import logical_spec
+
+            layout = NamedSharding(self.sharding[0], logical_spec(KV_CACHE_AXES, self.sharding[1]))
+            zeros = lambda: jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), layout)  # noqa: E731
+        return KVCache(tuple(zeros() for _ in range(n)), tuple(zeros() for _ in range(n)),
                        jnp.zeros((), jnp.int32), scales, scales)
 
     def __call__(self, ids: jax.Array, cache: Optional[KVCache] = None, *,
@@ -709,6 +723,9 @@ def quantization_rules(scheme, *, quantize_lm_head: bool = False) -> List[Rule]:
 
 
 # ----------------------------------------------------------------------------------------------- sharding
+
+#: Logical axes of a KV cache buffer [batch, num_kv_heads, max_len, head_dim].
+KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 #: Logical axes of every parameter of the family (by module path; the float parameter's layout, which packed
 #: weights inherit): the Megatron tensor-parallel layout once "heads", "kv_heads", "mlp" and "vocab" map to a
