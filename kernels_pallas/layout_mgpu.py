@@ -14,7 +14,9 @@ the binary digits of b, widest first, shifts ascending). Plane p of width w hold
 byte columns in `S = R / 64` chunks of 64; byte column `r = s*64 + c` of tile t packs the codes of tile
 rows `r + i*R`, i = 0 .. 8/w - 1, in bits `i*w .. i*w + w - 1`:
 
-    plane[t*S + s, n, c] = sum_i ((code[t*tk + i*R + s*64 + c, n] >> shift) & (2^w - 1)) << (i*w)     uint8 [K_pad/tk*S, N_pad, 64]
+    plane[t*S + s, n, c] = sum_i ((code[t*tk + i*R + s*64 + c, n] >> shift) & (2^w - 1)) << (i*w)
+
+(uint8 [K_pad/tk*S, N_pad, 64])
 
 so K chunk j (rows j*64 .. j*64+63 of a tile) is `(plane[s] >> i*w) & mask` with `i*R + s*64 = j*64`, OR-ed
 over the planes at their shifts: a code is read once, with no interleave, and an 8-bit code is its byte.
@@ -22,12 +24,15 @@ over the planes at their shifts: a code is read once, with no interleave, and an
 64-byte chunks. Integer codes are stored as the offset `u = q - qmin` (unsigned).
 
 **Scales.** One row per group along K, `[K_pad / g, N_pad]` (g = the group along K; K_pad for channel and
-tensor scales; the block width for FP8_BLOCK, its rows repeated over the block's output channels). MX
-(E8M0): the uint8 codes, decoded in the kernel (`MgpuMeta.scale_f32`: a shift and two selects, exact).
-Everything else: f32 effective scales computed once here with `layout.scale_values` (NVFP4's e4m3 block
-scale divided by the global scale in IEEE f32, times 2^(15 - bias) for float elements): the kernel
-multiplies, it never divides. The zero point of asymmetric ints as f32 of the same shape. Padding: scale 1
-(E8M0 code 127), zero 0, codes 0.
+tensor scales; the block width for FP8_BLOCK, its rows repeated over the block's output channels). MX (E8M0):
+the uint8 codes, decoded in the kernel (`MgpuMeta.scale_f32`: a shift and two selects, exact). NVFP4: the uint8
+e4m3 codes and an 8-entry f32 table `t[f] = fl((1 + f/8) / G) * 2^(15 - bias)` (zero-padded to 32 and repeated
+per K tile: [K_pad / tk, 32]), from which the kernel forms fl(S / G) * 2^(15 - bias) without dividing
+(`e4m3_table_scale`), when that is bit-identical to IEEE division for all 256 codes with this global scale G
+(checked when the global scale is concrete; otherwise, or if not, f32 scales). Everything else: f32 effective
+scales computed once here with `layout.scale_values` (NVFP4's e4m3 block scale divided by the global scale in
+IEEE f32, times 2^(15 - bias) for float elements): the kernel multiplies, it never divides. The zero point of
+asymmetric ints as f32 of the same shape. Padding: scale 1 (E8M0 code 127), zero 0, codes 0.
 
 **Rounding.** The kernel computes `w = (v - zero) * scale` in f32 (exact for bf16/f16 scales and values:
 the product has <= 22 significant bits), rounds it to the scale's dtype, then to the activation dtype:
@@ -51,10 +56,11 @@ from qformats.qarray import QArray
 from kernels_pallas.layout import LayoutMeta, decode_elements, finish, plane_split, scale_values
 
 __all__ = ["MgpuMeta", "MgpuWeight", "prepare_mgpu", "dequantize_mgpu", "mgpu_unsupported_reason",
-           "chunk_codes", "CHUNK", "TILE_N"]
+           "chunk_codes", "e4m3_table_scale", "CHUNK", "TILE_N"]
 
 CHUNK = 64   # K positions per decoded tile (one 64-byte row of a plane chunk)
 TILE_N = 64  # output channels per warpgroup (wgmma's M)
+TABLE_LEN = 32  # NVFP4's 8 table entries, padded to 128 bytes (Mosaic copies whole warpgroup widths)
 _FLOAT_SCALES = ("float32", "bfloat16", "float16")
 
 
@@ -74,7 +80,7 @@ class MgpuMeta:
     tile_k: int
     group: int             # K rows per scale row (K_pad: one row)
     planes: Tuple[Tuple[int, int], ...]
-    scale_kind: str        # "e8m0": uint8 E8M0 codes, decoded in the kernel; "float": f32 effective scales
+    scale_kind: str        # "e8m0" / "e4m3_table": uint8 codes decoded in the kernel; "float": f32 scales
     scale_dtype: str       # the dtype dequantize rounds w in (the float scale's dtype, else float32)
     has_zero: bool
     dtype: str             # the QArray's dtype
@@ -92,11 +98,15 @@ class MgpuMeta:
     def describe(self) -> str:
         return f"{self.scheme_desc} [K={self.K}, N={self.N}] (Mosaic GPU layout)"
 
-    def scale_f32(self, s: jax.Array) -> jax.Array:
+    def scale_f32(self, s: jax.Array, table=None) -> jax.Array:
         """Stored scale rows -> f32 effective scales (the kernel runs this on each row it reads): E8M0 codes
-        decoded (`layout.scale_values`: 2^(c - 127), times 2^(15 - bias) for float elements); f32 rows as
-        they are."""
-        return scale_values(s, self, None) if self.scale_kind == "e8m0" else s
+        decoded (`layout.scale_values`: 2^(c - 127), times 2^(15 - bias) for float elements); NVFP4's e4m3
+        codes through the 8-entry table (`e4m3_table_scale`); f32 rows as they are."""
+        if self.scale_kind == "e8m0":
+            return scale_values(s, self, None)
+        if self.scale_kind == "e4m3_table":
+            return e4m3_table_scale(s, table)
+        return s
 
     def plane_chunks(self) -> Tuple[int, ...]:
         """S per plane: 64-byte chunks per K tile."""
@@ -105,22 +115,23 @@ class MgpuMeta:
 
 @jax.tree_util.register_pytree_node_class
 class MgpuWeight:
-    """A weight in the Mosaic GPU layout (module docstring): byte planes, scale rows (f32, or E8M0 codes),
-    f32 zero rows."""
+    """A weight in the Mosaic GPU layout (module docstring): byte planes, scale rows (f32, or E8M0 / e4m3
+    codes), f32 zero rows, NVFP4's 8-entry scale table."""
 
-    def __init__(self, planes, scale, zero, meta: MgpuMeta):
+    def __init__(self, planes, scale, zero, table, meta: MgpuMeta):
         self.planes = tuple(planes)
         self.scale = scale
         self.zero = zero
+        self.table = table
         self.meta = meta
 
     def tree_flatten(self):
-        return (self.planes, self.scale, self.zero), self.meta
+        return (self.planes, self.scale, self.zero, self.table), self.meta
 
     @classmethod
     def tree_unflatten(cls, meta, children):
-        planes, scale, zero = children
-        return cls(planes, scale, zero, meta)
+        planes, scale, zero, table = children
+        return cls(planes, scale, zero, table, meta)
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -129,10 +140,33 @@ class MgpuWeight:
     @property
     def nbytes(self) -> int:
         return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-                   for a in (*self.planes, self.scale, self.zero) if a is not None)
+                   for a in (*self.planes, self.scale, self.zero, self.table) if a is not None)
 
     def __repr__(self) -> str:
         return f"MgpuWeight({self.meta.describe()}, tile_k={self.meta.tile_k}, nbytes={self.nbytes})"
+
+
+def e4m3_table_scale(c: jax.Array, t) -> jax.Array:
+    """e4m3fn scale codes -> fl(S / G) * 2^(15 - bias) without a division, from t[f] = fl(M_f / G) *
+    2^(15 - bias), f = 0..7, M_f = 1 + f/8: every nonzero e4m3 value S is M_f * 2^E (normals: f = the
+    mantissa bits, E = exponent - 7; subnormals f * 2^-9 renormalised), and fl(M_f 2^E / G) = 2^E fl(M_f / G)
+    while the result is a normal f32 (`prepare_mgpu` checks all 256 codes against IEEE division before it
+    chooses this form). Zero codes give +-0, 0x7F / 0xFF NaN, the sign bit the sign."""
+    c = c.astype(jnp.int32)
+    mag = c & 0x7F
+    e, f = mag >> 3, c & 7
+    sub = e == 0
+    # subnormal f * 2^-9: f = 1 -> M_0 2^-9, 2 -> M_0 2^-8, 3 -> M_4 2^-8, 4 -> M_0 2^-7, 5 -> M_2 2^-7,
+    # 6 -> M_4 2^-7, 7 -> M_6 2^-7
+    fi = jnp.where(sub, jnp.where((f == 3) | (f == 6), 4, jnp.where(f == 5, 2, jnp.where(f == 7, 6, 0))), f)
+    ex = jnp.where(sub, jnp.where(f == 1, -9, jnp.where(f <= 3, -8, -7)), e - 7)
+    sel = jnp.where(fi == 1, t[1], t[0])
+    for i in range(2, 8):
+        sel = jnp.where(fi == i, t[i], sel)
+    v = sel * jax.lax.bitcast_convert_type((ex + 127) << 23, jnp.float32)
+    v = jnp.where(mag == 0, np.float32(0.0), v)
+    v = jnp.where(mag == 0x7F, np.float32(np.nan), v)
+    return jnp.where((c & 0x80) != 0, -v, v)
 
 
 def _group_of(q: QArray) -> Optional[int]:
@@ -188,11 +222,41 @@ def prepare_mgpu(q: QArray) -> MgpuWeight:
     if why is not None:
         desc = q.scheme.describe() if isinstance(q, QArray) else type(q).__name__
         raise KernelError(f"prepare_mgpu: {why} ({desc})")
-    return _prepare_jit(q)
+    return _prepare_jit(q, table=_table_is_exact(q))
 
 
-@jax.jit
-def _prepare_jit(q: QArray) -> MgpuWeight:
+def _table_is_exact(q: QArray) -> bool:
+    """NVFP4 (e4m3 scales / a global scale): whether `e4m3_table_scale` equals the IEEE scale / global of
+    `layout.scale_values` bit for bit on all 256 codes for this global scale. Needs the global scale's value:
+    under a trace the f32 scale layout is used (always exact)."""
+    if q.scheme.scale_format != "fp8_e4m3fn" or q.global_scale is None:
+        return False
+    try:
+        g = np.asarray(q.global_scale, np.float32).reshape(1, 1)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return False
+    ref, got = _table_check(jnp.asarray(g), q.scheme.format)
+    ref, got = np.asarray(ref), np.asarray(got)
+    return bool(np.array_equal(np.isnan(ref), np.isnan(got))
+                and np.array_equal(ref.view(np.uint32)[~np.isnan(ref)], got.view(np.uint32)[~np.isnan(ref)]))
+
+
+@functools.partial(jax.jit, static_argnames=("fmt",))
+def _table_check(g, fmt):
+    lm = _e4m3_meta(fmt)
+    codes = jnp.arange(256, dtype=jnp.uint8).reshape(1, 256)
+    table = scale_values(jnp.arange(0x38, 0x40, dtype=jnp.uint8).reshape(1, 8), lm, g)[0]
+    return scale_values(codes, lm, g)[0], e4m3_table_scale(codes[0], table)
+
+
+def _e4m3_meta(fmt) -> LayoutMeta:
+    return LayoutMeta(fmt=fmt, K=0, N=0, K_pad=0, N_pad=0, block_k=0, block_n=0, chunk=0, group=0, planes=(),
+                      scale_kind="e4m3", scale_dtype="float32", has_zero=False, has_global=True, dtype="float32",
+                      scheme_desc="")
+
+
+@functools.partial(jax.jit, static_argnames=("table",))
+def _prepare_jit(q: QArray, table: bool) -> MgpuWeight:
     s, fmt = q.scheme, q.scheme.format
     K, N = q.shape
     tk = _tile_k(s.bits)
@@ -235,8 +299,14 @@ def _prepare_jit(q: QArray) -> MgpuWeight:
         sc = jnp.repeat(sc, s.block[0], axis=0)[:N]
     sc = jnp.pad(sc.T, ((0, rows - sc.shape[1]), (0, N_pad - N)), constant_values=one)  # [rows, N_pad]
     gscale = None if q.global_scale is None else q.global_scale.astype(jnp.float32).reshape(1, 1)
-    kind = "e8m0" if s.scale_format == "e8m0" else "float"
-    seff = sc if kind == "e8m0" else scale_values(sc, lm, gscale, barrier=True)
+    kind = "e8m0" if s.scale_format == "e8m0" else ("e4m3_table" if table else "float")
+    seff = sc if kind != "float" else scale_values(sc, lm, gscale, barrier=True)
+    tab = None
+    if kind == "e4m3_table":  # t[f] = fl((1 + f/8) / G) * 2^(15 - bias): the e4m3 codes 0x38 + f are 1 + f/8
+        tab = scale_values(jnp.arange(0x38, 0x40, dtype=jnp.uint8).reshape(1, 8), lm, gscale)
+        # [tiles, 32]: one 128-byte copy per K tile (a warpgroup's width; every pipelined input follows the K
+        # tile index, which the warp-specialized pipeline requires)
+        tab = jnp.tile(jnp.pad(tab, ((0, 0), (0, TABLE_LEN - 8))), (tiles, 1))
     zero = None
     if q.zero_point is not None:
         z = q.zero_point.astype(jnp.float32).T
@@ -244,7 +314,7 @@ def _prepare_jit(q: QArray) -> MgpuWeight:
     meta = MgpuMeta(fmt=fmt, K=K, N=N, K_pad=K_pad, N_pad=N_pad, tile_k=tk, group=group, planes=planes,
                     scale_kind=kind, scale_dtype=jnp.dtype(sdt).name, has_zero=zero is not None, dtype=q.dtype.name,
                     scheme_desc=s.describe())
-    return MgpuWeight(out, seff, zero, meta)
+    return MgpuWeight(out, seff, zero, tab, meta)
 
 
 # ---- the arithmetic the kernel runs on each decoded tile ---------------------------------------------------------
@@ -281,5 +351,6 @@ def _dequantize_jit(mw: MgpuWeight, dtype) -> jax.Array:
     v = v.transpose(2, 0, 1, 3).reshape(meta.N_pad, meta.K_pad)
     rep = lambda a: jnp.repeat(a, meta.group, axis=0)[: meta.K_pad].T  # noqa: E731
     z = None if mw.zero is None else rep(mw.zero)
-    w = finish(v, rep(meta.scale_f32(mw.scale)), z, meta, dtype)  # finish reads meta.scale_dtype only
+    table = None if mw.table is None else [mw.table[0, i] for i in range(8)]
+    w = finish(v, rep(meta.scale_f32(mw.scale, table)), z, meta, dtype)  # finish reads meta.scale_dtype only
     return w.T[: meta.K, : meta.N]

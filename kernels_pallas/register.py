@@ -4,8 +4,9 @@
   1. `mosaic_qmatmul` (`qmatmul_mgpu`, priority 20, the default): every weight with a Mosaic GPU layout
      (`layout_mgpu.mgpu_unsupported_reason`) and bf16/f16 activations;
   2. `pallas_qmatmul` (`qmatmul`, Pallas Triton, priority 10): the second choice, for what the Mosaic kernel
-     does not take (f32 activations, groups of 64 < g not a multiple of 64, ...). The Pallas Triton backend
-     is deprecated in jax 0.11; this entry goes once the Mosaic kernel is measured on the device;
+     does not take (f32 activations, groups along K other than 16, 32 or a multiple of 64, ...). The Pallas
+     Triton backend is deprecated in jax 0.11; this entry goes once the Mosaic kernel is measured on the
+     device;
 anything else takes qformats' XLA path, never a wrong answer. `qformats.set_kernels_enabled(False)` (or the
 env var QFORMATS_DISABLE_KERNELS=1) turns the kernels off. `set_interpret(True)` (or
 QFORMATS_PALLAS_INTERPRET=1) also accepts every other backend and runs the kernels interpreted (GPU interpret

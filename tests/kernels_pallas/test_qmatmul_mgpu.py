@@ -61,6 +61,27 @@ def test_layout_byte_planes():
     np.testing.assert_array_equal(p1[0], want)
 
 
+def test_nvfp4_scale_table_or_f32_scales():
+    """NVFP4 keeps its e4m3 scale codes (plus an 8-entry table, no division in the kernel) when the table
+    form equals IEEE scale / global on all 256 codes; a global scale that pushes scales into f32 subnormals,
+    or a prepare under a trace (global scale unknown), gets f32 scales. All three dequantize bit-exactly."""
+    q = make_q("NVFP4A16", 160, 72)
+    mw = prepare_mgpu(q)
+    assert mw.meta.scale_kind == "e4m3_table" and mw.scale.dtype == jnp.uint8
+    assert mw.table.shape == (mw.meta.K_pad // mw.meta.tile_k, 32)
+    leaves, tree = jax.tree_util.tree_flatten(q)
+    codes, scale, gscale = leaves  # no zero point
+    tiny = jax.tree_util.tree_unflatten(tree, [codes, scale, jnp.full_like(gscale, 2.0 ** 120)])
+    mw_tiny = prepare_mgpu(tiny)
+    assert mw_tiny.meta.scale_kind == "float" and mw_tiny.table is None
+    traced = jax.jit(prepare_mgpu)(q)
+    assert traced.meta.scale_kind == "float"
+    for qq, w in ((q, mw), (tiny, mw_tiny), (q, traced)):
+        for dt in (jnp.bfloat16, jnp.float16):
+            np.testing.assert_array_equal(np.asarray(dequantize_mgpu(w, dt), np.float32),
+                                          np.asarray(dequantize(qq, dt), np.float32))
+
+
 # ---- interpret mode vs reference ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ALL)
 def test_interpret_all_formats(name):
