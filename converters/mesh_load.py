@@ -31,7 +31,7 @@ import numpy as np
 
 from qformats.errors import CheckpointError, ModelError
 
-__all__ = ["ReadStats", "place", "load_causal_lm_sharded", "tensor_parallel_setup"]
+__all__ = ["ReadStats", "place", "load_causal_lm_sharded", "load_on_mesh", "tensor_parallel_setup"]
 
 Index = Tuple[slice, ...]
 
@@ -508,3 +508,29 @@ def _equal_by_rows(ck, a: str, b: str, chunk_bytes: int = 1 << 22) -> bool:
         if not np.array_equal(ck.get(a, rows=slice(r, r + step)), ck.get(b, rows=slice(r, r + step))):
             return False
     return True
+
+
+def load_on_mesh(src: "str | os.PathLike", mesh, rules=None, *, dtype=None, param_dtype=None,
+                 tokenizer: bool = True, stats: Optional[ReadStats] = None):
+    """Any checkpoint `converters.causal_lm.load_causal_lm` takes, placed on `mesh` (what `qformats generate
+    --tensor-parallel N` runs: `mesh = tensor_parallel_setup(N)` first, before any other JAX operation).
+
+    A directory goes through `load_causal_lm_sharded` (shard by shard from the file); a `.gguf` file is read by
+    gguf's own reader (whole tensors, dequantized on the host) and then placed by `qformats.sharding.shard_model`.
+    Returns (model, hf_config, tokenizer or None); `qformats.sharding.param_bytes_per_device(model)` gives the
+    bytes each device holds.
+    """
+    p = Path(src)
+    if p.is_file() and p.suffix == ".gguf":
+        from converters.causal_lm import load_causal_lm
+        from qformats.models import decoder
+        from qformats.sharding import shard_model
+
+        model, hf_config, tok = load_causal_lm(p, dtype=dtype, param_dtype=param_dtype, tokenizer=tokenizer)
+        if rules is None:
+            if len(mesh.axis_names) != 1:
+                raise ModelError(f"load_on_mesh: a mesh of axes {mesh.axis_names} needs explicit rules")
+            rules = decoder.tensor_parallel_rules(model.config, mesh.axis_names[0])
+        return shard_model(model, mesh, rules), hf_config, tok
+    return load_causal_lm_sharded(p, mesh, rules, dtype=dtype, param_dtype=param_dtype, tokenizer=tokenizer,
+                                  stats=stats)

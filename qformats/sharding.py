@@ -84,6 +84,7 @@ class ShardingRules:
         return None
 
     def unit(self, logical: Optional[str]) -> int:
+        """The granule `logical` may be cut at (1 when `units` does not name it)."""
         return dict(self.units).get(logical, 1) if logical is not None else 1
 
 
@@ -216,7 +217,8 @@ def shard_model(model, mesh: Mesh, rules: ShardingRules):
     of its logical axes, a packed QArray leaf by leaf to the layout of the float weight it replaced. All
     layouts are checked before anything moves (ModelError naming the parameter that the mesh cannot split).
     A jit of the model then runs SPMD: XLA partitions the computation to follow the parameters.
-    Derived kernel-layout caches (`qformats.nn.KernelCache`) are rebuilt from the placed weights.
+    Derived kernel-layout caches (`qformats.nn.KernelCache`) are rebuilt from the placed weights. A model with
+    a `set_sharding(mesh, rules)` method is told its layout (the decoder lays out its KV cache by it).
     """
     shardings = param_shardings(model, mesh, rules)
     for path, var in _variables(model):
@@ -227,6 +229,8 @@ def shard_model(model, mesh: Mesh, rules: ShardingRules):
     for _, node in nnx.iter_graph(model):
         if hasattr(node, "cache_kernel_layout") and getattr(node, "kernel_cache", None) is not None:
             node.cache_kernel_layout()
+    if callable(getattr(model, "set_sharding", None)):
+        model.set_sharding(mesh, rules)
     return model
 
 
