@@ -47,6 +47,12 @@ def test_compiled_forward_has_collectives_on_activations_only(tp8, scheme):
         assert op != "all-gather", (op, dtype, shape)
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_kv_cache_is_split_by_kv_heads(tp8, scheme):
+    # buffers [batch, kv_heads, max_len, head_dim]: 8 KV heads, one per device
+    assert tp8[scheme]["cache_spec"] == ['[null, "tp", null, null]']
+
+
 def test_quantize_model_on_a_sharded_model_keeps_each_weights_layout(tp8):
     r = tp8["quantize_sharded"]
     assert r["checked"] == 2 * 14  # codes and scale of the 7 projections of 2 layers

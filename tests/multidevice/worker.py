@@ -102,10 +102,18 @@ def case_tp(n: int, workdir: str):
         per = param_bytes_per_device(tp)
         gd, st = nnx.split(tp)
         hlo = jax.jit(lambda s, i: nnx.merge(gd, s)(i)[0]).lower(st, ids).compile().as_text()
+
+        def prefill(s, i):
+            m = nnx.merge(gd, s)
+            return m(i, m.init_cache(2, 8))[1]
+        cache = jax.jit(prefill)(st, ids)
+        cache_spec = [json.dumps(list(a.sharding.spec) + [None] * (a.ndim - len(a.sharding.spec)))
+                      for a in cache.keys + cache.values]
         replicated = sum(a.nbytes for a in jax.tree.leaves(nnx.state(tp, nnx.Param)) if a.sharding.is_fully_replicated)
         res[scheme or "dense"] = dict(ref=ref.tolist(), out=out.tolist(), total=total, replicated=replicated,
                                       per_device=sorted(per.values()), devices=len(per),
-                                      collectives=collectives(hlo), leaf_shapes=leaf_shapes(tp))
+                                      collectives=collectives(hlo), leaf_shapes=leaf_shapes(tp),
+                                      cache_spec=sorted(set(cache_spec)))
     # quantize_model on a sharded float model: packed leaves land where the float weights' rules put them
     m = shard_model(CausalLM(cfg, rngs=nnx.Rngs(0)), mesh, rules)
     kernel_shardings = {p: v.get_value().sharding for p, v in _variables(m) if p.endswith("kernel")}
@@ -236,6 +244,7 @@ def case_memory(n: int, workdir: str):
 def case_smollm2(n: int, workdir: str):
     jax = _setup(n)
     import numpy as np
+    from flax import nnx
 
     from converters.causal_lm import load_causal_lm
     from converters.embedded import smollm2_gguf
@@ -250,20 +259,19 @@ def case_smollm2(n: int, workdir: str):
     res = {}
     model, hf, tok = load_causal_lm(smollm2_gguf())
     ids = np.asarray([tok.encode("The capital of France is").ids], np.int32)
-    dense_state = None
-    for scheme in ("dense", "W4A16:g64", "NVFP4A16"):
-        from flax import nnx
-
-        if dense_state is None:
-            dense_state = nnx.state(model)
+    # the packed variants from the unsharded float model first; the dense model itself is sharded last
+    for scheme in ("W4A16:g64", "NVFP4A16", "dense"):
         m = model if scheme == "dense" else _copy_quantized(model, scheme, quantize_model, quantization_rules,
                                                             parse_scheme)
+        assert all(a.sharding.is_fully_replicated and len(a.sharding.device_set) == 1
+                   for a in jax.tree.leaves(nnx.state(m, nnx.Param)))  # one device
         ref = np.asarray(generate(m, ids, 8))
         total = sum(param_bytes_per_device(m).values())
         shard_model(m, mesh, tensor_parallel_rules(m.config))
         out = np.asarray(generate(m, ids, 8))
         res[scheme] = dict(ref=ref.tolist(), out=out.tolist(), total=total,
                            per_device=sorted(param_bytes_per_device(m).values()))
+        del m
     return res
 
 
