@@ -184,7 +184,10 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
             raise CheckpointError(f"{p / 'config.json'}: expected a JSON object, found {type(hf_config).__name__}")
         model, cfg = _abstract_model(hf_config, dtype, param_dtype, str(p / "config.json"))
         if _is_compressed(hf_config):
-            _load_compressed(p, model, cfg)
+            from converters.transforms import applying_online_transforms
+
+            with applying_online_transforms():  # _load_compressed installs them
+                _load_compressed(p, model, cfg)
         else:
             with open_checkpoint(p) as ck:
                 try:
@@ -209,21 +212,52 @@ def _load_compressed(path: Path, model, cfg) -> None:
     module, as compressed-tensors names them)."""
     from converters.ct_config import parse_quantization_config
     from converters.flax_io import load_compressed
+    from qformats.models import decoder
 
     table = _flax_name_map(cfg)
     ignore: tuple[str, ...] = ()
     if cfg.tie_word_embeddings:
         # A tied model saved with its (redundant) lm_head: accepted only when it equals the embedding.
         ignore = ("lm_head.weight",)
-    kv = parse_quantization_config(_read_config(path)["quantization_config"], str(path / "config.json")).kv_cache
+    qc = parse_quantization_config(_read_config(path)["quantization_config"], str(path / "config.json"))
+    kv = qc.kv_cache
     if kv is not None and not kv.dynamic:
         ignore += tuple(_kv_scale_names(cfg))
+    rotations = _online_rotations(path, cfg, qc)
+    ignore += tuple(rotations[1])
     try:
         load_compressed(path, model, table, ignore=ignore)
     except ModelError as e:
         raise CheckpointError(f"{path}: {e}") from None
     if kv is not None:
         _load_kv_scales(path, model, cfg, kv)
+    for r in rotations[0]:
+        try:
+            decoder.set_rotation(model, r.module, r.location, r.weight.astype(np.float32))
+        except ModelError as e:
+            raise CheckpointError(f"{path}: transform_config group {r.group!r}: {e}") from None
+
+
+def _online_rotations(path: Path, cfg, qc):
+    """(rotations, consumed tensor names) of the checkpoint's transform_config (`converters.transforms`)."""
+    from converters.safetensors_io import open_checkpoint
+    from converters.transforms import online_rotations, parse_transform_config
+
+    groups = parse_transform_config(qc.raw.get("transform_config"), f"{path / 'config.json'}: transform_config")
+    if not groups:
+        return [], []
+    modules = {}
+    for i in range(cfg.num_layers):
+        modules[f"model.layers.{i}.self_attn"] = "Attention"
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            modules[f"model.layers.{i}.self_attn.{n}"] = "Linear"
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            modules[f"model.layers.{i}.mlp.{n}"] = "Linear"
+    if not cfg.tie_word_embeddings:
+        modules["lm_head"] = "Linear"
+    with open_checkpoint(path) as ck:
+        tensors = _LazyTensors(ck.keys(), lambda n: ck.info(n).shape, ck.get)
+        return online_rotations(groups, tensors, modules, str(path))
     if cfg.tie_word_embeddings:
         from converters.safetensors_io import open_checkpoint
 

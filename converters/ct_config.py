@@ -36,6 +36,7 @@ import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from converters.patterns import compile_pattern, pattern_matches
+from converters.transforms import check_transform_config
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import FloatFormat, IntFormat, get_format
 from qformats.kv_cache import KVCacheScheme
@@ -375,10 +376,8 @@ def parse_quantization_config(qc: Any, where: str = "config.json") -> QuantConfi
     qm = qc.get("quant_method", "compressed-tensors")
     if qm not in ("compressed-tensors", "sparseml"):
         raise _err(at, f"expected quant_method 'compressed-tensors', found {qm!r}")
-    tc = qc.get("transform_config")
-    if tc not in (None, {}) and not (isinstance(tc, dict) and not tc.get("config_groups")):
-        raise _err(at, "transform_config: online transforms (rotations, Hadamard) are not supported; "
-                       f"expected an empty transform_config, found {json.dumps(tc)[:120]}")
+    # offline rotations are already fused into the stored weights; online ones only where they are applied
+    check_transform_config(qc.get("transform_config"), f"{at}: transform_config")
     sc = qc.get("sparsity_config")
     if sc not in (None, {}) and not (isinstance(sc, dict) and sc.get("format") in (None, "dense")):
         raise _err(at, f"sparsity_config: sparse checkpoints are not supported, found {json.dumps(sc)[:120]}")

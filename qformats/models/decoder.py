@@ -257,6 +257,34 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * cos[None, :, None] + rot * sin[None, :, None]).astype(x.dtype)
 
 
+class Rotation(nnx.Variable):
+    """An online rotation matrix M [n, n]: values v become v @ M, per block of n along the last axis
+    (block-diagonal M). For compressed-tensors' Hadamard kinds M = W / sqrt(n), W its stored transform weight
+    permuted / transposed as its args say; for random-matrix M = W (see converters.transforms)."""
+
+
+def rotate(x: jax.Array, m: jax.Array) -> jax.Array:
+    """x @ M over the last axis of x in blocks of n = M.shape[0] (compressed-tensors' online transform,
+    `_multihead_matmul(value, weight)`), computed in M's dtype at full precision and cast back to x's dtype."""
+    n, d = m.shape[0], x.shape[-1]
+    if d % n:
+        raise ModelError(f"rotate: a rotation of order {n} does not divide the last axis {d}")
+    xs = x.astype(m.dtype).reshape(*x.shape[:-1], d // n, n)
+    y = jnp.matmul(xs, m, precision=jax.lax.Precision.HIGHEST)
+    return y.reshape(x.shape).astype(x.dtype)
+
+
+def _project(module: nnx.Module, name: str, x: jax.Array) -> jax.Array:
+    """module.<name>(x) with the online rotations set on it by `set_rotation` ("<name>/input", "<name>/output")."""
+    rots = module.rotations
+    if rots is not None and f"{name}/input" in rots:
+        x = rotate(x, rots[f"{name}/input"].get_value())
+    y = getattr(module, name)(x)
+    if rots is not None and f"{name}/output" in rots:
+        y = rotate(y, rots[f"{name}/output"].get_value())
+    return y
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with RoPE: softmax(q k^T / sqrt(head_dim) + mask) v; num_heads / num_kv_heads query
     heads share each key/value head; optional per-head q/k RMSNorm (qwen3) and q/k/v(/o) biases."""
@@ -279,18 +307,25 @@ class Attention(nnx.Module):
         self.kv_scheme: Optional[KVCacheScheme] = None
         self.k_scale = nnx.data(None)
         self.v_scale = nnx.data(None)
+        # online rotations (set_rotation): "<proj>/input", "<proj>/output", "q_attn", "k_cache" -> Rotation
+        self.rotations = nnx.data(None)
 
     def __call__(self, x, cos, sin, mask, kv=None, start=0):
         """x [B, T, d]; cos/sin [T, D]; mask [T, S] (True = visible); kv: this layer's (keys, values) cache buffers
         [B, G, S, D] (written at `start`) or None (S = T). Returns (output [B, T, d], (keys, values))."""
         b, t, _ = x.shape
         g, hd = self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(b, t, self.num_heads, hd)
-        k = self.k_proj(x).reshape(b, t, g, hd)
-        v = self.v_proj(x).reshape(b, t, g, hd)
+        q = _project(self, "q_proj", x).reshape(b, t, self.num_heads, hd)
+        k = _project(self, "k_proj", x).reshape(b, t, g, hd)
+        v = _project(self, "v_proj", x).reshape(b, t, g, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rotations is not None:  # compressed-tensors' q_attn / k_cache transforms act on post-RoPE states
+            if "q_attn" in self.rotations:
+                q = rotate(q, self.rotations["q_attn"].get_value())
+            if "k_cache" in self.rotations:
+                k = rotate(k, self.rotations["k_cache"].get_value())
         # cache layout [B, G, S, D]: the (B, G) batch axes lead, so neither dot transposes the cache
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         if self.kv_scheme is not None and (kv is None or kv[0].dtype == jnp.uint8):
@@ -306,7 +341,7 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bgms,bgsd->bgmd", probs, v.astype(x.dtype))
         out = out.reshape(b, g, r, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, self.num_heads * hd)
-        return self.o_proj(out), (kv if kv is not None else (k, v))
+        return _project(self, "o_proj", out), (kv if kv is not None else (k, v))
 
     def _quantized_kv(self, k, v, kv, start):
         """Quantize the new states k, v [B, G, T, D] to fp8 codes (static scales, or this block's dynamic scale),
@@ -339,9 +374,11 @@ class MLP(nnx.Module):
         self.gate_proj = lin(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = lin(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = lin(cfg.intermediate_size, cfg.hidden_size)
+        self.rotations = nnx.data(None)  # online rotations (set_rotation): "<proj>/input", "<proj>/output"
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = jax.nn.silu(_project(self, "gate_proj", x)) * _project(self, "up_proj", x)
+        return _project(self, "down_proj", h)
 
 
 class DecoderLayer(nnx.Module):
@@ -629,6 +666,48 @@ def load_hf_tensors(model: CausalLM, tensors: Mapping[str, Any]) -> CausalLM:
 def _listing(names: List[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+# ----------------------------------------------------------------------------------------------- rotations
+
+ROTATION_SITES = ("input", "output")
+ATTENTION_SITES = ("q_attn", "k_cache")
+
+
+def set_rotation(model: CausalLM, module: str, location: str, weight) -> None:
+    """Apply the online rotation `weight` M [n, n] (v -> v @ M, per block of n) at `location` of the HF
+    module `module`: "input" / "output" of a projection ("model.layers.0.mlp.down_proj"), or "q_attn" /
+    "k_cache" (post-RoPE queries / keys, per head) of an attention module ("model.layers.0.self_attn").
+    ModelError for another module or location, or a size that does not divide the rotated axis."""
+    parts = module.split(".")
+    w = jnp.asarray(weight)
+    if w.ndim != 2 or w.shape[0] != w.shape[1]:
+        raise ModelError(f"set_rotation {module} {location}: expected a square matrix, found shape {tuple(w.shape)}")
+    ok = len(parts) >= 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
+        int(parts[2]) < model.config.num_layers
+    if ok and len(parts) == 4 and parts[3] == "self_attn" and location in ATTENTION_SITES:
+        owner, key, size = model.model.layers[int(parts[2])].self_attn, location, model.config.head_dim
+    elif ok and len(parts) == 5 and parts[3] in ("self_attn", "mlp") and location in ROTATION_SITES:
+        owner = getattr(model.model.layers[int(parts[2])], parts[3])
+        lin = getattr(owner, parts[4], None)
+        if parts[4] not in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj") or lin is None:
+            raise ModelError(f"set_rotation: {module} is not a projection of the decoder")
+        key = f"{parts[4]}/{location}"
+        size = _features(lin, location)
+    else:
+        raise ModelError(f"set_rotation: online rotations at {location!r} of {module!r} are not supported (supported: "
+                         f"{ROTATION_SITES} of the q/k/v/o/gate/up/down projections, {ATTENTION_SITES} of self_attn)")
+    if size % w.shape[0]:
+        raise ModelError(f"set_rotation {module} {location}: a rotation of order {w.shape[0]} does not divide {size}")
+    rots = dict(owner.rotations or {})
+    rots[key] = Rotation(w)
+    owner.rotations = nnx.data(nnx.Dict(rots))
+
+
+def _features(lin, location: str) -> int:
+    k = lin.kernel.get_value()
+    shape = k.shape
+    return int(shape[0] if location == "input" else shape[1])
 
 
 # ----------------------------------------------------------------------------------------------- KV cache

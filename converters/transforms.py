@@ -1,0 +1,237 @@
+"""compressed-tensors `transform_config` (Hadamard / random-Hadamard / random-matrix rotations): parse, check, apply.
+
+A transform_config (inside quantization_config) is {"config_groups": {NAME: TransformScheme}}, a scheme being
+{"type": "hadamard" | "random-hadamard" | "random-matrix", "apply": [TransformArgs], "randomize", "requires_grad",
+"head_dim", "precision"} and TransformArgs {"targets", "location", "inverse", "ignore"}. compressed-tensors
+(factory/base.py `_apply_to_module`) fuses the offline locations (weight_input, weight_output) into the weights
+before they are saved and drops them, so the stored weights already carry them: nothing to do on load. The
+online locations keep a module `<target>.<NAME>_<location>` whose `weight` (and `perm` when randomized) is
+saved: `input` / `output` of a Linear (v -> v @ W / sqrt(n), per head_dim block), `q_attn` / `k_cache` of an
+attention module (post-RoPE queries / keys, per head). Hadamard kinds: M = W[perm][:, perm] (randomized),
+transposed when `inverse`, / sqrt(n) (`HadamardTransform.forward`); random-matrix: M = W as stored (the
+factory stores the inverse itself for `inverse`, and does not normalise). The loader reads those tensors and installs them with
+`qformats.models.decoder.set_rotation`.
+
+Every stored transform tensor must belong to an online location of a config group targeting its module, and
+every online (group, location, module) must have its tensor; anything else -- an unknown type or location,
+`requires_grad`, a target the decoder cannot rotate -- is a CheckpointError. Nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import json
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from converters.patterns import compile_pattern, pattern_matches
+from qformats.errors import CheckpointError
+
+__all__ = ["TRANSFORM_TYPES", "LOCATIONS", "OnlineRotation", "TransformGroup", "applying_online_transforms",
+           "check_transform_config", "online_rotations", "parse_transform_config"]
+
+TRANSFORM_TYPES = ("hadamard", "random-hadamard", "random-matrix")
+ONLINE = ("input", "output", "q_attn", "k_cache")
+OFFLINE = ("weight_input", "weight_output")
+LOCATIONS = ONLINE + OFFLINE
+_SCHEME_KEYS = {"type", "apply", "randomize", "requires_grad", "head_dim", "precision"}
+_ARGS_KEYS = {"targets", "location", "inverse", "ignore"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformArgs:
+    targets: Tuple[str, ...]
+    location: str
+    inverse: bool
+    ignore: Tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformGroup:
+    """One TransformScheme of a transform_config."""
+
+    name: str
+    type: str
+    apply: Tuple[TransformArgs, ...]
+    randomize: bool
+    head_dim: Optional[int]
+    precision: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineRotation:
+    """An online rotation to install: HF module, location, and the effective matrix M (v -> v @ M)."""
+
+    module: str
+    location: str
+    weight: np.ndarray
+    group: str
+
+
+_APPLYING = contextvars.ContextVar("qformats_applying_online_transforms", default=False)
+
+
+@contextlib.contextmanager
+def applying_online_transforms():
+    """Within this block a transform_config with online locations is accepted by the config parser: the caller
+    (`converters.causal_lm.load_causal_lm`) installs those rotations itself. Everywhere else (dequantize,
+    inspect, generic Flax loading) such a checkpoint is refused, since reading it without them is wrong."""
+    token = _APPLYING.set(True)
+    try:
+        yield
+    finally:
+        _APPLYING.reset(token)
+
+
+def check_transform_config(tc: Any, where: str) -> List[TransformGroup]:
+    """parse_transform_config, then refuse online locations unless inside `applying_online_transforms()`."""
+    groups = parse_transform_config(tc, where)
+    online = sorted({f"{g.name}:{a.location}" for g in groups for a in g.apply if a.location in ONLINE})
+    if online and not _APPLYING.get():
+        raise _err(where, f"online rotations {online} must be applied at run time; only "
+                          f"converters.causal_lm.load_causal_lm (the Flax decoder) applies them -- reading these "
+                          f"weights without them would be wrong")
+    return groups
+
+
+def _err(where: str, msg: str) -> CheckpointError:
+    return CheckpointError(f"{where}: {msg}")
+
+
+def _strings(v: Any, where: str) -> Tuple[str, ...]:
+    if isinstance(v, str):
+        v = [v]
+    if not (isinstance(v, list) and all(isinstance(t, str) for t in v)):
+        raise _err(where, f"expected a list of strings, found {v!r}")
+    for i, t in enumerate(v):
+        if t.startswith("re:"):
+            compile_pattern(t[3:], f"{where}[{i}]")
+    return tuple(v)
+
+
+def parse_transform_config(tc: Any, where: str = "quantization_config.transform_config") -> List[TransformGroup]:
+    """Validate a transform_config dict; [] for null / {} / no config groups. CheckpointError naming the key."""
+    if tc in (None, {}):
+        return []
+    if not isinstance(tc, dict) or set(tc) - {"config_groups"}:
+        raise _err(where, f"expected {{'config_groups': {{...}}}}, found {json.dumps(tc, default=str)[:120]}")
+    groups = tc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise _err(where, f"config_groups: expected an object, found {type(groups).__name__}")
+    out = []
+    for name, sc in groups.items():
+        at = f"{where}.config_groups.{name}"
+        if not isinstance(sc, dict) or set(sc) - _SCHEME_KEYS:
+            raise _err(at, f"expected a TransformScheme with keys among {sorted(_SCHEME_KEYS)}, found "
+                           f"{json.dumps(sc, default=str)[:120]}")
+        typ = sc.get("type")
+        if typ not in TRANSFORM_TYPES:
+            raise _err(at, f"transform type {typ!r} is not supported; supported: {TRANSFORM_TYPES}")
+        if sc.get("requires_grad"):
+            raise _err(at, "requires_grad transforms (trained rotations kept as parametrizations) are not supported")
+        hd = sc.get("head_dim")
+        if hd is not None and (isinstance(hd, bool) or not isinstance(hd, int) or hd <= 0):
+            raise _err(at, f"head_dim: expected null or a positive int, found {hd!r}")
+        rand = sc.get("randomize", False)
+        if not isinstance(rand, bool):
+            raise _err(at, f"randomize: expected a bool, found {rand!r}")
+        apply = sc.get("apply") or []
+        if not isinstance(apply, list):
+            raise _err(at, f"apply: expected a list of TransformArgs, found {type(apply).__name__}")
+        args = []
+        for i, a in enumerate(apply):
+            aat = f"{at}.apply[{i}]"
+            if not isinstance(a, dict) or set(a) - _ARGS_KEYS:
+                raise _err(aat, f"expected TransformArgs with keys among {sorted(_ARGS_KEYS)}, found "
+                                f"{json.dumps(a, default=str)[:120]}")
+            loc = a.get("location")
+            if loc not in LOCATIONS:
+                raise _err(aat, f"location {loc!r} is not supported; supported: {LOCATIONS}")
+            inv = a.get("inverse", False)
+            if not isinstance(inv, bool):
+                raise _err(aat, f"inverse: expected a bool, found {inv!r}")
+            args.append(TransformArgs(_strings(a.get("targets"), f"{aat}.targets"), loc, inv,
+                                      _strings(a.get("ignore") or [], f"{aat}.ignore")))
+        prec = sc.get("precision")
+        out.append(TransformGroup(str(name), typ, tuple(args), rand, hd, None if prec is None else str(prec)))
+    return out
+
+
+def _matches(targets: Sequence[str], module: str, cls: Optional[str]) -> bool:
+    for t in targets:
+        if t.startswith("re:"):
+            if pattern_matches(t[3:], module, "transform_config"):
+                return True
+        elif t == module or (cls is not None and t == cls):
+            return True
+    return False
+
+
+def online_rotations(groups: Sequence[TransformGroup], tensors: Mapping[str, Any], modules: Mapping[str, str],
+                     where: str) -> Tuple[List[OnlineRotation], List[str]]:
+    """The online rotations a checkpoint stores, checked against its transform_config.
+
+    Args:
+      groups: the parsed transform_config.
+      tensors: the checkpoint's tensor names -> arrays (read on demand: only transform tensors are read).
+      modules: HF module name -> class name ("Linear" for projections, "Attention" for self_attn), the modules
+        the model has (targets name classes, as in compressed-tensors, or modules by `re:` / exact name).
+      where: the checkpoint path, for errors.
+    Returns:
+      (rotations, names): the rotations to install and the tensor names they consumed.
+    """
+    rotations: List[OnlineRotation] = []
+    used: List[str] = []
+    for g in groups:
+        for a in g.apply:
+            if a.location in OFFLINE:
+                continue  # fused into the stored weights by compressed-tensors before saving
+            for mod, cls in modules.items():
+                if not _matches(a.targets, mod, cls) or _matches(a.ignore, mod, cls):
+                    continue
+                if a.location in ("q_attn", "k_cache") and cls != "Attention":
+                    continue
+                if a.location in ("input", "output") and cls != "Linear":
+                    continue
+                base = f"{mod}.{g.name}_{a.location}"
+                wname = base + ".weight"
+                if wname not in tensors:
+                    raise CheckpointError(f"{where}: transform_config group {g.name!r} applies an online "
+                                          f"{g.type} rotation at {a.location!r} of {mod!r}, expected tensor "
+                                          f"{wname!r}, found none")
+                w = np.asarray(tensors[wname], np.float64)
+                if w.ndim != 2 or w.shape[0] != w.shape[1] or not np.all(np.isfinite(w)):
+                    raise CheckpointError(f"{where}: tensor {wname!r}: expected a finite square matrix, found shape "
+                                          f"{list(w.shape)}")
+                used.append(wname)
+                if g.randomize and g.type != "random-matrix":  # random-matrix has no permutation
+                    pname = base + ".perm"
+                    if pname not in tensors:
+                        raise CheckpointError(f"{where}: transform_config group {g.name!r} is randomized, expected "
+                                              f"tensor {pname!r}, found none")
+                    perm = np.asarray(tensors[pname])
+                    if perm.shape != (w.shape[0],) or sorted(perm.tolist()) != list(range(w.shape[0])):
+                        raise CheckpointError(f"{where}: tensor {pname!r}: expected a permutation of "
+                                              f"0..{w.shape[0] - 1}")
+                    w = w[perm][:, perm]
+                    used.append(pname)
+                if g.type == "random-matrix":
+                    pass  # stored as is: the inverse itself when `inverse`, no normalisation
+                else:
+                    w = (w.T if a.inverse else w) / np.sqrt(w.shape[0])
+                rotations.append(OnlineRotation(mod, a.location, w, g.name))
+    stray = sorted(n for n in tensors if _is_transform_name(n, groups) and n not in used)
+    if stray:
+        raise CheckpointError(f"{where}: transform tensors no online transform_config location accounts for: "
+                              f"{stray[:6]}")
+    return rotations, used
+
+
+def _is_transform_name(name: str, groups: Sequence[TransformGroup]) -> bool:
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-1] not in ("weight", "perm"):
+        return False
+    return any(parts[-2] == f"{g.name}_{loc}" for g in groups for loc in LOCATIONS)
