@@ -302,6 +302,8 @@ def _plan(ck: Checkpoint, qc: Optional[QuantConfig], mods: Dict[str, _Module]) -
         for t in qc.ignore:
             if t.startswith("re:"):
                 continue
+            if t == "lm_head" and any(k.rpartition(".")[2] == "embed_tokens" for k in mods):
+                continue  # a tied lm_head (no tensor of its own) is ignored by name, as llm-compressor writes it
             if t not in mods and not any(k.startswith(t + ".") for k in mods):
                 warnings.warn(f"{ck.path}: quantization_config.ignore entry {t!r} matches no module in the "
                               f"checkpoint", stacklevel=3)

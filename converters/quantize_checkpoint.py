@@ -333,6 +333,14 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
     with open_checkpoint(src) as ck:
         infos = {n: ck.info(n) for n in ck.keys()}
         chosen, ignored, unused_ignore, unused_targets = select_modules(infos, list(targets), list(ignore))
+        if base_cfg.get("tie_word_embeddings") and not any(n.rpartition(".")[0] == "lm_head" for n in infos):
+            # A tied lm_head is a Linear module in torch with no tensor of its own here: compressed-tensors
+            # would target it on load unless `ignore` names it, as llm-compressor writes it.
+            if not any(_ignored("lm_head", p) for p in ignore):
+                raise CheckpointError(f"{src}: lm_head is tied to the embedding (tie_word_embeddings), so it has no "
+                                      f"weight of its own to quantize; add 'lm_head' to ignore")
+            ignored = ignored + ["lm_head"]
+            unused_ignore = [p for p in unused_ignore if not _ignored("lm_head", p)]
         for p in unused_ignore if tuple(ignore) != ("lm_head",) else ():  # the default may match nothing
             warnings.warn(f"{src}: ignore entry {p!r} matches no targeted module", stacklevel=2)
         for t in unused_targets:

@@ -113,32 +113,13 @@ def test_compressed_tensors_logits_equal_transformers(tiny_dirs, tmp_path, kind,
     assert model.lm_head is None or not isinstance(model.lm_head, QLinear)
     ours = _our_logits(model)
     dequantize, atol = PACKED[scheme]
-    diff = np.abs(ours - _torch_logits(_for_transformers(dst, tmp_path), dequantize)).max()
+    diff = np.abs(ours - _torch_logits(dst, dequantize)).max()
     assert diff <= atol, diff
     # the quantization is visible: the dense model's logits are far outside that tolerance
     dense, _, _ = load_causal_lm(tiny_dirs[kind], tokenizer=False)
     assert np.abs(ours - _our_logits(dense)).max() > 5 * atol
 
 
-def _for_transformers(dst: Path, tmp_path: Path) -> Path:
-    """`dst` as transformers can load it: for a tied model, a copy whose quantization_config ignores lm_head.
-
-    quantize_checkpoint writes `ignore: []` when the checkpoint has no lm_head tensor (tied embeddings), so
-    compressed-tensors targets the tied lm_head Linear and transformers fails ("Linear has no attribute
-    weight"); llm-compressor lists the module there. See test_tied_checkpoint_loads_in_transformers_unchanged.
-    """
-    cfg = json.loads((dst / "config.json").read_text())
-    if not cfg.get("tie_word_embeddings") or "lm_head" in cfg["quantization_config"]["ignore"]:
-        return dst
-    fixed = tmp_path / (dst.name + "-transformers")
-    shutil.copytree(dst, fixed)
-    cfg["quantization_config"]["ignore"] = sorted(cfg["quantization_config"]["ignore"] + ["lm_head"])
-    (fixed / "config.json").write_text(json.dumps(cfg, indent=2))
-    return fixed
-
-
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="quantize_checkpoint leaves the tied lm_head out of `ignore`, so transformers quantizes it")
 def test_tied_checkpoint_loads_in_transformers_unchanged(tiny_dirs, tmp_path):
     dst = tmp_path / "qwen3-W4A16"
     quantize_checkpoint(tiny_dirs["qwen3"], dst, "W4A16", progress=False)
