@@ -233,7 +233,8 @@ def _load_compressed(path: Path, model, cfg) -> None:
         _load_kv_scales(path, model, cfg, kv)
     for r in rotations[0]:
         try:
-            decoder.set_rotation(model, r.module, r.location, r.weight.astype(np.float32))
+            m = decoder.HadamardRotation(*r.fast) if r.fast is not None else r.weight.astype(np.float32)
+            decoder.set_rotation(model, r.module, r.location, m)
         except ModelError as e:
             raise CheckpointError(f"{path}: transform_config group {r.group!r}: {e}") from None
 

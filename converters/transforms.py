@@ -28,10 +28,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from converters.patterns import compile_pattern, pattern_matches
-from qformats.errors import CheckpointError
+from qformats.errors import CheckpointError, QFormatsError
 
 __all__ = ["TRANSFORM_TYPES", "LOCATIONS", "OnlineRotation", "TransformGroup", "applying_online_transforms",
-           "check_transform_config", "online_rotations", "parse_transform_config"]
+           "check_transform_config", "ct_hadamard_bases", "fast_form", "online_rotations", "parse_transform_config"]
 
 TRANSFORM_TYPES = ("hadamard", "random-hadamard", "random-matrix")
 ONLINE = ("input", "output", "q_attn", "k_cache")
@@ -69,6 +69,7 @@ class OnlineRotation:
     location: str
     weight: np.ndarray
     group: str
+    fast: Optional[Tuple[np.ndarray, Optional[np.ndarray], bool]] = None  # (signs, base, transpose)
 
 
 _APPLYING = contextvars.ContextVar("qformats_applying_online_transforms", default=False)
@@ -218,11 +219,14 @@ def online_rotations(groups: Sequence[TransformGroup], tensors: Mapping[str, Any
                                               f"0..{w.shape[0] - 1}")
                     w = w[perm][:, perm]
                     used.append(pname)
+                fast = None
                 if g.type == "random-matrix":
                     pass  # stored as is: the inverse itself when `inverse`, no normalisation
                 else:
+                    if not g.randomize:
+                        fast = fast_form(w, a.inverse)
                     w = (w.T if a.inverse else w) / np.sqrt(w.shape[0])
-                rotations.append(OnlineRotation(mod, a.location, w, g.name))
+                rotations.append(OnlineRotation(mod, a.location, w, g.name, fast))
     stray = sorted(n for n in tensors if _is_transform_name(n, groups) and n not in used)
     if stray:
         raise CheckpointError(f"{where}: transform tensors no online transform_config location accounts for: "
@@ -235,3 +239,46 @@ def _is_transform_name(name: str, groups: Sequence[TransformGroup]) -> bool:
     if len(parts) < 2 or parts[-1] not in ("weight", "perm"):
         return False
     return any(parts[-2] == f"{g.name}_{loc}" for g in groups for loc in LOCATIONS)
+
+
+def ct_hadamard_bases() -> Dict[int, np.ndarray]:
+    """compressed-tensors' stored Hadamard matrices (transform/utils/hadamards.safetensors, order -> [K, K]),
+    read from the installed package's file without importing it (no torch); {} when it is not installed."""
+    import importlib.util
+    from pathlib import Path
+
+    from converters.safetensors_io import open_checkpoint
+
+    spec = importlib.util.find_spec("compressed_tensors")
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    f = Path(list(spec.submodule_search_locations)[0]) / "transform" / "utils" / "hadamards.safetensors"
+    if not f.is_file():
+        return {}
+    with open_checkpoint(f) as ck:
+        return {int(k): np.asarray(ck.get(k), np.float64) for k in ck.keys()}
+
+
+def fast_form(w: np.ndarray, inverse: bool) -> Optional[Tuple[np.ndarray, Optional[np.ndarray], bool]]:
+    """(signs, base, transpose) when the stored Hadamard weight w equals diag(s) @ Had_n(base) exactly
+    (`qformats.hadamard`), so that the decoder applies it by the fast transform; None otherwise (dense).
+    Sylvester's Had_n (base None) first; else compressed-tensors' stored base for n. A transposed (inverse)
+    form is fast only with Sylvester's symmetric Had_n."""
+    from qformats.hadamard import base_order, is_pow2, random_hadamard_signs, reduce_base
+
+    n = w.shape[0]
+    if is_pow2(n):
+        s = random_hadamard_signs(w, None)
+        if s is not None:
+            return s, None, inverse
+    if inverse:
+        return None
+    bases = ct_hadamard_bases()
+    if not bases:
+        return None
+    try:
+        base = reduce_base(bases[base_order(n, list(bases))])
+    except QFormatsError:
+        return None
+    s = random_hadamard_signs(w, base)
+    return None if s is None else (s, base, False)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -84,7 +85,7 @@ def hadamard_apply(x, base: Optional[np.ndarray] = None):
         y = y.reshape(b, m, 2, r)
         y = jnp.stack([y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]], axis=2).reshape(b, m, 2 * r)
     if base is not None:
-        y = jnp.einsum("ij,bjr->bir", jnp.asarray(base, y.dtype), y)
+        y = jnp.einsum("ij,bjr->bir", jnp.asarray(base, y.dtype), y, precision=jax.lax.Precision.HIGHEST)
     return y.reshape(x.shape)
 
 

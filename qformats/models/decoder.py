@@ -274,14 +274,44 @@ def rotate(x: jax.Array, m: jax.Array) -> jax.Array:
     return y.reshape(x.shape).astype(x.dtype)
 
 
+class HadamardRotation(nnx.Module):
+    """v -> v @ M with M = diag(s) Had_n / sqrt(n) (or its transpose M^T = Had_n diag(s) / sqrt(n) when Had_n is
+    Sylvester's, hence symmetric), per block of n along the last axis, by the fast transform of
+    `qformats.hadamard.hadamard_apply` (O(n log n) butterflies, plus a [K, K] product for n = 2^k K) instead of a
+    dense [n, n] product. s: signs (all ones for compressed-tensors' deterministic "hadamard")."""
+
+    def __init__(self, signs, base=None, transpose: bool = False):
+        self.signs = Rotation(jnp.asarray(signs, jnp.float32))
+        self.base = None if base is None else Rotation(jnp.asarray(base, jnp.float32))
+        if transpose and base is not None:
+            raise ModelError("HadamardRotation: the transposed fast transform needs a symmetric (Sylvester) Had_n")
+        self.transpose = transpose
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        from qformats.hadamard import hadamard_apply
+
+        s = self.signs.get_value()
+        n, d = s.shape[0], x.shape[-1]
+        if d % n:
+            raise ModelError(f"HadamardRotation: a rotation of order {n} does not divide the last axis {d}")
+        xs = x.astype(jnp.float32).reshape(*x.shape[:-1], d // n, n)
+        base = None if self.base is None else self.base.get_value()
+        y = hadamard_apply(xs, base) * s if self.transpose else hadamard_apply(xs * s, base)
+        return (y / jnp.sqrt(jnp.float32(n))).reshape(x.shape).astype(x.dtype)
+
+
+def _rotate(r, x: jax.Array) -> jax.Array:
+    return r(x) if isinstance(r, HadamardRotation) else rotate(x, r.get_value())
+
+
 def _project(module: nnx.Module, name: str, x: jax.Array) -> jax.Array:
     """module.<name>(x) with the online rotations set on it by `set_rotation` ("<name>/input", "<name>/output")."""
     rots = module.rotations
     if rots is not None and f"{name}/input" in rots:
-        x = rotate(x, rots[f"{name}/input"].get_value())
+        x = _rotate(rots[f"{name}/input"], x)
     y = getattr(module, name)(x)
     if rots is not None and f"{name}/output" in rots:
-        y = rotate(y, rots[f"{name}/output"].get_value())
+        y = _rotate(rots[f"{name}/output"], y)
     return y
 
 
@@ -323,9 +353,9 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.rotations is not None:  # compressed-tensors' q_attn / k_cache transforms act on post-RoPE states
             if "q_attn" in self.rotations:
-                q = rotate(q, self.rotations["q_attn"].get_value())
+                q = _rotate(self.rotations["q_attn"], q)
             if "k_cache" in self.rotations:
-                k = rotate(k, self.rotations["k_cache"].get_value())
+                k = _rotate(self.rotations["k_cache"], k)
         # cache layout [B, G, S, D]: the (B, G) batch axes lead, so neither dot transposes the cache
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         if self.kv_scheme is not None and (kv is None or kv[0].dtype == jnp.uint8):
@@ -675,14 +705,20 @@ ATTENTION_SITES = ("q_attn", "k_cache")
 
 
 def set_rotation(model: CausalLM, module: str, location: str, weight) -> None:
-    """Apply the online rotation `weight` M [n, n] (v -> v @ M, per block of n) at `location` of the HF
+    """Apply the online rotation `weight` -- a dense M [n, n] (v -> v @ M, per block of n) or a
+    `HadamardRotation` (the same map by the fast transform) -- at `location` of the HF
     module `module`: "input" / "output" of a projection ("model.layers.0.mlp.down_proj"), or "q_attn" /
     "k_cache" (post-RoPE queries / keys, per head) of an attention module ("model.layers.0.self_attn").
     ModelError for another module or location, or a size that does not divide the rotated axis."""
     parts = module.split(".")
-    w = jnp.asarray(weight)
-    if w.ndim != 2 or w.shape[0] != w.shape[1]:
-        raise ModelError(f"set_rotation {module} {location}: expected a square matrix, found shape {tuple(w.shape)}")
+    if isinstance(weight, HadamardRotation):
+        order = int(weight.signs.get_value().shape[0])
+    else:
+        weight = jnp.asarray(weight)
+        if weight.ndim != 2 or weight.shape[0] != weight.shape[1]:
+            raise ModelError(f"set_rotation {module} {location}: expected a square matrix, found shape "
+                             f"{tuple(weight.shape)}")
+        order = int(weight.shape[0])
     ok = len(parts) >= 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
         int(parts[2]) < model.config.num_layers
     if ok and len(parts) == 4 and parts[3] == "self_attn" and location in ATTENTION_SITES:
@@ -697,10 +733,10 @@ def set_rotation(model: CausalLM, module: str, location: str, weight) -> None:
     else:
         raise ModelError(f"set_rotation: online rotations at {location!r} of {module!r} are not supported (supported: "
                          f"{ROTATION_SITES} of the q/k/v/o/gate/up/down projections, {ATTENTION_SITES} of self_attn)")
-    if size % w.shape[0]:
-        raise ModelError(f"set_rotation {module} {location}: a rotation of order {w.shape[0]} does not divide {size}")
+    if size % order:
+        raise ModelError(f"set_rotation {module} {location}: a rotation of order {order} does not divide {size}")
     rots = dict(owner.rotations or {})
-    rots[key] = Rotation(w)
+    rots[key] = weight if isinstance(weight, HadamardRotation) else Rotation(weight)
     owner.rotations = nnx.data(nnx.Dict(rots))
 
 

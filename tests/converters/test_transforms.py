@@ -17,6 +17,7 @@ from converters.causal_lm import load_causal_lm
 from converters.ct_config import parse_quantization_config, serialize_quantization_config
 from converters.transforms import parse_transform_config
 from qformats.errors import CheckpointError
+from qformats.models.decoder import HadamardRotation
 
 SMALL = dict(vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, eos_token_id=None,
@@ -62,14 +63,20 @@ def make_checkpoint(tmp_path, tc: TransformConfig, hidden=48, inter=96):
     return d, ref, sd
 
 
-@pytest.mark.parametrize("kind,randomize,hidden", [("random-hadamard", True, 48), ("hadamard", False, 64),
-                                                   ("random-matrix", False, 48)])
+@pytest.mark.parametrize("kind,randomize,hidden", [("random-hadamard", True, 48), ("random-hadamard", False, 48),
+                                                   ("hadamard", False, 64), ("random-matrix", False, 48)])
 def test_online_and_offline_rotations_equal_compressed_tensors_live_model(tmp_path, kind, randomize, hidden):
     d, ref, sd = make_checkpoint(tmp_path, quip_like(kind, randomize), hidden, 2 * hidden)
     assert "model.layers.0.self_attn.q_proj.v_input.weight" in sd  # online rotations are stored
     model, _, _ = load_causal_lm(d, tokenizer=False)
     got = np.asarray(nnx.jit(lambda m, x: m(x)[0])(model, jnp.asarray(IDS)))
     print(f"\n{kind}: max |logits - compressed-tensors live| {np.abs(got - ref).max():.2e}")
+    # deterministic / random Hadamard without permutations run by the fast transform (Sylvester for 64; 48 from
+    # compressed-tensors' stored base of order 48); transposed (inverse) non-Sylvester forms and matrices stay dense
+    rots = model.model.layers[0].self_attn.rotations
+    fast = {k: isinstance(v, HadamardRotation) for k, v in rots.items()}
+    assert fast["q_proj/input"] == (kind != "random-matrix" and not randomize)
+    assert fast["q_proj/output"] == (kind == "hadamard")
     np.testing.assert_allclose(got, ref, rtol=0, atol=ATOL_RANDOM_MATRIX if kind == "random-matrix" else ATOL)
     # without the online rotations the stored weights give other logits
     assert np.abs(got - plain_logits(d)).max() > 0.05
