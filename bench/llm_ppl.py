@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     if a.oneshot_python:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         theirs_proc = subprocess.Popen([a.oneshot_python, "-c", THEIRS, str(src), str(work / "windows.npy"),
-                                        str(theirs_out), ",".join(schemes)], env=env)
+                                        str(theirs_out), ",".join(schemes)], env=env, stdout=sys.stderr)
     ours = {}
     for s in schemes:
         t0 = time.perf_counter()
