@@ -3,6 +3,8 @@
   qformats quantize [SRC] DST --scheme NAME [--ignore P ...] [--targets T ...] [--skip-indivisible]
                     [--max-shard-size 5GB] [--overwrite]
   qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search mse+gptq|gptq|mse|rtn]   (MiniLM)
+  qformats quantize SRC DST --scheme NAME --calibrate FILE [--weight-search ...] [--smooth ALPHA]
+      [--calibration-tokens N] [--seq-len L]   (causal LMs, layer by layer)
   qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
   qformats inspect PATH
   qformats eval [SRC ...] [--schemes ...] [--calibrated] [--json]   (MiniLM; `qformats eval --help`)
@@ -62,6 +64,14 @@ def _parser() -> _Parser:
     q.add_argument("--weight-search", choices=WEIGHT_SEARCHES, default=None,
                    help="with --calibrate: how the weights are chosen (default: mse+gptq, GPTQ on MSE-searched "
                         "scales: the best held-out fidelity measured, BENCHMARKS.md)")
+    q.add_argument("--awq", action="store_true", help="with --calibrate SRC DST: AWQ scales (not available yet)")
+    q.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
+                   help="with --calibrate SRC DST (causal LM): SmoothQuant with migration strength ALPHA in [0, 1] "
+                        "before the weight search (for W8A8)")
+    q.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
+                   help="with --calibrate SRC DST (causal LM): token budget (default 65536)")
+    q.add_argument("--seq-len", type=int, default=None,
+                   help="with --calibrate SRC DST (causal LM): longest calibration sample in tokens (default 512)")
     q.add_argument("--skip-indivisible", action="store_true",
                    help="leave dense the targeted weights whose columns the scheme's group size does not divide (the "
                         "summary lists them); without it they are an error naming every one")
@@ -160,7 +170,35 @@ def _quantize(a) -> int:
     return 0
 
 
+def _quantize_calibrated_lm(a) -> int:
+    """`qformats quantize SRC DST --scheme S --calibrate FILE ...` for a causal LM (converters.calibrate)."""
+    if not a.calibrate:
+        raise _Usage("qformats quantize: error: --calibrate needs FILE (text, .jsonl or .npy token ids) for SRC DST")
+    if a.ignore is not None or a.targets is not None or a.max_shard_size != "5GB" or a.skip_indivisible:
+        raise _Usage("qformats quantize: error: --ignore / --targets / --max-shard-size / --skip-indivisible are not "
+                     "used with --calibrate")
+    from converters.calibrate import DEFAULT_LM_WEIGHT_SEARCH, quantize_calibrated_lm
+    search = a.weight_search or DEFAULT_LM_WEIGHT_SEARCH
+    log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
+    kw = {}
+    if a.calibration_tokens is not None:
+        kw["calibration_tokens"] = a.calibration_tokens
+    if a.seq_len is not None:
+        kw["seq_len"] = a.seq_len
+    r = quantize_calibrated_lm(a.paths[0], a.paths[1], a.scheme, a.calibrate, weight_search=search, awq=a.awq,
+                               smooth=a.smooth, overwrite=a.overwrite, log=log, **kw)
+    if a.quiet:
+        print(f"quantized {r['projections']} projections ({r['searched']} by {search}) on {r['tokens']} tokens -> "
+              f"{r['path']}", file=sys.stderr)
+    return 0
+
+
 def _quantize_calibrated(a) -> int:
+    if len(a.paths) == 2:
+        return _quantize_calibrated_lm(a)
+    if a.awq or a.smooth is not None or a.calibration_tokens is not None or a.seq_len is not None:
+        raise _Usage("qformats quantize: error: --awq / --smooth / --calibration-tokens / --seq-len are for causal "
+                     "LMs (SRC DST)")
     if len(a.paths) != 1:
         raise _Usage("qformats quantize: error: --calibrate works on the embedded all-MiniLM-L6-v2 only (it needs "
                      "a Flax model of the checkpoint): give DST alone")

@@ -65,3 +65,20 @@ def test_errors(tiny, tmp_path):
     with pytest.raises(ModelError, match="AWQ is not available"):
         quantize_calibrated_lm(tiny / "src", tmp_path / "c", "W4A16", tiny / "calib.npy", awq=True)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_cli_calibrates_a_causal_lm(tiny, tmp_path):
+    from converters.cli import main
+
+    dst = tmp_path / "cli"
+    rc = main(["quantize", str(tiny / "src"), str(dst), "--scheme", "W4A16:g32", "--calibrate",
+               str(tiny / "calib.npy"), "--calibration-tokens", "160", "--seq-len", "32", "--quiet"])
+    assert rc == 0
+    ref = tmp_path / "api"
+    quantize_calibrated_lm(tiny / "src", ref, "W4A16:g32", tiny / "calib.npy", seq_len=32, calibration_tokens=160)
+    from converters.safetensors_io import open_checkpoint
+    with open_checkpoint(dst) as a, open_checkpoint(ref) as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for k in a.keys():
+            np.testing.assert_array_equal(np.asarray(a.get(k)), np.asarray(b.get(k)), err_msg=k)
+    assert main(["quantize", str(tmp_path / "x"), "--scheme", "W4A16", "--calibrate", "--smooth", "0.5"]) == 2
