@@ -76,7 +76,7 @@ def test_quantize_options(dense, tmp_path, capsys):
     (["quantize", "a", "b", "c", "--scheme", "W4A16"], 2, "expected [SRC] DST"),
     (["dequantize", "x", "y", "--dtype", "int4"], 2, "invalid choice"),
     (["quantize", "a", "--scheme", "W4A16", "--weight-search", "gptq"], 2, "--weight-search needs --calibrate"),
-    (["quantize", "src", "dst", "--scheme", "W4A16", "--calibrate"], 2, "embedded all-MiniLM-L6-v2 only"),
+    (["quantize", "src", "dst", "--scheme", "W4A16", "--calibrate"], 2, "--calibrate needs FILE"),
     (["quantize", "dst", "--scheme", "W4A16", "--calibrate", "/nonexistent/s.txt"], 2, "no such file"),
     (["quantize", "dst", "--scheme", "W4A16", "--calibrate", "--weight-search", "gpt"], 2, "invalid choice"),
     (["inspect", "/nonexistent/ckpt"], 1, "/nonexistent/ckpt"),
