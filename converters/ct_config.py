@@ -36,7 +36,7 @@ import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from converters.patterns import compile_pattern, pattern_matches
-from converters.transforms import check_transform_config
+from converters.transforms import check_transform_config, parse_transform_config
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import FloatFormat, IntFormat, get_format
 from qformats.kv_cache import KVCacheScheme
@@ -441,10 +441,11 @@ def parse_quantization_config(qc: Any, where: str = "config.json") -> QuantConfi
 
 
 def serialize_quantization_config(groups: List[Tuple[List[str], SchemeSet]], ignore: List[str],
-                                  version: str = CT_VERSION, kv_cache: Optional[KVCacheScheme] = None
-                                  ) -> Dict[str, Any]:
+                                  version: str = CT_VERSION, kv_cache: Optional[KVCacheScheme] = None,
+                                  transform_config: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The `quantization_config` compressed-tensors 0.20 writes for these (targets, SchemeSet) groups
-    (and `kv_cache`, the KV-cache scheme, as its kv_cache_scheme).
+    (and `kv_cache`, the KV-cache scheme, as its kv_cache_scheme; `transform_config`, the rotations'
+    TransformConfig in JSON form (`converters.rotate`), checked by `parse_transform_config`).
 
     Group names are group_0, group_1, ... in order; the global format is the groups' common format or
     "mixed-precision"; status "compressed". Write it with json.dump(indent=2, sort_keys=True).
@@ -475,6 +476,11 @@ def serialize_quantization_config(groups: List[Tuple[List[str], SchemeSet]], ign
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
         "sparsity_config": {},
-        "transform_config": {},
+        "transform_config": {} if not transform_config else _checked_transform_config(transform_config),
         "version": version,
     }
+
+
+def _checked_transform_config(tc: Dict[str, Any]) -> Dict[str, Any]:
+    parse_transform_config(tc, "transform_config to write")
+    return dict(tc)

@@ -171,8 +171,8 @@ class CompressedWriter:
             self._groups.append((key, SchemeSet(name, q.scheme, ia, oa), [module]))
         return fmt
 
-    def quantization_config(self, ignore: Sequence[str] = (), targets: Optional[Sequence[str]] = None
-                            ) -> Optional[Dict[str, Any]]:
+    def quantization_config(self, ignore: Sequence[str] = (), targets: Optional[Sequence[str]] = None,
+                            transform_config: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
         """`targets` (default ["Linear"]) when all quantized modules share one scheme; else one group per
         scheme with `re:^<module>$` targets."""
         if not self._groups:
@@ -181,15 +181,16 @@ class CompressedWriter:
             groups = [(list(targets or ["Linear"]), self._groups[0][1])]
         else:
             groups = [([f"re:^{re.escape(m)}$" for m in mods], ss) for _, ss, mods in self._groups]
-        return serialize_quantization_config(groups, list(ignore))
+        return serialize_quantization_config(groups, list(ignore), transform_config=transform_config)
 
     def finish(self, base_config: Optional[Mapping[str, Any]] = None, *, ignore: Sequence[str] = (),
-               targets: Optional[Sequence[str]] = None, copy_from: "str | os.PathLike | None" = None
-               ) -> Dict[str, Any]:
-        """Adds config.json (base_config + the quantization_config) and the other files of `copy_from`,
-        then moves the checkpoint into place; returns the quantization_config ({} when nothing is quantized)."""
+               targets: Optional[Sequence[str]] = None, copy_from: "str | os.PathLike | None" = None,
+               transform_config: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Adds config.json (base_config + the quantization_config, with `transform_config` when rotations were
+        fused: `converters.rotate`) and the other files of `copy_from`, then moves the checkpoint into place;
+        returns the quantization_config ({} when nothing is quantized)."""
         try:
-            qc = self.quantization_config(ignore, targets)
+            qc = self.quantization_config(ignore, targets, transform_config)
             self._w.add_json("config.json", config_with(base_config, qc))
             self._w.copy_extra_files(copy_from)
         except BaseException:
@@ -213,7 +214,8 @@ class CompressedWriter:
 def write_compressed(dst: "str | os.PathLike", tensors: Mapping[str, Any], schemes: "SchemeSet | Mapping[str, SchemeSet] | None" = None,
                      *, ignore: Sequence[str] = (), targets: Optional[Sequence[str]] = None,
                      config: Optional[Mapping[str, Any]] = None, copy_from: "str | os.PathLike | None" = None,
-                     max_shard_size: "int | str" = "5GB", overwrite: bool = False) -> Path:
+                     max_shard_size: "int | str" = "5GB", overwrite: bool = False,
+                     transform_config: Optional[Mapping[str, Any]] = None) -> Path:
     """Write a compressed-tensors checkpoint at `dst`.
 
     Args:
@@ -225,6 +227,8 @@ def write_compressed(dst: "str | os.PathLike", tensors: Mapping[str, Any], schem
       targets: config group targets when there is one scheme (default ["Linear"]).
       config: the model's config.json dict (quantization_config is added); copy_from: a directory whose
         other files (tokenizer, generation config, ...) are copied.
+      transform_config: the rotations fused into these weights (`converters.rotate.Rotated.transform_config`),
+        recorded in quantization_config; their online tensors go in `tensors` like any dense tensor.
     Returns the path written.
     """
     dst = Path(dst)
@@ -240,5 +244,6 @@ def write_compressed(dst: "str | os.PathLike", tensors: Mapping[str, Any], schem
                 w.add_qarray(mod, v, ss)
             else:
                 w.add_dense(name, v)
-        w.finish(config, ignore=ignore, targets=targets, copy_from=copy_from)
+        w.finish(config, ignore=ignore, targets=targets, copy_from=copy_from,
+                 transform_config=None if transform_config is None else dict(transform_config))
     return dst
