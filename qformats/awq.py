@@ -315,7 +315,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: DuoScaling = True,
         QuantScheme), the one `calibrate_decoder` then quantizes with.
       n_grid, duo_scaling: llm-compressor's AWQModifier options (`grid`).
       record: optional list; one dict per applied mapping is appended ({"layer", "smooth", "balances", "ratio",
-        "duo", "scales", "initial_error", "best_error"}).
+        "duo", "scales", "x_mean", "initial_error", "best_error"}).
 
     Raises:
       ModelError: a scheme without weights, duo scaling with per-tensor weights (llm-compressor refuses it), bad
@@ -374,7 +374,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: DuoScaling = True,
                 sm.weight.set_value(_in_dtype(_unscale, sm.weight.get_value(), best))
             if record is not None:
                 record.append({"layer": index, "smooth": m.smooth, "balances": m.balances, "ratio": best_point[0],
-                               "duo": best_point[1], "scales": np.asarray(best), "initial_error": first,
+                               "duo": best_point[1], "scales": np.asarray(best), "x_mean": x_mean, "initial_error": first,
                                "best_error": best_err})
 
     return transform
