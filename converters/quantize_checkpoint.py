@@ -283,7 +283,8 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                         ignore: Sequence[str] = ("lm_head",), targets: Sequence[str] = ("Linear",),
                         max_shard_size: "int | str" = "5GB", overwrite: bool = False,
                         progress: "bool | TextIO" = True, fuse_global_scales: bool = True,
-                        skip_indivisible: bool = False) -> QuantizeSummary:
+                        skip_indivisible: bool = False, rotate: Optional[str] = None, rotate_seed: int = 0,
+                        rotations: Sequence[str] = ("R1", "R2"), transform: Any = None) -> QuantizeSummary:
     """Quantize the Linear weights of the dense safetensors checkpoint `src` into a compressed-tensors
     checkpoint at `dst` (see the module docstring for the selection rule).
 
@@ -297,12 +298,42 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
       fuse_global_scales: share NVFP4 global scales across fused siblings (see the module docstring).
       skip_indivisible: leave the targeted weights whose columns the scheme's groups do not divide dense (added
         to `ignore`, listed in the summary's `skipped`) instead of refusing them.
+      rotate: "hadamard" or "random-hadamard": SpinQuant's `rotations` (default R1 + R2, fused into the weights)
+        of that kind with random signs from `rotate_seed`, applied to a dense copy of `src` in a temporary
+        directory before quantizing (`converters.rotate.rotate_checkpoint`; lm_head untied), and recorded in
+        quantization_config.transform_config as llm-compressor's SpinQuantModifier records them.
+      transform: a `converters.rotate.Rotated` whose rotations `src` already carries (what rotate_checkpoint
+        returned for it): its transform_config is recorded and its online tensors written (dense).
     Returns a QuantizeSummary (its `.text()` is printed at the end when progress is on).
 
     Raises:
       CheckpointError: unknown scheme, a non-dense SRC, an existing DST, no targeted weight, or targeted
         weights that do not fit the scheme (all of them named, with the ways out; see the module docstring).
     """
+    if rotate is not None:
+        import tempfile
+
+        from converters.rotate import rotate_checkpoint
+
+        if transform is not None:
+            raise CheckpointError("quantize_checkpoint: pass rotate or transform, not both")
+        if Path(dst).exists() and not overwrite:  # before the rotation work
+            raise CheckpointError(f"{dst}: expected a new path for the checkpoint, found it exists "
+                                  f"(pass overwrite=True / --overwrite to replace it)")
+        _as_scheme_set(scheme)
+        with tempfile.TemporaryDirectory(prefix="qformats-rotated-") as tmp:
+            rotated = Path(tmp) / "rotated"
+            rec = rotate_checkpoint(src, rotated, rotate, seed=rotate_seed, rotations=rotations)
+            try:
+                summary = quantize_checkpoint(rotated, dst, scheme, ignore=ignore, targets=targets,
+                                              max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
+                                              fuse_global_scales=fuse_global_scales,
+                                              skip_indivisible=skip_indivisible, transform=rec)
+            except CheckpointError as e:
+                raise CheckpointError(f"{src} rotated ({rotate}, {'+'.join(rec.rotations)}): "
+                                      f"{str(e).replace(str(rotated), 'the rotated copy')}") from None
+        summary.src = str(src)
+        return summary
     t0 = time.monotonic()
     ss = _as_scheme_set(scheme)
     if ss.weights is None:
@@ -374,6 +405,11 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
         qdense = qstored = 0
         nq = 0
         plan = _plan(infos, chosen_set, ss)
+        online = {} if transform is None else dict(transform.online)
+        clash = sorted(set(online) & set(infos))
+        if clash:
+            raise CheckpointError(f"{src}: already holds transform tensors {clash[:4]}")
+        plan += [TensorSpec(n, np.asarray(a).dtype, np.shape(a)) for n, a in sorted(online.items())]
         with CompressedWriter(dst, max_shard_size, overwrite=overwrite, plan=plan) as w:
             for name in sorted(infos):
                 mod, _, local = name.rpartition(".")
@@ -389,8 +425,11 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                     w.add_dense(name, ck.get(name))
                 ck.drop_pages()
                 prog.update(info.nbytes)
+            for n, a in sorted(online.items()):  # online rotations (transform_config), float64 as compressed-tensors
+                w.add_dense(n, a)
             prog.close()
-            w.finish(base_cfg, ignore=sorted(ignored + skipped), targets=list(targets), copy_from=src_dir)
+            w.finish(base_cfg, ignore=sorted(ignored + skipped), targets=list(targets), copy_from=src_dir,
+                     transform_config=None if transform is None else transform.transform_config)
     dst_bytes = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
     summary = QuantizeSummary(str(src), str(dst), ss.name, nq, len(infos) - nq, src_bytes, dst_bytes, qdense,
                               qstored, time.monotonic() - t0, skipped)
