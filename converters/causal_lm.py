@@ -28,7 +28,7 @@ import numpy as np
 
 from qformats.errors import CheckpointError, ModelError
 
-__all__ = ["load_causal_lm", "load_tokenizer", "save_causal_lm"]
+__all__ = ["kv_scale_name_map", "load_causal_lm", "load_tokenizer", "save_causal_lm"]
 
 
 class _LazyTensor:
@@ -276,13 +276,6 @@ def _read_config(path: Path) -> dict:
     return read_json(path / "config.json", path)
 
 
-def _write_config(path: Path, config: dict) -> None:
-    """config.json replaced atomically (a temp file in the same directory, renamed over it)."""
-    tmp = path / ".config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path / "config.json")
-
-
 def _load_kv_scales(path: Path, model, cfg, kv) -> None:
     """Static k_scale / v_scale of every layer ([1] per tensor, [kv_heads, 1, 1] per head, a float dtype) ->
     `decoder.enable_kv_cache_quantization`; a dynamic scheme takes none."""
@@ -318,28 +311,31 @@ def _load_kv_scales(path: Path, model, cfg, kv) -> None:
         raise CheckpointError(f"{path}: {e}") from None
 
 
+def kv_scale_name_map(model) -> dict[str, tuple[str, bool]]:
+    """compressed-tensors name -> (Flax variable path, transposed) of the static KV-cache scales of a
+    `decoder.CausalLM` ("model.layers.{i}.self_attn.k_scale" / "v_scale"; {} without a static KV-cache scheme),
+    for `converters.flax_io.save_compressed`'s name map."""
+    from qformats.models import decoder
+
+    kv = decoder.kv_cache_scheme(model)
+    if kv is None or kv.dynamic:
+        return {}
+    return {n: (decoder.module_path(n), False) for n in _kv_scale_names(model.config)}
+
+
 def save_causal_lm(model, dst: str | os.PathLike, hf_config: Mapping[str, Any], *, copy_from=None,
-                   max_shard_size: str = "5GB", overwrite: bool = False) -> Path:
+                   max_shard_size: str = "5GB", overwrite: bool = False, ignore=()) -> Path:
     """Write a `decoder.CausalLM` (dense, packed `QLinear` projections, and a quantized KV cache) as a
     compressed-tensors checkpoint: `converters.flax_io.save_compressed` under HF names, plus, with KV-cache
     quantization, `model.layers.{i}.self_attn.k_scale` / `v_scale` (static scales, in the model's dtype, shapes
-    [1] or [kv_heads, 1, 1]) and `quantization_config.kv_cache_scheme`. Returns the path written."""
-    from converters.ct_config import kv_cache_scheme_to_args, serialize_quantization_config
+    [1] or [kv_heads, 1, 1]) and `quantization_config.kv_cache_scheme`; `ignore`: quantization_config.ignore.
+    Returns the path written."""
     from converters.flax_io import save_compressed
     from qformats.models import decoder
 
-    cfg = model.config
-    table = _flax_name_map(cfg)
-    kv = decoder.kv_cache_scheme(model)
-    if kv is not None and not kv.dynamic:
-        table.update({n: (decoder.module_path(n), False) for n in _kv_scale_names(cfg)})
+    table = _flax_name_map(model.config)
+    table.update(kv_scale_name_map(model))
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     out = save_compressed(model, dst, table, config=config, copy_from=copy_from, max_shard_size=max_shard_size,
-                          overwrite=overwrite)
-    if kv is not None:
-        full = _read_config(Path(out))
-        qc = full.get("quantization_config") or serialize_quantization_config([], [])
-        qc["kv_cache_scheme"] = kv_cache_scheme_to_args(kv)
-        full["quantization_config"] = qc
-        _write_config(Path(out), full)
+                          overwrite=overwrite, ignore=ignore, kv_cache_scheme=decoder.kv_cache_scheme(model))
     return Path(out)

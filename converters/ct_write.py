@@ -29,6 +29,7 @@ from converters.ct_config import FPX_FORMAT, format_for, serialize_quantization_
 from converters.shard_writer import ShardedWriter, TensorSpec
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
+from qformats.kv_cache import KVCacheScheme
 from qformats.packing import pack_int32, unpack
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
@@ -172,25 +173,33 @@ class CompressedWriter:
         return fmt
 
     def quantization_config(self, ignore: Sequence[str] = (), targets: Optional[Sequence[str]] = None,
-                            transform_config: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
+                            transform_config: Optional[Dict[str, Any]] = None,
+                            kv_cache_scheme: Optional[KVCacheScheme] = None) -> Optional[Dict[str, Any]]:
         """`targets` (default ["Linear"]) when all quantized modules share one scheme; else one group per
-        scheme with `re:^<module>$` targets."""
-        if not self._groups:
+        scheme with `re:^<module>$` targets. `kv_cache_scheme`: compressed-tensors' kv_cache_scheme (its static
+        k_scale / v_scale are tensors the caller adds); with no quantized weight the config then has
+        `config_groups: {}`. None when nothing is quantized."""
+        if not self._groups and kv_cache_scheme is None:
             return None
-        if len(self._groups) == 1:
+        if not self._groups:
+            groups = []
+        elif len(self._groups) == 1:
             groups = [(list(targets or ["Linear"]), self._groups[0][1])]
         else:
             groups = [([f"re:^{re.escape(m)}$" for m in mods], ss) for _, ss, mods in self._groups]
-        return serialize_quantization_config(groups, list(ignore), transform_config=transform_config)
+        return serialize_quantization_config(groups, list(ignore), transform_config=transform_config,
+                                             kv_cache=kv_cache_scheme)
 
     def finish(self, base_config: Optional[Mapping[str, Any]] = None, *, ignore: Sequence[str] = (),
                targets: Optional[Sequence[str]] = None, copy_from: "str | os.PathLike | None" = None,
-               transform_config: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+               transform_config: Optional[Dict[str, Any]] = None,
+               kv_cache_scheme: Optional[KVCacheScheme] = None) -> Dict[str, Any]:
         """Adds config.json (base_config + the quantization_config, with `transform_config` when rotations were
-        fused: `converters.rotate`) and the other files of `copy_from`, then moves the checkpoint into place;
-        returns the quantization_config ({} when nothing is quantized)."""
+        fused: `converters.rotate`, and `kv_cache_scheme` for a quantized KV cache) and the other files of
+        `copy_from`, then moves the checkpoint into place; returns the quantization_config ({} when nothing is
+        quantized)."""
         try:
-            qc = self.quantization_config(ignore, targets, transform_config)
+            qc = self.quantization_config(ignore, targets, transform_config, kv_cache_scheme)
             self._w.add_json("config.json", config_with(base_config, qc))
             self._w.copy_extra_files(copy_from)
         except BaseException:
@@ -215,7 +224,8 @@ def write_compressed(dst: "str | os.PathLike", tensors: Mapping[str, Any], schem
                      *, ignore: Sequence[str] = (), targets: Optional[Sequence[str]] = None,
                      config: Optional[Mapping[str, Any]] = None, copy_from: "str | os.PathLike | None" = None,
                      max_shard_size: "int | str" = "5GB", overwrite: bool = False,
-                     transform_config: Optional[Mapping[str, Any]] = None) -> Path:
+                     transform_config: Optional[Mapping[str, Any]] = None,
+                     kv_cache_scheme: Optional[KVCacheScheme] = None) -> Path:
     """Write a compressed-tensors checkpoint at `dst`.
 
     Args:
@@ -229,6 +239,8 @@ def write_compressed(dst: "str | os.PathLike", tensors: Mapping[str, Any], schem
         other files (tokenizer, generation config, ...) are copied.
       transform_config: the rotations fused into these weights (`converters.rotate.Rotated.transform_config`),
         recorded in quantization_config; their online tensors go in `tensors` like any dense tensor.
+      kv_cache_scheme: the KV-cache scheme (`qformats.kv_cache`) recorded as quantization_config.kv_cache_scheme;
+        its static scales go in `tensors` as "<attention module>.k_scale" / ".v_scale".
     Returns the path written.
     """
     dst = Path(dst)
@@ -245,5 +257,6 @@ def write_compressed(dst: "str | os.PathLike", tensors: Mapping[str, Any], schem
             else:
                 w.add_dense(name, v)
         w.finish(config, ignore=ignore, targets=targets, copy_from=copy_from,
-                 transform_config=None if transform_config is None else dict(transform_config))
+                 transform_config=None if transform_config is None else dict(transform_config),
+                 kv_cache_scheme=kv_cache_scheme)
     return dst

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from qformats.codec import decode, encode
 from qformats.errors import SchemeError
 
-__all__ = ["FP8_MAX", "KV_FORMAT", "KVCacheScheme", "amax_of", "calibrate_kv_scales", "dequantize_kv",
-           "dynamic_scale", "fake_quantize_kv", "quantize_kv", "scale_from_amax"]
+__all__ = ["FP8_MAX", "KV_CACHE_CHOICES", "KV_FORMAT", "KVCacheScheme", "amax_of", "calibrate_kv_scales",
+           "dequantize_kv", "dynamic_scale", "fake_quantize_kv", "parse_kv_cache", "quantize_kv", "scale_from_amax"]
 
 KV_FORMAT = "fp8_e4m3fn"
 FP8_MAX = 448.0
@@ -58,6 +58,19 @@ class KVCacheScheme:
     def scale_shape(self, num_kv_heads: int) -> Tuple[int, ...]:
         """The shape compressed-tensors gives `k_scale` / `v_scale`: [1] or [kv_heads, 1, 1]."""
         return (1,) if self.strategy == "tensor" else (num_kv_heads, 1, 1)
+
+
+#: The KV-cache scheme strings of `parse_kv_cache` (the CLI's --kv-cache): per tensor, per KV head, dynamic.
+KV_CACHE_CHOICES = {"fp8": KVCacheScheme("tensor"), "fp8:head": KVCacheScheme("attn_head"),
+                    "fp8:dynamic": KVCacheScheme("tensor", dynamic=True)}
+
+
+def parse_kv_cache(text: str) -> KVCacheScheme:
+    """"fp8" (static, one scale per tensor), "fp8:head" (static, one per KV head) or "fp8:dynamic" (a scale per
+    written block) -> the KVCacheScheme."""
+    if text not in KV_CACHE_CHOICES:
+        raise SchemeError(f"KV-cache scheme: expected one of {sorted(KV_CACHE_CHOICES)}, found {text!r}")
+    return KV_CACHE_CHOICES[text]
 
 
 def amax_of(x: jax.Array, scheme: KVCacheScheme) -> jax.Array:
