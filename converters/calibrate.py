@@ -99,11 +99,12 @@ class _LogTo(logging.Handler):
         self.fn(record.getMessage())
 
 
-def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search: str = DEFAULT_LM_WEIGHT_SEARCH,
+def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search: Optional[str] = None,
                            awq: bool = False, smooth: Optional[float] = None, calibration_tokens: int = 65536,
                            seq_len: int = 512, seed: Optional[int] = 0, dampening_frac: float = 0.01,
                            block_size: int = 128, actorder: Optional[str] = "static",
-                           propagate: str = "quantized", overwrite: bool = False,
+                           propagate: Optional[str] = None, overwrite: bool = False, awq_n_grid: int = 20,
+                           awq_duo_scaling=True, kv_cache=None,
                            log: Callable[[str], None] = lambda m: None) -> dict:
     """Quantize a causal LM's decoder projections with `scheme`, calibrated layer by layer, and write a
     compressed-tensors checkpoint at `dst`. Returns {"layers", "projections", "searched", "tokens", "samples",
@@ -116,12 +117,21 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
       scheme: a scheme string ("W4A16", "W4A16:g64", "W8A8", ...) for every projection; lm_head stays dense.
       calibration: a text file (one sample per non-empty line), a .jsonl file ({"text": ...} per line) or a
         .npy array of token ids (`converters.calibration_data.load_calibration`).
-      weight_search: "rtn", "mse", "gptq" (default) or "mse+gptq".
-      awq: reserved for AWQ scales (not implemented: True raises a ModelError).
+      weight_search: "rtn", "mse", "gptq" or "mse+gptq"; default "gptq", or "rtn" with `awq` (llm-compressor's
+        AWQ recipe: AWQModifier then round-to-nearest QuantizationModifier).
+      awq: AWQ scales (`qformats.awq`, llm-compressor 0.14's AWQModifier arithmetic) folded into each layer before
+        its weight search; `awq_n_grid`, `awq_duo_scaling`: its n_grid and duo_scaling. Not combinable with `smooth`
+        (both fold per-channel scales into the same norms; llm-compressor does not combine them).
       smooth: SmoothQuant migration strength alpha in [0, 1] (`qformats.smoothquant`), or None.
       calibration_tokens, seq_len, seed: the token budget, the longest sample, the sample order's seed.
       dampening_frac, block_size, actorder: GPTQ's options (llm-compressor 0.14's names and defaults).
-      propagate: "quantized" (llm-compressor's default) or "float" (`qformats.models.sequential`).
+      propagate: "quantized" or "float" (`qformats.models.sequential`); default "quantized", except with
+        round-to-nearest weights: "float", as llm-compressor runs such a recipe (its pipeline keeps quantization
+        disabled and RTN leaves the weights float until the checkpoint is written, so layer i+1 sees float outputs:
+        what the static activation ranges of W4A4 / W8A8 and the KV-cache scales are calibrated on).
+      kv_cache: a `qformats.kv_cache.KVCacheScheme` or "fp8" / "fp8:head" / "fp8:dynamic": FP8 KV cache, static
+        k_scale / v_scale calibrated on the same samples (`calibrate_decoder`'s kv_cache), written as
+        compressed-tensors' kv_cache_scheme with the scales under each attention module.
 
     Raises:
       CheckpointError: unreadable src / calibration file, dst exists without overwrite. ModelError / SchemeError:
@@ -132,16 +142,24 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     import numpy as np
 
     from converters.calibration_data import load_calibration
-    from converters.causal_lm import load_causal_lm
+    from converters.causal_lm import kv_scale_name_map, load_causal_lm
     from converters.flax_io import save_compressed
+    from qformats.kv_cache import parse_kv_cache
     from qformats.models.decoder import hf_tensor_names
     from qformats.models.sequential import GPTQOptions, calibrate_decoder
 
     if Path(dst).exists() and not overwrite:  # fail before the calibration work, not after
         raise CheckpointError(f"{dst}: already exists (pass overwrite=True / --overwrite to replace it)")
-    if awq:
-        raise ModelError("quantize_calibrated_lm: AWQ is not available yet (llm-compressor's AWQModifier "
-                         "arithmetic is not implemented in qformats); use --smooth ALPHA or the weight search alone")
+    if awq and smooth is not None:
+        raise ModelError("quantize_calibrated_lm: AWQ and SmoothQuant (smooth=ALPHA / --smooth) both fold per-channel "
+                         "scales into the same norms and projections, and llm-compressor does not combine them: "
+                         "choose one")
+    if isinstance(kv_cache, str):
+        kv_cache = parse_kv_cache(kv_cache)
+    if weight_search is None:
+        weight_search = RTN if awq else DEFAULT_LM_WEIGHT_SEARCH
+    if propagate is None:
+        propagate = "float" if weight_search == RTN else "quantized"
     gptq = GPTQOptions(block_size=block_size, dampening_frac=dampening_frac, actorder=actorder)
     t0 = time.perf_counter()
     model, hf_config, tok = load_causal_lm(src)
@@ -152,14 +170,19 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         f"{time.perf_counter() - t0:.1f} s; {len(samples)} calibration samples, "
         f"{sum(len(s) for s in samples)} tokens from {calibration}")
     transform = None
+    if awq:
+        from qformats.awq import awq_transform
+
+        transform = awq_transform(scheme, n_grid=awq_n_grid, duo_scaling=awq_duo_scaling)
     if smooth is not None:
         from qformats.smoothquant import smoothquant_transform
 
         transform = smoothquant_transform(smooth)
     info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq, propagate=propagate,
-                             transform=transform, log=log)
+                             transform=transform, kv_cache=kv_cache, log=log)
     names = {n: ("/".join(str(p) for p in slot.path), slot.transpose)
              for n, slot in hf_tensor_names(model.config).items()}
+    names.update(kv_scale_name_map(model))
     ignore = [] if model.lm_head is None else ["lm_head"]
     src_path = Path(src)
     with tempfile.TemporaryDirectory() as extra:
@@ -174,7 +197,7 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                 (Path(extra) / name).write_text(text, encoding="utf-8")
             copy_from = Path(extra)
         save_compressed(model, dst, names, config=dict(hf_config), copy_from=copy_from, overwrite=overwrite,
-                        ignore=ignore)
+                        ignore=ignore, kv_cache_scheme=kv_cache)
     seconds = time.perf_counter() - t0
     log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}

@@ -1,10 +1,10 @@
 """The `qformats` command line: quantize, dequantize, inspect, eval, convert, generate.
 
   qformats quantize [SRC] DST --scheme NAME [--ignore P ...] [--targets T ...] [--skip-indivisible]
-                    [--max-shard-size 5GB] [--overwrite]
+                    [--max-shard-size 5GB] [--overwrite] [--kv-cache fp8:dynamic]
   qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search mse+gptq|gptq|mse|rtn]   (MiniLM)
-  qformats quantize SRC DST --scheme NAME --calibrate FILE [--weight-search ...] [--smooth ALPHA]
-      [--calibration-tokens N] [--seq-len L]   (causal LMs, layer by layer)
+  qformats quantize SRC DST --scheme NAME --calibrate FILE [--weight-search ...] [--awq | --smooth ALPHA]
+      [--calibration-tokens N] [--seq-len L] [--kv-cache fp8|fp8:head|fp8:dynamic]   (causal LMs, layer by layer)
   qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
   qformats inspect PATH
   qformats eval [SRC ...] [--schemes ...] [--calibrated] [--json]   (MiniLM; `qformats eval --help`)
@@ -44,6 +44,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> _Parser:
+    from qformats.kv_cache import KV_CACHE_CHOICES
     from qformats.nn.weight_search import WEIGHT_SEARCHES
     p = _Parser(prog="qformats", description="Quantize, dequantize and inspect compressed-tensors checkpoints; "
                                             "convert GGUF causal LMs, generate with them and measure perplexity.")
@@ -64,7 +65,9 @@ def _parser() -> _Parser:
     q.add_argument("--weight-search", choices=WEIGHT_SEARCHES, default=None,
                    help="with --calibrate: how the weights are chosen (default: mse+gptq, GPTQ on MSE-searched "
                         "scales: the best held-out fidelity measured, BENCHMARKS.md)")
-    q.add_argument("--awq", action="store_true", help="with --calibrate SRC DST: AWQ scales (not available yet)")
+    q.add_argument("--awq", action="store_true",
+                   help="with --calibrate SRC DST (causal LM): AWQ scales (llm-compressor's AWQModifier arithmetic) "
+                        "folded into each layer before the weight search (default then: rtn); not with --smooth")
     q.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
                    help="with --calibrate SRC DST (causal LM): SmoothQuant with migration strength ALPHA in [0, 1] "
                         "before the weight search (for W8A8)")
@@ -72,6 +75,10 @@ def _parser() -> _Parser:
                    help="with --calibrate SRC DST (causal LM): token budget (default 65536)")
     q.add_argument("--seq-len", type=int, default=None,
                    help="with --calibrate SRC DST (causal LM): longest calibration sample in tokens (default 512)")
+    q.add_argument("--kv-cache", choices=sorted(KV_CACHE_CHOICES), default=None,
+                   help="FP8 KV cache (compressed-tensors' kv_cache_scheme): fp8 (one static scale per tensor), "
+                        "fp8:head (one per KV head) or fp8:dynamic; static scales are calibrated, so fp8 and "
+                        "fp8:head need --calibrate FILE (causal LM)")
     q.add_argument("--skip-indivisible", action="store_true",
                    help="leave dense the targeted weights whose columns the scheme's group size does not divide (the "
                         "summary lists them); without it they are an error naming every one")
@@ -157,6 +164,9 @@ def _quantize(a) -> int:
         raise _Usage("qformats quantize: error: --weight-search needs --calibrate")
     if a.calibrate is not None:
         return _quantize_calibrated(a)
+    if a.kv_cache is not None and a.kv_cache != "fp8:dynamic":
+        raise _Usage(f"qformats quantize: error: --kv-cache {a.kv_cache} has static k_scale / v_scale, calibrated from "
+                     f"data: add --calibrate FILE (causal LM SRC DST), or use --kv-cache fp8:dynamic")
     if len(a.paths) == 1:
         from converters.embedded import model_dir
         src, dst = model_dir(), a.paths[0]
@@ -164,7 +174,8 @@ def _quantize(a) -> int:
         src, dst = a.paths
     s = quantize_checkpoint(src, dst, a.scheme, ignore=a.ignore if a.ignore is not None else ["lm_head"],
                             targets=a.targets or ["Linear"], max_shard_size=a.max_shard_size,
-                            overwrite=a.overwrite, progress=not a.quiet, skip_indivisible=a.skip_indivisible)
+                            overwrite=a.overwrite, progress=not a.quiet, skip_indivisible=a.skip_indivisible,
+                            kv_cache=a.kv_cache)
     if a.quiet:  # with the progress bar the summary is already printed
         print(s.text(), file=sys.stderr)
     return 0
@@ -177,8 +188,11 @@ def _quantize_calibrated_lm(a) -> int:
     if a.ignore is not None or a.targets is not None or a.max_shard_size != "5GB" or a.skip_indivisible:
         raise _Usage("qformats quantize: error: --ignore / --targets / --max-shard-size / --skip-indivisible are not "
                      "used with --calibrate")
+    if a.awq and a.smooth is not None:
+        raise _Usage("qformats quantize: error: --awq and --smooth both fold per-channel scales into the same norms "
+                     "(llm-compressor does not combine AWQ with SmoothQuant either): give one of them")
     from converters.calibrate import DEFAULT_LM_WEIGHT_SEARCH, quantize_calibrated_lm
-    search = a.weight_search or DEFAULT_LM_WEIGHT_SEARCH
+    search = a.weight_search or ("rtn" if a.awq else DEFAULT_LM_WEIGHT_SEARCH)
     log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
     kw = {}
     if a.calibration_tokens is not None:
@@ -186,7 +200,7 @@ def _quantize_calibrated_lm(a) -> int:
     if a.seq_len is not None:
         kw["seq_len"] = a.seq_len
     r = quantize_calibrated_lm(a.paths[0], a.paths[1], a.scheme, a.calibrate, weight_search=search, awq=a.awq,
-                               smooth=a.smooth, overwrite=a.overwrite, log=log, **kw)
+                               smooth=a.smooth, overwrite=a.overwrite, kv_cache=a.kv_cache, log=log, **kw)
     if a.quiet:
         print(f"quantized {r['projections']} projections ({r['searched']} by {search}) on {r['tokens']} tokens -> "
               f"{r['path']}", file=sys.stderr)
@@ -202,6 +216,9 @@ def _quantize_calibrated(a) -> int:
     if len(a.paths) != 1:
         raise _Usage("qformats quantize: error: --calibrate works on the embedded all-MiniLM-L6-v2 only (it needs "
                      "a Flax model of the checkpoint): give DST alone")
+    if a.kv_cache is not None:
+        raise _Usage("qformats quantize: error: --kv-cache is for causal LMs (SRC DST); all-MiniLM-L6-v2 is an "
+                     "encoder and keeps no KV cache")
     if a.ignore is not None or a.targets is not None or a.max_shard_size != "5GB" or a.skip_indivisible:
         raise _Usage("qformats quantize: error: --ignore / --targets / --max-shard-size / --skip-indivisible are not "
                      "used with --calibrate")

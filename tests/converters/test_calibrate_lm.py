@@ -62,8 +62,8 @@ def test_errors(tiny, tmp_path):
     with pytest.raises(ModelError, match="needs a tokenizer"):  # the tiny checkpoint has no tokenizer.json
         (tmp_path / "t.txt").write_text("hello\n")
         quantize_calibrated_lm(tiny / "src", tmp_path / "b", "W4A16", tmp_path / "t.txt")
-    with pytest.raises(ModelError, match="AWQ is not available"):
-        quantize_calibrated_lm(tiny / "src", tmp_path / "c", "W4A16", tiny / "calib.npy", awq=True)
+    with pytest.raises(ModelError, match="AWQ and SmoothQuant"):
+        quantize_calibrated_lm(tiny / "src", tmp_path / "c", "W4A16", tiny / "calib.npy", awq=True, smooth=0.5)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
