@@ -104,8 +104,8 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                            seq_len: int = 512, seed: Optional[int] = 0, dampening_frac: float = 0.01,
                            block_size: int = 128, actorder: Optional[str] = "static",
                            propagate: Optional[str] = None, overwrite: bool = False, awq_n_grid: int = 20,
-                           awq_duo_scaling=True, kv_cache=None,
-                           log: Callable[[str], None] = lambda m: None) -> dict:
+                           awq_duo_scaling=True, kv_cache=None, rotate: Optional[str] = None,
+                           rotate_seed: int = 0, log: Callable[[str], None] = lambda m: None) -> dict:
     """Quantize a causal LM's decoder projections with `scheme`, calibrated layer by layer, and write a
     compressed-tensors checkpoint at `dst`. Returns {"layers", "projections", "searched", "tokens", "samples",
     "seconds", "path"}.
@@ -132,6 +132,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
       kv_cache: a `qformats.kv_cache.KVCacheScheme` or "fp8" / "fp8:head" / "fp8:dynamic": FP8 KV cache, static
         k_scale / v_scale calibrated on the same samples (`calibrate_decoder`'s kv_cache), written as
         compressed-tensors' kv_cache_scheme with the scales under each attention module.
+      rotate: "hadamard" or "random-hadamard": SpinQuant's R1 + R2 (`converters.rotate.rotate_checkpoint`, signs
+        from `rotate_seed`) fused into a dense copy of `src` (a directory) before loading, so calibration sees the
+        rotated model; recorded as quantization_config.transform_config.
 
     Raises:
       CheckpointError: unreadable src / calibration file, dst exists without overwrite. ModelError / SchemeError:
@@ -162,7 +165,15 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         propagate = "float" if weight_search == RTN else "quantized"
     gptq = GPTQOptions(block_size=block_size, dampening_frac=dampening_frac, actorder=actorder)
     t0 = time.perf_counter()
-    model, hf_config, tok = load_causal_lm(src)
+    with tempfile.TemporaryDirectory(prefix="qformats-rotated-") as rot_dir:
+        rotated = None
+        if rotate is not None:  # before calibration: the rotated model is the one calibrated
+            from converters.rotate import rotate_checkpoint
+
+            rotated = rotate_checkpoint(src, Path(rot_dir) / "rotated", rotate, seed=rotate_seed)
+            log(f"rotated {src}: SpinQuant R1 + R2, {rotate}")
+        model, hf_config, tok = load_causal_lm(src if rotated is None else Path(rot_dir) / "rotated")
+        # the model holds its parameters now; the rotated copy goes (its tokenizer files are src's)
     tokenize = None if tok is None else (lambda text: tok.encode(text).ids)
     samples = load_calibration(calibration, tokenize, seq_len=seq_len, max_tokens=calibration_tokens, seed=seed,
                                vocab_size=model.config.vocab_size)
@@ -197,7 +208,8 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                 (Path(extra) / name).write_text(text, encoding="utf-8")
             copy_from = Path(extra)
         save_compressed(model, dst, names, config=dict(hf_config), copy_from=copy_from, overwrite=overwrite,
-                        ignore=ignore, kv_cache_scheme=kv_cache)
+                        ignore=ignore, kv_cache_scheme=kv_cache,
+                        transform_config=None if rotated is None else rotated.transform_config)
     seconds = time.perf_counter() - t0
     log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}

@@ -1,7 +1,7 @@
 """The `qformats` command line: quantize, dequantize, inspect, eval, convert, generate.
 
   qformats quantize [SRC] DST --scheme NAME [--ignore P ...] [--targets T ...] [--skip-indivisible]
-                    [--max-shard-size 5GB] [--overwrite] [--kv-cache fp8:dynamic]
+                    [--max-shard-size 5GB] [--overwrite] [--kv-cache fp8:dynamic] [--rotate random-hadamard]
   qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search mse+gptq|gptq|mse|rtn]   (MiniLM)
   qformats quantize SRC DST --scheme NAME --calibrate FILE [--weight-search ...] [--awq | --smooth ALPHA]
       [--calibration-tokens N] [--seq-len L] [--kv-cache fp8|fp8:head|fp8:dynamic]   (causal LMs, layer by layer)
@@ -75,6 +75,11 @@ def _parser() -> _Parser:
                    help="with --calibrate SRC DST (causal LM): token budget (default 65536)")
     q.add_argument("--seq-len", type=int, default=None,
                    help="with --calibrate SRC DST (causal LM): longest calibration sample in tokens (default 512)")
+    q.add_argument("--rotate", choices=("hadamard", "random-hadamard"), default=None,
+                   help="SpinQuant's R1 + R2 Hadamard rotations fused into the weights before quantizing (and before "
+                        "calibration), recorded as transform_config, as llm-compressor's SpinQuantModifier writes "
+                        "them (lm_head untied); hadamard needs power-of-two sizes (compressed-tensors' Sylvester)")
+    q.add_argument("--rotate-seed", type=int, default=0, help="with --rotate random-hadamard: the signs' seed")
     q.add_argument("--kv-cache", choices=sorted(KV_CACHE_CHOICES), default=None,
                    help="FP8 KV cache (compressed-tensors' kv_cache_scheme): fp8 (one static scale per tensor), "
                         "fp8:head (one per KV head) or fp8:dynamic; static scales are calibrated, so fp8 and "
@@ -175,7 +180,7 @@ def _quantize(a) -> int:
     s = quantize_checkpoint(src, dst, a.scheme, ignore=a.ignore if a.ignore is not None else ["lm_head"],
                             targets=a.targets or ["Linear"], max_shard_size=a.max_shard_size,
                             overwrite=a.overwrite, progress=not a.quiet, skip_indivisible=a.skip_indivisible,
-                            kv_cache=a.kv_cache)
+                            kv_cache=a.kv_cache, rotate=a.rotate, rotate_seed=a.rotate_seed)
     if a.quiet:  # with the progress bar the summary is already printed
         print(s.text(), file=sys.stderr)
     return 0
@@ -200,7 +205,8 @@ def _quantize_calibrated_lm(a) -> int:
     if a.seq_len is not None:
         kw["seq_len"] = a.seq_len
     r = quantize_calibrated_lm(a.paths[0], a.paths[1], a.scheme, a.calibrate, weight_search=search, awq=a.awq,
-                               smooth=a.smooth, overwrite=a.overwrite, kv_cache=a.kv_cache, log=log, **kw)
+                               smooth=a.smooth, overwrite=a.overwrite, kv_cache=a.kv_cache, rotate=a.rotate,
+                               rotate_seed=a.rotate_seed, log=log, **kw)
     if a.quiet:
         print(f"quantized {r['projections']} projections ({r['searched']} by {search}) on {r['tokens']} tokens -> "
               f"{r['path']}", file=sys.stderr)
@@ -219,6 +225,9 @@ def _quantize_calibrated(a) -> int:
     if a.kv_cache is not None:
         raise _Usage("qformats quantize: error: --kv-cache is for causal LMs (SRC DST); all-MiniLM-L6-v2 is an "
                      "encoder and keeps no KV cache")
+    if a.rotate is not None:
+        raise _Usage("qformats quantize: error: --rotate is for causal LMs (SRC DST): SpinQuant's rotations are "
+                     "defined for the llama / mistral / qwen decoder family")
     if a.ignore is not None or a.targets is not None or a.max_shard_size != "5GB" or a.skip_indivisible:
         raise _Usage("qformats quantize: error: --ignore / --targets / --max-shard-size / --skip-indivisible are not "
                      "used with --calibrate")

@@ -100,7 +100,7 @@ def load_compressed(path, model, name_map: Optional[NameMap] = None, *, ignore: 
 
 def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: Optional[dict] = None,
                     copy_from=None, max_shard_size="5GB", overwrite: bool = False, ignore: Iterable[str] = (),
-                    kv_cache_scheme=None):
+                    kv_cache_scheme=None, transform_config=None):
     """Write an NNX model (packed `qformats.nn` layers + float parameters) as a compressed-tensors checkpoint.
 
     Packed layers go out as their QArrays (the writer picks the compressed-tensors format from each scheme)
@@ -108,7 +108,8 @@ def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: O
     `config` (the model's HF config.json as a dict) gets the quantization_config; `copy_from` is a directory
     whose other files (tokenizer, ...) are copied; `ignore`: quantization_config.ignore (the Linear modules left
     dense, e.g. ["lm_head"]); `kv_cache_scheme`: quantization_config.kv_cache_scheme (its static scales come
-    through `name_map`). Atomic (see converters.ct_write.write_compressed).
+    through `name_map`); `transform_config`: the rotations fused into the weights (`converters.rotate`).
+    Atomic (see converters.ct_write.write_compressed).
     """
     from converters.ct_write import write_compressed
     from qformats.nn import export_quantized
@@ -137,4 +138,4 @@ def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: O
         config = read_json(Path(copy_from) / "config.json", copy_from)
     return write_compressed(dst, tensors, schemes, config=config, copy_from=copy_from,
                             max_shard_size=max_shard_size, overwrite=overwrite, ignore=list(ignore),
-                            kv_cache_scheme=kv_cache_scheme)
+                            kv_cache_scheme=kv_cache_scheme, transform_config=transform_config)
