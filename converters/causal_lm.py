@@ -28,7 +28,8 @@ import numpy as np
 
 from qformats.errors import CheckpointError, ModelError
 
-__all__ = ["kv_scale_name_map", "load_causal_lm", "load_tokenizer", "save_causal_lm"]
+__all__ = ["kv_scale_name_map", "kv_scale_names", "load_causal_lm", "load_tokenizer", "read_kv_scales",
+           "save_causal_lm"]
 
 
 class _LazyTensor:
@@ -202,7 +203,9 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
     return model, hf_config, tok
 
 
-def _kv_scale_names(cfg) -> list[str]:
+def kv_scale_names(cfg) -> list[str]:
+    """compressed-tensors' names of the static KV-cache scales of a decoder config: model.layers.{i}.self_attn.
+    k_scale / v_scale for every layer."""
     return [f"model.layers.{i}.self_attn.{n}_scale" for i in range(cfg.num_layers) for n in "kv"]
 
 
@@ -222,7 +225,7 @@ def _load_compressed(path: Path, model, cfg) -> None:
     qc = parse_quantization_config(_read_config(path)["quantization_config"], str(path / "config.json"))
     kv = qc.kv_cache
     if kv is not None and not kv.dynamic:
-        ignore += tuple(_kv_scale_names(cfg))
+        ignore += tuple(kv_scale_names(cfg))
     rotations = _online_rotations(path, cfg, qc)
     ignore += tuple(rotations[1])
     try:
@@ -276,35 +279,47 @@ def _read_config(path: Path) -> dict:
     return read_json(path / "config.json", path)
 
 
+def read_kv_scales(ck, cfg, kv, where: str) -> list | None:
+    """The static k_scale / v_scale of every layer of an open checkpoint `ck` (`converters.safetensors_io`),
+    as compressed-tensors stores them under each attention module: float tensors of shape [1] (or a scalar) per
+    tensor, [kv_heads, 1, 1] per head. Returns [(k_scale, v_scale)] float32 per layer (shapes
+    `kv.scale_shape(kv_heads)`), or None for a dynamic scheme (which stores none).
+
+    Raises:
+      CheckpointError: a missing scale, or one of another dtype or shape (all named).
+    """
+    if kv.dynamic:
+        return None
+    want = kv.scale_shape(cfg.num_kv_heads)
+    scales, problems = [], []
+    for i in range(cfg.num_layers):
+        pair = []
+        for n in ("k", "v"):
+            name = f"model.layers.{i}.self_attn.{n}_scale"
+            if name not in ck:
+                problems.append(f"{name} missing")
+                continue
+            info = ck.info(name)
+            shape = tuple(info.shape)
+            if info.dtype not in ("F32", "BF16", "F16") or shape not in (want, () if want == (1,) else want):
+                problems.append(f"{name} {info.dtype} {list(shape)} (expected a float tensor of shape {list(want)})")
+                continue
+            pair.append(np.asarray(ck.get(name), np.float32).reshape(want))
+        scales.append(tuple(pair))
+    if problems:
+        raise CheckpointError(f"{where}: kv_cache_scheme {kv.strategy} (static) needs k_scale / v_scale under every "
+                              f"attention module: {'; '.join(problems[:6])}" + (" ..." if len(problems) > 6 else ""))
+    return scales
+
+
 def _load_kv_scales(path: Path, model, cfg, kv) -> None:
-    """Static k_scale / v_scale of every layer ([1] per tensor, [kv_heads, 1, 1] per head, a float dtype) ->
-    `decoder.enable_kv_cache_quantization`; a dynamic scheme takes none."""
+    """Static k_scale / v_scale of every layer (`read_kv_scales`) -> `decoder.enable_kv_cache_quantization`; a
+    dynamic scheme takes none."""
     from converters.safetensors_io import open_checkpoint
     from qformats.models import decoder
 
-    if kv.dynamic:
-        decoder.enable_kv_cache_quantization(model, kv)
-        return
-    want = kv.scale_shape(cfg.num_kv_heads)
-    scales, problems = [], []
     with open_checkpoint(path) as ck:
-        for i in range(cfg.num_layers):
-            pair = []
-            for n in ("k", "v"):
-                name = f"model.layers.{i}.self_attn.{n}_scale"
-                if name not in ck:
-                    problems.append(f"{name} missing")
-                    continue
-                info = ck.info(name)
-                shape = tuple(info.shape)
-                if info.dtype not in ("F32", "BF16", "F16") or shape not in (want, () if want == (1,) else want):
-                    problems.append(f"{name} {info.dtype} {list(shape)} (expected a float tensor of shape {list(want)})")
-                    continue
-                pair.append(np.asarray(ck.get(name), np.float32).reshape(want))
-            scales.append(tuple(pair))
-    if problems:
-        raise CheckpointError(f"{path}: kv_cache_scheme {kv.strategy} (static) needs k_scale / v_scale under every "
-                              f"attention module: {'; '.join(problems[:6])}" + (" ..." if len(problems) > 6 else ""))
+        scales = read_kv_scales(ck, cfg, kv, str(path))
     try:
         decoder.enable_kv_cache_quantization(model, kv, scales)
     except ModelError as e:
@@ -320,7 +335,7 @@ def kv_scale_name_map(model) -> dict[str, tuple[str, bool]]:
     kv = decoder.kv_cache_scheme(model)
     if kv is None or kv.dynamic:
         return {}
-    return {n: (decoder.module_path(n), False) for n in _kv_scale_names(model.config)}
+    return {n: (decoder.module_path(n), False) for n in kv_scale_names(model.config)}
 
 
 def save_causal_lm(model, dst: str | os.PathLike, hf_config: Mapping[str, Any], *, copy_from=None,

@@ -16,7 +16,8 @@ MXFP6 / MXFP8, symmetric; the header checks of `converters.ct_read.check_modules
 asymmetric pack-quantized zero points (packed across output channels), pre-0.18 int32 layouts and
 int-quantized codes narrower than 8 bits are CheckpointErrors naming the module (load them with
 `load_causal_lm` and `qformats.sharding.shard_model`). GGUF files are read by `gguf`'s own reader (whole
-tensors): load them with `load_causal_lm`.
+tensors): load them with `load_causal_lm`. A `kv_cache_scheme` (FP8 KV cache) is taken as `load_causal_lm`
+takes it: static k_scale / v_scale (kv_heads floats per layer at most) read whole and replicated on every device.
 """
 
 from __future__ import annotations
@@ -432,6 +433,13 @@ def load_causal_lm_sharded(src: "str | os.PathLike", mesh, rules=None, *, dtype=
                 consumed.update(t.values())
                 quantized[fpath] = entry
                 schemes[fpath] = g.input_activations
+        kv_scales = None
+        if qc is not None and qc.kv_cache is not None:
+            from converters.causal_lm import kv_scale_names, read_kv_scales
+
+            kv_scales = read_kv_scales(ck, cfg, qc.kv_cache, str(p))
+            if kv_scales is not None:
+                consumed.update(kv_scale_names(cfg))
         packed = {f"{m.replace('/', '.')}.weight" for m in quantized}
         dense = {n: s for n, s in slots.items() if n not in packed and n not in consumed}
         missing = [n for n in dense if n not in ck]
@@ -479,6 +487,18 @@ def load_causal_lm_sharded(src: "str | os.PathLike", mesh, rules=None, *, dtype=
         raise CheckpointError(f"{p}: {e}") from None
     for v, a in placed:
         v.set_value(a)
+    if qc is not None and qc.kv_cache is not None:
+        # KV-cache scales are replicated on every device, per-head ones included: kv_heads floats per layer, read
+        # by attention wherever its heads live (the cache buffers themselves split by KV heads, set_sharding)
+        from jax.sharding import PartitionSpec
+
+        rep = NamedSharding(mesh, PartitionSpec())
+        scales = None if kv_scales is None else [tuple(jax.device_put(jnp.asarray(x), rep) for x in pair)
+                                                 for pair in kv_scales]
+        try:
+            decoder.enable_kv_cache_quantization(model, qc.kv_cache, scales)
+        except ModelError as e:
+            raise CheckpointError(f"{p}: {e}") from None
     empty = [path for path, v in _variables(model) if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
     if empty:
         raise CheckpointError(f"{p}: expected every parameter of the model in the checkpoint, found {len(empty)} "

@@ -114,3 +114,35 @@ def test_tensor_parallel_setup_after_jax_started_needs_the_devices():
         tensor_parallel_setup(n)
     with pytest.raises(ModelError, match="positive device count"):
         tensor_parallel_setup(0)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8:head", "fp8:dynamic"])
+def test_kv_cache_scheme_loads_onto_the_mesh(dense_dir, tmp_path, kv):
+    """A checkpoint with kv_cache_scheme (static scales per tensor / per KV head, or dynamic): the sharded loader
+    quantizes the cache as load_causal_lm does (same scheme, same scales, replicated), and decodes the same
+    logits with its fp8 cache."""
+    from converters.causal_lm import save_causal_lm
+    from qformats.kv_cache import parse_kv_cache
+    from qformats.models.decoder import calibrate_kv_cache, enable_kv_cache_quantization, kv_cache_scheme, \
+        kv_scale_tensors
+
+    m, cfg, _ = load_causal_lm(dense_dir, tokenizer=False)
+    scheme = parse_kv_cache(kv)
+    ids = np.random.RandomState(0).randint(0, 128, (1, 10))
+    if scheme.dynamic:
+        enable_kv_cache_quantization(m, scheme)
+    else:
+        calibrate_kv_cache(m, [ids], scheme)
+    src = save_causal_lm(m, tmp_path / "kv", cfg)
+    ref, _, _ = load_causal_lm(src, tokenizer=False)
+    got, _, _ = load_causal_lm_sharded(src, _mesh1(), tokenizer=False)
+    assert kv_cache_scheme(got) == scheme
+    a, b = kv_scale_tensors(ref), kv_scale_tensors(got)
+    assert sorted(a) == sorted(b) and len(a) == (0 if scheme.dynamic else 2)
+    for n in a:
+        assert b[n].sharding.is_fully_replicated
+        np.testing.assert_array_equal(np.asarray(a[n]), np.asarray(b[n]))
+    step = nnx.jit(lambda model, x: model(x, model.init_cache(1, 16)))
+    (la, ca), (lb, cb) = step(ref, ids), step(got, ids)
+    assert ca.keys[0].dtype == cb.keys[0].dtype == np.uint8
+    np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
