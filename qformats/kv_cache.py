@@ -31,7 +31,8 @@ from qformats.codec import decode, encode
 from qformats.errors import SchemeError
 
 __all__ = ["FP8_MAX", "KV_CACHE_CHOICES", "KV_FORMAT", "KVCacheScheme", "amax_of", "calibrate_kv_scales",
-           "dequantize_kv", "dynamic_scale", "fake_quantize_kv", "parse_kv_cache", "quantize_kv", "scale_from_amax"]
+           "dequantize_kv", "dynamic_scale", "fake_quantize_kv", "kv_cache_name", "parse_kv_cache", "quantize_kv",
+           "scale_from_amax"]
 
 KV_FORMAT = "fp8_e4m3fn"
 FP8_MAX = 448.0
@@ -71,6 +72,11 @@ def parse_kv_cache(text: str) -> KVCacheScheme:
     if text not in KV_CACHE_CHOICES:
         raise SchemeError(f"KV-cache scheme: expected one of {sorted(KV_CACHE_CHOICES)}, found {text!r}")
     return KV_CACHE_CHOICES[text]
+
+
+def kv_cache_name(scheme: KVCacheScheme) -> str:
+    """The `parse_kv_cache` string of a scheme ("fp8", "fp8:head", "fp8:dynamic")."""
+    return next(k for k, v in KV_CACHE_CHOICES.items() if v == scheme)
 
 
 def amax_of(x: jax.Array, scheme: KVCacheScheme) -> jax.Array:
