@@ -6,19 +6,21 @@ import itertools
 import logging
 import math
 import warnings
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from qformats.errors import ModelError
+from qformats.fused import group_amax, shared_global_scale, sibling_groups
 from qformats.nn.graph import module_references, replace_child
 from qformats.nn.nnx_layers import QUANTIZED, QuantizedMatmul
 from qformats.nn.projection import check_einsum_acts, einsum_last_axis_error, einsum_layout
 from qformats.nn.weight_search import NEEDS_HESSIAN, RTN, quantize_weight, search_name
 from qformats.nn.rules import check_fits, compile_rules, select
 from qformats.observers import get_observer
+from qformats.quantize import quantize
 
 
 logger = logging.getLogger("qformats")
@@ -38,7 +40,8 @@ def _default_forward(model, batch):
 def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibration_data: Optional[Iterable] = None,
                    *, weight_search: Optional[str] = RTN, observer: Any = "minmax",
                    forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True,
-                   compare_rtn: bool = True, actorder: Optional[str] = "static") -> nnx.Module:
+                   compare_rtn: bool = True, actorder: Optional[str] = "static",
+                   fuse_global_scales: Union[bool, Sequence[Sequence[str]]] = True) -> nnx.Module:
     """Swap every `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Einsum` whose path matches a rule for its
     quantized counterpart (`QLinear` / `QLinearGeneral` / `QEinsum`), in place; returns `model`.
 
@@ -63,6 +66,17 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         against the float model's outputs (so a search never makes the model worse on its calibration
         data; costs two more passes and keeps the float outputs of the calibration batches meanwhile).
       observer: "minmax" | "moving_average" | "percentile" | "mse" | an `observers.Observer`.
+      fuse_global_scales: NVFP4 (TENSOR_GROUP) weights of fused siblings share one global scale, as
+        llm-compressor's oneshot and `converters.quantize_checkpoint` do (vLLM runs q/k/v_proj as one qkv_proj
+        matmul, gate/up_proj as one gate_up_proj): every member of a group takes
+          g = 448 * 6 / max_i max |W_i|   (`qformats.fused.shared_global_scale`, the smallest member's g),
+        and its fp8 group scales and codes are computed under that g. True: the groups of
+        `qformats.fused.sibling_groups` over the model's module paths (same parent, names in
+        `qformats.fused.FUSED_GROUPS`; a group only partly quantized with one TENSOR_GROUP scheme is left
+        unshared with a warning); a sequence of groups of module paths: exactly those (ModelError when a path
+        is not a TENSOR_GROUP layer of this call); False: every layer its own. Sharing applies to
+        round-to-nearest PTQ (with or without calibration data); in QAT mode or with a weight search the
+        layers keep their own global scales (a warning; a ModelError for explicit groups).
 
     Everything (regexes, preset names, shapes against schemes) is checked before the first swap; on a
     bad rule or a layer that does not fit, ModelError names the rule or module path and the model is
@@ -79,7 +93,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
                          "layer inputs' H = E[x x^T]) and mode='ptq'")
     plan: List[Tuple[str, nnx.Linear, list, Any]] = []
     full_moments = {}
-    refs = ((path, (lin, parents)) for path, lin, parents in module_references(model, tuple(QUANTIZED)).values())
+    refs = [(path, (lin, parents)) for path, lin, parents in module_references(model, tuple(QUANTIZED)).values()]
     selected = [(path, lp, ss, _contracted_size(path, lp[0], ss, calibrating))
                 for path, lp, ss in select(compiled, refs)]
     check_fits([(path, k, ss) for path, _, ss, k in selected], static_acts=calibrating)  # every misfit in one error
@@ -111,6 +125,8 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
                       f"{', ...' if len(uncalibrated) > 3 else ''}) have static activation schemes but no "
                       "calibration_data was given; using dynamic scales of the same granularity", stacklevel=2)
 
+    shared = _fused_global_scales([p for p, _ in refs], plan, fuse_global_scales, mode, weight_search)
+
     if calibrating:  # an empty iterable is bad input: find out before touching the model
         batches = iter(calibration_data)
         first = next(batches, _NOTHING)
@@ -126,6 +142,12 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             obs = observers.get(path) or get_observer("minmax", ss.weights)
             new = cls.from_module(lin, ss, mode="calibrate", path=path, observer=obs,
                                   full_moments=full_moments[path])
+        elif path in shared:
+            # the float kernel in the layer's [K, N] layout (no quantization), packed under the group's g
+            new = cls.from_module(lin, ss, mode="qat", path=path)
+            new.mode = "ptq"
+            new.set_weight(_pack_under(new.kernel.get_value(), ss.weights, shared[path]))
+            new.weight_method = RTN
         else:
             new = cls.from_module(lin, ss, mode=mode, path=path, weight_search=weight_search)
             if mode == "ptq":
@@ -153,11 +175,84 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
                     replace_child(parent, key, lin)
             raise
         floats = [q.kernel.get_value() for q in swapped] if guard else []
+        fused = [(q, q.kernel.get_value(), shared[p]) for (p, *_), q in zip(plan, swapped) if p in shared]
         for q in swapped:
             q.finalize(mode, weight_search=weight_search, actorder=actorder)
+        for q, w, g in fused:  # round-to-nearest under the group's shared global scale
+            q.set_weight(_pack_under(w, q.schemes.weights, g))
         if guard:
             _keep_better_of_search_and_rtn(model, swapped, floats, kept, reference, _jitted(fwd, jit))
     return model
+
+
+def _pack_under(kernel, scheme, g):
+    """kernel [..., K, N] quantized along K with the given global scale g [..., 1] (leading axes: stacked
+    layers, vmapped as `quantize_weight` does)."""
+    fn = lambda w, gg: quantize(w, scheme, 0, global_scale=gg)  # noqa: E731
+    for _ in range(kernel.ndim - 2):
+        fn = jax.vmap(fn)
+    return fn(kernel, g)
+
+
+def _fused_global_scales(paths: Sequence[str], plan, fuse, mode: str, weight_search: str) -> Dict[str, Any]:
+    """path -> the global scale its fused group shares (`quantize_model`'s fuse_global_scales), from the float
+    kernels before any swap."""
+    if fuse is False or fuse is None:
+        return {}
+    tg = {path: (lin, ss.weights) for path, lin, _, ss in plan
+          if ss.weights is not None and ss.weights.strategy == "tensor_group"}
+    explicit = fuse is not True
+
+    def refuse(msg):
+        if explicit:
+            raise ModelError(f"quantize_model: fuse_global_scales: {msg}")
+        warnings.warn(f"qformats.nn: {msg}; their global scales are not shared", stacklevel=4)
+
+    groups: List[Tuple[str, ...]] = []
+    if explicit:
+        if isinstance(fuse, str) or not all(not isinstance(g, str) and len(g) >= 2 for g in fuse):
+            raise ModelError(f"quantize_model: fuse_global_scales: expected True, False or a sequence of groups of "
+                             f"two or more module paths, got {fuse!r}")
+        seen = set()
+        for g in fuse:
+            g = tuple(g)
+            bad = [p for p in g if p not in tg]
+            if bad:
+                raise ModelError(f"quantize_model: fuse_global_scales: {', '.join(map(str, bad))} "
+                                 f"{'is' if len(bad) == 1 else 'are'} not quantized with a tensor_group (NVFP4) "
+                                 f"weight scheme by these rules (TENSOR_GROUP layers: "
+                                 f"{', '.join(sorted(tg)[:6]) or 'none'}{' ...' if len(tg) > 6 else ''})")
+            if seen & set(g):
+                raise ModelError(f"quantize_model: fuse_global_scales: {', '.join(sorted(seen & set(g)))} in two "
+                                 f"groups")
+            seen |= set(g)
+            groups.append(g)
+    elif tg:
+        for g in sibling_groups(paths, sep="/"):
+            inside = [p for p in g if p in tg]
+            if inside and len(inside) < len(g):
+                refuse(f"{', '.join(g)} are fused siblings (vLLM runs them as one matmul with one NVFP4 global "
+                       f"scale) but only {', '.join(inside)} take a tensor_group weight scheme")
+            elif inside:
+                groups.append(g)
+    out: Dict[str, Any] = {}
+    if groups and (mode != "ptq" or weight_search != RTN):
+        refuse(f"{len(groups)} fused groups ({', '.join(groups[0])}{', ...' if len(groups) > 1 else ''}) with "
+               f"mode={mode!r}, weight_search={weight_search!r}: only round-to-nearest PTQ shares global scales")
+        return out
+    for g in groups:
+        schemes = {tg[p][1] for p in g}
+        kernels = [tg[p][0].kernel.get_value() for p in g]
+        # layers stacked by nnx.vmap for nnx.scan: one g per stacked layer (only nnx.Linear stacks)
+        leads = {k.shape[:-2] if isinstance(tg[p][0], nnx.Linear) else () for p, k in zip(g, kernels)}
+        dtypes = {jnp.dtype(k.dtype) for k in kernels}
+        if len(schemes) != 1 or len(leads) != 1 or len(dtypes) != 1:
+            refuse(f"{', '.join(g)} are fused siblings with different weight schemes, stacking or dtypes")
+            continue
+        lead = next(iter(leads))
+        g_shared = shared_global_scale(group_amax(kernels, len(lead)), schemes.pop(), dtypes.pop())
+        out.update((p, g_shared) for p in g)
+    return out
 
 
 def _jitted(fn, jit: bool):

@@ -1,0 +1,88 @@
+"""Fused sibling projections (vLLM's qkv_proj, gate_up_proj, ...) and the NVFP4 global scale they share."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qformats.errors import SchemeError
+from qformats.quantize import quantize
+from qformats.schemes import QuantScheme
+
+__all__ = ["FUSED_GROUPS", "sibling_groups", "group_amax", "shared_global_scale"]
+
+#: Sibling modules (last path components under one parent) that vLLM fuses into one matmul, as llm-compressor
+#: 0.14 lists them (`llmcompressor.observers.helpers.FUSED_LAYER_NAMES`): under TENSOR_GROUP weights (NVFP4)
+#: the members of a group share one global scale.
+FUSED_GROUPS: Tuple[Tuple[str, ...], ...] = (
+    ("gate_proj", "up_proj"),               # MLP / experts: gate_up_proj
+    ("q_proj", "k_proj", "v_proj"),         # attention: qkv_proj
+    ("q_a_proj", "kv_a_proj_with_mqa"),     # DeepSeek multi-latent attention: fused_qkv_a_proj
+    ("w1", "w3"),                           # MoE experts named w1 / w2 / w3
+)
+
+
+def sibling_groups(paths: Iterable[str], sep: str = ".",
+                   groups: Sequence[Sequence[str]] = FUSED_GROUPS) -> List[Tuple[str, ...]]:
+    """Every fused group whose members are all among `paths`: the module paths p_1..p_n (in the order of the
+    group's names) with one parent P and p_i = P + sep + names_i for one entry `names` of `groups`.
+
+    A module holding all the names of an entry is a fused group, whatever it is (llm-compressor's
+    `fuse_weight_observers` asks `hasattr(module, name)` for every name); `sep` is "." for torch / checkpoint
+    names and "/" for NNX paths. Groups are returned in the order of first appearance of their parent.
+    """
+    by_parent: Dict[str, Dict[str, str]] = {}
+    for p in paths:
+        parent, s, last = p.rpartition(sep)
+        by_parent.setdefault(parent if s else "", {})[last] = p
+    out = []
+    for parent, kids in by_parent.items():
+        for names in groups:
+            if all(n in kids for n in names):
+                out.append(tuple(kids[n] for n in names))
+    return out
+
+
+def group_amax(weights: Sequence, lead: int = 0) -> jax.Array:
+    """amax = max over the group's weights W_i of max |W_i|, reduced over every axis but the first `lead`
+    (layers stacked for `nnx.scan`: one amax per stacked layer). Exact: a max of magnitudes, in the weights'
+    dtype."""
+    out = None
+    for w in weights:
+        w = jnp.asarray(w)
+        a = jnp.max(jnp.abs(w), axis=tuple(range(lead, w.ndim)))
+        out = a if out is None else jnp.maximum(out, a)
+    if out is None:
+        raise SchemeError("group_amax: expected at least one weight, got none")
+    return out
+
+
+def shared_global_scale(amax, scheme: QuantScheme, dtype) -> jax.Array:
+    """The global scale that every member of a fused group takes under a TENSOR_GROUP `scheme` (NVFP4):
+    g = 448 * 6 / amax with amax = `group_amax` of the group (compressed-tensors' `generate_gparam` over the
+    group; llm-compressor's fused observers take max |W| over the members). g is non-increasing in amax, so
+    this is the smallest of the members' own global scales, the one vLLM's fused matmul needs.
+
+    Computed by `qformats.quantize` itself on a probe holding amax in `dtype` (the weights' dtype), so the
+    arithmetic (dtype, order of operations, the torchao rule) is exactly that of a lone weight whose largest
+    magnitude is amax. `amax` may have leading axes (stacked layers): g then has shape amax.shape + (1,).
+
+    Raises:
+      SchemeError: `scheme` is not TENSOR_GROUP (only NVFP4-style schemes have a global scale).
+    """
+    if scheme.strategy != "tensor_group":
+        raise SchemeError(f"shared_global_scale: expected a tensor_group (NVFP4) weight scheme, got "
+                          f"{scheme.describe()}")
+    amax = jnp.asarray(amax).astype(dtype)
+
+    def one(a):
+        probe = jnp.zeros((1, scheme.group_size), dtype).at[0, 0].set(a)
+        return quantize(probe, scheme, axis=-1).global_scale
+
+    fn = one
+    for _ in range(np.ndim(amax)):
+        fn = jax.vmap(fn)
+    return fn(amax)
