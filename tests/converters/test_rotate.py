@@ -246,3 +246,30 @@ def test_a_tensor_outside_the_mappings_is_refused(tmp_path):
     save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelError, match="extra_proj"):
         rotate_checkpoint(src, tmp_path / "d", "random-hadamard")
+
+
+def test_cli_rotate_with_and_without_calibration(tmp_path, capsys):
+    """qformats quantize SRC DST --rotate: data-free and calibrated (the rotated model is the one calibrated); both
+    checkpoints record the transform_config and load in transformers + compressed-tensors with our logits."""
+    from converters.cli import main
+
+    src, _ = make_src(tmp_path)
+    ids = tmp_path / "calib.npy"
+    np.save(ids, np.random.RandomState(1).randint(0, 128, (4, 16)).astype(np.int32))
+    runs = {"plain": ["--rotate", "hadamard"],
+            "calibrated": ["--rotate", "random-hadamard", "--rotate-seed", "7", "--calibrate", str(ids),
+                           "--weight-search", "rtn"]}
+    for name, extra in runs.items():
+        dst = tmp_path / name
+        assert main(["quantize", str(src), str(dst), "--scheme", "W4A16:g16", "--quiet", *extra]) == 0
+        qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+        kind = extra[1]
+        assert qc["transform_config"] == spinquant_transform_config(kind, 16), name
+        ref = logits(transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval())
+        np.testing.assert_allclose(ours(dst), ref, rtol=0, atol=ATOL, err_msg=name)
+    # the seed reaches the rotation: the calibrated run's weights are those of rotate_checkpoint(seed=7)
+    rotate_checkpoint(src, tmp_path / "r7", "random-hadamard", seed=7)
+    with open_checkpoint(tmp_path / "r7") as a, open_checkpoint(tmp_path / "calibrated") as b:
+        assert np.array_equal(a.get("model.embed_tokens.weight"), b.get("model.embed_tokens.weight"))
+    assert main(["quantize", str(tmp_path / "x"), "--scheme", "W4A16", "--calibrate", "--rotate", "hadamard"]) == 2
+    assert "--rotate is for causal LMs" in capsys.readouterr().err
