@@ -22,7 +22,8 @@ pages count while mapped) and RssAnon (sampled every 2 ms during the load: the p
     heads at N=8: the table says which); per-device parameter bytes are `param_bytes_per_device`;
   - transformers: `AutoModelForCausalLM.from_pretrained(SRC, dtype=<stored dtype>)` (torch, CPU; for the
     compressed-tensors checkpoint, transformers' compressed-tensors integration, which decompresses the packed
-    weights to dense torch weights unless the layout runs compressed).
+    weights to dense torch weights unless the layout runs compressed); then every weight's pages are touched
+    once (one byte per 4 KiB), timed apart, since torch tensors of the stored dtype stay views of the mapped file.
 All files are read once before the runs (page cache warm for every loader alike). On a CPU mesh all "devices"
 live in this one process, so a sharded load holds the whole model in host memory too: what it bounds is the
 transient (one shard at a time), not the total.
@@ -131,6 +132,16 @@ def child(kind: str, src: Path, devices: int) -> dict:
                    param_dtypes=sorted({str(p.dtype).replace("torch.", "") for p in params}),
                    linear=type(model.model.layers[0].mlp.down_proj).__name__,
                    packed=sorted({n.rpartition(".")[2] for n, _ in model.named_parameters() if "packed" in n}))
+        res["vmhwm_loaded"] = _status()["VmHWM"]
+        # tensors of the stored dtype can stay views of the memory-mapped file, read on first use: page every
+        # weight in once (one byte per 4 KiB page) to see what the deferred reading costs
+        t0 = time.perf_counter()
+        touched = 0
+        with torch.no_grad():
+            for p in params:
+                if p.numel():
+                    touched += int(p.detach().reshape(-1).view(torch.uint8)[::4096].sum())
+        res["touch_s"] = time.perf_counter() - t0
     else:
         import jax
         import jax.numpy as jnp
@@ -164,7 +175,7 @@ def child(kind: str, src: Path, devices: int) -> dict:
                    per_device_min=min(per.values()), n_devices=len(per), largest_slice=st.largest,
                    param_dtypes=sorted({str(x.dtype) for x in leaves}))
     end = _status()
-    res.update(load_s=wall, vmhwm=end["VmHWM"], peak_anon=pk.peak, anon_after=end["RssAnon"],
+    res.update(load_s=wall, vmhwm=res.pop("vmhwm_loaded", end["VmHWM"]), vmhwm_end=end["VmHWM"], peak_anon=pk.peak, anon_after=end["RssAnon"],
                base_anon=base["RssAnon"], base_rss=base["VmRSS"])
     return res
 
@@ -239,18 +250,20 @@ def table(results, meta) -> str:
              "mesh (replicated parameters once per device: on a CPU mesh every copy is in this one process). "
              "transient (ours): peak anon - baseline - all devices, the host memory beyond the placed arrays; "
              "largest slice: the largest single shard placed. transformers' growth can be below its parameter "
-             "bytes: torch tensors of the stored dtype stay memory-mapped file pages (in VmHWM, not in RssAnon).",
+             "bytes: torch tensors of the stored dtype stay memory-mapped file pages, read on first use; paged in: "
+             "the time to touch every page of every weight once after the load, and VmHWM then. A negative "
+             "transient: some of our arrays alias the mapped file too (no copy).",
              "",
              "| checkpoint | files MB | loader | devices | param dtype | load s | process s | VmHWM MiB | "
              "peak anon MiB | anon growth MiB | param MiB | per device MiB | all devices MiB | transient MiB | "
-             "largest slice MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "largest slice MiB | paged in: s, VmHWM MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes = []
     for name, size, r in results:
         loader = {"ours": "qformats load_causal_lm", "sharded": "qformats load_causal_lm_sharded",
                   "transformers": "transformers from_pretrained"}[r["kind"]]
         if "error" in r:
-            lines.append(f"| {name} | {size / 1e6:.0f} | {loader} | {r['devices']} | - | failed |" + " - |" * 9)
+            lines.append(f"| {name} | {size / 1e6:.0f} | {loader} | {r['devices']} | - | failed |" + " - |" * 10)
             notes.append(f"{name}, {loader}: {r['error']}")
             continue
         if r.get("replicated_axes"):
@@ -263,10 +276,11 @@ def table(results, meta) -> str:
         ours = r["kind"] != "transformers"  # our parameters are anonymous memory; transformers' may map the file
         transient = _mib(r["peak_anon"] - r["base_anon"] - r["all_devices"]) if ours else "-"
         slice_ = f"{r['largest_slice'] / MIB:.1f}" if r["kind"] == "sharded" else "-"
+        touch = f"{r['touch_s']:.2f}, {_mib(r['vmhwm_end'])}" if "touch_s" in r else "-"
         lines.append(f"| {name} | {size / 1e6:.0f} | {loader} | {r['devices']} | {dts} | {r['load_s']:.2f} | "
                      f"{r['process_s']:.1f} | {_mib(r['vmhwm'])} | {_mib(r['peak_anon'])} | "
                      f"{_mib(r['peak_anon'] - r['base_anon'])} | {_mib(r['param_bytes'])} | {_mib(r['per_device'])} | "
-                     f"{_mib(r['all_devices'])} | {transient} | {slice_} |")
+                     f"{_mib(r['all_devices'])} | {transient} | {slice_} | {touch} |")
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
