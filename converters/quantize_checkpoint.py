@@ -10,8 +10,9 @@ Which tensors are quantized (no torch model, so module classes are inferred from
   - `ignore` entries are exact module paths, `re:` regexes, or a last path component ("lm_head" also
     ignores "model.lm_head"). An ignore entry or target that matches nothing gives a warning.
 NVFP4 (tensor_group) global scales of vLLM's fused projections are shared as llm-compressor's oneshot does
-(`update_fused_layer_weight_global_scales`): sibling q_proj/k_proj/v_proj, q_a_proj/kv_a_proj_with_mqa and
-gate_proj/up_proj take the smallest of their global scales, i.e. 448*6/amax over the group (fuse_global_scales).
+(its fused weight observers): the siblings of `qformats.fused.FUSED_GROUPS` (q/k/v_proj, gate/up_proj,
+q_a_proj/kv_a_proj_with_mqa, w1/w3) take the smallest of their global scales, i.e. 448*6/amax over the group
+(`qformats.fused.shared_global_scale`; fuse_global_scales). A group only partly quantized gets a warning.
 
 Never silent: where llm-compressor 0.14 refuses a layer (GROUP / TENSOR_GROUP weights whose group size does not
 divide the columns: `qformats.nn.rules.group_indivisible`, its rule, plus columns < group size, which
@@ -47,6 +48,7 @@ from converters.safetensors_io import open_checkpoint, parse_size, read_json
 from converters.shard_writer import TensorSpec
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
+from qformats.fused import group_amax, shared_global_scale, sibling_groups
 from qformats.grouping import expected_shapes
 from qformats.nn.rules import group_indivisible
 from qformats.presets import parse_scheme
@@ -54,10 +56,7 @@ from qformats.qarray import QArray
 from qformats.quantize import quantize
 from qformats.schemes import SchemeSet
 
-__all__ = ["FUSED_GROUPS", "QuantizeSummary", "is_linear_weight", "quantize_checkpoint", "select_modules"]
-
-#: Sibling modules vLLM fuses into one matmul; under NVFP4 they share one global scale.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
+__all__ = ["QuantizeSummary", "is_linear_weight", "quantize_checkpoint", "select_modules"]
 
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -234,39 +233,35 @@ def _plan(infos, chosen_set, ss: SchemeSet) -> List[TensorSpec]:
     return plan
 
 
-def _fused_global_scales(ck, chosen: List[str], ss: SchemeSet) -> Dict[str, Any]:
-    """module -> the shared NVFP4 global scale of its fused group (only groups whose members are all chosen)."""
-    import jax.numpy as jnp
-
+def _fused_global_scales(ck, infos, chosen: List[str], ss: SchemeSet) -> Dict[str, Any]:
+    """module -> the shared NVFP4 global scale of its fused group (`qformats.fused`: the sibling rule and the
+    scale), for groups whose members are all chosen; a group only partly chosen gets a warning."""
     w = ss.weights
     if w.strategy != "tensor_group":
         return {}
-    by_parent: Dict[str, Dict[str, str]] = {}
-    for mod in chosen:
-        parent, _, last = mod.rpartition(".")
-        by_parent.setdefault(parent, {})[last] = mod
+    chosen_set = set(chosen)
+    linears = [n.rpartition(".")[0] for n, i in infos.items()
+               if n.endswith(".weight") and is_linear_weight(n.rpartition(".")[0], i.shape, i.dtype)]
     out: Dict[str, Any] = {}
-    for parent, kids in by_parent.items():
-        for group in FUSED_GROUPS:
-            if not all(g in kids for g in group):
-                continue
-            mods = [kids[g] for g in group]
-            arrs = [ck.get(m + ".weight") for m in mods]
-            if len({a.dtype for a in arrs}) != 1:
-                warnings.warn(f"{parent}: {', '.join(group)} hold different dtypes "
-                              f"({', '.join(str(a.dtype) for a in arrs)}); their NVFP4 global scales are not shared "
-                              f"(vLLM fuses them into one matmul)", stacklevel=3)
-                continue
-            amax = max(float(jnp.max(jnp.abs(jnp.asarray(a)))) for a in arrs)
-            dtype = arrs[0].dtype
-            del arrs
-            ck.drop_pages()
-            # g = 448*6/amax is non-increasing in amax, so min over the group = g(max amax); computing it by
-            # quantizing one group holding amax reuses the exact arithmetic of qformats.quantize.
-            probe = np.zeros((1, w.group_size), np.float32)
-            probe[0, 0] = amax
-            g = quantize(jnp.asarray(probe, dtype), w, axis=-1).global_scale
-            out.update((m, g) for m in mods)
+    for mods in sibling_groups(sorted(set(linears) | chosen_set), sep="."):
+        parent = mods[0].rpartition(".")[0]
+        names = ", ".join(m.rpartition(".")[2] for m in mods)
+        inside = [m for m in mods if m in chosen_set]
+        if len(inside) != len(mods):
+            if inside:
+                warnings.warn(f"{parent}: {names} are fused siblings (vLLM runs them as one matmul, with one NVFP4 "
+                              f"global scale) but only {', '.join(inside)} take {ss.name}; their global scales are "
+                              f"not shared", stacklevel=3)
+            continue
+        dtypes = [infos[m + ".weight"].dtype for m in mods]
+        if len(set(dtypes)) != 1:
+            warnings.warn(f"{parent}: {names} hold different dtypes ({', '.join(dtypes)}); their NVFP4 global "
+                          f"scales are not shared (vLLM fuses them into one matmul)", stacklevel=3)
+            continue
+        amax = max(float(group_amax([ck.get(m + ".weight")])) for m in mods)  # one weight in memory at a time
+        ck.drop_pages()
+        g = shared_global_scale(amax, w, infos[mods[0] + ".weight"].numpy_dtype)
+        out.update((m, g) for m in mods)
     return out
 
 
@@ -399,7 +394,7 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                                   f"skipped: {', '.join(skipped[:6])}{' ...' if len(skipped) > 6 else ''}); "
                                   f"nothing written")
         chosen_set = set(chosen)
-        shared_g = _fused_global_scales(ck, chosen, ss) if fuse_global_scales else {}
+        shared_g = _fused_global_scales(ck, infos, chosen, ss) if fuse_global_scales else {}
         src_bytes = sum(i.nbytes for i in infos.values())
         prog = _Progress(len(infos), src_bytes, stream)
         qdense = qstored = 0
