@@ -14,8 +14,9 @@ Schemes: "stored" runs SRC as stored (a compressed-tensors SRC keeps its packed 
 values gguf dequantizes); "dense" is its alias for a dense SRC (HF safetensors or GGUF); any other scheme
 string (`qformats.presets.parse_scheme`, e.g. "W4A16:g64") quantizes a dense SRC round-to-nearest with
 `qformats.nn.quantize_model` over the decoder's projections, lm_head left dense
-(`qformats.models.decoder.quantization_rules`, llm-compressor's `ignore=["lm_head"]`); on an already-quantized
-SRC a preset is a CheckpointError.
+(`qformats.models.decoder.quantization_rules`, llm-compressor's `ignore=["lm_head"]`), NVFP4 global scales shared
+across the fused siblings q/k/v_proj and gate/up_proj as llm-compressor's oneshot and `qformats quantize` share them
+(`quantize_model`'s fuse_global_scales, `qformats.fused`); on an already-quantized SRC a preset is a CheckpointError.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def load_for_scheme(src: "str | os.PathLike", scheme: str, *, dtype=None, tokeni
                     skip_indivisible: bool = False):
     """(model, hf_config, tokenizer, skipped) of the causal LM at `src` (`converters.causal_lm.load_causal_lm`)
     run with `scheme`: "stored" as stored, "dense" (a dense SRC only) the same, a scheme string quantized
-    round-to-nearest over the decoder's projections with lm_head left dense (`decoder.quantization_rules`).
+    round-to-nearest over the decoder's projections with lm_head left dense (`decoder.quantization_rules`), fused
+    siblings sharing their NVFP4 global scale (so the packed layers equal those `qformats quantize` stores).
     `skipped` lists the projections left dense by `skip_indivisible` (those whose in_features the scheme's groups
     do not divide; without it they are a ModelError naming every one).
 
@@ -170,7 +172,7 @@ def load_for_scheme(src: "str | os.PathLike", scheme: str, *, dtype=None, tokeni
             skipped = _indivisible_paths(model, rules, ss)
             rules = [Rule(p, None) for p in skipped] + rules
         try:
-            quantize_model(model, rules)
+            quantize_model(model, rules, fuse_global_scales=True)
         except ModelError as e:
             raise ModelError(f"{src}: {e}\nOr leave exactly those dense: skip_indivisible=True "
                              f"(--skip-indivisible).") from None

@@ -206,3 +206,26 @@ def test_in_memory_attention_block_equals_compressed_tensors_fused_global_scale(
         if not name.endswith("o_proj"):
             gs.add(float(ours["weight_global_scale"][0]))
     assert len(gs) == 1  # q, k, v share the scale compressed-tensors computed for the group
+
+
+def test_checkpoint_path_warns_for_a_partly_quantized_group(tmp_path):
+    from converters.ct_read import read_compressed
+    from converters.safetensors_io import save_file
+
+    rng = np.random.default_rng(5)
+    attn = "model.layers.0.self_attn"
+    w = {f"{attn}.{n}.weight": (rng.standard_normal((32, 64)) * s).astype(np.float32)
+         for n, s in (("q_proj", 1.0), ("k_proj", 3.0), ("v_proj", 9.0))}
+    (tmp_path / "src").mkdir()
+    save_file(w, tmp_path / "src/model.safetensors")
+    with pytest.warns(UserWarning, match=r"q_proj, k_proj, v_proj are fused siblings .* only "
+                                         r"model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj take"):
+        quantize_checkpoint(tmp_path / "src", tmp_path / "q", "NVFP4A16", ignore=["v_proj"], progress=False)
+    qs = read_compressed(tmp_path / "q").qarrays()
+    ws = qf.presets["NVFP4A16"].weights
+    for n in ("q_proj", "k_proj"):  # each its own global scale
+        own = qf.quantize(w[f"{attn}.{n}.weight"], ws).global_scale
+        assert float(qs[f"{attn}.{n}"].global_scale[0]) == float(own[0])
+    quantize_checkpoint(tmp_path / "src", tmp_path / "all", "NVFP4A16", progress=False)
+    qs = read_compressed(tmp_path / "all").qarrays()
+    assert len({float(qs[f"{attn}.{n}"].global_scale[0]) for n in ("q_proj", "k_proj", "v_proj")}) == 1

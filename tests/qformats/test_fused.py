@@ -53,7 +53,8 @@ def test_shared_global_scale_equals_compressed_tensors_generate_gparam():
         ws = [(rng.standard_normal((32, 64)) * s).astype(dtype) for s in (0.5, 0.01)]
         t = [torch.from_numpy(w.astype(np.float32)).to(tdt) for w in ws]
         # llm-compressor's fused observers: one generate_gparam over the min / max of all members
-        ref = generate_gparam(torch.min(torch.stack([x.min() for x in t])), torch.max(torch.stack([x.max() for x in t])))
+        ref = generate_gparam(torch.min(torch.stack([x.min() for x in t])),
+                              torch.max(torch.stack([x.max() for x in t])))
         ours = shared_global_scale(group_amax(ws), NVFP4, dtype)
         assert np.asarray(ours).view(np.uint32).tolist() == ref.float().reshape(1).numpy().view(np.uint32).tolist()
 
