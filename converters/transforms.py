@@ -13,7 +13,8 @@ factory stores the inverse itself for `inverse`, and does not normalise). The lo
 `qformats.models.decoder.set_rotation`.
 
 Every stored transform tensor must belong to an online location of a config group targeting its module, and
-every online (group, location, module) must have its tensor; anything else -- an unknown type or location,
+every online (group, location, module) must have its tensor -- its own, or the one compressed-tensors shares
+across the group's modules of the same size and saves once as a tied weight (`_tied_base`); anything else -- an unknown type or location,
 `requires_grad`, a target the decoder cannot rotate -- is a CheckpointError. Nothing is skipped.
 """
 
@@ -200,9 +201,12 @@ def online_rotations(groups: Sequence[TransformGroup], tensors: Mapping[str, Any
                 base = f"{mod}.{g.name}_{a.location}"
                 wname = base + ".weight"
                 if wname not in tensors:
-                    raise CheckpointError(f"{where}: transform_config group {g.name!r} applies an online "
-                                          f"{g.type} rotation at {a.location!r} of {mod!r}, expected tensor "
-                                          f"{wname!r}, found none")
+                    base = _tied_base(g, a.location, mod, tensors)
+                    if base is None:
+                        raise CheckpointError(f"{where}: transform_config group {g.name!r} applies an online "
+                                              f"{g.type} rotation at {a.location!r} of {mod!r}, expected tensor "
+                                              f"{wname!r} (or the group's shared one of its size), found none")
+                    wname = base + ".weight"
                 w = np.asarray(tensors[wname], np.float64)
                 if w.ndim != 2 or w.shape[0] != w.shape[1] or not np.all(np.isfinite(w)):
                     raise CheckpointError(f"{where}: tensor {wname!r}: expected a finite square matrix, found shape "
@@ -232,6 +236,42 @@ def online_rotations(groups: Sequence[TransformGroup], tensors: Mapping[str, Any
         raise CheckpointError(f"{where}: transform tensors no online transform_config location accounts for: "
                               f"{stray[:6]}")
     return rotations, used
+
+
+def _rotated_size(g: TransformGroup, location: str, mod: str, tensors: Mapping[str, Any]) -> Optional[int]:
+    """The order of `g`'s matrix at `location` of `mod` (compressed-tensors' get_transform_size): head_dim when the
+    group has one, else a Linear's in_features (input) / out_features (output) from its stored weight's shape."""
+    if g.head_dim is not None:
+        return g.head_dim
+    if f"{mod}.weight_shape" in tensors:
+        shape = [int(v) for v in np.asarray(tensors[f"{mod}.weight_shape"]).reshape(-1)]
+    elif f"{mod}.weight" in tensors:
+        shape = list(np.shape(tensors[f"{mod}.weight"]))
+    else:
+        return None
+    if len(shape) != 2:
+        return None
+    return shape[1] if location == "input" else shape[0]
+
+
+def _tied_base(g: TransformGroup, location: str, mod: str, tensors: Mapping[str, Any]) -> Optional[str]:
+    """The stored `<module>.<group>_<location>` prefix whose weight `mod` shares, or None.
+
+    compressed-tensors' factories make one weight (and one permutation) per group and size, shared by every module
+    they rotate (`TransformFactory.weights`, keyed by size), and register the copies as tied weights
+    (`_register_tied_transform_weights`), so save_pretrained writes each shared tensor once, under the first module
+    that holds it (llm-compressor's QuIPModifier checkpoints store `model.layers.0.self_attn.q_proj.v_input.weight`
+    and `model.layers.0.mlp.down_proj.v_input.weight` only). A module without its own tensor takes the group's
+    stored one of its size; None when there is no such tensor or its size cannot be told apart."""
+    suffixes = tuple(f".{g.name}_{loc}.weight" for loc in ONLINE)
+    cands = sorted(n for n in tensors if n.endswith(suffixes))
+    size = _rotated_size(g, location, mod, tensors)
+    shapes = {n: tuple(np.shape(tensors[n])) for n in cands}
+    if size is None:
+        fits = cands if len(set(shapes.values())) == 1 else []
+    else:
+        fits = [n for n in cands if shapes[n] == (size, size)]
+    return fits[0][:-len(".weight")] if fits else None
 
 
 def _is_transform_name(name: str, groups: Sequence[TransformGroup]) -> bool:

@@ -96,10 +96,33 @@ def plain_logits(d):
 
 def test_missing_and_stray_transform_tensors_are_errors(tmp_path):
     d, _, sd = make_checkpoint(tmp_path, quip_like("random-hadamard"))
-    sd2 = {k: v for k, v in sd.items() if k != "model.layers.1.mlp.up_proj.u_output.weight"}
+    # no u_output of order 96 (gate / up_proj outputs) left at all: nothing to share either
+    sd2 = {k: v for k, v in sd.items() if not (k.endswith("u_output.weight") and v.shape[0] == 96)}
     save_file(sd2, str(d / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="expected tensor 'model.layers.1.mlp.up_proj.u_output.weight'"):
+    with pytest.raises(CheckpointError, match="expected tensor 'model.layers.0.mlp.gate_proj.u_output.weight'"):
         load_causal_lm(d, tokenizer=False)
+
+
+@pytest.mark.parametrize("randomize", [False, True])
+def test_shared_transform_weights_saved_once_are_read(tmp_path, randomize):
+    """compressed-tensors shares one weight (and perm) per group and size and save_pretrained keeps each tied
+    tensor once, under the first module holding it (llm-compressor's QuIP checkpoints): the other modules use it."""
+    d, ref, sd = make_checkpoint(tmp_path, quip_like("random-hadamard", randomize))
+    kept, seen = {}, set()
+    order = [n for n, _ in transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).named_modules()]
+    for k in sorted(sd, key=lambda k: (order.index(k.rsplit(".", 2)[0]) if k.rsplit(".", 2)[0] in order else -1, k)):
+        parts = k.split(".")
+        if len(parts) > 2 and parts[-2] in ("v_input", "u_output"):
+            key = (parts[-2][0], tuple(sd[k.rsplit(".", 1)[0] + ".weight"].shape), parts[-1])
+            if key in seen:
+                continue
+            seen.add(key)
+        kept[k] = sd[k]
+    assert len([k for k in kept if k.endswith("_input.weight")]) == 2  # orders 48 and 96, as their checkpoints
+    save_file(kept, str(d / "model.safetensors"))
+    model, _, _ = load_causal_lm(d, tokenizer=False)
+    got = np.asarray(nnx.jit(lambda m, x: m(x)[0])(model, jnp.asarray(IDS)))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("tc,match", [
