@@ -44,6 +44,9 @@ def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] 
     """Quantize MiniLM's Linear layers (pooler included) with `scheme`, calibrated on `sentences` (default: the
     shipped set), and write the checkpoint to `dst`. Returns {"layers", "searched", "seconds", "path"}.
 
+    The sentences are batched without padding (`embedded.calibration_batches`: grouped by length, at most
+    `batch_size` a batch): padded positions would enter every layer's H = E[x x^T] and activation ranges.
+
     weight_search: "rtn" (round-to-nearest weights; calibration still sets static activation scales),
     "mse", "gptq" or "mse+gptq" (see `qformats.nn.quantize_model`).
 
@@ -63,7 +66,7 @@ def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] 
         raise ModelError("calibration needs at least one sentence")
     t0 = time.perf_counter()
     tok = embedded.Tokenizer()
-    batches = [tok(sentences[i:i + batch_size]) for i in range(0, len(sentences), batch_size)]
+    batches = embedded.calibration_batches(tok, sentences, batch_size)  # no padding rows in H
     model = embedded.load_minilm()
     log(f"calibrating all-MiniLM-L6-v2 on {len(sentences)} sentences ({len(batches)} batches), "
         f"{ss.name}, weights: {weight_search}")

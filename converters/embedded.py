@@ -18,7 +18,8 @@ from qformats.errors import CheckpointError, ModelError
 from qformats.models import minilm
 
 __all__ = [
-    "PACKAGE", "WEIGHTS_FILE", "model_dir", "read_config", "load_minilm", "Tokenizer", "default_sentences",
+    "PACKAGE", "WEIGHTS_FILE", "model_dir", "read_config", "load_minilm", "Tokenizer", "calibration_batches",
+    "default_sentences", "heldout_sentences",
     "torch_reference_embeddings", "load_checkpoint", "save_checkpoint", "SMOLLM2_PACKAGE", "smollm2_gguf",
 ]
 
@@ -140,10 +141,62 @@ class Tokenizer:
         return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
 
 
+def calibration_batches(tokenizer: Tokenizer, sentences: Sequence[str], batch_size: int = 32,
+                        bucket: int = 8) -> list[dict]:
+    """Padding-free calibration batches: every row of every batch is real text (attention_mask all ones).
+
+    A sentence of n tokens (after the tokenizer's truncation) goes to the bucket of length
+    L = n - (n mod bucket) (L = n when n < bucket) and is truncated to L tokens, [CLS] first and [SEP] last
+    (the tokenizer's truncation drops the last n - L word pieces, never the special tokens); each bucket is
+    cut into batches of at most `batch_size` in input order; batches come in increasing length. So there
+    are at most (longest / bucket) + bucket distinct shapes (jit compilations), and every position is a
+    token of a real sentence. bucket=1 keeps every sentence whole (one compilation per distinct length).
+
+    Why: a padded position is still a row of every Linear's input (the attention mask hides it only as a
+    key), so it enters the calibration statistics: GPTQ's H = E[x x^T], the MSE search's importance,
+    activation ranges. Padded batches of the 64 shipped sentences (32 a batch, lengths rounded up to 16)
+    are ~65% padding rows — states that no sentence embedding pools — and GPTQ fitted the weights to them,
+    which made the worst held-out sentence worse than round-to-nearest (BENCHMARKS.md, "MiniLM held out").
+
+    Raises:
+      ModelError: batch_size or bucket not a positive int.
+    """
+    for name, v in (("batch_size", batch_size), ("bucket", bucket)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ModelError(f"calibration_batches: {name} must be a positive int, got {v!r}")
+    by_length: dict[int, list[str]] = {}
+    for s in sentences:
+        n = int(tokenizer([s])["attention_mask"].sum())
+        by_length.setdefault(n if n < bucket else n - n % bucket, []).append(s)
+    batches = []
+    for n in sorted(by_length):
+        group = by_length[n]
+        batches += [tokenizer(group[i:i + batch_size], length=n) for i in range(0, len(group), batch_size)]
+    return batches
+
+
 def default_sentences() -> list[str]:
     """The evaluation / calibration sentences shipped with the package (converters/data/sentences.txt),
     one a line, blank lines dropped."""
     text = importlib.resources.files("converters").joinpath("data/sentences.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+HELDOUT_SETS = ("eval", "calib")
+
+
+def heldout_sentences(which: str) -> list[str]:
+    """Two disjoint sets of English prose sentences (converters/data/heldout_eval.txt: 256; heldout_calib.txt:
+    256) taken from the Python documentation's prose as the standard library ships it (`pydoc_data.topics`,
+    PSF License): `which` = "eval" to evaluate on, "calib" to calibrate on. They share no sentence with each
+    other or with `default_sentences()` (another kind of text); bench/minilm_heldout.py rebuilds them.
+
+    Raises:
+      ModelError: `which` is not "eval" or "calib".
+    """
+    if which not in HELDOUT_SETS:
+        raise ModelError(f"heldout_sentences: which must be one of {HELDOUT_SETS}, got {which!r}")
+    text = importlib.resources.files("converters").joinpath(f"data/heldout_{which}.txt").read_text(encoding="utf-8")
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 

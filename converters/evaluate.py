@@ -120,7 +120,7 @@ def evaluate(schemes: Sequence[str], sentences: Sequence[str], *, calibrated: bo
     calib = None
     if calibrated:
         cs = list(calibration_sentences) if calibration_sentences else list(sentences)
-        calib = [tok(cs[i:i + batch_size]) for i in range(0, len(cs), batch_size)]
+        calib = embedded.calibration_batches(tok, cs, batch_size)  # no padding rows in H
     results: Dict[str, dict] = {}
     variants = [(s, RTN) for s in schemes]
     if calibrated:
