@@ -84,6 +84,87 @@ for name in schemes:
         del model
 '''
 
+THEIRS_W4A4 = r'''
+import json, math, sys, warnings
+warnings.filterwarnings("ignore")
+import numpy as np, torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+from compressed_tensors.quantization import preset_name_to_scheme
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+src, windows_path, ids_path, out_path, seq_len = sys.argv[1:6]
+windows = torch.from_numpy(np.load(windows_path).astype(np.int64))
+ids = json.load(open(ids_path))
+out = {}
+for rot in ("none", "quip", "spinquant"):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    recipe = [QuantizationModifier(config_groups={"group_0": preset_name_to_scheme("NVFP4", ["Linear"])},
+                                   ignore=["lm_head"])]
+    if rot == "quip":
+        from llmcompressor.modifiers.transform import QuIPModifier
+        recipe.insert(0, QuIPModifier())
+    elif rot == "spinquant":
+        from llmcompressor.modifiers.transform import SpinQuantModifier
+        recipe.insert(0, SpinQuantModifier(transform_type="random-hadamard"))
+    ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
+    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=int(seq_len), num_calibration_samples=len(ids),
+            batch_size=len(ids))
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, windows.shape[0], 4):
+            w = windows[i:i + 4]
+            logits = model(w).logits.float()[:, :-1]
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, w[:, 1:, None])[..., 0]
+            total += float(-lp.double().sum())
+    tokens = windows.shape[0] * (windows.shape[1] - 1)
+    out[f"NVFP4|{rot}"] = {"ppl": math.exp(total / tokens), "tokens": tokens}
+    print(rot, out[f"NVFP4|{rot}"], file=sys.stderr, flush=True)
+    json.dump(out, open(out_path, "w"))
+    del model
+'''
+
+
+def w4a4(a, src: Path, work: Path, windows) -> str:
+    """NVFP4 weights and activations (static per-tensor input global scales calibrated on --samples numpy docstrings
+    of exactly --calib-len tokens, one batch, round-to-nearest weights, float propagation as llm-compressor's
+    QuantizationModifier runs): ours via quantize_calibrated_lm with and without rotate, theirs with none / QuIP /
+    SpinQuant before QuantizationModifier(NVFP4)."""
+    from calibrate_lm import calibration_lines
+
+    from converters.calibrate import quantize_calibrated_lm
+    from converters.causal_lm import load_causal_lm, load_tokenizer
+    from converters.perplexity import perplexity
+
+    tok = load_tokenizer(src)
+    ids = [x[:a.calib_len] for x in (tok.encode(t).ids for t in calibration_lines(8 * a.samples))
+           if len(x) >= a.calib_len][:a.samples]
+    (work / "ids.json").write_text(json.dumps(ids))
+    np.save(work / "ids.npy", np.asarray(ids, np.int32))
+    proc = None
+    if a.oneshot_python:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        proc = subprocess.Popen([a.oneshot_python, "-c", THEIRS_W4A4, str(src), str(work / "windows.npy"),
+                                 str(work / "ids.json"), str(work / "theirs_w4a4.json"), str(a.calib_len)], env=env,
+                                stdout=sys.stderr)
+    ours = {}
+    for rot in (None, "random-hadamard"):
+        d = work / f"NVFP4-{rot or 'none'}"
+        quantize_calibrated_lm(src, d, "NVFP4", work / "ids.npy", weight_search="rtn", propagate="float",
+                               calibration_tokens=10 ** 9, seq_len=a.calib_len, rotate=rot, rotate_seed=a.seed,
+                               overwrite=True)
+        model, _, _ = load_causal_lm(d, tokenizer=False)
+        ours[rot or "none"] = perplexity(model, windows)["ppl"]
+        print("NVFP4", rot, ours[rot or "none"], file=sys.stderr, flush=True)
+    theirs = {}
+    if proc is not None and proc.wait() == 0:
+        theirs = json.loads((work / "theirs_w4a4.json").read_text())
+    t = {k.split("|")[1]: v["ppl"] for k, v in theirs.items()}
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    return (f"| NVFP4 (W4A4, {len(ids)} x {a.calib_len} calibration tokens) | {f(ours['none'])} | "
+            f"{f(ours['random-hadamard'])} | {f(t.get('none'))} | {f(t.get('quip'))} | {f(t.get('spinquant'))} |")
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -94,6 +175,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-windows", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0, help="random-hadamard signs (ours)")
     ap.add_argument("--work", help="directory for checkpoints (default: a temp dir, removed)")
+    ap.add_argument("--w4a4", action="store_true", help="only the NVFP4 (W4A4, calibrated) row")
+    ap.add_argument("--samples", type=int, default=16, help="--w4a4: calibration samples")
+    ap.add_argument("--calib-len", type=int, default=128, help="--w4a4: tokens per calibration sample")
     a = ap.parse_args(argv)
 
     from llm_ppl import document_text
@@ -111,6 +195,13 @@ def main(argv=None) -> int:
     np.save(work / "windows.npy", windows)
     schemes = [s for s in a.schemes.split(",") if s]
     uptime0 = os.getloadavg()
+    if a.w4a4:
+        t0 = time.perf_counter()
+        row = w4a4(a, src, work, windows)
+        print(f"load average {uptime0[0]:.2f} -> {os.getloadavg()[0]:.2f}; {time.perf_counter() - t0:.0f} s")
+        print(row)
+        (work / "w4a4.md").write_text(row + "\n")
+        return 0
 
     theirs_proc, theirs_out = None, work / "theirs.json"
     if a.oneshot_python:
