@@ -315,7 +315,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: DuoScaling = True,
         QuantScheme), the one `calibrate_decoder` then quantizes with.
       n_grid, duo_scaling: llm-compressor's AWQModifier options (`grid`).
       record: optional list; one dict per applied mapping is appended ({"layer", "smooth", "balances", "ratio",
-        "duo", "scales", "x_mean", "initial_error", "best_error"}).
+        "duo", "scales", "x_mean", "errors" (the loss at each grid point), "initial_error", "best_error"}).
 
     Raises:
       ModelError: a scheme without weights, duo scaling with per-tensor weights (llm-compressor refuses it), bad
@@ -349,13 +349,14 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: DuoScaling = True,
             graphdef, state = nnx.split(layer)
             refs = [_parent_out(graphdef, state, x, *e, m.parent) for x, e in zip(inputs, extras)]
             count = tokens * int(refs[0].shape[-1])
-            best, best_err, best_point, first = None, math.inf, None, None
+            best, best_err, best_point, first, errors = None, math.inf, None, None, []
             for ratio, duo in points:
                 s = candidate_scales(x_mean, w_mean, ratio, duo)
                 ks = tuple(fake_quantize_scaled(k, s, ws) for k in origs)
                 sse = sum(float(_parent_sse(graphdef, state, ks, x, *e, r, v, m.parent, m.balances))
                           for x, e, r, v in zip(inputs, extras, refs, valid))
                 err = sse / count
+                errors.append(err)
                 if first is None:
                     first = err
                 if err < best_err:
@@ -374,7 +375,8 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: DuoScaling = True,
                 sm.weight.set_value(_in_dtype(_unscale, sm.weight.get_value(), best))
             if record is not None:
                 record.append({"layer": index, "smooth": m.smooth, "balances": m.balances, "ratio": best_point[0],
-                               "duo": best_point[1], "scales": np.asarray(best), "x_mean": x_mean, "initial_error": first,
+                               "duo": best_point[1], "scales": np.asarray(best), "x_mean": x_mean, "errors": errors,
+                               "initial_error": first,
                                "best_error": best_err})
 
     return transform
