@@ -50,6 +50,7 @@ from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
 from qformats.fused import group_amax, shared_global_scale, sibling_groups
 from qformats.grouping import expected_shapes
+from qformats.kv_cache import kv_cache_name, parse_kv_cache
 from qformats.nn.rules import group_indivisible
 from qformats.presets import parse_scheme
 from qformats.qarray import QArray
@@ -279,7 +280,8 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                         max_shard_size: "int | str" = "5GB", overwrite: bool = False,
                         progress: "bool | TextIO" = True, fuse_global_scales: bool = True,
                         skip_indivisible: bool = False, rotate: Optional[str] = None, rotate_seed: int = 0,
-                        rotations: Sequence[str] = ("R1", "R2"), transform: Any = None) -> QuantizeSummary:
+                        rotations: Sequence[str] = ("R1", "R2"), transform: Any = None,
+                        kv_cache: Any = None) -> QuantizeSummary:
     """Quantize the Linear weights of the dense safetensors checkpoint `src` into a compressed-tensors
     checkpoint at `dst` (see the module docstring for the selection rule).
 
@@ -299,6 +301,9 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
         quantization_config.transform_config as llm-compressor's SpinQuantModifier records them.
       transform: a `converters.rotate.Rotated` whose rotations `src` already carries (what rotate_checkpoint
         returned for it): its transform_config is recorded and its online tensors written (dense).
+      kv_cache: a dynamic FP8 KV-cache scheme ("fp8:dynamic" or a `qformats.kv_cache.KVCacheScheme`), recorded as
+        quantization_config.kv_cache_scheme (no tensors: scales are computed as the cache is written). Static
+        ("fp8", "fp8:head") scales are calibrated from data: `converters.calibrate.quantize_calibrated_lm`.
     Returns a QuantizeSummary (its `.text()` is printed at the end when progress is on).
 
     Raises:
@@ -323,7 +328,7 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                 summary = quantize_checkpoint(rotated, dst, scheme, ignore=ignore, targets=targets,
                                               max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
                                               fuse_global_scales=fuse_global_scales,
-                                              skip_indivisible=skip_indivisible, transform=rec)
+                                              skip_indivisible=skip_indivisible, transform=rec, kv_cache=kv_cache)
             except CheckpointError as e:
                 raise CheckpointError(f"{src} rotated ({rotate}, {'+'.join(rec.rotations)}): "
                                       f"{str(e).replace(str(rotated), 'the rotated copy')}") from None
@@ -333,6 +338,16 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
     ss = _as_scheme_set(scheme)
     if ss.weights is None:
         raise CheckpointError(f"scheme {ss.name!r} quantizes no weights")
+    if isinstance(kv_cache, str):
+        try:
+            kv_cache = parse_kv_cache(kv_cache)
+        except QFormatsError as e:
+            raise CheckpointError(str(e)) from None
+    if kv_cache is not None and not kv_cache.dynamic:
+        raise CheckpointError(f"KV-cache scheme {kv_cache_name(kv_cache)!r} has static k_scale / v_scale, which need "
+                              f"calibration data (a data-free quantize has no keys or values to measure): calibrate "
+                              f"(qformats quantize SRC DST --calibrate FILE, converters.calibrate."
+                              f"quantize_calibrated_lm) or use the dynamic 'fp8:dynamic'")
     for role, act in (("input", ss.input_activations), ("output", ss.output_activations)):
         if act is not None and act.dynamic is not True:
             raise CheckpointError(f"scheme {ss.name!r} has static {role} activation scales, which need calibration "
@@ -424,7 +439,8 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                 w.add_dense(n, a)
             prog.close()
             w.finish(base_cfg, ignore=sorted(ignored + skipped), targets=list(targets), copy_from=src_dir,
-                     transform_config=None if transform is None else transform.transform_config)
+                     transform_config=None if transform is None else transform.transform_config,
+                     kv_cache_scheme=kv_cache)
     dst_bytes = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
     summary = QuantizeSummary(str(src), str(dst), ss.name, nq, len(infos) - nq, src_bytes, dst_bytes, qdense,
                               qstored, time.monotonic() - t0, skipped)

@@ -122,3 +122,71 @@ def test_reads_compressed_tensors_layout_and_refuses_bad_scales(dense_dir, tmp_p
         load_causal_lm(_with_kv(dense_dir, tmp_path / "dyn", ct_dict(dynamic=True)), tokenizer=False)
     with pytest.raises(CheckpointError, match="only FP8"):
         load_causal_lm(_with_kv(dense_dir, tmp_path / "int8", ct_dict(type="int")), tokenizer=False)
+
+
+def _hf_kv_amax(hf, samples, per_head):
+    """max |state| of the post-RoPE keys and the values transformers' float model puts into its cache, per layer
+    (over every sample; per KV head when `per_head`)."""
+    out = None
+    with torch.no_grad():
+        for s in samples:
+            cache = hf(torch.tensor(s[None], dtype=torch.long), use_cache=True).past_key_values
+            cur = []
+            for i in range(len(hf.model.layers)):
+                k, v = cache.layers[i].keys, cache.layers[i].values  # [1, G, T, D]
+                red = (0, 2, 3) if per_head else (0, 1, 2, 3)
+                cur.append(tuple(x.abs().amax(dim=red).reshape(-1) for x in (k, v)))
+            out = cur if out is None else [(torch.maximum(a, c), torch.maximum(b, d)) for (a, b), (c, d) in zip(out, cur)]
+    return out
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8:head"])
+def test_calibrated_checkpoint_writes_kv_scales_of_the_calibration_data(dense_dir, tmp_path, kv):
+    """quantize_calibrated_lm(kv_cache=...) with round-to-nearest weights: llm-compressor keeps the model float
+    while it calibrates, so k_scale = max|post-RoPE keys| / 448 of the float model on the calibration samples
+    (compared with transformers' cache states: equal up to float32 accumulation order, 2e-6 relative)."""
+    from converters.calibrate import quantize_calibrated_lm
+    from converters.calibration_data import load_calibration
+
+    np.save(tmp_path / "calib.npy", np.random.RandomState(1).randint(0, 128, 60).astype(np.int32))
+    out = tmp_path / "q"
+    quantize_calibrated_lm(dense_dir, out, "W4A16:g16", tmp_path / "calib.npy", weight_search="rtn", seq_len=16,
+                           kv_cache=kv)
+    scheme = KVCacheScheme("tensor" if kv == "fp8" else "attn_head")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"] == ct_dict(scheme.strategy) and qc["format"] == "pack-quantized"
+    samples = load_calibration(tmp_path / "calib.npy", None, seq_len=16, max_tokens=65536, seed=0, vocab_size=128)
+    hf = transformers.LlamaForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
+    ref = _hf_kv_amax(hf, samples, scheme.strategy == "attn_head")
+    model, _, _ = load_causal_lm(out, tokenizer=False)
+    assert kv_cache_scheme(model) == scheme
+    from converters.safetensors_io import open_checkpoint
+    with open_checkpoint(out) as ck:
+        for i in range(2):
+            for j, n in enumerate("kv"):
+                name = f"model.layers.{i}.self_attn.{n}_scale"
+                got = np.asarray(ck.get(name))
+                assert got.shape == scheme.scale_shape(2) and got.dtype == np.float32
+                np.testing.assert_allclose(got.reshape(-1), (ref[i][j] / 448).numpy(), rtol=2e-6, err_msg=name)
+                np.testing.assert_array_equal(got, np.asarray(kv_scale_tensors(model)[name]))
+
+
+def test_data_free_kv_cache_is_dynamic_only(dense_dir, tmp_path):
+    from converters.cli import main
+    from converters.quantize_checkpoint import quantize_checkpoint
+
+    quantize_checkpoint(dense_dir, tmp_path / "dyn", "W4A16:g16", kv_cache="fp8:dynamic", progress=False)
+    qc = json.loads((tmp_path / "dyn" / "config.json").read_text())["quantization_config"]
+    assert qc["kv_cache_scheme"] == ct_dict(dynamic=True)
+    model, _, _ = load_causal_lm(tmp_path / "dyn", tokenizer=False)
+    assert kv_cache_scheme(model) == KVCacheScheme("tensor", dynamic=True) and not kv_scale_tensors(model)
+    for kv in ("fp8", "fp8:head"):
+        with pytest.raises(CheckpointError, match="static k_scale / v_scale, which need calibration data"):
+            quantize_checkpoint(dense_dir, tmp_path / kv, "W4A16:g16", kv_cache=kv, progress=False)
+        assert main(["quantize", str(dense_dir), str(tmp_path / kv), "--scheme", "W4A16:g16", "--kv-cache", kv,
+                     "--quiet"]) == 2
+        assert not (tmp_path / kv).exists()
+    assert main(["quantize", str(dense_dir), str(tmp_path / "cli"), "--scheme", "W4A16:g16", "--kv-cache",
+                 "fp8:dynamic", "--quiet"]) == 0
+    assert json.loads((tmp_path / "cli" / "config.json").read_text())["quantization_config"]["kv_cache_scheme"] == \
+        ct_dict(dynamic=True)
