@@ -167,7 +167,21 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     if propagate is None:
         propagate = "float" if weight_search == RTN else "quantized"
     gptq = GPTQOptions(block_size=block_size, dampening_frac=dampening_frac, actorder=actorder)
+    transform = None
+    if awq:
+        from qformats.awq import awq_transform
+
+        transform = awq_transform(scheme, n_grid=awq_n_grid, duo_scaling=awq_duo_scaling)
+    if smooth is not None:
+        from qformats.smoothquant import smoothquant_transform
+
+        transform = smoothquant_transform(smooth)
     t0 = time.perf_counter()
+    if rotate is None and kv_cache is None and _streamable(Path(src)):  # one layer resident at a time
+        return _quantize_streamed(Path(src), dst, scheme, calibration, weight_search=weight_search, gptq=gptq,
+                                  propagate=propagate, transform=transform, seq_len=seq_len,
+                                  calibration_tokens=calibration_tokens, seed=seed, overwrite=overwrite, t0=t0,
+                                  log=log)
     with tempfile.TemporaryDirectory(prefix="qformats-rotated-") as rot_dir:
         rotated = None
         if rotate is not None:  # before calibration: the rotated model is the one calibrated
@@ -183,15 +197,6 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     log(f"loaded {src} ({model.config.model_type}, {model.config.num_layers} layers) in "
         f"{time.perf_counter() - t0:.1f} s; {len(samples)} calibration samples, "
         f"{sum(len(s) for s in samples)} tokens from {calibration}")
-    transform = None
-    if awq:
-        from qformats.awq import awq_transform
-
-        transform = awq_transform(scheme, n_grid=awq_n_grid, duo_scaling=awq_duo_scaling)
-    if smooth is not None:
-        from qformats.smoothquant import smoothquant_transform
-
-        transform = smoothquant_transform(smooth)
     info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq, propagate=propagate,
                              transform=transform, kv_cache=kv_cache, log=log)
     names = {n: ("/".join(str(p) for p in slot.path), slot.transpose)
@@ -213,6 +218,136 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         save_compressed(model, dst, names, config=dict(hf_config), copy_from=copy_from, overwrite=overwrite,
                         ignore=ignore, kv_cache_scheme=kv_cache,
                         transform_config=None if rotated is None else rotated.transform_config)
+    seconds = time.perf_counter() - t0
+    log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")
+    return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}
+
+
+def _streamable(src: Path) -> bool:
+    """A dense (not compressed-tensors) HF checkpoint directory: calibrated streaming, one layer resident."""
+    from converters.safetensors_io import read_json
+
+    if not (src.is_dir() and (src / "config.json").is_file()):
+        return False
+    cfg = read_json(src / "config.json")
+    return isinstance(cfg, dict) and "quantization_config" not in cfg
+
+
+def _release(module) -> None:
+    """Drops a module's arrays (each Variable holds a scalar placeholder afterwards): a layer that was written out."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    for _, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Variable):
+            var.set_value(jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_search: str, gptq, propagate: str,
+                       transform, seq_len: int, calibration_tokens: int, seed, overwrite: bool, t0: float,
+                       log: Callable[[str], None]) -> dict:
+    """`quantize_calibrated_lm` for a dense checkpoint directory, streamed: the model is built abstract
+    (shapes only), each decoder layer's tensors are read from the memory-mapped checkpoint just before its
+    calibration (`calibrate_decoder`'s load_layer) and its packed result goes to the checkpoint writer right
+    after (store_layer), its arrays then dropped; the embeddings of the calibration tokens are gathered from
+    the map. The dense model is never resident: peak memory is one layer (plus the packed layers waiting in the
+    writer's shard and the calibration activations). Same tensors, values and checks as loading it whole."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from converters.calibration_data import load_calibration
+    from converters.causal_lm import load_tokenizer
+    from converters.ct_write import CompressedWriter
+    from converters.safetensors_io import open_checkpoint, read_json
+    from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names, inv_freq
+    from qformats.models.sequential import calibrate_decoder
+    from qformats.nn import export_quantized
+
+    hf_config = read_json(src / "config.json")
+    try:
+        cfg = DecoderConfig.from_hf(hf_config)
+    except ModelError as e:
+        raise CheckpointError(f"{src / 'config.json'}: {e}") from None
+    model = nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    tok = load_tokenizer(src)
+    tokenize = None if tok is None else (lambda text: tok.encode(text).ids)
+    samples = load_calibration(calibration, tokenize, seq_len=seq_len, max_tokens=calibration_tokens, seed=seed,
+                               vocab_size=cfg.vocab_size)
+    slots = hf_tensor_names(cfg)
+
+    def var(root, path):
+        for p in path[:-1]:
+            root = root[p] if isinstance(p, int) else getattr(root, p)
+        return getattr(root, path[-1])
+
+    with open_checkpoint(src) as ck, CompressedWriter(dst, overwrite=overwrite) as w:
+        # every check of a whole load (decoder.load_hf_tensors), before any work
+        names = set(ck.keys())
+        missing = sorted(n for n in slots if n not in names)
+        unexpected, bad = [], []
+        for n in sorted(names - set(slots)):
+            if n == "lm_head.weight" and cfg.tie_word_embeddings:
+                if not np.array_equal(ck.get(n), ck.get("model.embed_tokens.weight")):
+                    bad.append(f"{n} (tied to model.embed_tokens.weight, but the values differ)")
+            elif n.endswith("rotary_emb.inv_freq"):
+                if not np.array_equal(np.asarray(ck.get(n), np.float32), inv_freq(cfg)):
+                    bad.append(f"{n} (differs from the config's RoPE inverse frequencies)")
+            else:
+                unexpected.append(n)
+        for n, slot in slots.items():
+            if n in names:
+                want = tuple(var(model, slot.path).get_value().shape)
+                want = want[::-1] if slot.transpose else want
+                if tuple(ck.info(n).shape) != want:
+                    bad.append(f"{n} (shape {tuple(ck.info(n).shape)}, expected {want})")
+        ck.drop_pages()
+        if missing or unexpected or bad:
+            problems = [f"{len(x)} {what}: {', '.join(x[:6])}" + (" ..." if len(x) > 6 else "")
+                        for x, what in ((missing, "missing"), (unexpected, "unexpected"), (bad, "wrong")) if x]
+            raise CheckpointError(f"{src}: expected the tensors of a {cfg.model_type} decoder; " + "; ".join(problems))
+        log(f"streaming {src} ({cfg.model_type}, {cfg.num_layers} layers) in {time.perf_counter() - t0:.1f} s; "
+            f"{len(samples)} calibration samples, {sum(len(s) for s in samples)} tokens from {calibration}")
+        per_layer = {i: [n for n in slots if slots[n].path[:3] == ("model", "layers", i)]
+                     for i in range(cfg.num_layers)}
+
+        def load_layer(i, layer):
+            for n in per_layer[i]:
+                slot = slots[n]
+                v = var(layer, slot.path[3:])
+                a = ck.get(n)
+                v.set_value(jnp.asarray(a.T if slot.transpose else a, dtype=jnp.float32))
+            ck.drop_pages()
+
+        def store_layer(i, layer):
+            packed = export_quantized(layer)  # projection path relative to the layer -> QArray, scales
+            for n in per_layer[i]:
+                slot = slots[n]
+                rel = "/".join(str(p) for p in slot.path[3:-1])
+                if rel in packed and slot.path[-1] == "kernel":
+                    mod = n.rsplit(".", 1)[0]
+                    w.add_qarray(mod, packed[rel]["weight"], packed[rel]["schemes"])
+                    for local in ("input_scale", "input_global_scale"):
+                        if local in packed[rel]:
+                            w.add_dense(f"{mod}.{local}", np.asarray(packed[rel][local]))
+                else:
+                    a = np.asarray(var(layer, slot.path[3:]).get_value())
+                    w.add_dense(n, a.T if slot.transpose else a)
+            _release(layer)
+
+        def embed(ids):
+            rows = np.asarray(ck.get("model.embed_tokens.weight")[np.asarray(ids)], np.float32)
+            ck.drop_pages()
+            return rows
+
+        info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq,
+                                 propagate=propagate, transform=transform, embed=embed, load_layer=load_layer,
+                                 store_layer=store_layer, log=log)
+        for n, slot in slots.items():  # embeddings, final norm, an untied lm_head: as the checkpoint has them
+            if slot.path[:2] != ("model", "layers"):
+                w.add_dense(n, np.asarray(ck.get(n), np.float32))
+        w.finish(dict(hf_config), ignore=[] if cfg.tie_word_embeddings else ["lm_head"], copy_from=src)
     seconds = time.perf_counter() - t0
     log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}

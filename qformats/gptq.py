@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from qformats.quantize import check_input, quantize
 from qformats.scales import compute_scales
 from qformats.schemes import QuantScheme
 
-__all__ = ["gptq_quantize", "gptq_hinv"]
+__all__ = ["gptq_quantize", "gptq_quantize_shared", "gptq_hinv"]
 
 
 _ACTORDERS = (None, "static", "weight")
@@ -101,53 +101,132 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
     Returns:
       A QArray like `quantize(w, scheme, axis)` returns (same scales unless `qparams` is given).
     """
-    w = check_input(w, scheme, "gptq_quantize")
+    w2, s_rows, z_rows, qparams, concrete = _prepare(w, scheme, h, block_size, dampening_frac, axis, qparams,
+                                                     actorder, "gptq_quantize")
+    q2 = _run(w2, jnp.asarray(h), s_rows, z_rows, qparams, scheme, block_size, dampening_frac, actorder,
+              concrete, tuple(w.shape))
+    return _requantize(q2, w, scheme, qparams)
+
+
+def gptq_quantize_shared(ws: Sequence, scheme: QuantScheme, h, *, block_size: int = 128,
+                         dampening_frac: float = 0.01, axis: int = 0,
+                         qparams: Optional[Sequence[Optional[QArray]]] = None,
+                         actorder: Optional[str] = None) -> List[QArray]:
+    """GPTQ of several weights that read the same input (one Hessian `h`), e.g. a decoder layer's q/k/v or
+    gate/up projections: `[gptq_quantize(w_i, scheme, h, qparams=qparams_i, ...) for each i]`, computed as one
+    problem.
+
+    Why one problem gives the same result: in `gptq_quantize`'s step 5 every output row n of the [K, N] view
+    only ever meets its own elements, H (through U) and its own scales; rows never mix. So the [K, N_i] views
+    are concatenated along N into [K, sum N_i], run through one column loop (one compilation per concatenated
+    shape, one sequential pass over the K columns instead of one per weight) and split again; each piece is
+    re-quantized with its own scales as `gptq_quantize` does. The element operations are the same ones, so the
+    codes equal the separate calls' (the lazy block update's matmul sums the same 128-term products per
+    element; tests/qformats/test_gptq.py checks equality).
+
+    Weights whose qparams carry different NVFP4 global scales cannot share the loop (the scale is one scalar
+    there): they are quantized one by one.
+
+    Args:
+      ws: the weights (same contracted size K along `axis`), each as `gptq_quantize`'s `w`.
+      scheme, h, block_size, dampening_frac, axis, actorder: as `gptq_quantize`, shared by all.
+      qparams: None, or one entry (a QArray or None) per weight.
+
+    Returns:
+      One QArray per weight, in order.
+    """
+    ws = list(ws)
+    if not ws:
+        raise SchemeError("gptq_quantize_shared: expected at least one weight, got none")
+    qps = list(qparams) if qparams is not None else [None] * len(ws)
+    if len(qps) != len(ws):
+        raise SchemeError(f"gptq_quantize_shared: {len(ws)} weights but {len(qps)} qparams")
+    prep = [_prepare(w, scheme, h, block_size, dampening_frac, axis, qp, actorder, "gptq_quantize_shared")
+            for w, qp in zip(ws, qps)]
+    gs = [p[3].global_scale for p in prep]
+    concrete = all(p[4] for p in prep)
+    same_g = all(g is None for g in gs) or (
+        all(g is not None and not isinstance(g, jax.core.Tracer) for g in gs)
+        and all(bool(jnp.all(jnp.asarray(g) == jnp.asarray(gs[0]))) for g in gs[1:]))
+    h = jnp.asarray(h)
+    if len(ws) == 1 or not same_g:
+        return [_requantize(_run(w2, h, s, z, qp, scheme, block_size, dampening_frac, actorder, conc,
+                                 tuple(w.shape)), w, scheme, qp)
+                for w, (w2, s, z, qp, conc) in zip(ws, prep)]
+    w2 = jnp.concatenate([p[0] for p in prep], axis=1)
+    s_rows = jnp.concatenate([p[1] for p in prep], axis=1)
+    z_rows = None if prep[0][2] is None else jnp.concatenate([p[2] for p in prep], axis=1)
+    q2 = _run(w2, h, s_rows, z_rows, prep[0][3], scheme, block_size, dampening_frac, actorder, concrete,
+              tuple(w2.shape))
+    out, start = [], 0
+    for w, p in zip(ws, prep):
+        n = p[0].shape[1]
+        out.append(_requantize(q2[:, start:start + n], w, scheme, p[3]))
+        start += n
+    return out
+
+
+def _prepare(w, scheme, h, block_size, dampening_frac, axis, qparams, actorder, fn: str):
+    """Validates gptq_quantize's arguments; returns (w2 [K, N] float32, s_rows, z_rows, qparams, concrete)."""
+    w = check_input(w, scheme, fn)
     if isinstance(actorder, str) and actorder.lower() in ("group", "dynamic"):
-        raise SchemeError(f"gptq_quantize: actorder={actorder!r} computes group scales on the activation-ordered "
+        raise SchemeError(f"{fn}: actorder={actorder!r} computes group scales on the activation-ordered "
                           "(permuted) weight, so each input column needs a g_idx (its group index) at inference; "
                           "qformats' QArray and checkpoint writer carry no g_idx. Use actorder='static' (scales "
                           "of the original column groups, no g_idx needed) or None")
     if not (actorder is None or (isinstance(actorder, str) and actorder in _ACTORDERS)):
-        raise SchemeError(f"gptq_quantize: actorder must be None, 'static' or 'weight', got {actorder!r}")
+        raise SchemeError(f"{fn}: actorder must be None, 'static' or 'weight', got {actorder!r}")
     if w.ndim < 2:
-        raise SchemeError(f"gptq_quantize: expected a kernel with ndim >= 2, got shape {tuple(w.shape)}")
-    axis = normalize_axis(axis, w.ndim, "gptq_quantize")
+        raise SchemeError(f"{fn}: expected a kernel with ndim >= 2, got shape {tuple(w.shape)}")
+    axis = normalize_axis(axis, w.ndim, fn)
     if scheme.strategy == "block" and w.ndim != 2:
-        raise SchemeError(f"gptq_quantize: block strategy needs a 2-D kernel, got shape {tuple(w.shape)}")
+        raise SchemeError(f"{fn}: block strategy needs a 2-D kernel, got shape {tuple(w.shape)}")
     if not isinstance(block_size, int) or block_size < 1:
-        raise SchemeError(f"gptq_quantize: block_size must be a positive int, got {block_size!r}")
+        raise SchemeError(f"{fn}: block_size must be a positive int, got {block_size!r}")
     if not (isinstance(dampening_frac, (int, float)) and math.isfinite(dampening_frac) and dampening_frac >= 0):
-        raise SchemeError(f"gptq_quantize: dampening_frac must be a finite float >= 0, got {dampening_frac!r}")
+        raise SchemeError(f"{fn}: dampening_frac must be a finite float >= 0, got {dampening_frac!r}")
     k = w.shape[axis]
     h = jnp.asarray(h)
     if h.shape != (k, k):
-        raise SchemeError(f"gptq_quantize: Hessian h must have shape ({k}, {k}) for a weight of shape "
+        raise SchemeError(f"{fn}: Hessian h must have shape ({k}, {k}) for a weight of shape "
                           f"{tuple(w.shape)} contracted along axis {axis}, got shape {tuple(h.shape)}")
     if not jnp.issubdtype(h.dtype, jnp.floating):
-        raise SchemeError(f"gptq_quantize: Hessian h must be a float array, got {h.dtype}")
+        raise SchemeError(f"{fn}: Hessian h must be a float array, got {h.dtype}")
     concrete = not isinstance(h, jax.core.Tracer)
     if concrete and not bool(jnp.all(jnp.isfinite(h))):
-        raise SchemeError(f"gptq_quantize: Hessian h of shape {tuple(h.shape)} has "
+        raise SchemeError(f"{fn}: Hessian h of shape {tuple(h.shape)} has "
                           f"{int(jnp.sum(~jnp.isfinite(h)))} non-finite entries")
 
     if qparams is None:
         qparams = quantize(w, scheme, axis)
     elif not isinstance(qparams, QArray) or qparams.scheme != scheme or qparams.shape != tuple(w.shape) \
             or qparams.axis != axis:
-        raise SchemeError(f"gptq_quantize: qparams must be a QArray of scheme {scheme.describe()!r}, shape "
+        raise SchemeError(f"{fn}: qparams must be a QArray of scheme {scheme.describe()!r}, shape "
                           f"{tuple(w.shape)}, axis {axis}; got {qparams!r}")
-
     # [K, N] working view (input rows; N = every other axis flattened, in QArray.tshape order).
     w2 = jnp.moveaxis(w, axis, 0).reshape(k, -1)
     s_rows, z_rows = _row_qparams(qparams, k, w2.shape[1])
+    return w2.astype(jnp.float32), s_rows, z_rows, qparams, concrete
+
+
+def _run(w2, h, s_rows, z_rows, qparams: QArray, scheme, block_size, dampening_frac, actorder, concrete, shape):
+    """The jitted column loop on the [K, N] float32 view -> Q [K, N] float32; warns (when called eagerly) that
+    GPTQ fell back to round-to-nearest when H' is not positive definite."""
     sdt = qparams.scale.dtype if qparams.scale.dtype in R.FLOAT_DTYPES else jnp.dtype(jnp.float32)
-    q2, fallback = _gptq_jit(w2.astype(jnp.float32), h.astype(jnp.float32), s_rows, z_rows,
-                             qparams.global_scale, jnp.float32(dampening_frac), scheme, block_size, sdt.name,
-                             actorder is not None)
+    q2, fallback = _gptq_jit(w2, h.astype(jnp.float32), s_rows, z_rows, qparams.global_scale,
+                             jnp.float32(dampening_frac), scheme, block_size, sdt.name, actorder is not None)
     if concrete and not isinstance(fallback, jax.core.Tracer) and bool(fallback):
+        k = h.shape[0]
         warnings.warn(f"gptq_quantize: the dampened Hessian ({k}x{k}) is not positive definite; weight of "
-                      f"shape {tuple(w.shape)} quantized with round-to-nearest (as llm-compressor falls "
-                      "back). Consider a larger dampening_frac or more calibration data.", stacklevel=2)
+                      f"shape {shape} quantized with round-to-nearest (as llm-compressor falls "
+                      "back). Consider a larger dampening_frac or more calibration data.", stacklevel=3)
+    return q2
+
+
+def _requantize(q2, w, scheme, qparams: QArray) -> QArray:
+    """Q [K, N] float32 back to w's layout and dtype, re-quantized with the fixed scales of `qparams`."""
+    axis = qparams.axis
+    k = w.shape[axis]
     rest = tuple(s for i, s in enumerate(w.shape) if i != axis)
     q = jnp.moveaxis(q2.reshape((k,) + rest), 0, axis).astype(w.dtype)
     return quantize(q, scheme, axis, scale=qparams.scale, zero_point=qparams.zero_point,

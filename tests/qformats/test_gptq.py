@@ -1,4 +1,5 @@
-"""gptq_quantize: reduces to RTN for H = c I, beats RTN on correlated inputs, dead inputs, layouts, errors.
+"""gptq_quantize: reduces to RTN for H = c I, beats RTN on correlated inputs, dead inputs, layouts, errors;
+gptq_quantize_shared equals separate calls.
 
 Parity with llm-compressor's own GPTQ (torch) is measured by bench/gptq_parity.py (it needs the llm-compressor
 venv, whose compressed-tensors pin differs from this project's test extra).
@@ -13,7 +14,7 @@ import pytest
 
 from qformats import QuantScheme, SchemeError, dequantize, presets, quantize
 from qformats.formats import FloatFormat
-from qformats.gptq import gptq_hinv, gptq_quantize
+from qformats.gptq import gptq_hinv, gptq_quantize, gptq_quantize_shared
 from qformats.observers import mse_quantize
 
 K, N = 128, 48
@@ -303,3 +304,32 @@ def test_actorder_dead_inputs_jit_and_bad_values():
     for bad in ("Static", "descending", True, 1):
         with pytest.raises(SchemeError, match="actorder must be None"):
             gptq_quantize(W, scheme, H, actorder=bad)
+
+
+@pytest.mark.parametrize("name", ["W4A16", "W4A16_ASYM", "int4 g32", "NVFP4A16"])
+@pytest.mark.parametrize("actorder", [None, "static"])
+def test_shared_hessian_equals_separate_calls(name, actorder):
+    """Weights reading one input (q/k/v) quantized as one [K, sum N] problem: exactly the codes, scales and zero
+    points of one gptq_quantize per weight (given qparams included; NVFP4 with a global scale the weights share,
+    and with different ones, which are quantized one by one)."""
+    scheme = SCHEMES[name] if name in SCHEMES else presets[name].weights
+    ws = [W, W[:, :16] * 3.0, jax.random.normal(jax.random.key(5), (K, 32), jnp.float32) * 0.02]
+    qps = None
+    if name == "int4 g32":
+        qps = [mse_quantize(w, scheme, 0, importance=jnp.diagonal(H)) for w in ws]
+    if name == "NVFP4A16":  # a shared global scale (a fused group's), then each weight's own
+        g = quantize(ws[1], scheme, 0).global_scale
+        qps = [quantize(w, scheme, 0, global_scale=g) for w in ws]
+    for given in ([qps] if qps is None or name != "NVFP4A16" else [qps, None]):
+        got = gptq_quantize_shared(ws, scheme, H, actorder=actorder, qparams=given)
+        for i, (w, q) in enumerate(zip(ws, got)):
+            want = gptq_quantize(w, scheme, H, actorder=actorder, qparams=None if given is None else given[i])
+            assert q.shape == w.shape and q.scheme == want.scheme
+            for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"weight {i}")
+    with pytest.raises(SchemeError, match="at least one weight"):
+        gptq_quantize_shared([], scheme, H)
+    with pytest.raises(SchemeError, match="qparams"):
+        gptq_quantize_shared(ws, scheme, H, qparams=[None])
+    with pytest.raises(SchemeError, match="Hessian h must have shape"):
+        gptq_quantize_shared([W, W[:64]], scheme, H)

@@ -50,6 +50,12 @@ def test_make_batches_pads_by_bucket():
     assert b.valid[0].sum() == 8 and not b.valid[0][0, 3:].any() and b.valid[1].sum() == 39
     c = make_batches([np.arange(1, 4)] * 5, tokens_per_batch=16, bucket=8)  # 2 rows a batch, the last one padded
     assert [a.shape for a in c.ids] == [(2, 8)] * 3 and c.valid[2].sum() == 3
+    # max_padding: buckets merge into longer ones while padding <= max_padding * real tokens (47 here)
+    assert [a.shape for a in make_batches(s, tokens_per_batch=64, bucket=8, max_padding=1.0).ids] == [(2, 8), (1, 40)]
+    m = make_batches(s, tokens_per_batch=64, bucket=8, max_padding=2.0)  # padding 9 + 2 * 32 = 73 <= 94
+    assert [a.shape for a in m.ids] == [(1, 40)] * 3 and m.tokens == 47
+    assert [int(v.sum()) for v in m.valid] == [3, 5, 39]
+    np.testing.assert_array_equal(m.ids[1][0, :5], np.arange(1, 6))
 
 
 def test_rtn_equals_quantize_model():
