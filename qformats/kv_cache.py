@@ -13,7 +13,10 @@ the states laid out [batch, kv_heads, seq, head_dim] -- the layout of `qformats.
 Static scales (`dynamic: false`) live on the attention module as `k_scale` / `v_scale` and are calibrated
 from data: scale = amax / 448 over every calibration batch (min-max: compressed-tensors' `calculate_qparams`
 for symmetric FP8, `max(|min(x, 0)|, max(x, 0)) / ((448 - (-448)) / 2)`, a zero scale replaced by the
-scale dtype's eps). Dynamic scales (`dynamic: true`, "tensor" only: compressed-tensors refuses dynamic
+scale dtype's eps). That is llm-compressor 0.14's `static_minmax` observer; its default for a kv_cache_scheme
+without an `observer` is the moving-average `minmax` (m <- 0.99 m + 0.01 batch min/max, over its shuffled
+calibration batches), which depends on the sample order and is not reproduced here: give llm-compressor
+`observer: "static_minmax"` in the kv_cache_scheme to get these scales. Dynamic scales (`dynamic: true`, "tensor" only: compressed-tensors refuses dynamic
 `attn_head`) are computed the same way from each block of states written at once (a prefill, a decode step),
 over the whole block, batch included. A cache keeps uint8 codes: 1 byte per element against 2 (bfloat16)
 or 4 (float32); a dynamic cache adds one float32 scale per position.
