@@ -47,6 +47,7 @@ import numpy as np
 from flax import nnx
 
 from qformats.errors import ModelError
+from qformats.nn import resolve_scheme
 from qformats.quantize import dequantize, quantize
 from qformats.schemes import QuantScheme
 
@@ -321,8 +322,6 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: DuoScaling = True,
       ModelError: a scheme without weights, duo scaling with per-tensor weights (llm-compressor refuses it), bad
         grid options; per layer (naming it): a missing or non-float module, online rotations, no finite loss.
     """
-    from qformats.nn import resolve_scheme
-
     ss = resolve_scheme(scheme)
     if ss is None or ss.weights is None:
         raise ModelError(f"AWQ: scheme {scheme!r} quantizes no weights; AWQ scales need a weight scheme")
