@@ -167,6 +167,8 @@ def _quantize(a) -> int:
         raise _Usage(f"qformats quantize: error: expected [SRC] DST, found {len(a.paths)} paths")
     if a.weight_search is not None and a.calibrate is None:
         raise _Usage("qformats quantize: error: --weight-search needs --calibrate")
+    if a.awq and a.calibrate is None:
+        raise _Usage("qformats quantize: error: --awq needs --calibrate FILE (AWQ scales come from calibration data)")
     if a.calibrate is not None:
         return _quantize_calibrated(a)
     if a.kv_cache is not None and a.kv_cache != "fp8:dynamic":

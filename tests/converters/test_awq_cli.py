@@ -92,7 +92,9 @@ def test_awq_with_smoothquant_refused(tiny, tmp_path, capsys):
     assert main(["quantize", str(tiny / "src"), str(tmp_path / "b"), "--scheme", SCHEME, "--calibrate",
                  str(tiny / "calib.npy"), "--awq", "--smooth", "0.5"]) == 2
     assert "--awq and --smooth" in capsys.readouterr().err
+    assert main(["quantize", str(tiny / "src"), str(tmp_path / "d"), "--scheme", SCHEME, "--awq"]) == 2
+    assert "--awq needs --calibrate" in capsys.readouterr().err
     with pytest.raises(ModelError, match="duo_scaling"):
         quantize_calibrated_lm(tiny / "src", tmp_path / "c", SCHEME, tiny / "calib.npy", awq=True,
                                awq_duo_scaling="sometimes")
-    assert not any((tmp_path / n).exists() for n in "abc")
+    assert not any((tmp_path / n).exists() for n in "abcd")
