@@ -106,9 +106,11 @@ def evaluate(schemes: Sequence[str], sentences: Sequence[str], *, calibrated: bo
 
     Calibrated variants, one per weight search in `searches` ("mse": clipping search weighted by the
     layer inputs' second moments; "gptq": GPTQ with H = E[x x^T]; "mse+gptq"), with static activation
-    scales, calibrated on `calibration_sentences` (default: the evaluation sentences themselves; a
-    held-out half gives the same gains, see the tests' notes). quantize_model keeps a search only where
-    it beats round-to-nearest on the calibration batches (`compare_rtn`).
+    scales, calibrated on `calibration_sentences` (default: the evaluation sentences themselves, which
+    overstates the gain: pass a disjoint set for a quality figure, e.g. `embedded.heldout_sentences`; see
+    BENCHMARKS.md, "MiniLM held out"), batched without padding rows (`embedded.calibration_batches`).
+    quantize_model keeps a search only where it beats round-to-nearest on the calibration batches
+    (`compare_rtn`).
     """
     tok = embedded.Tokenizer()
     if reference is None:
