@@ -122,9 +122,10 @@ def prepare_weight(q: QArray, backend: Optional[str] = None) -> Optional[KernelW
 def xla_qdot(x: jax.Array, q: QArray) -> jax.Array:
     """y = x @ dequantize(q): dequantize inside jit, then dot_general, accumulating in float32.
 
-    One activation row times a 4-bit weight goes through `qformats.packed_dot` (the same weight elements,
-    decoded inside XLA's fused matrix-vector loop: 1.0-1.9x faster on XLA:CPU, bench/packed_gemv.py); other
-    shapes dequantize the whole weight once and use XLA's dot.
+    Up to `qformats.packed_dot.MAX_ROWS` activation rows times a 4- or 8-bit weight (decode, small batches) go
+    through `qformats.packed_dot`: the same weight elements, decoded from the packed codes inside XLA's fused
+    matrix-vector loops, never a dense copy (not even one XLA would hoist out of a decode loop); see
+    bench/packed_gemv.py. More rows (prefill) dequantize the whole weight once and use XLA's dot.
     """
     if packed_dot_supported(x.shape, q):
         return packed_dot(x, q)

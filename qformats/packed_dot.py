@@ -1,75 +1,155 @@
-"""Packed matrix-vector product for decode on the XLA path: a 4-bit weight decoded inside XLA's fused GEMV loop.
+"""Packed matrix-vector products on the XLA path: 4- and 8-bit weights decoded inside XLA:CPU's fused GEMV loops.
 
-Why a path of its own. XLA:CPU does not fuse a dequantize into a library dot, but for a matrix-vector product
-(one activation row, a rank-1 vector operand) it fuses the weight's producer into an elemental dot loop: each
-weight element is computed where the loop reads it, from the packed codes, and no dense weight is written. How
-fast that loop runs is set by what each element costs. The generic `dequantize` unpacks nibbles with a
-concatenate (a branch per element), and decodes and divides the group scale (fp8 -> f32, `/ global_scale`)
-once per *element*. Here, for one row:
+Why a path of its own (measured on XLA:CPU, jax 0.10.2; bench/packed_gemv.py, bench/decode.py):
 
-  - nibble j of byte b is `(b >> 4 j) & 15`, a shift by a broadcast constant (no concatenate);
-  - the per-group factor s' = s / c (c: the global scale, NVFP4) and the zero point are computed once per group
-    [N, G] and kept out of the loop (an optimization barrier stops XLA from recomputing them per element);
-  - the loop then does decode(code) (integer + offset, or the float format's bit decode), minus the zero point,
-    times s', and the multiply-add.
+  - XLA never fuses a weight's producer into a library GEMM; it does fuse it into a matrix-*vector* dot, as an
+    elemental loop (`copy_dot_fusion`: for each output n, a vectorised, reassociated sum over k of the fused
+    weight element times x[k]) -- but only while the vector is under 16 KiB (`kFusionThresholdBytes` in
+    cpu_instruction_fusion.cc): K <= 2048 float32 here. Past it (a 4096-long row) XLA materialises the
+    dequantized weight, transposed, and a 4096 x 4096 GEMV took a second. So K is cut into chunks of at most
+    `CHUNK` elements per dot and the partial sums are added.
+  - Inside that loop, element k of row n must come from contiguous memory. Nibble k = 2i + j of a 4-bit row
+    lives in byte i: indexing byte k // 2 per element made LLVM scalarise the loads (one byte load and insert
+    per element). Here the two nibbles are two dots: y = x_even . W_lo + x_odd . W_hi, where W_j[n, i] is
+    decoded from `(codes[n, i] >> 4 j) & 15` -- byte i for element i, a uniform shift -- and x is split into
+    its even and odd elements before the loop.
+  - Inside `generate`'s `lax.while_loop`, XLA hoists loop-invariant code: the whole dequantize (it depends on the
+    weights only) was moved out of the decode loop, so a dense float32 copy of every weight lived through the
+    loop and each step read it back through a transposed elemental GEMV (W8A16 decode ran at 0.44x of dense).
+    An optimization barrier ties the packed arrays to the activations, which change every step, so nothing of
+    the weight is loop-invariant any more: each step reads the packed codes.
+  - The per-group factor s' = s / c (c: the global scale, NVFP4; E8M0 / fp8 scales decoded) and the zero point
+    are computed once per group [N, G] per call, behind a second barrier, instead of once per element.
+  - Each row of x (up to `MAX_ROWS`) is its own GEMV: several activation rows would make the dot a GEMM, which
+    XLA sends to a library without fusing the decode.
 
 The weight element is bit-identical to `dequantize(q, x.dtype)`'s (same operations, same per-op rounding in the
 scale's dtype, `qformats.rounding`), so the result equals the dequantize-then-dot one up to the order XLA sums in:
 
     W[k, n] = (v[n, k] - z[n, G(k)]) * (s[n, G(k)] / c)          (k along the packed axis, G(k) = k // g)
-    y[n]    = sum_k x[k] W[k, n];    |y - y_ref| <= 2 K eps_f32 sum_k |x[k]| |W[k, n]|
+    y[m, n] = sum_k x[m, k] W[k, n];   |y - y_ref| <= 2 K eps_f32 sum_k |x[m, k]| |W[k, n]|
 
-Several rows (prefill, batches) amortise one dense dequantize over the rows and stay on `xla_qdot`'s path; 8-bit
-weights need no unpacking and are already fast there.
+(y_ref: the exact sum; float32 accumulation in any order is within K eps of it, the chunked sums included.)
 """
 
 from __future__ import annotations
 
 import math
+from typing import List, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qformats import rounding as R
 from qformats.errors import KernelError
-from qformats.grouping import group, keepdims, ungroup
+from qformats.formats import FloatFormat
 from qformats.qarray import QArray, element_values
 
-__all__ = ["packed_dot", "packed_dot_supported"]
+__all__ = ["packed_dot", "packed_dot_supported", "CHUNK", "MAX_ROWS"]
 
 _STRATEGIES = ("tensor", "channel", "group", "tensor_group")
 
+CHUNK = 2048
+"""Most elements of x per fused dot: XLA:CPU fuses a weight into a matrix-vector dot only while the vector is
+under 16 KiB (2048 float32 leaves room for any activation dtype)."""
+
+MAX_ROWS = 8
+"""Most activation rows `packed_dot` takes (one fused GEMV per row); more rows amortise one dense dequantize."""
+
 
 def packed_dot_supported(x_shape, q: QArray) -> bool:
-    """Whether `packed_dot` takes activations of shape `x_shape` [..., K] times q: one activation row (every
-    leading dimension 1), and q a 2-D [K, N] weight of a 4-bit format quantized along K (axis 0) with tensor,
-    channel, group or tensor_group scales."""
+    """Whether `packed_dot` takes activations of shape `x_shape` [..., K] times q: at most `MAX_ROWS` activation
+    rows (the product of the leading dimensions), and q a 2-D [K, N] weight of a 4- or 8-bit format quantized
+    along K (axis 0) with tensor, channel, group or tensor_group scales (4-bit groups of even size)."""
     if not isinstance(q, QArray) or q.ndim != 2 or q.axis != 0:
         return False
-    if q.scheme.bits != 4 or q.scheme.strategy not in _STRATEGIES:
+    s = q.scheme
+    if s.bits not in (4, 8) or s.strategy not in _STRATEGIES:
+        return False
+    if s.bits == 4 and s.strategy in ("group", "tensor_group") and s.group_size % 2:
         return False
     x_shape = tuple(x_shape)
-    return len(x_shape) >= 1 and x_shape[-1] == q.shape[0] and math.prod(x_shape[:-1]) == 1
+    return (len(x_shape) >= 1 and x_shape[-1] == q.shape[0] and 1 <= math.prod(x_shape[:-1]) <= MAX_ROWS)
 
 
-def _nibbles(codes: jax.Array, k: int) -> jax.Array:
-    """uint8 [N, ceil(K/2)] -> [N, K] codes: code 2i + j = (byte i >> 4 j) & 15 (`qformats.packing`'s layout)."""
-    shift = jnp.arange(2, dtype=jnp.uint8) * jnp.uint8(4)
-    u = (codes[..., None] >> shift) & jnp.uint8(15)
-    return u.reshape(codes.shape[:-1] + (-1,))[..., :k]
+def _chunks(q: QArray) -> List[Tuple[int, int]]:
+    """[k0, k1) ranges of K, each a whole number of scale groups, whose per-dot vectors hold <= CHUNK elements
+    (a 4-bit chunk feeds two dots of half its length)."""
+    k = q.shape[0]
+    per = CHUNK * (2 if q.scheme.bits == 4 else 1)
+    if q.scheme.strategy in ("group", "tensor_group"):
+        g = q.scheme.group_size
+        per = max(g, per // g * g)
+    n = -(-k // per)
+    return [(i * per, min(k, (i + 1) * per)) for i in range(n)]
+
+
+def _factor(q: QArray, scale, global_scale, sdt) -> jax.Array:
+    """s' = s / c per group as `dequantize` computes it (E8M0 / fp8 decoded, R.div rounding in sdt): [N, G],
+    [N, 1] or [1]."""
+    if q.scheme.scale_format == "e8m0":
+        from qformats.codec import decode
+
+        s = decode(scale, "e8m0", dtype=sdt)
+    else:
+        s = scale.astype(sdt)
+    if global_scale is not None:
+        s = R.div(s, global_scale, sdt)
+    return s
+
+
+def _values(u: jax.Array, fmt, sdt) -> jax.Array:
+    """element_values(u, fmt, sdt) for 4- or 8-bit codes u: integers as `element_values` computes them; float
+    formats by a 2^bits-entry table of `element_values` itself (one table read per element instead of the
+    bit-level decode; the same values)."""
+    if isinstance(fmt, FloatFormat):
+        with jax.ensure_compile_time_eval():
+            codes = jnp.arange(2 ** fmt.bits, dtype=jnp.int32).astype(jnp.uint8)
+            table = np.asarray(element_values(codes, fmt, sdt))
+        return jnp.asarray(table)[u.astype(jnp.int32)]
+    return element_values(u, fmt, sdt)
+
+
+def _weight(v, s, z, q: QArray, k0: int, step: int, sdt, dtype) -> jax.Array:
+    """W [N, L] for elements k = k0 + step * i (i < L) of every row: (v - z[G(k)]) * s[G(k)], rounded per op in
+    sdt as `dequantize` does, cast to dtype. v: [N, L] element values; step 1 (8-bit) or 2 (one nibble of 4-bit)."""
+    st = q.scheme.strategy
+    n, length = v.shape
+    if st in ("group", "tensor_group"):
+        per = q.scheme.group_size // step          # elements of one group in this strided view
+        g0 = k0 // q.scheme.group_size
+        gs = slice(g0, g0 + length // per)
+        vg = v.reshape(n, length // per, per)
+        if z is not None:
+            vg = R.sub(vg, z[:, gs, None], sdt)
+        return R.mul(vg, s[:, gs, None], sdt).reshape(n, length).astype(dtype)
+    if st == "tensor":
+        s = s.reshape(1, 1)
+        z = None if z is None else z.reshape(1, 1)
+    if z is not None:
+        v = R.sub(v, z, sdt)
+    return R.mul(v, s, sdt).astype(dtype)
+
+
+def _gemv(xv: jax.Array, w: jax.Array) -> jax.Array:
+    """y[n] = sum_i xv[i] w[n, i], float32: the vector-matrix form XLA:CPU fuses w's producer into (w as [L, N])."""
+    return jax.lax.dot_general(xv, w.T, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
-    """y[n] = sum_k x[k] W[k, n] with W = dequantize(q, x.dtype), for one activation row, as one fused GEMV:
+    """y[..., n] = sum_k x[..., k] W[k, n] with W = dequantize(q, x.dtype), each activation row one fused GEMV
+    per chunk of K (and per nibble for 4-bit) that decodes the packed codes inside XLA's dot loop:
 
         W[k, n] = (v[n, k] - z[n, G(k)]) * (s[n, G(k)] / c)
 
-    (v: the 4-bit element values, z: zero point, s: scale, c: global scale; each op rounded as `dequantize`
-    rounds it), with s / c and z prepared per group outside the loop (module docstring).
+    (v: the element values, z: zero point, s: scale, c: global scale; each op rounded as `dequantize` rounds it),
+    with s / c and z prepared per group outside the loop (module docstring). Equal to dequantize-then-dot up to
+    float32 summation order: |y - y_ref| <= 2 K eps sum_k |x[k]| |W[k, n]|.
 
     Args:
-      x: activations [..., K] with every leading dimension 1 (float).
-      q: a 4-bit weight of logical shape [K, N] quantized along axis 0 (`packed_dot_supported`).
+      x: activations [..., K], at most `MAX_ROWS` rows (float).
+      q: a 4- or 8-bit weight of logical shape [K, N] quantized along axis 0 (`packed_dot_supported`).
 
     Returns:
       [..., N] in x's dtype, accumulated in float32.
@@ -78,23 +158,45 @@ def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
       KernelError: (x, q) outside `packed_dot_supported`.
     """
     if not packed_dot_supported(x.shape, q):
-        raise KernelError(f"packed_dot: expected one activation row [..., K] (leading dimensions 1) and a 4-bit "
+        raise KernelError(f"packed_dot: expected at most {MAX_ROWS} activation rows [..., K] and a 4- or 8-bit "
                           f"[K, N] weight quantized along K with tensor, channel, group or tensor_group scales; "
                           f"got x {tuple(x.shape)} and {q!r}")
     scheme = q.scheme
     k, n = q.shape
     sdt = q.scale.dtype if q.scale.dtype in R.FLOAT_DTYPES else jnp.dtype(jnp.float32)
-    view, _ = group(element_values(_nibbles(q.codes, k), scheme.format, sdt), scheme)
-    s = q.scale_values(sdt)
-    if q.global_scale is not None:
-        s = R.div(s, q.global_scale, sdt)
-    parts = [s]
-    if q.zero_point is not None:
-        parts.append(q.zero_point)
-    parts = jax.lax.optimization_barrier(parts)  # per group, once: not recomputed inside the GEMV loop
-    if q.zero_point is not None:
-        view = R.sub(view, keepdims(parts[1], scheme, view.ndim), sdt)
-    w = ungroup(R.mul(view, keepdims(parts[0], scheme, view.ndim), sdt), scheme, q.tshape).astype(x.dtype)
-    # [K, N] as the GEMV operand (measured faster in XLA:CPU's fused loop than contracting [N, K] on its K).
-    y = jax.lax.dot_general(x.reshape(k), w.T, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    rows = x.reshape(-1, k)
+    chunks = _chunks(q)
+    nib = scheme.bits == 4
+    # x cut into the contiguous vectors of each dot (even / odd elements per nibble) before the loops read it
+    xs = [[rows[m, k0:k1][j::2] for j in range(2)] if nib else [rows[m, k0:k1]]
+          for m in range(rows.shape[0]) for k0, k1 in chunks]
+    # the barrier makes the packed arrays depend on x: XLA cannot hoist the decode out of a decode loop
+    xs, codes, scale, zp, gscale = jax.lax.optimization_barrier(
+        (xs, q.codes, q.scale, q.zero_point, q.global_scale))
+    s = _factor(q, scale, gscale, sdt)
+    z = None if zp is None else zp
+    s, z = jax.lax.optimization_barrier((s, z))  # per group, once per call: not recomputed per element
+    if z is not None and scheme.strategy == "tensor":
+        z = z.reshape(1)
+    parts = []
+    for idx, xv in enumerate(xs):
+        k0, k1 = chunks[idx % len(chunks)]
+        if nib:
+            b = codes[:, k0 // 2:(k1 + 1) // 2]
+            for j in range(2):
+                length = xv[j].shape[0]
+                u = ((b >> jnp.uint8(4 * j)) & jnp.uint8(15))[:, :length]
+                v = _values(u, scheme.format, sdt)
+                parts.append(_gemv(xv[j], _weight(v, s, z, q, k0, 2, sdt, x.dtype)))
+        else:
+            v = _values(codes[:, k0:k1], scheme.format, sdt)
+            parts.append(_gemv(xv[0], _weight(v, s, z, q, k0, 1, sdt, x.dtype)))
+    # summed as ones . stack(parts): XLA output-fuses a plain `a + b` of matrix-vector dots into one of them,
+    # which makes that dot a library call and un-fuses its weight (and it rewrites a sum over a stack into adds)
+    per_row = len(parts) // rows.shape[0]
+    if per_row == 1:
+        y = jnp.stack(parts)
+    else:
+        y = jnp.stack([jax.lax.dot_general(jnp.ones((per_row,), jnp.float32), jnp.stack(parts[m * per_row:(m + 1) * per_row]),
+                                           (((0,), (0,)), ((), ()))) for m in range(rows.shape[0])])
     return y.astype(x.dtype).reshape(x.shape[:-1] + (n,))

@@ -1,16 +1,18 @@
-"""packed_dot: one-row 4-bit GEMV equal to dequantize-then-dot up to summation order; dispatch routes to it."""
+"""packed_dot: fused 4/8-bit GEMVs equal to dequantize-then-dot up to summation order; no dense copy in a loop."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import qformats.packed_dot as packed_dot_module
 from qformats import dequantize, quantize
 from qformats.dispatch import xla_qdot
 from qformats.errors import KernelError
-from qformats.packed_dot import packed_dot, packed_dot_supported
+from qformats.packed_dot import MAX_ROWS, packed_dot, packed_dot_supported
 from qformats.presets import presets
 from qformats.schemes import QuantScheme
 
@@ -30,40 +32,60 @@ def _weight(name_or_scheme, k, n, seed=0):
 
 
 def _reference(x, q):
-    """float64 sum of x * dequantize(q) (the exact product of the same weight elements) and the bound
+    """float64 x @ dequantize(q) (the exact products of the same weight elements) per row, and the bound
     2 K eps_f32 sum_k |x_k| |W_kn| on float32 accumulation in any order."""
     w = np.asarray(dequantize(q, dtype=x.dtype), np.float64)
-    x64 = np.asarray(x, np.float64).reshape(-1)
+    x64 = np.asarray(x, np.float64).reshape(-1, w.shape[0])
     return x64 @ w, 2 * w.shape[0] * EPS * (np.abs(x64) @ np.abs(w))
 
 
 SCHEMES = ["W4A16:g64", "W4A16", "W4A16_ASYM", "NVFP4A16", "MXFP4A16", "FP4_E2M1", "FP4_E2M1_G32",
+           "W8A16:g64", "W8A16", "FP8_E4M3", "MXFP8A16",
            QuantScheme("int4", "tensor", scale_format="input"),
            QuantScheme("int4", "channel", symmetric=False, scale_format="input"),
+           QuantScheme("int8", "group", group_size=32, symmetric=False, scale_format="input"),
            QuantScheme("fp4_e2m1", "group", group_size=32, scale_format="bfloat16")]
 
 
+def _fit(scheme, k):
+    if isinstance(scheme, str) and scheme.startswith("W") and ":g" not in scheme and k % 128:
+        return scheme + ":g64"  # 128 does not divide 576
+    return scheme
+
+
 @pytest.mark.parametrize("scheme", SCHEMES, ids=str)
-@pytest.mark.parametrize("k,n", [(256, 96), (576, 192)])
-def test_matches_dequantize_then_dot(scheme, k, n):
-    if isinstance(scheme, str) and scheme.startswith("W4A16") and ":g" not in scheme and k % 128:
-        scheme = scheme + ":g64"  # 128 does not divide 576
-    q = _weight(scheme, k, n)
-    x = jnp.asarray(np.random.RandomState(1).standard_normal((1, 1, k)).astype(np.float32))
+@pytest.mark.parametrize("k,n,rows", [(256, 96, 1), (576, 192, 3)])
+def test_matches_dequantize_then_dot(scheme, k, n, rows):
+    q = _weight(_fit(scheme, k), k, n)
+    x = jnp.asarray(np.random.RandomState(1).standard_normal((1, rows, k)).astype(np.float32))
     y = np.asarray(jax.jit(packed_dot)(x, q))
-    assert y.shape == (1, 1, n) and y.dtype == np.float32
+    assert y.shape == (1, rows, n) and y.dtype == np.float32
     ref, bound = _reference(x, q)
-    err = np.abs(y.reshape(-1).astype(np.float64) - ref)
+    err = np.abs(y.reshape(rows, n).astype(np.float64) - ref)
     assert np.all(err <= bound), (err / bound).max()
     # the dequantize-then-dot path (a full dense weight) agrees to the same bound
     yd = np.asarray(jax.jit(lambda x, q: jax.lax.dot_general(
-        x, dequantize(q, dtype=x.dtype), (((2,), (0,)), ((), ()))))(x, q), np.float64).reshape(-1)
+        x, dequantize(q, dtype=x.dtype), (((2,), (0,)), ((), ()))))(x, q), np.float64).reshape(rows, n)
     assert np.all(np.abs(yd - ref) <= bound)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16:g64", "W4A16_ASYM:g32", "NVFP4A16", "W8A16:g64", "FP8_E4M3", "FP4_E2M1"])
+def test_chunks_of_k(monkeypatch, scheme):
+    """K cut into several fused dots (XLA fuses a weight into a matrix-vector dot only for vectors < 16 KiB):
+    the same result bound, whatever the chunk size, including a last partial chunk."""
+    monkeypatch.setattr(packed_dot_module, "CHUNK", 64)
+    k, n = 448, 40  # 4-bit: chunks of 128 elements (two nibble dots of 64), the last one partial
+    q = _weight(scheme, k, n, seed=5)
+    assert len(packed_dot_module._chunks(q)) >= 3
+    x = jnp.asarray(np.random.RandomState(6).standard_normal((2, k)).astype(np.float32))
+    ref, bound = _reference(x, q)
+    err = np.abs(np.asarray(jax.jit(packed_dot)(x, q), np.float64) - ref)
+    assert np.all(err <= bound), (err / bound).max()
 
 
 def test_weight_elements_equal_dequantize():
     """The in-loop weight is dequantize's, bit for bit: with x a one-hot row, y is row k of the weight."""
-    for name in ("W4A16:g64", "W4A16_ASYM:g64", "NVFP4A16", "MXFP4A16"):
+    for name in ("W4A16:g64", "W4A16_ASYM:g64", "NVFP4A16", "MXFP4A16", "W8A16:g64", "FP8_E4M3", "MXFP8A16"):
         q = _weight(name, 128, 48, seed=3)
         w = np.asarray(dequantize(q, dtype=jnp.float32))
         f = jax.jit(packed_dot)
@@ -86,29 +108,71 @@ def test_supported():
     q4 = _weight("W4A16:g64", 128, 32)
     assert packed_dot_supported((1, 128), q4) and packed_dot_supported((128,), q4)
     assert packed_dot_supported((1, 1, 128), q4)
-    assert not packed_dot_supported((2, 128), q4)        # several rows: dequantize once, XLA dot
-    assert not packed_dot_supported((1, 64), q4)         # K mismatch
-    assert not packed_dot_supported((1, 128), _weight("W8A16:g64", 128, 32))   # 8-bit: no unpacking
+    assert packed_dot_supported((2, 4, 128), q4) and packed_dot_supported((MAX_ROWS, 128), q4)
+    assert not packed_dot_supported((MAX_ROWS + 1, 128), q4)  # many rows: dequantize once, XLA dot
+    assert not packed_dot_supported((1, 64), q4)          # K mismatch
+    assert packed_dot_supported((1, 128), _weight("W8A16:g64", 128, 32))
     assert not packed_dot_supported((1, 128), _weight("MXFP6A16", 128, 32))    # 6-bit
+    assert not packed_dot_supported((1, 128), _weight(presets["FP8_BLOCK"].weights, 128, 128))   # block scales
     q1 = quantize(jnp.ones((32, 128)), presets["W4A16"].weights, axis=1)
     assert not packed_dot_supported((1, 32), q1)           # quantized along N, not K
 
 
 def test_refuses_unsupported():
-    with pytest.raises(KernelError, match="one activation row"):
-        packed_dot(jnp.ones((3, 128)), _weight("W4A16:g64", 128, 32))
-    with pytest.raises(KernelError, match="4-bit"):
-        packed_dot(jnp.ones((1, 128)), _weight("W8A16:g64", 128, 32))
+    with pytest.raises(KernelError, match="activation rows"):
+        packed_dot(jnp.ones((MAX_ROWS + 1, 128)), _weight("W4A16:g64", 128, 32))
+    with pytest.raises(KernelError, match="4- or 8-bit"):
+        packed_dot(jnp.ones((1, 128)), _weight("MXFP6A16", 128, 32))
 
 
-def test_dispatch_routes_one_row_to_packed_dot():
-    """xla_qdot takes packed_dot for one row of a 4-bit weight (its jaxpr has packed_dot's barrier) and the
-    dense dequantize for several rows; both agree with the reference."""
+def _while_shapes(text: str):
+    """(dtype, element count) of every array in the tuple of each `while` of an optimized HLO module."""
+    out = []
+    for line in text.splitlines():
+        if " while(" in line:
+            head = line.split(" while(")[0]
+            for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", head):
+                out.append((dt, int(np.prod([int(d) for d in dims.split(",") if d] or [1]))))
+    return out
+
+
+@pytest.mark.parametrize("name", ["W8A16:g64", "W4A16:g64", "NVFP4A16"])
+def test_no_dense_copy_of_the_weight_in_a_decode_loop(name):
+    """In a lax loop with a loop-invariant weight (a decode loop), XLA would hoist the whole dequantize out of
+    the loop and keep a dense float32 copy in the loop state; the packed arrays must be what the loop reads."""
+    k = 256
+
+    def loop(x, q):
+        return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(xla_qdot(h, q))[..., :k] + h, x)
+
+    x = jnp.asarray(np.random.RandomState(7).standard_normal((1, k)).astype(np.float32))
+    qk = _weight(name, k, k)
+    text = jax.jit(loop).lower(x, qk).compile().as_text()
+    shapes = _while_shapes(text)
+    assert shapes, "no while loop in the compiled module"
+    assert all(c < k * k for dt, c in shapes if dt[0] in "fb"), shapes   # no float array of the weight's size
+    assert any(dt in ("u8", "s8") and c == qk.codes.size for dt, c in shapes), shapes   # the packed codes
+    # and the loop computes the same as three dequantize-then-dot steps
+    w = dequantize(qk, dtype=jnp.float32)
+    h = x
+    for _ in range(3):
+        h = jnp.tanh(h @ w)[..., :k] + h
+    np.testing.assert_allclose(np.asarray(jax.jit(loop)(x, qk)), np.asarray(h), rtol=0, atol=1e-5)
+
+
+def test_dispatch_routes_few_rows_to_packed_dot():
+    """xla_qdot takes packed_dot for up to MAX_ROWS rows of a 4/8-bit weight (its jaxpr has packed_dot's
+    barrier) and the dense dequantize for more rows; both agree with the reference."""
     q = _weight("MXFP4A16", 256, 64)
     x1 = jnp.asarray(np.random.RandomState(4).standard_normal((1, 1, 256)).astype(np.float32))
     assert "optimization_barrier" in str(jax.make_jaxpr(xla_qdot)(x1, q))
-    assert "optimization_barrier" not in str(jax.make_jaxpr(xla_qdot)(jnp.concatenate([x1, x1], 1), q))
+    x2 = jnp.concatenate([x1, 2 * x1], 1)
+    assert "optimization_barrier" in str(jax.make_jaxpr(xla_qdot)(x2, q))
+    many = jnp.concatenate([x1] * (MAX_ROWS + 1), 1)
+    assert "optimization_barrier" not in str(jax.make_jaxpr(xla_qdot)(many, q))
     ref, bound = _reference(x1, q)
     assert np.all(np.abs(np.asarray(xla_qdot(x1, q), np.float64).reshape(-1) - ref) <= bound)
-    y2 = np.asarray(xla_qdot(jnp.concatenate([x1, 2 * x1], 1), q), np.float64)
+    y2 = np.asarray(xla_qdot(x2, q), np.float64)
     assert np.all(np.abs(y2[0, 1] - 2 * ref) <= 2 * bound)
+    ym = np.asarray(xla_qdot(many, q), np.float64)
+    assert np.all(np.abs(ym[0, -1] - ref) <= bound)
