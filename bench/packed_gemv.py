@@ -5,8 +5,9 @@
 
 x [1, K] float32 times a [K, N] weight quantized along K (random normal * 0.05, seed 0): "dense" is x @ W with
 W = dequantize(q) precomputed (f32, 4 bytes per weight); "dequantize+dot" is `dequantize(q)` then dot_general
-inside one jit (the generic XLA path); "packed_dot" is `qformats.packed_dot.packed_dot` (what `qdot` runs for one
-row of a 4-bit weight). The three run round-robin, --rounds times each; the table shows the best time of each.
+inside one jit (the generic XLA path); "packed_dot" is `qformats.packed_dot.packed_dot` (what `qdot` runs for up to
+8 rows of a 4- or 8-bit weight). The three run round-robin, --rounds times each; the table shows the best time of
+each.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _dequantize_then_dot(x, q):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="576x1536,1536x576,4096x4096")
-    ap.add_argument("--schemes", default="W4A16:g64,W4A16_ASYM:g64,NVFP4A16,MXFP4A16")
+    ap.add_argument("--schemes", default="W4A16:g64,W4A16_ASYM:g64,NVFP4A16,MXFP4A16,W8A16:g64")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--append", action="store_true")
     a = ap.parse_args(argv)

@@ -77,7 +77,8 @@ def registered_kernels() -> List[str]:
 
 
 def set_kernels_enabled(enabled: bool) -> None:
-    """Turn registered kernels on or off globally (env QFORMATS_DISABLE_KERNELS=1 starts with them off).
+    """Turn registered kernels, and the XLA path's fused GEMV (`qformats.packed_dot`), on or off globally (env
+    QFORMATS_DISABLE_KERNELS=1 starts with them off); off, every packed matmul is dequantize-then-dot.
 
     The flag is read at trace time: `qdot`, `prepare_weight` and the layers' code-path choice consult it when a
     function is traced, so a function jit-compiled before the call keeps the path it was compiled with until
@@ -125,9 +126,10 @@ def xla_qdot(x: jax.Array, q: QArray) -> jax.Array:
     Up to `qformats.packed_dot.MAX_ROWS` activation rows times a 4- or 8-bit weight (decode, small batches) go
     through `qformats.packed_dot`: the same weight elements, decoded from the packed codes inside XLA's fused
     matrix-vector loops, never a dense copy (not even one XLA would hoist out of a decode loop); see
-    bench/packed_gemv.py. More rows (prefill) dequantize the whole weight once and use XLA's dot.
+    bench/packed_gemv.py. More rows (prefill), or kernels turned off (`set_kernels_enabled(False)`: every packed
+    matmul dequantizes), dequantize the whole weight once and use XLA's dot.
     """
-    if packed_dot_supported(x.shape, q):
+    if _ENABLED["kernels"] and packed_dot_supported(x.shape, q):
         return packed_dot(x, q)
     w = dequantize(q, dtype=x.dtype)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),

@@ -176,3 +176,19 @@ def test_dispatch_routes_few_rows_to_packed_dot():
     assert np.all(np.abs(y2[0, 1] - 2 * ref) <= 2 * bound)
     ym = np.asarray(xla_qdot(many, q), np.float64)
     assert np.all(np.abs(ym[0, -1] - ref) <= bound)
+
+
+def test_kernels_off_means_dequantize_then_dot():
+    """set_kernels_enabled(False): xla_qdot dequantizes, bit-identical to dequantize-then-dot."""
+    import qformats
+    q = _weight("W4A16:g64", 256, 64)
+    x = jnp.asarray(np.random.RandomState(8).standard_normal((2, 256)).astype(np.float32))
+    qformats.set_kernels_enabled(False)
+    try:
+        assert "optimization_barrier" not in str(jax.make_jaxpr(xla_qdot)(x, q))
+        y = np.asarray(jax.jit(xla_qdot)(x, q))
+    finally:
+        qformats.set_kernels_enabled(True)
+    want = jax.jit(lambda x, q: jax.lax.dot_general(x, dequantize(q, x.dtype), (((1,), (0,)), ((), ())),
+                                                    preferred_element_type=jnp.float32))(x, q)
+    np.testing.assert_array_equal(y, np.asarray(want))
