@@ -204,20 +204,18 @@ SMOLLM2_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_dense):
     pytest.importorskip("gguf")
     from converters.embedded import smollm2_gguf
 
     path = smollm2_gguf()
-    model, hf_config, tok = load_causal_lm(path)
-    # The torch reference: transformers' LlamaForCausalLM with the GGUF tensors (equal, bit for bit, to
-    # transformers' own GGUF loading: test_gguf_convert).
-    cfg = transformers.AutoConfig.for_model(**hf_config)
+    model, hf_config, tok = load_causal_lm(path)  # ours: straight from the .gguf file
+    # The torch reference: transformers' LlamaForCausalLM on the GGUF tensors as convert_gguf writes them
+    # (the session's converted SmolLM2: equal, bit for bit, to transformers' own GGUF loading, test_gguf_convert).
+    assert json.loads((smollm2_dense / "config.json").read_text()) == hf_config
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    result = ref.load_state_dict({n: torch.tensor(a) for n, a in open_gguf(path).items()}, strict=False)
-    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
+        ref = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dense, dtype=torch.float32).eval()
     assert ref.lm_head.weight.data_ptr() == ref.model.embed_tokens.weight.data_ptr()  # tied
     return model, tok, ref
 

@@ -1,5 +1,5 @@
 """`qformats convert / generate / eval --text / quantize` on causal LMs, through main([...]): the embedded SmolLM2
-(converted once for the module) and a tiny random llama saved by transformers, against transformers' own
+(converted once per test process, tests/conftest.py) and a tiny random llama saved by transformers, against transformers' own
 generate and loss on the same checkpoints."""
 
 from __future__ import annotations
@@ -34,11 +34,15 @@ def text_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    """SmolLM2-135M-Instruct converted from the embedded GGUF by `qformats convert`, once for the module."""
-    dst = tmp_path_factory.mktemp("smol") / "dense"
-    assert main(["convert", str(smollm2_gguf()), str(dst)]) == 0
-    return dst
+def smol(smollm2_dense):
+    """SmolLM2-135M-Instruct converted from the embedded GGUF (tests/conftest.py: once per test process)."""
+    return smollm2_dense
+
+
+@pytest.fixture(scope="module")
+def hf_smol(smol):
+    """transformers' model of the converted SmolLM2, float32, loaded once for the module."""
+    return _hf(smol)
 
 
 @pytest.fixture(scope="module")
@@ -64,23 +68,40 @@ def _hf(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
 
 
-def _hf_greedy(path, n):
+def _hf_greedy(path, n, model=None):
     tok = transformers.AutoTokenizer.from_pretrained(path)
     ids = tok(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
-        out = _hf(path).generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+        out = (model or _hf(path)).generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
     return out[0, ids.shape[1]:].tolist(), tok
 
 
-def _hf_ppl(path, text_file, seq_len, windows):
+def _hf_ppl(path, text_file, seq_len, windows, model=None):
     """transformers' mean loss over the same windows (every window has seq_len - 1 predicted tokens)."""
     tok = transformers.AutoTokenizer.from_pretrained(path)
     ids = tok(text_file.read_text(encoding="utf-8"), add_special_tokens=False).input_ids
     w = torch.tensor(ids[: windows * seq_len]).reshape(windows, seq_len)
-    model = _hf(path)
+    model = model or _hf(path)
     with torch.no_grad():
         losses = [float(model(input_ids=w[i:i + 1], labels=w[i:i + 1]).loss) for i in range(windows)]
     return math.exp(float(np.mean(losses))), sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ---- convert --------------------------------------------------------------------------------------------------
+def test_convert_writes_what_convert_gguf_writes(tmp_path, capsys):
+    """`qformats convert` of a tiny GGUF file: the same files, byte for byte, as converters.gguf_convert.convert_gguf
+    (whose output equals transformers' own GGUF loading: test_gguf_convert, on the embedded SmolLM2 too)."""
+    from converters.gguf_convert import convert_gguf
+    from test_gguf_convert import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    assert main(["convert", str(path), str(tmp_path / "cli")]) == 0
+    ref = convert_gguf(path, tmp_path / "lib")
+    names = sorted(p.name for p in ref.iterdir())
+    assert "model.safetensors" in names and "tokenizer.json" in names
+    assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == names
+    for n in names:
+        assert (tmp_path / "cli" / n).read_bytes() == (ref / n).read_bytes(), n
 
 
 # ---- SmolLM2 -------------------------------------------------------------------------------------------------
@@ -90,10 +111,10 @@ def test_convert_refuses_existing_dst(smol, capsys):
     assert "--overwrite" in capsys.readouterr().err
 
 
-def test_generate_greedy_equals_transformers(smol, capsys):
+def test_generate_greedy_equals_transformers(smol, hf_smol, capsys):
     assert main(["generate", str(smol), "--prompt", PROMPT, "--max-new-tokens", "8", "--json"]) == 0
     got = _json(capsys)
-    want, tok = _hf_greedy(smol, 8)
+    want, tok = _hf_greedy(smol, 8, hf_smol)
     assert got["tokens"] == want
     assert got["text"] == tok.decode(want, skip_special_tokens=True)
 
@@ -107,18 +128,31 @@ def test_generate_w4a16_refused_naming_every_layer(smol, capsys):
     assert "'W4A16:g64'" in err and "--skip-indivisible" in err
 
 
-def test_eval_text_dense_equals_transformers(smol, text_file, capsys):
-    assert main(["eval", str(smol), "--text", str(text_file), "--seq-len", "48", "--max-windows", "2",
-                 "--schemes", "stored,dense", "--json"]) == 0
-    r = _json(capsys)
-    ppl, nbytes = _hf_ppl(smol, text_file, 48, 2)
+@pytest.fixture(scope="module")
+def smol_eval(smol, text_file):
+    """`qformats eval SMOL --text FILE --schemes stored,dense,W4A16:g64` (2 windows of 48 tokens), run once."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["eval", str(smol), "--text", str(text_file), "--seq-len", "48", "--max-windows", "2",
+                     "--schemes", "stored,dense,W4A16:g64", "--json"]) == 0
+    r = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert list(r) == ["stored", "dense", "W4A16:g64"]
+    return r
+
+
+def test_eval_text_dense_equals_transformers(smol, hf_smol, text_file, smol_eval):
+    r = smol_eval
+    ppl, nbytes = _hf_ppl(smol, text_file, 48, 2, hf_smol)
     for k in ("stored", "dense"):
         assert r[k]["tokens"] == 2 * 47 and r[k]["bytes"] == nbytes
         assert abs(r[k]["ppl"] / ppl - 1) < 1e-4  # float32 logits, summation order differs
     assert r["stored"] == r["dense"]
 
 
-def test_quantize_g64_then_eval_stored_equals_rtn_in_memory(smol, text_file, tmp_path, capsys):
+def test_quantize_g64_then_eval_stored_equals_rtn_in_memory(smol, text_file, smol_eval, tmp_path, capsys):
     out = tmp_path / "w4g64"
     assert main(["quantize", str(smol), str(out), "--scheme", "W4A16", "--quiet"]) == 1
     err = capsys.readouterr().err
@@ -128,8 +162,7 @@ def test_quantize_g64_then_eval_stored_equals_rtn_in_memory(smol, text_file, tmp
     args = ["--text", str(text_file), "--seq-len", "48", "--max-windows", "2", "--json"]
     assert main(["eval", str(out), *args]) == 0
     stored = _json(capsys)["stored"]
-    assert main(["eval", str(smol), "--schemes", "W4A16:g64", *args]) == 0
-    rtn = _json(capsys)["W4A16:g64"]
+    rtn = smol_eval["W4A16:g64"]  # `eval SMOL --schemes W4A16:g64` with the same text arguments
     assert stored == rtn  # same codes and scales, packed in the checkpoint or in memory: the same logits
     assert stored["bytes"] < 0.35 * 538060032
     for scheme in ("dense", "W8A16"):

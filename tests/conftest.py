@@ -1,0 +1,63 @@
+"""Suite-wide fixtures: one JAX compilation cache per test run, and the embedded SmolLM2 converted once per process."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+# One intra-op thread per test process for torch (and OpenMP / BLAS numpy): the suite runs one process per core
+# (`pytest -n 2` on 2 cores), and an OpenMP pool with more threads than free cores spin-waits for its
+# descheduled workers: transformers' 32-step SmolLM2 greedy loop took 45-51 s of CPU with 2 threads on a busy
+# 2-core host against 3 s with one. Results do not depend on it beyond accumulation order, which the tests
+# that compare with torch allow for. An OMP_NUM_THREADS set by the caller is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config):
+    if "torch" in sys.modules:  # imported before this file (a plugin): its pool size is already fixed
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def jax_compilation_cache(tmp_path_factory):
+    """JAX's persistent compilation cache in a directory of this run only (shared by the xdist workers of the
+    run, under pytest's own temporary root, which pytest rotates away): a computation compiled by one test,
+    worker or subprocess (the CLI, tests/multidevice) is loaded, not compiled again, by the next one that
+    lowers to the same HLO. Executables loaded from the cache are the compiled ones (XLA serialises them), so
+    what a test checks does not change; only the compile time of repeats goes.
+
+    Set QFORMATS_TEST_JAX_CACHE=0 to compile everything afresh."""
+    if os.environ.get("QFORMATS_TEST_JAX_CACHE", "1") == "0":
+        yield None
+        return
+    import jax
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's root under xdist
+    path = root / "jax-compilation-cache"
+    path.mkdir(exist_ok=True)
+    saved = {k: os.environ.get(k) for k in ("JAX_COMPILATION_CACHE_DIR",)}
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(path)  # inherited by subprocesses
+    prev = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    yield path
+    jax.config.update("jax_compilation_cache_dir", prev)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def smollm2_dense(tmp_path_factory):
+    """The embedded SmolLM2-135M-Instruct GGUF converted by `converters.gguf_convert.convert_gguf` into a dense
+    float32 HF directory, once per test process (tests must not write into it)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    from converters.embedded import smollm2_gguf
+    from converters.gguf_convert import convert_gguf
+
+    return convert_gguf(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "dense")
