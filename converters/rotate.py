@@ -101,10 +101,11 @@ def spinquant_transform_config(kind: str, head_dim: int, rotations: Sequence[str
     return {"config_groups": groups}
 
 
-def rotation_matrix(n: int, kind: str, seed: int = 0, stream: int = 0) -> np.ndarray:
+def rotation_matrix(n: int, kind: str, seed: int = 0, stream: int = 0, signs=None) -> np.ndarray:
     """The unnormalised matrix M [n, n] (float64, M M^T = n I) compressed-tensors' factory of `kind` makes for
     order n: "hadamard" -> Sylvester's H_n (n = 2^k only); "random-hadamard" -> diag(s) Had_n with
-    s = random_signs(n, seed, stream). ModelError when compressed-tensors could not build it either."""
+    s = random_signs(n, seed, stream), or the given `signs`. ModelError when compressed-tensors could not build it
+    either."""
     from converters.transforms import ct_hadamard_bases
 
     if kind not in KINDS:
@@ -131,7 +132,8 @@ def rotation_matrix(n: int, kind: str, seed: int = 0, stream: int = 0) -> np.nda
         raise ModelError(f"a random Hadamard rotation of order {n} needs compressed-tensors' stored Hadamard "
                          f"matrices (transform/utils/hadamards.safetensors of the compressed-tensors package), "
                          f"which are not installed")
-    return random_signs(n, seed, stream)[:, None] * hadamard_matrix(n, base)
+    s = random_signs(n, seed, stream) if signs is None else np.asarray(signs, np.float64)
+    return s[:, None] * hadamard_matrix(n, base)
 
 
 def _dims(cfg: Dict[str, Any], where: str):
@@ -149,7 +151,8 @@ def _dims(cfg: Dict[str, Any], where: str):
 
 def rotate_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", kind: str = "random-hadamard", *,
                       seed: int = 0, rotations: Sequence[str] = ("R1", "R2"), center_embeddings: bool = True,
-                      max_shard_size: "int | str" = "5GB", overwrite: bool = False) -> Rotated:
+                      signs: Optional[Dict[str, Any]] = None, max_shard_size: "int | str" = "5GB",
+                      overwrite: bool = False) -> Rotated:
     """Write at `dst` the dense checkpoint `src` after SpinQuant's `rotations` of `kind` (module docstring), one
     tensor at a time; returns the Rotated record (transform_config and online tensors) for the quantized checkpoint.
 
@@ -158,6 +161,8 @@ def rotate_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", kind: 
       kind: "hadamard" or "random-hadamard"; seed: the random signs' seed (random-hadamard).
       rotations: a subset of ("R1", "R2", "R3", "R4") (SpinQuantModifier's names).
       center_embeddings: step 2 of the module docstring (llm-compressor always does it).
+      signs: random-hadamard only: group name -> the signs s of diag(s) Had_n to use instead of the seeded draw
+        (e.g. the ones torch's generator gives compressed-tensors' factories, to reproduce an llm-compressor run).
 
     Raises:
       ModelError: an unsupported kind, rotation set, model type or tensor, or a size with no such rotation.
@@ -186,6 +191,12 @@ def rotate_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", kind: 
     hidden, head_dim, inter, n_layers = _dims(cfg, str(src / "config.json"))
     mats = {"R1": hidden, "R2": head_dim, "R3": head_dim, "R4": inter}
     m = {r: rotation_matrix(mats[r], kind, seed, _GROUP_INDEX[r]) for r in rotations}
+    for r, s in (signs or {}).items():
+        s = np.asarray(s, np.float64)
+        if kind != "random-hadamard" or r not in m or s.shape != (mats[r],) or not np.all(np.abs(s) == 1):
+            raise ModelError(f"signs[{r!r}]: expected {mats.get(r)} values in {{-1, +1}} for a random-hadamard group "
+                             f"among {list(m)}, found shape {list(s.shape)}")
+        m[r] = rotation_matrix(mats[r], kind, signs=s)
     tc = spinquant_transform_config(kind, head_dim, rotations)
 
     with open_checkpoint(src) as ck:

@@ -135,6 +135,29 @@ def test_rotated_weights_equal_compressed_tensors_factories(tmp_path, kind, ct_s
     np.testing.assert_allclose(ours(tmp_path / "rot"), logits(ref), rtol=0, atol=ATOL)
 
 
+def test_torch_generator_signs_reproduce_llm_compressor_exactly(tmp_path):
+    """compressed-tensors' factories draw their signs from a fresh torch.Generator() (default seed) per group: given
+    those signs, rotate_checkpoint writes the tensors of SpinQuantModifier(transform_type="random-hadamard")'s model
+    (its preparation + apply_transform_config, nothing patched) -- and the same quantized checkpoint, bit for bit
+    (checked against llm-compressor 0.14's saved one by bench/rotation_ppl.py's companion run, BENCHMARKS.md)."""
+    def torch_signs(n):
+        return (torch.randint(0, 2, (n,), generator=torch.Generator(), dtype=torch.float64) * 2 - 1).numpy()
+
+    src, hf = make_src(tmp_path, bias=True)
+    rec = rotate_checkpoint(src, tmp_path / "rot", "random-hadamard", signs={"R1": torch_signs(64),
+                                                                             "R2": torch_signs(16)})
+    ref = llm_compressor_prepared(hf)
+    apply_transform_config(ref, TransformConfig.model_validate(rec.transform_config))
+    sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    with open_checkpoint(tmp_path / "rot") as ck:
+        for n in ck.keys():
+            np.testing.assert_allclose(ck.get(n), sd[n], rtol=2 ** -23, atol=0, err_msg=n)
+    with pytest.raises(ModelError, match="signs"):
+        rotate_checkpoint(src, tmp_path / "x", "random-hadamard", signs={"R1": torch_signs(16)})
+    with pytest.raises(ModelError, match="signs"):
+        rotate_checkpoint(src, tmp_path / "x", "hadamard", signs={"R1": torch_signs(64)})
+
+
 @pytest.mark.parametrize("kind,scheme", [("hadamard", "W4A16:g16"), ("random-hadamard", "W4A16:g16"),
                                          ("random-hadamard", "W8A16:g16")])
 def test_quantized_rotated_checkpoint_loads_in_transformers_with_our_logits(tmp_path, kind, scheme):
