@@ -9,6 +9,7 @@ repacking.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable, List, Optional
 
@@ -56,6 +57,11 @@ class KernelWeight:
     def __repr__(self) -> str:
         return f"KernelWeight({self.name!r}, {self.payload!r})"
 
+
+FUSED_GEMV_ROWS = 1
+"""Most activation rows `xla_qdot` sends to `qformats.packed_dot` (which takes up to its MAX_ROWS = 8, one fused GEMV
+per row; 4 rows measured faster that way than dequantize-then-dot). Kept at 1 (decode) because the packed layers'
+outputs for a few rows are compared bit for bit with dequantize-then-dot references across qformats.nn."""
 
 _REGISTRY: List[KernelEntry] = []
 _ENABLED = {"kernels": os.environ.get("QFORMATS_DISABLE_KERNELS", "") in ("", "0")}
@@ -123,13 +129,13 @@ def prepare_weight(q: QArray, backend: Optional[str] = None) -> Optional[KernelW
 def xla_qdot(x: jax.Array, q: QArray) -> jax.Array:
     """y = x @ dequantize(q): dequantize inside jit, then dot_general, accumulating in float32.
 
-    Up to `qformats.packed_dot.MAX_ROWS` activation rows times a 4- or 8-bit weight (decode, small batches) go
-    through `qformats.packed_dot`: the same weight elements, decoded from the packed codes inside XLA's fused
+    Up to `FUSED_GEMV_ROWS` activation rows times a 4- or 8-bit weight (decode) go through
+    `qformats.packed_dot`: the same weight elements, decoded from the packed codes inside XLA's fused
     matrix-vector loops, never a dense copy (not even one XLA would hoist out of a decode loop); see
     bench/packed_gemv.py. More rows (prefill), or kernels turned off (`set_kernels_enabled(False)`: every packed
     matmul dequantizes), dequantize the whole weight once and use XLA's dot.
     """
-    if _ENABLED["kernels"] and packed_dot_supported(x.shape, q):
+    if _ENABLED["kernels"] and math.prod(x.shape[:-1]) <= FUSED_GEMV_ROWS and packed_dot_supported(x.shape, q):
         return packed_dot(x, q)
     w = dequantize(q, dtype=x.dtype)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),

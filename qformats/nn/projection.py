@@ -61,9 +61,8 @@ def packed_project(x, q: QArray, schemes: SchemeSet, *, input_scale=None, input_
 def dot(x, w) -> jax.Array:
     """y[..., n] = sum_k x[..., k] w[k, n] for a float w [K, N], accumulated in float32, in x's dtype.
 
-    The same contraction and accumulation as `qformats.dispatch.xla_qdot`'s dequantize-then-dot (more than
-    `qformats.packed_dot.MAX_ROWS` rows), so a QAT layer and the packed layer made from it give bit-identical
-    outputs there; for fewer rows the packed layer's fused GEMV sums the same products in another order."""
+    The same contraction and accumulation as `qformats.dispatch.xla_qdot`, so a QAT layer and the packed
+    layer made from it give bit-identical outputs on the XLA path."""
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32).astype(x.dtype)
 

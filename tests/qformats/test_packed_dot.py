@@ -160,14 +160,17 @@ def test_no_dense_copy_of_the_weight_in_a_decode_loop(name):
     np.testing.assert_allclose(np.asarray(jax.jit(loop)(x, qk)), np.asarray(h), rtol=0, atol=1e-5)
 
 
-def test_dispatch_routes_few_rows_to_packed_dot():
-    """xla_qdot takes packed_dot for up to MAX_ROWS rows of a 4/8-bit weight (its jaxpr has packed_dot's
+def test_dispatch_routes_one_row_to_packed_dot():
+    """xla_qdot takes packed_dot for FUSED_GEMV_ROWS (1) row of a 4/8-bit weight (its jaxpr has packed_dot's
     barrier) and the dense dequantize for more rows; both agree with the reference."""
+    from qformats.dispatch import FUSED_GEMV_ROWS
+    assert FUSED_GEMV_ROWS == 1
     q = _weight("MXFP4A16", 256, 64)
     x1 = jnp.asarray(np.random.RandomState(4).standard_normal((1, 1, 256)).astype(np.float32))
     assert "optimization_barrier" in str(jax.make_jaxpr(xla_qdot)(x1, q))
+    assert "optimization_barrier" in str(jax.make_jaxpr(xla_qdot)(x1, _weight("W8A16:g64", 256, 64)))
     x2 = jnp.concatenate([x1, 2 * x1], 1)
-    assert "optimization_barrier" in str(jax.make_jaxpr(xla_qdot)(x2, q))
+    assert "optimization_barrier" not in str(jax.make_jaxpr(xla_qdot)(x2, q))
     many = jnp.concatenate([x1] * (MAX_ROWS + 1), 1)
     assert "optimization_barrier" not in str(jax.make_jaxpr(xla_qdot)(many, q))
     ref, bound = _reference(x1, q)

@@ -154,15 +154,10 @@ def test_qat_grads_reach_every_float_weight_and_convert_is_identical():
     opt.update(model, grads)
     fwd = nnx.jit(lambda m, x: m(x))
     before = fwd(model, X)
-    many = jnp.tile(X, (3, 1))
-    before_many = fwd(model, many)
     dense_bytes = param_bytes(model)
     convert(model)
     assert all(m.mode == "ptq" and isinstance(m.kernel.get_value(), QArray) for m in q.values())
-    # identical on the dequantize-then-dot path (many rows); a few rows take the fused GEMV (qformats.packed_dot),
-    # the same products summed in another order
-    np.testing.assert_array_equal(np.asarray(fwd(model, many)), np.asarray(before_many))
-    np.testing.assert_allclose(np.asarray(fwd(model, X)), np.asarray(before), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(fwd(model, X)), np.asarray(before))
     assert param_bytes(model) < dense_bytes / 3
 
 
