@@ -232,6 +232,8 @@ def _load_compressed(path: Path, model, cfg) -> None:
         load_compressed(path, model, table, ignore=ignore)
     except ModelError as e:
         raise CheckpointError(f"{path}: {e}") from None
+    if cfg.tie_word_embeddings:
+        _check_tied_lm_head(path)
     if kv is not None:
         _load_kv_scales(path, model, cfg, kv)
     for r in rotations[0]:
@@ -262,15 +264,18 @@ def _online_rotations(path: Path, cfg, qc):
     with open_checkpoint(path) as ck:
         tensors = _LazyTensors(ck.keys(), lambda n: ck.info(n).shape, ck.get)
         return online_rotations(groups, tensors, modules, str(path))
-    if cfg.tie_word_embeddings:
-        from converters.safetensors_io import open_checkpoint
 
-        with open_checkpoint(path) as ck:
-            if "lm_head.weight" in ck:
-                emb = np.asarray(ck.get("model.embed_tokens.weight"))
-                if not np.array_equal(np.asarray(ck.get("lm_head.weight")), emb):
-                    raise CheckpointError(f"{path}: lm_head.weight differs from model.embed_tokens.weight but the "
-                                          f"config ties them (tie_word_embeddings)")
+
+def _check_tied_lm_head(path: Path) -> None:
+    """A tied model saved with its (redundant) lm_head.weight: accepted only when it equals the embedding."""
+    from converters.safetensors_io import open_checkpoint
+
+    with open_checkpoint(path) as ck:
+        if "lm_head.weight" in ck:
+            emb = np.asarray(ck.get("model.embed_tokens.weight"))
+            if not np.array_equal(np.asarray(ck.get("lm_head.weight")), emb):
+                raise CheckpointError(f"{path}: lm_head.weight differs from model.embed_tokens.weight but the "
+                                      f"config ties them (tie_word_embeddings)")
 
 
 def _read_config(path: Path) -> dict:

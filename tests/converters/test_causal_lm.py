@@ -126,6 +126,19 @@ def test_tied_checkpoint_loads_in_transformers_unchanged(tiny_dirs, tmp_path):
     _torch_logits(dst)
 
 
+def test_tied_compressed_checkpoint_with_a_different_lm_head_is_an_error(tiny_dirs, tmp_path):
+    """A tied model's compressed checkpoint may carry lm_head.weight only as a copy of the embedding."""
+    dst = tmp_path / "qwen3-W4A16"
+    quantize_checkpoint(tiny_dirs["qwen3"], dst, "W4A16", progress=False)
+    with open_checkpoint(dst) as ck:
+        emb = np.array(ck.get("model.embed_tokens.weight"))
+    same = _rewrite(dst, tmp_path / "same", lambda t: t.__setitem__("lm_head.weight", emb.copy()))
+    load_causal_lm(same, tokenizer=False)  # an equal copy is accepted
+    bad = _rewrite(dst, tmp_path / "bad", lambda t: t.__setitem__("lm_head.weight", emb + 1))
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        load_causal_lm(bad, tokenizer=False)
+
+
 def _rewrite(src: Path, dst: Path, edit) -> Path:
     shutil.copytree(src, dst)
     with open_checkpoint(src) as ck:
