@@ -252,18 +252,21 @@ def _online_rotations(path: Path, cfg, qc):
     groups = parse_transform_config(qc.raw.get("transform_config"), f"{path / 'config.json'}: transform_config")
     if not groups:
         return [], []
-    modules = {}
+    d, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    linear = {"self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+              "self_attn.o_proj": (d, q), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
+    modules, shapes = {}, {}  # HF module -> class; Linear -> (out_features, in_features), from the config
     for i in range(cfg.num_layers):
         modules[f"model.layers.{i}.self_attn"] = "Attention"
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            modules[f"model.layers.{i}.self_attn.{n}"] = "Linear"
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            modules[f"model.layers.{i}.mlp.{n}"] = "Linear"
+        for rel, shape in linear.items():
+            modules[f"model.layers.{i}.{rel}"] = "Linear"
+            shapes[f"model.layers.{i}.{rel}"] = shape
     if not cfg.tie_word_embeddings:
         modules["lm_head"] = "Linear"
+        shapes["lm_head"] = (cfg.vocab_size, d)
     with open_checkpoint(path) as ck:
         tensors = _LazyTensors(ck.keys(), lambda n: ck.info(n).shape, ck.get)
-        return online_rotations(groups, tensors, modules, str(path))
+        return online_rotations(groups, tensors, modules, str(path), shapes)
 
 
 def _check_tied_lm_head(path: Path) -> None:

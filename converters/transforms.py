@@ -173,7 +173,8 @@ def _matches(targets: Sequence[str], module: str, cls: Optional[str]) -> bool:
 
 
 def online_rotations(groups: Sequence[TransformGroup], tensors: Mapping[str, Any], modules: Mapping[str, str],
-                     where: str) -> Tuple[List[OnlineRotation], List[str]]:
+                     where: str, shapes: Optional[Mapping[str, Tuple[int, int]]] = None
+                     ) -> Tuple[List[OnlineRotation], List[str]]:
     """The online rotations a checkpoint stores, checked against its transform_config.
 
     Args:
@@ -182,6 +183,9 @@ def online_rotations(groups: Sequence[TransformGroup], tensors: Mapping[str, Any
       modules: HF module name -> class name ("Linear" for projections, "Attention" for self_attn), the modules
         the model has (targets name classes, as in compressed-tensors, or modules by `re:` / exact name).
       where: the checkpoint path, for errors.
+      shapes: optional Linear module name -> (out_features, in_features) from the model's config; it sizes the
+        shared rotation of a module without its own tensor when the checkpoint cannot (a packed NVFP4 / MXFP4
+        weight stores no `weight_shape`).
     Returns:
       (rotations, names): the rotations to install and the tensor names they consumed.
     """
@@ -201,7 +205,7 @@ def online_rotations(groups: Sequence[TransformGroup], tensors: Mapping[str, Any
                 base = f"{mod}.{g.name}_{a.location}"
                 wname = base + ".weight"
                 if wname not in tensors:
-                    base = _tied_base(g, a.location, mod, tensors)
+                    base = _tied_base(g, a.location, mod, tensors, shapes)
                     if base is None:
                         raise CheckpointError(f"{where}: transform_config group {g.name!r} applies an online "
                                               f"{g.type} rotation at {a.location!r} of {mod!r}, expected tensor "
@@ -238,12 +242,16 @@ def online_rotations(groups: Sequence[TransformGroup], tensors: Mapping[str, Any
     return rotations, used
 
 
-def _rotated_size(g: TransformGroup, location: str, mod: str, tensors: Mapping[str, Any]) -> Optional[int]:
+def _rotated_size(g: TransformGroup, location: str, mod: str, tensors: Mapping[str, Any],
+                  shapes: Optional[Mapping[str, Tuple[int, int]]] = None) -> Optional[int]:
     """The order of `g`'s matrix at `location` of `mod` (compressed-tensors' get_transform_size): head_dim when the
-    group has one, else a Linear's in_features (input) / out_features (output) from its stored weight's shape."""
+    group has one, else a Linear's in_features (input) / out_features (output), from the model's `shapes` when
+    given, else from its stored weight's shape."""
     if g.head_dim is not None:
         return g.head_dim
-    if f"{mod}.weight_shape" in tensors:
+    if shapes is not None and mod in shapes:
+        shape = list(shapes[mod])
+    elif f"{mod}.weight_shape" in tensors:
         shape = [int(v) for v in np.asarray(tensors[f"{mod}.weight_shape"]).reshape(-1)]
     elif f"{mod}.weight" in tensors:
         shape = list(np.shape(tensors[f"{mod}.weight"]))
@@ -254,7 +262,8 @@ def _rotated_size(g: TransformGroup, location: str, mod: str, tensors: Mapping[s
     return shape[1] if location == "input" else shape[0]
 
 
-def _tied_base(g: TransformGroup, location: str, mod: str, tensors: Mapping[str, Any]) -> Optional[str]:
+def _tied_base(g: TransformGroup, location: str, mod: str, tensors: Mapping[str, Any],
+               shapes: Optional[Mapping[str, Tuple[int, int]]] = None) -> Optional[str]:
     """The stored `<module>.<group>_<location>` prefix whose weight `mod` shares, or None.
 
     compressed-tensors' factories make one weight (and one permutation) per group and size, shared by every module
@@ -265,12 +274,12 @@ def _tied_base(g: TransformGroup, location: str, mod: str, tensors: Mapping[str,
     stored one of its size; None when there is no such tensor or its size cannot be told apart."""
     suffixes = tuple(f".{g.name}_{loc}.weight" for loc in ONLINE)
     cands = sorted(n for n in tensors if n.endswith(suffixes))
-    size = _rotated_size(g, location, mod, tensors)
-    shapes = {n: tuple(np.shape(tensors[n])) for n in cands}
+    size = _rotated_size(g, location, mod, tensors, shapes)
+    stored = {n: tuple(np.shape(tensors[n])) for n in cands}
     if size is None:
-        fits = cands if len(set(shapes.values())) == 1 else []
+        fits = cands if len(set(stored.values())) == 1 else []
     else:
-        fits = [n for n in cands if shapes[n] == (size, size)]
+        fits = [n for n in cands if stored[n] == (size, size)]
     return fits[0][:-len(".weight")] if fits else None
 
 

@@ -103,11 +103,8 @@ def test_missing_and_stray_transform_tensors_are_errors(tmp_path):
         load_causal_lm(d, tokenizer=False)
 
 
-@pytest.mark.parametrize("randomize", [False, True])
-def test_shared_transform_weights_saved_once_are_read(tmp_path, randomize):
-    """compressed-tensors shares one weight (and perm) per group and size and save_pretrained keeps each tied
-    tensor once, under the first module holding it (llm-compressor's QuIP checkpoints): the other modules use it."""
-    d, ref, sd = make_checkpoint(tmp_path, quip_like("random-hadamard", randomize))
+def _saved_once(sd):
+    """`sd` as save_pretrained writes tied transform weights: each shared (kind, size) tensor once, first module."""
     kept, seen = {}, set()
     order = [n for n, _ in transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).named_modules()]
     for k in sorted(sd, key=lambda k: (order.index(k.rsplit(".", 2)[0]) if k.rsplit(".", 2)[0] in order else -1, k)):
@@ -118,6 +115,42 @@ def test_shared_transform_weights_saved_once_are_read(tmp_path, randomize):
                 continue
             seen.add(key)
         kept[k] = sd[k]
+    return kept
+
+
+def test_shared_transform_weights_of_packed_layers_are_sized_from_the_model(tmp_path):
+    """A packed NVFP4 / MXFP4 weight stores no weight_shape: the shared rotation of a module without its own tensor
+    is then sized by the model's (out, in) features; without them the choice is ambiguous and refused."""
+    from converters.transforms import online_rotations
+    d, _, sd = make_checkpoint(tmp_path, quip_like("random-hadamard", False))
+    kept = _saved_once(sd)
+    tensors = {k: v for k, v in kept.items() if k.split(".")[-2] in ("v_input", "u_output")}  # no layer weights
+    groups = parse_transform_config(json.loads((d / "config.json").read_text())["quantization_config"]
+                                    ["transform_config"])
+    cfg = transformers.LlamaConfig(**SMALL)
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    modules, shapes = {}, {}
+    for i in range(cfg.num_hidden_layers):
+        kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+        for rel, shape in {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                           "self_attn.o_proj": (h, h), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h),
+                           "mlp.down_proj": (h, f)}.items():
+            modules[f"model.layers.{i}.{rel}"] = "Linear"
+            shapes[f"model.layers.{i}.{rel}"] = shape
+    rots, _ = online_rotations(groups, tensors, modules, "ckpt", shapes)
+    for r in rots:
+        out, inp = shapes[r.module]
+        assert r.weight.shape == ((inp, inp) if r.location == "input" else (out, out)), (r.module, r.location)
+    with pytest.raises(CheckpointError, match="or the group's shared one of its size"):
+        online_rotations(groups, tensors, modules, "ckpt")
+
+
+@pytest.mark.parametrize("randomize", [False, True])
+def test_shared_transform_weights_saved_once_are_read(tmp_path, randomize):
+    """compressed-tensors shares one weight (and perm) per group and size and save_pretrained keeps each tied
+    tensor once, under the first module holding it (llm-compressor's QuIP checkpoints): the other modules use it."""
+    d, ref, sd = make_checkpoint(tmp_path, quip_like("random-hadamard", randomize))
+    kept = _saved_once(sd)
     assert len([k for k in kept if k.endswith("_input.weight")]) == 2  # orders 48 and 96, as their checkpoints
     save_file(kept, str(d / "model.safetensors"))
     model, _, _ = load_causal_lm(d, tokenizer=False)
