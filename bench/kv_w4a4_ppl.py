@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from torch_ppl import TORCH_PPL_SOURCE, oneshot_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -85,15 +86,8 @@ for row in rows.split(","):
                 batch_size=len(ids))
     else:
         oneshot(model=model, recipe=recipe)
-    total = 0.0
-    with torch.no_grad():
-        for i in range(0, windows.shape[0], 4):
-            w = windows[i:i + 4]
-            logits = model(w).logits.float()[:, :-1]
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, w[:, 1:, None])[..., 0]
-            total += float(-lp.double().sum())
-    tokens = windows.shape[0] * (windows.shape[1] - 1)
-    out[row] = {"ppl": math.exp(total / tokens), "tokens": tokens}
+    ppl, tokens = torch_perplexity(model, windows)
+    out[row] = {"ppl": ppl, "tokens": tokens}
     print(row, out[row], file=sys.stderr, flush=True)
     json.dump(out, open(out_path, "w"))
 '''
@@ -182,8 +176,8 @@ def main(argv=None) -> int:
 
     proc, theirs_out = None, work / "theirs.json"
     if a.oneshot_python:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        proc = subprocess.Popen([a.oneshot_python, "-c", THEIRS, str(src), str(work / "windows.npy"),
+        env = oneshot_env()
+        proc = subprocess.Popen([a.oneshot_python, "-c", TORCH_PPL_SOURCE + THEIRS, str(src), str(work / "windows.npy"),
                                  str(work / "ids.json"), str(theirs_out), ",".join(rows), str(a.seq_len),
                                  a.their_kv_observer], env=env, stdout=sys.stderr)
     from converters.perplexity import perplexity

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from torch_ppl import TORCH_PPL_SOURCE, oneshot_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -68,15 +69,8 @@ for name in schemes:
         if g:
             scheme.weights.group_size = int(g)
         oneshot(model=model, recipe=QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"]))
-    total = 0.0
-    with torch.no_grad():
-        for i in range(0, windows.shape[0], 4):
-            ids = windows[i:i + 4]
-            logits = model(ids).logits.float()[:, :-1]
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-            total += float(-lp.double().sum())
-    tokens = windows.shape[0] * (windows.shape[1] - 1)
-    out[name] = {"ppl": math.exp(total / tokens), "tokens": tokens}
+    ppl, tokens = torch_perplexity(model, windows)
+    out[name] = {"ppl": ppl, "tokens": tokens}
   except Exception as e:  # a refused scheme is a result too: its first line goes into the table
     import traceback
     traceback.print_exc()
@@ -123,8 +117,8 @@ def main(argv=None) -> int:
 
     theirs_proc, theirs_out = None, work / "theirs.json"
     if a.oneshot_python:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        theirs_proc = subprocess.Popen([a.oneshot_python, "-c", THEIRS, str(src), str(work / "windows.npy"),
+        env = oneshot_env()
+        theirs_proc = subprocess.Popen([a.oneshot_python, "-c", TORCH_PPL_SOURCE + THEIRS, str(src), str(work / "windows.npy"),
                                         str(theirs_out), ",".join(schemes)], env=env, stdout=sys.stderr)
     ours = {}
     for s in schemes:

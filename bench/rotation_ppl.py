@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from torch_ppl import TORCH_PPL_SOURCE, oneshot_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,16 +66,9 @@ for name in schemes:
             recipe.insert(0, SpinQuantModifier(transform_type="random-hadamard"))
         t0 = __import__("time").perf_counter()
         oneshot(model=model, recipe=recipe)
-        total = 0.0
-        with torch.no_grad():
-            for i in range(0, windows.shape[0], 4):
-                ids = windows[i:i + 4]
-                logits = model(ids).logits.float()[:, :-1]
-                lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-                total += float(-lp.double().sum())
-        tokens = windows.shape[0] * (windows.shape[1] - 1)
+        ppl, tokens = torch_perplexity(model, windows)
         key = f"{name}|{rot}"
-        out[key] = {"ppl": math.exp(total / tokens), "tokens": tokens, "s": __import__("time").perf_counter() - t0}
+        out[key] = {"ppl": ppl, "tokens": tokens, "s": __import__("time").perf_counter() - t0}
         if rot != "none" and save_dir:
             d = f"{save_dir}/{name.replace(':', '_')}-{rot}"
             model.save_pretrained(d, save_compressed=True)
@@ -111,15 +105,8 @@ for rot in ("none", "quip", "spinquant"):
     ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=int(seq_len), num_calibration_samples=len(ids),
             batch_size=len(ids))
-    total = 0.0
-    with torch.no_grad():
-        for i in range(0, windows.shape[0], 4):
-            w = windows[i:i + 4]
-            logits = model(w).logits.float()[:, :-1]
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, w[:, 1:, None])[..., 0]
-            total += float(-lp.double().sum())
-    tokens = windows.shape[0] * (windows.shape[1] - 1)
-    out[f"NVFP4|{rot}"] = {"ppl": math.exp(total / tokens), "tokens": tokens}
+    ppl, tokens = torch_perplexity(model, windows)
+    out[f"NVFP4|{rot}"] = {"ppl": ppl, "tokens": tokens}
     print(rot, out[f"NVFP4|{rot}"], file=sys.stderr, flush=True)
     json.dump(out, open(out_path, "w"))
     del model
@@ -144,8 +131,8 @@ def w4a4(a, src: Path, work: Path, windows) -> str:
     np.save(work / "ids.npy", np.asarray(ids, np.int32))
     proc = None
     if a.oneshot_python:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        proc = subprocess.Popen([a.oneshot_python, "-c", THEIRS_W4A4, str(src), str(work / "windows.npy"),
+        env = oneshot_env()
+        proc = subprocess.Popen([a.oneshot_python, "-c", TORCH_PPL_SOURCE + THEIRS_W4A4, str(src), str(work / "windows.npy"),
                                  str(work / "ids.json"), str(work / "theirs_w4a4.json"), str(a.calib_len)], env=env,
                                 stdout=sys.stderr)
     ours = {}
@@ -205,9 +192,9 @@ def main(argv=None) -> int:
 
     theirs_proc, theirs_out = None, work / "theirs.json"
     if a.oneshot_python:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = oneshot_env()
         (work / "lc").mkdir(exist_ok=True)
-        theirs_proc = subprocess.Popen([a.oneshot_python, "-c", THEIRS, str(src), str(work / "windows.npy"),
+        theirs_proc = subprocess.Popen([a.oneshot_python, "-c", TORCH_PPL_SOURCE + THEIRS, str(src), str(work / "windows.npy"),
                                         str(theirs_out), ",".join(schemes), str(work / "lc")], env=env,
                                        stdout=sys.stderr)
 
