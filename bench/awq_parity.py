@@ -102,7 +102,6 @@ def _theirs(py, src, dst, ids_file, group, dump="-"):
 
 def part_a(a, work: Path) -> list:
     """Small random llama: scales, smoothed weights and codes, ours vs theirs."""
-    import jax.numpy as jnp
     import torch
     import transformers
 
@@ -208,20 +207,12 @@ def part_a(a, work: Path) -> list:
 def part_b(a, work: Path) -> list:
     """SmolLM2 W4A16:g64 AWQ + RTN: perplexity, wall time, peak RSS, ours vs theirs."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from calibrate_lm import calibration_lines
+    from calibrate_lm import write_calibration
 
-    from converters.causal_lm import load_tokenizer
     from converters.perplexity import evaluate_text
 
     src = Path(a.src)
-    tok = load_tokenizer(src)
-    lines = calibration_lines(a.samples)
-    text = work / "calib.txt"
-    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    ids = [tok.encode(t).ids[:a.seq_len] for t in lines]
-    total = sum(len(x) for x in ids)
-    (work / "ids_b.json").write_text(json.dumps(ids))
-    print(f"calibration: {len(ids)} numpy docstrings, {total} tokens (seq_len {a.seq_len})", file=sys.stderr)
+    text, ids, total = write_calibration(src, work, a.samples, a.seq_len, "ids_b.json")
     scheme = f"W4A16:g{a.group}"
     ours_dst, theirs_dst = work / "ours_b", work / "theirs_b"
     for d in (ours_dst, theirs_dst):

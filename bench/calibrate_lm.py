@@ -75,6 +75,22 @@ print(json.dumps({"wall_s": time.perf_counter() - t0, "cpu_s": sum(resource.getr
 '''
 
 
+def write_calibration(src: Path, work: Path, samples: int, seq_len: int, ids_name: str):
+    """The calibration text (`calibration_lines(samples)`, one per line) as work/calib.txt and its token ids, each
+    sample cut at seq_len, as work/<ids_name> (JSON) -- the same ids for both sides. Returns (text path, ids, tokens)."""
+    from converters.causal_lm import load_tokenizer
+
+    tok = load_tokenizer(src)
+    lines = calibration_lines(samples)
+    text = work / "calib.txt"
+    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    ids = [tok.encode(t).ids[:seq_len] for t in lines]
+    total = sum(len(x) for x in ids)
+    (work / ids_name).write_text(json.dumps(ids))
+    print(f"calibration: {len(ids)} numpy docstrings, {total} tokens (seq_len {seq_len})", file=sys.stderr)
+    return text, ids, total
+
+
 def calibration_lines(n: int):
     """The first n non-empty docstrings of numpy's public callables (sorted by name), whitespace collapsed."""
     import numpy as np
@@ -121,7 +137,6 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(root), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
-    from converters.causal_lm import load_tokenizer
     from converters.embedded import smollm2_gguf
     from converters.gguf_convert import convert_gguf
     from converters.perplexity import evaluate_text
@@ -129,14 +144,7 @@ def main():
     src = Path(a.src) if a.src else work / "smollm2-f32"
     if not src.exists():
         convert_gguf(smollm2_gguf(), src)
-    tok = load_tokenizer(src)
-    lines = calibration_lines(a.samples)
-    text = work / "calib.txt"
-    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    ids = [tok.encode(t).ids[:a.seq_len] for t in lines]
-    total = sum(len(x) for x in ids)
-    (work / "ids.json").write_text(json.dumps(ids))
-    print(f"calibration: {len(ids)} numpy docstrings, {total} tokens (seq_len {a.seq_len})", file=sys.stderr)
+    text, ids, total = write_calibration(src, work, a.samples, a.seq_len, "ids.json")
 
     scheme, smooth, title = (x.format(group=a.group) for x in RECIPES[a.recipe])
     dst = {side: work / f"{a.recipe}-{side}" for side in ("ours", "theirs")}
