@@ -102,12 +102,7 @@ def _theirs(py, src, dst, ids_file, group, dump="-"):
 
 def part_a(a, work: Path) -> list:
     """Small random llama: scales, smoothed weights and codes, ours vs theirs."""
-    import torch
-    import transformers
-
     from converters.causal_lm import load_causal_lm
-    from converters.embedded import smollm2_gguf
-    from converters.gguf_convert import open_gguf
     from converters.safetensors_io import open_checkpoint
     from qformats.awq import awq_transform, candidate_scales, grid, weight_means
     from qformats.models.sequential import calibrate_decoder
@@ -115,19 +110,10 @@ def part_a(a, work: Path) -> list:
 
     group = 32
     scheme = f"W4A16:g{group}"
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=4, vocab_size=512, max_position_embeddings=128)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-                p[torch.randperm(p.numel())[:3]] *= 15.0
-    hf.save_pretrained(work / "src")
-    # llm-compressor wants a tokenizer beside the model (the tokens are given as ids): SmolLM2's
-    for name, content in open_gguf(smollm2_gguf()).tokenizer_files().items():
-        (work / "src" / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from smoothquant_parity import save_outlier_llama
+
+    save_outlier_llama(work / "src", kv_heads=4)
     ids = np.random.default_rng(0).integers(0, 512, (8, 64)).tolist()
     (work / "ids.json").write_text(json.dumps(ids))
     _theirs(a.llmc_python, work / "src", work / "theirs", work / "ids.json", group, work / "theirs_float.safetensors")

@@ -38,14 +38,36 @@ model.save_pretrained(dst)
 '''
 
 
+def save_outlier_llama(dst: Path, kv_heads: int) -> None:
+    """A small random llama (2 layers, hidden 128, vocab 512, seed 0) whose norm weights are 1 + 0.1 N(0, 1) with
+    3 outlier channels x15 each, saved by transformers to `dst` with SmolLM2's tokenizer files beside it (from the
+    embedded GGUF): llm-compressor wants a tokenizer beside a model it is given a dataset for (ids are given here)."""
+    import torch
+    import transformers
+
+    from converters.embedded import smollm2_gguf
+    from converters.gguf_convert import open_gguf
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=kv_heads, vocab_size=512, max_position_embeddings=128)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+                p[torch.randperm(p.numel())[:3]] *= 15.0
+    hf.save_pretrained(dst)
+    for name, content in open_gguf(smollm2_gguf()).tokenizer_files().items():
+        (dst / name).write_text(content if isinstance(content, str) else json.dumps(content))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--alpha", type=float, default=0.5)
     ap.add_argument("--llmc-python", default="/work/lcvenv/bin/python")
     a = ap.parse_args()
     import jax.numpy as jnp
-    import torch
-    import transformers
 
     from converters.causal_lm import load_causal_lm
     from converters.safetensors_io import open_checkpoint
@@ -53,23 +75,7 @@ def main():
     from qformats.smoothquant import smoothquant_transform
 
     work = Path(tempfile.mkdtemp(prefix="qformats-sq-"))
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-                p[torch.randperm(p.numel())[:3]] *= 15.0
-    hf.save_pretrained(work / "src")
-    # llm-compressor wants a tokenizer beside a model it is given a dataset for (the tokens are given as ids here):
-    # SmolLM2's, from the embedded GGUF
-    from converters.embedded import smollm2_gguf
-    from converters.gguf_convert import open_gguf
-
-    for name, content in open_gguf(smollm2_gguf()).tokenizer_files().items():
-        (work / "src" / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    save_outlier_llama(work / "src", kv_heads=2)
     ids = np.random.default_rng(0).integers(0, 512, (8, 64)).tolist()
     (work / "ids.json").write_text(json.dumps(ids))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -90,7 +96,7 @@ def main():
         x = layer(x, cos, sin, mask)[0]
     rows = []
     with open_checkpoint(work / "theirs") as ck:
-        for i in range(cfg.num_hidden_layers):
+        for i in range(len(model.model.layers)):
             lp = model.model.layers[i]
             pairs = {f"model.layers.{i}.input_layernorm.weight": lp.input_layernorm.weight.get_value(),
                      f"model.layers.{i}.post_attention_layernorm.weight": lp.post_attention_layernorm.weight.get_value()}
