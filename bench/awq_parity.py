@@ -9,12 +9,10 @@ Reported per mapping: our grid point, theirs (the grid point whose scales are ne
 their weights imply), the max relative difference of the scales; per smoothed tensor: the max relative
 difference; and the fraction of identical 4-bit codes (their compressed checkpoint vs ours).
 
-(b) SmolLM2-135M (a dense float32 HF directory, e.g. /tmp/smollm2-dense) W4A16:g64, AWQ + RTN, calibrated on the
-numpy docstrings of bench/calibrate_lm.py (the same token ids on both sides): perplexity on pydoc_data.topics
-(`converters.perplexity.evaluate_text`, 512-token windows), the wall time of our whole quantize process (load,
-calibrate, save; a fresh subprocess) vs their `oneshot` call alone, and the peak RSS of each process.
+The SmolLM2-135M side by side (W4A16:g64 AWQ + RTN: perplexity, time, memory against llm-compressor's oneshot on
+the same tokens) is `python bench/calibrate_lm.py --recipe awq`.
 
-    python bench/awq_parity.py [--part a|b|ab] [--src /tmp/smollm2-dense] [--samples 32] [--seq-len 256]
+    python bench/awq_parity.py [--work DIR] [--llmc-python /work/lcvenv/bin/python]
 """
 
 from __future__ import annotations
@@ -22,11 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -71,16 +67,6 @@ if dump != "-":
     json.dump(LOSSES, open(dump + ".losses.json", "w"))
 model.save_pretrained(dst, save_compressed=True)
 print(json.dumps({"oneshot_s": t, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-'''
-
-OURS = r'''
-import json, resource, sys, time
-t0 = time.perf_counter()
-from converters.calibrate import quantize_calibrated_lm
-src, dst, text, seq_len, tokens, scheme = sys.argv[1:7]
-info = quantize_calibrated_lm(src, dst, scheme, text, awq=True, seq_len=int(seq_len), calibration_tokens=int(tokens))
-print(json.dumps({"wall_s": time.perf_counter() - t0, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "samples": info["samples"], "tokens": info["tokens"]}))
 '''
 
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -190,75 +176,14 @@ def part_a(a, work: Path) -> list:
     return rows
 
 
-def part_b(a, work: Path) -> list:
-    """SmolLM2 W4A16:g64 AWQ + RTN: perplexity, wall time, peak RSS, ours vs theirs."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from calibrate_lm import write_calibration
-
-    from converters.perplexity import evaluate_text
-
-    src = Path(a.src)
-    text, ids, total = write_calibration(src, work, a.samples, a.seq_len, "ids_b.json")
-    scheme = f"W4A16:g{a.group}"
-    ours_dst, theirs_dst = work / "ours_b", work / "theirs_b"
-    for d in (ours_dst, theirs_dst):
-        if d.exists():
-            shutil.rmtree(d)
-    load0 = os.getloadavg()[0]
-    r = subprocess.run([sys.executable, "-c", OURS, str(src), str(ours_dst), str(text), str(a.seq_len), str(total),
-                        scheme], env=_env(), capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"ours failed: {r.stderr[-3000:]}")
-    ours = json.loads(r.stdout.strip().splitlines()[-1])
-    print("ours", ours, file=sys.stderr)
-    if ours["tokens"] != total:
-        raise SystemExit(f"token counts differ: ours {ours['tokens']}, theirs {total}")
-    load1 = os.getloadavg()[0]
-    theirs = _theirs(a.llmc_python, src, theirs_dst, work / "ids_b.json", a.group)
-    print("theirs", theirs, file=sys.stderr)
-    load2 = os.getloadavg()[0]
-    import pydoc_data.topics as topics
-
-    eval_text = "\n".join(topics.topics[k] for k in sorted(topics.topics))
-    ppl = {}
-    for name, path in (("dense", src), ("qformats", ours_dst), ("llm-compressor", theirs_dst)):
-        ppl[name] = evaluate_text(path, eval_text, seq_len=512, max_windows=a.eval_windows)["stored"]["ppl"]
-        print(name, ppl[name], file=sys.stderr)
-    return [
-        f"## bench/awq_parity.py (b) — SmolLM2-135M {scheme} AWQ + RTN, qformats vs llm-compressor 0.14 oneshot "
-        f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs)", "",
-        f"Calibration: {len(ids)} numpy docstrings ({total} tokens, samples cut at {a.seq_len}), the same token ids on "
-        f"both sides; AWQ n_grid 20, duo scaling. Perplexity: pydoc_data.topics, {a.eval_windows} windows of 512 "
-        f"tokens; dense float32 {ppl['dense']:.3f}. Load average (1 min) before ours / theirs / after: "
-        f"{load0:.1f} / {load1:.1f} / {load2:.1f}.", "",
-        "| | perplexity | wall s | peak RSS MiB |", "| --- | --- | --- | --- |",
-        f"| qformats `quantize_calibrated_lm(awq=True)` (whole process: load, calibrate, save) | {ppl['qformats']:.3f} "
-        f"| {ours['wall_s']:.1f} | {ours['rss_mib']:.0f} |",
-        f"| llm-compressor `oneshot` (the call alone; RSS: its process) | {ppl['llm-compressor']:.3f} | "
-        f"{theirs['oneshot_s']:.1f} | {theirs['rss_mib']:.0f} |",
-        "", f"ppl ratio {ppl['qformats'] / ppl['llm-compressor']:.4f}, time ratio "
-        f"{ours['wall_s'] / theirs['oneshot_s']:.2f}, RSS ratio {ours['rss_mib'] / theirs['rss_mib']:.2f}.", ""]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", default="ab", choices=("a", "b", "ab"))
-    ap.add_argument("--src", default="/tmp/smollm2-dense", help="dense float32 SmolLM2 HF directory (part b)")
-    ap.add_argument("--samples", type=int, default=32)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--group", type=int, default=64)
-    ap.add_argument("--eval-windows", type=int, default=4)
     ap.add_argument("--llmc-python", default="/work/lcvenv/bin/python")
     ap.add_argument("--work", default=None)
     a = ap.parse_args()
     work = Path(a.work or tempfile.mkdtemp(prefix="qformats-awq-"))
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
-    if "a" in a.part:
-        rows += part_a(a, work)
-    if "b" in a.part:
-        rows += part_b(a, work)
-    print("\n".join(rows))
+    print("\n".join(part_a(a, work)))
 
 
 if __name__ == "__main__":

@@ -1,25 +1,31 @@
 """SmolLM2-135M calibrated quantization: `quantize_calibrated_lm` beside llm-compressor's `oneshot`, same tokens.
 
-Recipes (`--recipe`): "gptq" = W4A16:g64 with GPTQ (GPTQModifier, group 64); "smoothquant-gptq" = SmoothQuant
-(alpha 0.5) then GPTQ W8A8 (int8 per-channel weights, per-token dynamic int8 activations: llm-compressor's W8A8
-preset; SmoothQuantModifier + GPTQModifier).
+Recipes (`--recipe`): "gptq" = W4A16:g64 with GPTQ (GPTQModifier, group 64, block 128, dampening 0.01, its default
+actorder "static"); "awq" = W4A16:g64 AWQ then round-to-nearest, as llm-compressor's AWQ examples pair it
+(AWQModifier(n_grid=20, duo_scaling=True) + QuantizationModifier; ours: `awq=True`, weight search "rtn", float
+propagation); "smoothquant-gptq" = SmoothQuant (alpha 0.5) then GPTQ W8A8 (int8 per-channel weights, per-token
+dynamic int8 activations: llm-compressor's W8A8 preset; SmoothQuantModifier + GPTQModifier).
 
-Source: the embedded SmolLM2-135M-Instruct GGUF, converted once to a dense float32 HF directory (both sides read
-it). Calibration text: the docstrings of numpy's public functions (numpy ships them; BSD-3-Clause), one
-docstring per line (whitespace collapsed), tokenized with the checkpoint's tokenizer.json, each sample cut to
---seq-len tokens; the first --samples lines are used whole by both sides (same token ids: llm-compressor gets
-them as a pre-tokenized dataset). Evaluation: perplexity on CPython's `pydoc_data.topics` (the Python docs, a
-text of another kind) with `converters.perplexity`, the same loader and windows for both checkpoints.
+Source: a dense float32 SmolLM2 HF directory (--src, or the embedded GGUF converted once). Calibration text: the
+docstrings of numpy's public functions (numpy ships them; BSD-3-Clause), one docstring per line (whitespace
+collapsed), tokenized with the checkpoint's tokenizer.json, each sample cut to --seq-len tokens; the first
+--samples lines are used whole by both sides: llm-compressor gets the token ids as a pre-tokenized dataset (in
+order, unshuffled), ours the text file with a token budget equal to their count (checked: the run stops if our
+token count differs). Evaluation: perplexity on CPython's `pydoc_data.topics` (the Python docs, a text of another
+kind) with `converters.perplexity`, the same loader and windows for both checkpoints (bench/llm_ppl.py's protocol:
+windows of 512 tokens, the first --eval-windows of them).
 
-Measured: wall time and peak RSS of our whole quantize process (load, calibrate, save; a fresh subprocess) and
-of llm-compressor's `oneshot` call alone (its model load excluded; peak RSS of its whole process), perplexity
-of both checkpoints and of the dense model (the protocol of bench/llm_ppl.py: pydoc_data.topics, windows of
-512 tokens, the first --eval-windows of them). `--side ours|theirs|both` runs one side (its figures are kept
-in WORK/<recipe>-<side>.json, so the two sides can be measured in separate runs, each under the bench lock);
-the table is printed from whatever WORK holds.
+Measured, the same way on both sides (MEASURE runs in both processes): wall time of our whole quantize process
+(load, calibrate, save; a fresh subprocess, timed from outside) and of llm-compressor's `oneshot` call alone (its
+imports, model load and save excluded); CPU seconds (user + system, all threads) of the same spans; peak memory
+of each whole process as VmHWM (the kernel's high-water mark of the resident set: anonymous and file-backed pages,
+so memory-mapped checkpoint pages count while resident) and as the peak of RssAnon (anonymous pages only: heap,
+torch / XLA buffers), sampled every 20 ms. `--side ours|theirs|both` runs one side (its figures are kept in
+WORK/<recipe>-<side>.json, so the two sides can be measured in separate runs, ours under the bench lock); the
+table is printed from whatever WORK holds.
 
-    python bench/calibrate_lm.py [--recipe gptq] [--samples 64] [--seq-len 256] [--side both] [--work DIR]
-        [--llmc-python /work/lcvenv/bin/python]
+    python bench/calibrate_lm.py [--recipe gptq|awq|smoothquant-gptq] [--samples 64] [--seq-len 256]
+        [--side both] [--src DIR] [--work DIR] [--llmc-python /work/lcvenv/bin/python]
 """
 
 from __future__ import annotations
@@ -33,46 +39,78 @@ import tempfile
 import time
 from pathlib import Path
 
-THEIRS = r'''
+MEASURE = r"""
+import threading, time
+def _status():
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[k] = int(v.split()[0]) / 1024
+    return out
+_PEAK = {"anon": 0.0}
+def _sample():
+    while True:
+        _PEAK["anon"] = max(_PEAK["anon"], _status()["RssAnon"])
+        time.sleep(0.02)
+threading.Thread(target=_sample, daemon=True).start()
+def memory():
+    s = _status()
+    return {"vmhwm_mib": s["VmHWM"], "rss_anon_peak_mib": max(_PEAK["anon"], s["RssAnon"])}
+"""
+# Both sides' memory figures, the same code in both processes: VmHWM (the kernel's peak resident set of the process,
+# anonymous + file-backed pages: memory-mapped checkpoints count while resident) and the peak of RssAnon (heap, torch /
+# XLA buffers, Python objects; no file pages), sampled every 20 ms by a thread.
+
+THEIRS = MEASURE + r"""
 import json, resource, sys, time, warnings
 warnings.filterwarnings("ignore")
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from llmcompressor import oneshot
-from llmcompressor.modifiers.quantization import GPTQModifier
+from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+from llmcompressor.modifiers.transform.awq import AWQModifier
 from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+from llmcompressor.pipelines.cache import IntermediatesCache
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+# AWQ pins its cached batches for faster host->GPU copies; a CPU-only torch cannot pin ("Cannot access accelerator
+# device"): pinning moves no value, so it is skipped
+IntermediatesCache.pin_memory = lambda self, batch_index: None
 src, dst, ids_file, seq_len, group, kind = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 ids = json.load(open(ids_file))
 ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+w4 = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True,
+                                                                     strategy="group", group_size=group))
 if kind == "gptq":
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True,
-                                                                              strategy="group", group_size=group))
-    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], block_size=128, dampening_frac=0.01)
+    recipe = GPTQModifier(config_groups={"group_0": w4}, ignore=["lm_head"], block_size=128, dampening_frac=0.01)
+elif kind == "awq":
+    recipe = [AWQModifier(n_grid=20, duo_scaling=True),
+              QuantizationModifier(config_groups={"group_0": w4}, ignore=["lm_head"])]
 else:
     recipe = [SmoothQuantModifier(smoothing_strength=0.5),
               GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"], block_size=128, dampening_frac=0.01)]
 cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 t0, c0 = time.perf_counter(), cpu()
-oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=seq_len, num_calibration_samples=len(ids))
+oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=seq_len, num_calibration_samples=len(ids),
+        shuffle_calibration_samples=False)
 t, c = time.perf_counter() - t0, cpu() - c0
+mem = memory()
 model.save_pretrained(dst, save_compressed=True)
-print(json.dumps({"oneshot_s": t, "oneshot_cpu_s": c, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-'''
+print(json.dumps({"oneshot_s": t, "oneshot_cpu_s": c, "threads": torch.get_num_threads(), **mem}))
+"""
 
-OURS = r'''
+OURS = MEASURE + r"""
 import json, resource, sys, time
-t0 = time.perf_counter()
 from converters.calibrate import quantize_calibrated_lm
-src, dst, text, seq_len, tokens, scheme, smooth = sys.argv[1:8]
+src, dst, text, seq_len, tokens, scheme, kind = sys.argv[1:8]
 info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),
-                              smooth=None if smooth == "none" else float(smooth))
-print(json.dumps({"wall_s": time.perf_counter() - t0, "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
-                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                              awq=kind == "awq", smooth=0.5 if kind == "smoothquant-gptq" else None)
+print(json.dumps({"cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), **memory(),
                   "samples": info["samples"], "tokens": info["tokens"]}))
-'''
+"""
 
 
 def write_calibration(src: Path, work: Path, samples: int, seq_len: int, ids_name: str):
@@ -108,15 +146,19 @@ def calibration_lines(n: int):
     return out
 
 
-RECIPES = {"gptq": ("W4A16:g{group}", "none", "W4A16:g{group} GPTQ"),
-           "smoothquant-gptq": ("W8A8", "0.5", "SmoothQuant 0.5 + GPTQ W8A8")}
+RECIPES = {"gptq": ("W4A16:g{group}", "W4A16:g{group} GPTQ (block 128, dampening 0.01, actorder static)"),
+           "awq": ("W4A16:g{group}", "W4A16:g{group} AWQ (n_grid 20, duo scaling) + round-to-nearest"),
+           "smoothquant-gptq": ("W8A8", "SmoothQuant 0.5 + GPTQ W8A8 (block 128, dampening 0.01, actorder static)")}
 
 
 def _run(cmd, env, what):
+    """Runs cmd, returns (its last stdout line as JSON, the wall seconds of the whole process)."""
+    t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
     if r.returncode:
         raise SystemExit(f"{what} failed: {r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1]), wall
 
 
 def main():
@@ -146,7 +188,7 @@ def main():
         convert_gguf(smollm2_gguf(), src)
     text, ids, total = write_calibration(src, work, a.samples, a.seq_len, "ids.json")
 
-    scheme, smooth, title = (x.format(group=a.group) for x in RECIPES[a.recipe])
+    scheme, title = (x.format(group=a.group) for x in RECIPES[a.recipe])
     dst = {side: work / f"{a.recipe}-{side}" for side in ("ours", "theirs")}
     res = {side: work / f"{a.recipe}-{side}.json" for side in ("ours", "theirs")}
     for side in ("ours", "theirs"):
@@ -157,12 +199,17 @@ def main():
             shutil.rmtree(dst[side])
         load = os.getloadavg()[0]
         if side == "ours":
-            r = _run([sys.executable, "-c", OURS, str(src), str(dst[side]), str(text), str(a.seq_len), str(total),
-                      scheme, smooth], env, "ours")
+            r, wall = _run([sys.executable, "-c", OURS, str(src), str(dst[side]), str(text), str(a.seq_len),
+                            str(total), scheme, a.recipe], env, "ours")
+            r["wall_s"] = wall
+            if r["tokens"] != total:
+                raise SystemExit(f"calibration tokens differ: ours {r['tokens']}, theirs {total}")
         else:
-            r = _run([a.llmc_python, "-c", THEIRS, str(src), str(dst[side]), str(work / "ids.json"), str(a.seq_len),
-                      str(a.group), a.recipe], env, "llm-compressor")
+            r, wall = _run([a.llmc_python, "-c", THEIRS, str(src), str(dst[side]), str(work / "ids.json"),
+                            str(a.seq_len), str(a.group), a.recipe], env, "llm-compressor")
+            r["process_s"] = wall
         r["load_before"], r["load_after"] = load, os.getloadavg()[0]
+        r["nice"] = os.nice(0)
         r["date"] = time.strftime("%Y-%m-%d %H:%M")
         res[side].write_text(json.dumps(r))
         print(side, r, file=sys.stderr)
@@ -176,27 +223,30 @@ def main():
         if name == "dense" or name in got:
             ppl[name] = evaluate_text(path, eval_text, seq_len=512, max_windows=a.eval_windows)["stored"]["ppl"]
             print(name, ppl[name], file=sys.stderr)
-    cell = lambda side, key, f: f.format(got[side][key]) if side in got else "—"  # noqa: E731
+    cell = lambda side, key, f: f.format(got[side][key]) if side in got and key in got[side] else "—"  # noqa: E731
     pp = lambda side: f"{ppl[side]:.3f}" if side in ppl else "—"  # noqa: E731
     rows = [
         f"### SmolLM2-135M {title}: qformats vs llm-compressor 0.14 oneshot ({os.cpu_count()} CPUs, CPU only)", "",
         f"Calibration: {len(ids)} numpy docstrings ({total} tokens, samples cut at {a.seq_len}), the same token ids "
-        f"on both sides; GPTQ block 128, dampening 0.01, actorder static. Perplexity: pydoc_data.topics, "
-        f"{a.eval_windows} windows of 512 tokens; dense float32 {ppl['dense']:.3f}.", "",
-        "| | perplexity | wall s | CPU s (all threads) | peak RSS MiB | load avg (before / after) |",
-        "| --- | --- | --- | --- | --- | --- |",
-        f"| qformats `quantize_calibrated_lm` (whole process: load, calibrate, save) | {pp('ours')} | "
-        f"{cell('ours', 'wall_s', '{:.1f}')} | {cell('ours', 'cpu_s', '{:.1f}')} | {cell('ours', 'rss_mib', '{:.0f}')} | "
+        f"on both sides. Perplexity: pydoc_data.topics, {a.eval_windows} windows of 512 tokens; dense float32 "
+        f"{ppl['dense']:.3f}. Peak RSS: VmHWM (anonymous + file-backed pages) and the peak of RssAnon (sampled "
+        f"every 20 ms) of each process.", "",
+        "| | perplexity | wall s | CPU s (all threads) | VmHWM MiB | RssAnon peak MiB | load avg (before / after) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| qformats `quantize_calibrated_lm` (whole process: imports, load, calibrate, save) | {pp('ours')} | "
+        f"{cell('ours', 'wall_s', '{:.1f}')} | {cell('ours', 'cpu_s', '{:.1f}')} | "
+        f"{cell('ours', 'vmhwm_mib', '{:.0f}')} | {cell('ours', 'rss_anon_peak_mib', '{:.0f}')} | "
         f"{cell('ours', 'load_before', '{:.1f}')} / {cell('ours', 'load_after', '{:.1f}')} |",
-        f"| llm-compressor `oneshot` (the call alone; RSS: its process) | {pp('theirs')} | "
+        f"| llm-compressor `oneshot` (time: the call alone; memory: its whole process) | {pp('theirs')} | "
         f"{cell('theirs', 'oneshot_s', '{:.1f}')} | {cell('theirs', 'oneshot_cpu_s', '{:.1f}')} | "
-        f"{cell('theirs', 'rss_mib', '{:.0f}')} | "
+        f"{cell('theirs', 'vmhwm_mib', '{:.0f}')} | {cell('theirs', 'rss_anon_peak_mib', '{:.0f}')} | "
         f"{cell('theirs', 'load_before', '{:.1f}')} / {cell('theirs', 'load_after', '{:.1f}')} |", ""]
     if len(got) == 2:
-        rows += [f"ppl ratio {ppl['ours'] / ppl['theirs']:.4f} (goal <= 1.005), time ratio "
-                 f"{got['ours']['wall_s'] / got['theirs']['oneshot_s']:.3f} (goal <= 0.2; CPU time ratio "
-                 f"{got['ours']['cpu_s'] / got['theirs']['oneshot_cpu_s']:.3f}), RSS ratio "
-                 f"{got['ours']['rss_mib'] / got['theirs']['rss_mib']:.2f} (goal <= 0.5).", ""]
+        o, t = got["ours"], got["theirs"]
+        rows += [f"ppl ratio {ppl['ours'] / ppl['theirs']:.4f} (goal <= 1.005); time ratio "
+                 f"{o['wall_s'] / t['oneshot_s']:.3f} wall, {o['cpu_s'] / t['oneshot_cpu_s']:.3f} CPU (goal <= 0.2); "
+                 f"memory ratio {o['vmhwm_mib'] / t['vmhwm_mib']:.2f} VmHWM, "
+                 f"{o['rss_anon_peak_mib'] / t['rss_anon_peak_mib']:.2f} RssAnon (goal <= 0.5).", ""]
     print("\n".join(rows))
 
 
