@@ -116,8 +116,10 @@ for rot in ("none", "quip", "spinquant"):
 def w4a4(a, src: Path, work: Path, windows) -> str:
     """NVFP4 weights and activations (static per-tensor input global scales calibrated on --samples numpy docstrings
     of exactly --calib-len tokens, one batch, round-to-nearest weights, float propagation as llm-compressor's
-    QuantizationModifier runs): ours via quantize_calibrated_lm with and without rotate, theirs with none / QuIP /
-    SpinQuant before QuantizationModifier(NVFP4)."""
+    QuantizationModifier runs): ours via quantize_calibrated_lm with and without rotate (numpy signs of --seed, and
+    torch's draw as compressed-tensors makes it), theirs with none / QuIP / SpinQuant before
+    QuantizationModifier(NVFP4). Columns: ours none, ours R1+R2 (seed), ours R1+R2 (torch's signs), theirs none,
+    QuIP, SpinQuant."""
     from calibrate_lm import calibration_lines
 
     from converters.calibrate import quantize_calibrated_lm
@@ -136,11 +138,21 @@ def w4a4(a, src: Path, work: Path, windows) -> str:
                                  str(work / "ids.json"), str(work / "theirs_w4a4.json"), str(a.calib_len)], env=env,
                                 stdout=sys.stderr)
     ours = {}
-    for rot in (None, "random-hadamard"):
+    for rot in (None, "random-hadamard", "torch-signs"):
         d = work / f"NVFP4-{rot or 'none'}"
-        quantize_calibrated_lm(src, d, "NVFP4", work / "ids.npy", weight_search="rtn", propagate="float",
-                               calibration_tokens=10 ** 9, seq_len=a.calib_len, rotate=rot, rotate_seed=a.seed,
-                               overwrite=True)
+        if rot == "torch-signs":  # R1 + R2 with the signs compressed-tensors' factories draw: their SpinQuant model
+            from converters.rotate import rotate_checkpoint
+
+            cfg = json.loads((src / "config.json").read_text())
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+            rotate_checkpoint(src, work / "dense-rot-torch", "random-hadamard", overwrite=True,
+                              signs={"R1": torch_signs(cfg["hidden_size"]), "R2": torch_signs(head_dim)})
+            quantize_calibrated_lm(work / "dense-rot-torch", d, "NVFP4", work / "ids.npy", weight_search="rtn",
+                                   propagate="float", calibration_tokens=10 ** 9, seq_len=a.calib_len, overwrite=True)
+        else:
+            quantize_calibrated_lm(src, d, "NVFP4", work / "ids.npy", weight_search="rtn", propagate="float",
+                                   calibration_tokens=10 ** 9, seq_len=a.calib_len, rotate=rot, rotate_seed=a.seed,
+                                   overwrite=True)
         model, _, _ = load_causal_lm(d, tokenizer=False)
         ours[rot or "none"] = perplexity(model, windows)["ppl"]
         print("NVFP4", rot, ours[rot or "none"], file=sys.stderr, flush=True)
@@ -150,7 +162,16 @@ def w4a4(a, src: Path, work: Path, windows) -> str:
     t = {k.split("|")[1]: v["ppl"] for k, v in theirs.items()}
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     return (f"| NVFP4 (W4A4, {len(ids)} x {a.calib_len} calibration tokens) | {f(ours['none'])} | "
-            f"{f(ours['random-hadamard'])} | {f(t.get('none'))} | {f(t.get('quip'))} | {f(t.get('spinquant'))} |")
+            f"{f(ours['random-hadamard'])} | {f(ours['torch-signs'])} | {f(t.get('none'))} | {f(t.get('quip'))} | "
+            f"{f(t.get('spinquant'))} |")
+
+
+def torch_signs(n: int):
+    """The n signs compressed-tensors' random-hadamard factory draws for a group: torch.randint(0, 2) * 2 - 1 from a
+    fresh torch.Generator() (its default seed), as SpinQuantModifier gets them (one fresh generator per group)."""
+    import torch
+
+    return (torch.randint(0, 2, (n,), generator=torch.Generator(), dtype=torch.float64) * 2 - 1).numpy()
 
 
 def main(argv=None) -> int:
