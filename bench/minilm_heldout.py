@@ -1,13 +1,19 @@
-"""MiniLM calibrated quantization judged on held-out text: mean / min cosine vs fp32 on the calibration set and on
-a disjoint evaluation set, calibrated on text of the same kind and of another kind.
+"""MiniLM calibrated quantization judged on held-out text: mean / min cosine vs fp32 on the calibration set, on a
+validation set and on a disjoint evaluation set, calibrated on text of the same kind and of another kind.
 
-Usage: python bench/minilm_heldout.py [--schemes W4A16,NVFP4A16,MXFP4A16,FP6_E2M3] [--searches rtn,mse,gptq,mse+gptq]
-         [--calibrations same,other] [--calib-count 64] [--batching exact|padded] [--json] [--make-sets]
+Usage:
+  python bench/minilm_heldout.py [--schemes W4A16,NVFP4A16,MXFP4A16,FP6_E2M3] [--searches rtn,mse,gptq,mse+gptq]
+         [--calibrations same,other] [--calib-count 64] [--dampening 0.01] [--actorder static|none]
+         [--batching exact|padded] [--json] [--make-sets]
+  python bench/minilm_heldout.py --sweep OUT.jsonl [--plan w4a16,schemes,budget] [--shard I/N]
+  python bench/minilm_heldout.py --final OUT.jsonl --configs SCHEME:SEARCH:DAMP:ACTORDER:KIND:COUNT,...
+  python bench/minilm_heldout.py --report SWEEP.jsonl [FINAL.jsonl]   (markdown tables, "**": min below RTN's)
 
 Sets (package data, `converters.embedded.heldout_sentences` / `default_sentences`):
   held-out   converters/data/heldout_eval.txt: 256 sentences of the Python documentation's prose;
-  same kind  converters/data/heldout_calib.txt: another 256 sentences of that prose (the first --calib-count used);
-  other kind converters/data/sentences.txt: the 64 shipped everyday-English sentences.
+  same kind  converters/data/heldout_calib.txt: another 256 sentences of that prose; the first 64 are the
+             calibration pool (the first 16 / 32 / 64 used), sentences 128-255 the validation set;
+  other kind converters/data/sentences.txt: the 64 shipped everyday-English sentences (the first 16 / 32 / 64).
 The two prose sets come from `pydoc_data.topics` (the standard library's copy of the Python reference's topics,
 PSF License): non-indented paragraphs split into sentences, kept when 8-40 words, capitalised, ending in ".",
 with >= 93% letters/spaces and no code punctuation; deduplicated, shuffled with numpy seed 0; the first 256 are
@@ -15,14 +21,25 @@ the held-out set, the next 256 the calibration set. `--make-sets` rewrites the t
 files are what the figures in BENCHMARKS.md used; a different Python's pydoc_data gives different sentences).
 
 Every Linear (pooler included) is quantized as `converters.calibrate.quantize_calibrated` does
-(`quantize_model(..., calibration_data=batches, weight_search=S)`, compare_rtn on); the reference is torch
-sentence-transformers fp32. `--batching padded` calibrates on the old padded batches (32 a batch, lengths
-rounded up to 16, padding rows entering H) instead of `embedded.calibration_batches` (no padding).
+(`quantize_model(..., calibration_data=batches, weight_search=S)`); the reference is torch sentence-transformers
+fp32. `--batching padded` calibrates on the old padded batches (32 a batch, lengths rounded up to 16, padding
+rows entering H) instead of `embedded.calibration_batches` (no padding).
+
+`--sweep` chooses defaults without touching the held-out set: every configuration (weight search x GPTQ
+dampening x activation order x token budget x kind of calibration text) is scored on the validation set
+(128 prose sentences, in no calibration set) and on its own calibration sentences (the gap between the two
+is the overfit); rows are appended to OUT.jsonl as they finish and rows already there are skipped (so a run
+can be resumed, or split across processes with --shard). The sweep runs `quantize_model` with
+compare_rtn=False (the model-level guard's two extra passes; the per-layer tr(dW^T H dW) check stays on).
+`--final` scores the chosen configurations once on the 256 held-out sentences with the library's full path
+(compare_rtn on). `quantize_model` takes no GPTQ dampening: the bench sets it with `gptq_dampening`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import re
@@ -38,7 +55,7 @@ import numpy as np  # noqa: E402
 from converters import embedded  # noqa: E402
 from converters.evaluate import cosines, resolve  # noqa: E402
 from qformats.models import minilm  # noqa: E402
-from qformats.nn import Rule, quantize_model  # noqa: E402
+from qformats.nn import Rule, quantize_model, weight_search  # noqa: E402
 
 SCHEMES = "W4A16,NVFP4A16,MXFP4A16,FP6_E2M3"
 SEARCHES = "rtn,mse,gptq,mse+gptq"
@@ -70,18 +87,33 @@ def make_sets(n_eval: int = 256, n_calib: int = 256, seed: int = 0):
     return [out[i] for i in idx[:n_eval]], [out[i] for i in idx[n_eval:n_eval + n_calib]]
 
 
+@contextlib.contextmanager
+def gptq_dampening(frac: float):
+    """Run `quantize_model`'s GPTQ with H += frac * mean(diag H) * I (`gptq_quantize(dampening_frac=frac)`).
+
+    `quantize_model` passes no GPTQ options; its weight searches call `qformats.nn.weight_search.gptq_quantize`,
+    which this context replaces by `functools.partial(gptq_quantize, dampening_frac=frac)` and then restores.
+    """
+    orig = weight_search.gptq_quantize
+    weight_search.gptq_quantize = functools.partial(orig, dampening_frac=frac)
+    try:
+        yield
+    finally:
+        weight_search.gptq_quantize = orig
+
+
 def padded_batches(tok, sentences, batch_size=32):
     """The batches calibration used before `embedded.calibration_batches`: padded to the longest, rounded to 16."""
     return [tok(sentences[i:i + batch_size]) for i in range(0, len(sentences), batch_size)]
 
 
-def run(scheme, search, batches, sets, refs, tok):
+def run(scheme, search, batches, sets, refs, tok, *, dampening=0.01, actorder="static", compare_rtn=True):
     """Quantize a fresh MiniLM with `scheme` / `search` on `batches` → {set: (mean, min)} cosines vs fp32."""
     model = embedded.load_minilm()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), gptq_dampening(dampening):
         warnings.simplefilter("ignore")
         quantize_model(model, [Rule(".*", resolve(scheme))], calibration_data=None if search == "rtn" else batches,
-                       weight_search=search)
+                       weight_search=search, actorder=actorder, compare_rtn=compare_rtn)
     out = {}
     for name, sents in sets.items():
         c = cosines(minilm.encode_sentences(model, tok, sents, 32), refs[name])
@@ -89,25 +121,120 @@ def run(scheme, search, batches, sets, refs, tok):
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schemes", default=SCHEMES)
-    ap.add_argument("--searches", default=SEARCHES)
-    ap.add_argument("--calibrations", default="same,other", help="same (prose) and/or other (the shipped set)")
-    ap.add_argument("--calib-count", type=int, default=64, help="sentences of the same-kind set to calibrate on")
-    ap.add_argument("--batching", choices=("exact", "padded"), default="exact")
-    ap.add_argument("--bucket", type=int, default=8, help="embedded.calibration_batches' length bucket")
-    ap.add_argument("--json", action="store_true", help="one JSON line per row, on stdout")
-    ap.add_argument("--make-sets", action="store_true", help="rewrite converters/data/heldout_*.txt and exit")
-    args = ap.parse_args(argv)
-    if args.make_sets:
-        ev, ca = make_sets()
-        data = os.path.join(os.path.dirname(_HERE), "converters", "data")
-        for name, sents in (("heldout_eval.txt", ev), ("heldout_calib.txt", ca)):
-            with open(os.path.join(data, name), "w", encoding="utf-8") as f:
-                f.write("\n".join(sents) + "\n")
-        print(f"wrote {len(ev)} + {len(ca)} sentences to {data}")
+DAMPENINGS = (0.001, 0.01, 0.03, 0.1)
+COUNTS = (16, 32, 64)
+KINDS = ("same", "other")
+
+
+def sweep_plan(parts):
+    """The sweep's configurations (scheme, search, dampening, actorder, kind, sentences), most wanted first:
+      w4a16:   W4A16: rtn; mse; mse+gptq x every dampening (static order); mse+gptq without act order and
+               gptq, at 0.01 and 0.1 — all on 64 sentences of each kind;
+      schemes: NVFP4A16, MXFP4A16, FP6_E2M3: rtn; mse; mse+gptq at 0.01 and 0.1 — 64 sentences of each kind;
+      budget:  W4A16 mse+gptq x every dampening on 16 and 32 sentences of each kind.
+    """
+    plan = []
+    for part in parts:
+        if part == "w4a16":
+            plan.append(("W4A16", "rtn", None, None, "none", 0))
+            plan += [("W4A16", "mse", None, None, k, 64) for k in KINDS]
+            plan += [("W4A16", "mse+gptq", d, "static", k, 64) for d in DAMPENINGS for k in KINDS]
+            plan += [("W4A16", "mse+gptq", d, "none", k, 64) for d in (0.01, 0.1) for k in KINDS]
+            plan += [("W4A16", "gptq", d, "static", k, 64) for d in (0.01, 0.1) for k in KINDS]
+        elif part == "schemes":
+            for s in ("NVFP4A16", "MXFP4A16", "FP6_E2M3"):
+                plan.append((s, "rtn", None, None, "none", 0))
+                plan += [(s, "mse", None, None, k, 64) for k in KINDS]
+                plan += [(s, "mse+gptq", d, "static", k, 64) for d in (0.01, 0.1) for k in KINDS]
+        elif part == "budget":
+            plan += [("W4A16", "mse+gptq", d, "static", k, n) for n in (16, 32) for d in DAMPENINGS for k in KINDS]
+        else:
+            raise SystemExit(f"--plan: unknown part {part!r} (w4a16, schemes, budget)")
+    return plan
+
+
+def config_key(c):
+    return "{}:{}:{}:{}:{}:{}".format(*c)
+
+
+def parse_config(text):
+    """SCHEME:SEARCH:DAMP:ACTORDER:KIND:COUNT → a plan tuple (DAMP/ACTORDER 'None' for rtn and mse)."""
+    s, search, d, a, k, n = text.split(":")
+    return (s, search, None if d == "None" else float(d), None if a == "None" else a, k, int(n))
+
+
+def sweep(out_path, plan, score_on, *, compare_rtn, shard=(0, 1)):
+    """Run the `plan` rows not yet in `out_path` (JSON lines), scoring each on `score_on` ("validation" or
+    "held-out") and on its own calibration sentences; append each row as it finishes."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    done = set()
+    if os.path.exists(out_path):
+        with open(out_path, encoding="utf-8") as f:
+            done = {json.loads(line)["key"] for line in f if line.strip()}
+    todo = [c for i, c in enumerate(plan) if i % shard[1] == shard[0] and config_key(c) not in done]
+    if not todo:
+        print("nothing to do", file=sys.stderr)
         return 0
+    tok = embedded.Tokenizer()
+    prose = embedded.heldout_sentences("calib")
+    pools = {"same": prose[:64], "other": embedded.default_sentences()}
+    score = embedded.heldout_sentences("eval") if score_on == "held-out" else prose[128:]
+    assert not set(score) & (set(pools["same"]) | set(pools["other"])), "scored set not disjoint"
+    t0 = time.perf_counter()
+    sets = {score_on: score, **{f"calib:{k}": v for k, v in pools.items()}}
+    refs = {name: embedded.torch_reference_embeddings(s) for name, s in sets.items()}
+    print(f"references: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    for c in todo:
+        scheme, search, damp, act, kind, n = c
+        t = time.perf_counter()
+        calib = pools[kind][:n] if search != "rtn" else pools["same"]
+        batches = None if search == "rtn" else embedded.calibration_batches(tok, calib)
+        scored = {score_on: score, "calib": calib}
+        r_refs = {score_on: refs[score_on], "calib": refs[f"calib:{kind if search != 'rtn' else 'same'}"][:len(calib)]}
+        r = run(scheme, search, batches, scored, r_refs, tok, dampening=0.01 if damp is None else damp,
+                actorder=None if act in (None, "none") else act, compare_rtn=compare_rtn)
+        row = {"key": config_key(c), "scheme": scheme, "search": search, "dampening": damp, "actorder": act,
+               "calibration": kind, "calib_sentences": n,
+               "calib_tokens": 0 if batches is None else int(sum(b["input_ids"].size for b in batches)),
+               "scored_on": score_on, "mean": r[score_on][0], "min": r[score_on][1],
+               "calib_mean": r["calib"][0], "calib_min": r["calib"][1], "compare_rtn": compare_rtn,
+               "seconds": round(time.perf_counter() - t, 1), "load": round(os.getloadavg()[0], 1)}
+        with open(out_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{row['key']:<36} {score_on} {row['mean']:.5f} / {row['min']:.5f}   calib set "
+              f"{row['calib_mean']:.5f} / {row['calib_min']:.5f}   ({row['seconds']:.0f} s, load {row['load']})",
+              file=sys.stderr, flush=True)
+    return 0
+
+
+def report(paths):
+    """Markdown tables of the rows in the JSON-lines files `paths` (sweep and final), best validation mean first
+    within each scheme; gap = calibration-set mean - scored-set mean (the overfit)."""
+    rows = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    for scored in ("validation", "held-out"):
+        sel = [r for r in rows if r["scored_on"] == scored]
+        if not sel:
+            continue
+        print(f"\n| scheme | search | dampening | act order | calibrated on | tokens | {scored} mean / min | "
+              "calibration set mean / min | gap |")
+        print("| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |")
+        rtn = {r["scheme"]: r for r in sel if r["search"] == "rtn"}
+        for r in sorted(sel, key=lambda r: (SCHEMES.split(",").index(r["scheme"]), r["search"] != "rtn",
+                                            r["calibration"], -r["calib_sentences"], -r["mean"])):
+            on = "—" if r["search"] == "rtn" else f"{r['calib_sentences']} {r['calibration']} kind"
+            below = r["scheme"] in rtn and r["search"] != "rtn" and r["min"] < rtn[r["scheme"]]["min"]
+            print(f"| {r['scheme']} | {r['search']} | {r['dampening'] if r['dampening'] is not None else ''} | "
+                  f"{r['actorder'] or ''} | {on} | {r['calib_tokens'] or ''} | {r['mean']:.5f} / "
+                  f"{'**' if below else ''}{r['min']:.5f}{'**' if below else ''} | "
+                  f"{r['calib_mean']:.5f} / {r['calib_min']:.5f} | {r['calib_mean'] - r['mean']:+.4f} |")
+    return 0
+
+
+def grid(args) -> int:
+    """The plain grid: schemes x searches x kinds of calibration text, scored on the held-out set."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tok = embedded.Tokenizer()
     held = embedded.heldout_sentences("eval")
@@ -124,6 +251,7 @@ def main(argv=None) -> int:
     print(f"references: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     batcher = (lambda s: embedded.calibration_batches(tok, s, bucket=args.bucket)) if args.batching == "exact" \
         else (lambda s: padded_batches(tok, s))
+    actorder = None if args.actorder == "none" else args.actorder
     rows = []
     for scheme in [s.strip() for s in args.schemes.split(",") if s.strip()]:
         for search in [s.strip() for s in args.searches.split(",") if s.strip()]:
@@ -131,13 +259,15 @@ def main(argv=None) -> int:
                 t = time.perf_counter()
                 cal = "none" if search == "rtn" else kind
                 scored = sets if search == "rtn" else {"held-out": held, f"calib:{kind}": calib_sets[kind]}
-                r = run(scheme, search, None if search == "rtn" else batcher(calib_sets[kind]), scored, refs, tok)
+                r = run(scheme, search, None if search == "rtn" else batcher(calib_sets[kind]), scored, refs, tok,
+                        dampening=args.dampening, actorder=actorder)
                 if search == "rtn":  # one uncalibrated model, scored on every set
                     for k in kinds:
                         print(f"{scheme:<10} rtn       on calib:{k} {r[f'calib:{k}'][0]:.5f} / "
                               f"{r[f'calib:{k}'][1]:.5f}", file=sys.stderr, flush=True)
                 row = {"scheme": scheme, "search": search, "calibration": cal,
                        "calib_sentences": len(calib_sets[kind]), "batching": args.batching,
+                       "dampening": args.dampening, "actorder": args.actorder,
                        "heldout_mean": r["held-out"][0], "heldout_min": r["held-out"][1],
                        "calib_mean": r[f"calib:{kind}"][0], "calib_min": r[f"calib:{kind}"][1],
                        "seconds": round(time.perf_counter() - t, 1)}
@@ -154,6 +284,45 @@ def main(argv=None) -> int:
             print(f"| {r['scheme']} | {r['search']} | {r['calibration']} | {r['heldout_mean']:.5f} / "
                   f"{r['heldout_min']:.5f} | {r['calib_mean']:.5f} / {r['calib_min']:.5f} |")
     return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schemes", default=SCHEMES)
+    ap.add_argument("--searches", default=SEARCHES)
+    ap.add_argument("--calibrations", default="same,other", help="same (prose) and/or other (the shipped set)")
+    ap.add_argument("--calib-count", type=int, default=64, help="sentences of the same-kind set to calibrate on")
+    ap.add_argument("--dampening", type=float, default=0.01, help="GPTQ's dampening_frac")
+    ap.add_argument("--actorder", choices=("static", "none"), default="static", help="GPTQ's column order")
+    ap.add_argument("--batching", choices=("exact", "padded"), default="exact")
+    ap.add_argument("--bucket", type=int, default=8, help="embedded.calibration_batches' length bucket")
+    ap.add_argument("--json", action="store_true", help="one JSON line per row, on stdout")
+    ap.add_argument("--make-sets", action="store_true", help="rewrite converters/data/heldout_*.txt and exit")
+    ap.add_argument("--sweep", metavar="OUT.jsonl", help="run the sweep plan, scored on the validation set")
+    ap.add_argument("--plan", default="w4a16,schemes,budget", help="the sweep's parts, in order")
+    ap.add_argument("--shard", default="0/1", help="I/N: run every N-th row of the plan starting at I")
+    ap.add_argument("--final", metavar="OUT.jsonl", help="score --configs on the held-out set (compare_rtn on)")
+    ap.add_argument("--configs", default="", help="SCHEME:SEARCH:DAMP:ACTORDER:KIND:COUNT,... for --final")
+    ap.add_argument("--report", nargs="+", metavar="ROWS.jsonl", help="print the tables of sweep / final rows")
+    args = ap.parse_args(argv)
+    if args.make_sets:
+        ev, ca = make_sets()
+        data = os.path.join(os.path.dirname(_HERE), "converters", "data")
+        for name, sents in (("heldout_eval.txt", ev), ("heldout_calib.txt", ca)):
+            with open(os.path.join(data, name), "w", encoding="utf-8") as f:
+                f.write("\n".join(sents) + "\n")
+        print(f"wrote {len(ev)} + {len(ca)} sentences to {data}")
+        return 0
+    if args.report:
+        return report(args.report)
+    shard = tuple(int(x) for x in args.shard.split("/"))
+    if args.sweep:
+        return sweep(args.sweep, sweep_plan([p.strip() for p in args.plan.split(",") if p.strip()]), "validation",
+                     compare_rtn=False, shard=shard)
+    if args.final:
+        plan = [parse_config(c) for c in args.configs.split(",") if c.strip()]
+        return sweep(args.final, plan, "held-out", compare_rtn=True, shard=shard)
+    return grid(args)
 
 
 if __name__ == "__main__":
