@@ -18,8 +18,11 @@ Why a path of its own (measured on XLA:CPU, jax 0.10.2; bench/packed_gemv.py, be
     loop and each step read it back through a transposed elemental GEMV (W8A16 decode ran at 0.44x of dense).
     An optimization barrier ties the packed arrays to the activations, which change every step, so nothing of
     the weight is loop-invariant any more: each step reads the packed codes.
-  - The per-group factor s' = s / c (c: the global scale, NVFP4; E8M0 / fp8 scales decoded) and the zero point
-    are computed once per group [N, G] per call, behind a second barrier, instead of once per element.
+  - The per-group factor s' = s / c (c: the global scale, NVFP4; E8M0 / fp8 scales decoded) is computed once per
+    group [N, G] per call, in a fusion of its own, instead of once per element: XLA:CPU duplicates cheap
+    producers (the E8M0 bit decode) into the GEMV loop, an optimization barrier does not stop it (none is left in
+    the optimized module), but it does not duplicate a float division into a consumer that reads each element
+    many times (`_own_fusion`). The zero point stays int8 and is converted in the loop (one convert).
   - Each row of x (up to `MAX_ROWS`) is its own GEMV: several activation rows would make the dot a GEMM, which
     XLA sends to a library without fusing the decode.
 
@@ -95,8 +98,22 @@ def _factor(q: QArray, scale, global_scale, sdt) -> jax.Array:
     else:
         s = scale.astype(sdt)
     if global_scale is not None:
-        s = R.div(s, global_scale, sdt)
-    return s
+        return R.div(s, global_scale, sdt)
+    if scale.dtype == s.dtype:
+        return s  # read as stored: nothing to compute per element
+    return _own_fusion(s)
+
+
+def _own_fusion(a: jax.Array) -> jax.Array:
+    """a, computed in a loop of its own: a / (1 + 0 a), exactly a for every finite a and NaN (a float32 subnormal
+    is flushed, as the product it scales would be); used for E8M0 and fp8 scales, which hold no infinity.
+
+    XLA:CPU duplicates a cheap elementwise producer (the E8M0 bit decode, an fp8 convert) into every consumer,
+    here into the fused GEMV loop, where it ran once per weight element instead of once per group; an
+    optimization barrier does not stop it (none is left in the optimized module). A float division is one of
+    the ops XLA does not duplicate into a consumer that reads each element many times, and `0 a` is not folded
+    for floats, so the division stays."""
+    return a / (np.float32(1.0) + np.float32(0.0) * a)
 
 
 def _values(u: jax.Array, fmt, sdt) -> jax.Array:
@@ -107,7 +124,7 @@ def _values(u: jax.Array, fmt, sdt) -> jax.Array:
         with jax.ensure_compile_time_eval():
             codes = jnp.arange(2 ** fmt.bits, dtype=jnp.int32).astype(jnp.uint8)
             table = np.asarray(element_values(codes, fmt, sdt))
-        return jnp.asarray(table)[u.astype(jnp.int32)]
+        return jnp.asarray(table)[u]  # unsigned index: no wrap-around of negative indices to compute
     return element_values(u, fmt, sdt)
 
 
@@ -175,7 +192,6 @@ def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
         (xs, q.codes, q.scale, q.zero_point, q.global_scale))
     s = _factor(q, scale, gscale, sdt)
     z = None if zp is None else zp
-    s, z = jax.lax.optimization_barrier((s, z))  # per group, once per call: not recomputed per element
     if z is not None and scheme.strategy == "tensor":
         z = z.reshape(1)
     parts = []

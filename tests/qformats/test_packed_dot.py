@@ -94,6 +94,35 @@ def test_weight_elements_equal_dequantize():
             np.testing.assert_array_equal(np.asarray(f(x, q))[0], w[k], err_msg=f"{name} row {k}")
 
 
+def _dot_fusion_parameters(text: str):
+    """The parameter shapes ("u8[64,8]") of every fused computation of an optimized HLO module that holds a dot."""
+    out, params, has_dot, fused = [], [], False, False
+    for line in text.splitlines():
+        if line.rstrip().endswith("{") and not line.startswith(" "):
+            params, has_dot, fused = [], False, line.startswith("%fused")
+        elif line.startswith("}"):
+            if has_dot and fused:
+                out.append(params)
+        elif " parameter(" in line:
+            params.append(re.search(r"= (\w+\[[\d,]*\])", line).group(1))
+        elif " dot(" in line:
+            has_dot = True
+    return out
+
+
+@pytest.mark.parametrize("name", ["MXFP4A16", "MXFP8A16"])
+def test_e8m0_scale_decoded_once_per_group(name):
+    """The E8M0 scale codes are decoded to float32 once per group, outside the fused GEMV loops: no dot's fusion
+    reads the uint8 codes (XLA:CPU would otherwise decode them again for every weight element)."""
+    q = _weight(name, 256, 64)
+    x = jnp.ones((1, 256), jnp.float32)
+    fusions = _dot_fusion_parameters(jax.jit(packed_dot).lower(x, q).compile().as_text())
+    raw = "u8[%s]" % ",".join(str(d) for d in q.scale.shape)
+    decoded = "f32[%s]" % ",".join(str(d) for d in q.scale.shape)
+    assert fusions and all(raw not in p for p in fusions), fusions
+    assert any(decoded in p for p in fusions), fusions
+
+
 def test_bf16_activations():
     q = _weight("NVFP4A16", 256, 64)
     x = jnp.asarray(np.random.RandomState(2).standard_normal((1, 256)), jnp.bfloat16)
