@@ -300,7 +300,7 @@ def _layer_inputs(config, t: int, window):
 def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = "gptq",
                       gptq: GPTQOptions = GPTQOptions(), propagate: str = "quantized", guard: bool = True,
                       transform: Optional[Callable] = None, kv_cache: Optional[KVCacheScheme] = None,
-                      tokens_per_batch: int = 8192, bucket: int = 32, max_padding: float = 0.125,
+                      tokens_per_batch: int = 2048, bucket: int = 32, max_padding: float = 0.125,
                       embed: Optional[Callable] = None, load_layer: Optional[Callable] = None,
                       store_layer: Optional[Callable] = None,
                       log: Callable[[str], None] = lambda m: None) -> dict:
@@ -323,7 +323,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         tensor or per KV head) over the real tokens of every layer's calibration pass, i.e. from that layer's
         float projections fed by the propagated (quantized-weight) outputs of the layers below, as
         llm-compressor 0.14 observes them; a dynamic scheme is enabled as is.
-      tokens_per_batch, bucket, max_padding: batching (`make_batches`).
+      tokens_per_batch, bucket, max_padding: batching (`make_batches`). A layer pass's temporaries grow with the
+        batch ([B, heads, T, T] attention scores, [B, T, intermediate] MLP activations): 2048 tokens a batch keep
+        them to a few tens of MiB on SmolLM2-sized layers.
       embed, load_layer, store_layer: streaming (the model need not be resident: `converters.calibrate` reads
         one layer at a time from the checkpoint and writes it out when done). `embed(ids)` -> [B, T, d]
         embeddings of a batch's token ids (default: the model's embed_tokens); `load_layer(i, layer)` fills

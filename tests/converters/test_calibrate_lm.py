@@ -82,3 +82,13 @@ def test_cli_calibrates_a_causal_lm(tiny, tmp_path):
         for k in a.keys():
             np.testing.assert_array_equal(np.asarray(a.get(k)), np.asarray(b.get(k)), err_msg=k)
     assert main(["quantize", str(tmp_path / "x"), "--scheme", "W4A16", "--calibrate", "--smooth", "0.5"]) == 2
+
+
+def test_lean_malloc_on_glibc():
+    import platform
+
+    from converters.calibrate import lean_malloc
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert lean_malloc() is True  # every option accepted (mallopt returns 1)
