@@ -5,7 +5,7 @@ Usage:
   python bench/minilm_heldout.py [--schemes W4A16,NVFP4A16,MXFP4A16,FP6_E2M3] [--searches rtn,mse,gptq,mse+gptq]
          [--calibrations same,other] [--calib-count 64] [--dampening 0.01] [--actorder static|none]
          [--batching exact|padded] [--json] [--make-sets]
-  python bench/minilm_heldout.py --sweep OUT.jsonl [--plan w4a16,schemes,budget] [--shard I/N]
+  python bench/minilm_heldout.py --sweep OUT.jsonl [--plan w4a16,schemes,budget,order,beyond,mse] [--shard I/N]
   python bench/minilm_heldout.py --final OUT.jsonl --configs SCHEME:SEARCH:DAMP:ACTORDER:KIND:COUNT,...
   python bench/minilm_heldout.py --report SWEEP.jsonl [FINAL.jsonl]   (markdown tables, "**": min below RTN's)
 
@@ -28,8 +28,9 @@ rows entering H) instead of `embedded.calibration_batches` (no padding).
 `--sweep` chooses defaults without touching the held-out set: every configuration (weight search x GPTQ
 dampening x activation order x token budget x kind of calibration text) is scored on the validation set
 (128 prose sentences, in no calibration set) and on its own calibration sentences (the gap between the two
-is the overfit); rows are appended to OUT.jsonl as they finish and rows already there are skipped (so a run
-can be resumed, or split across processes with --shard). The sweep runs `quantize_model` with
+is the overfit); rows are appended to OUT.jsonl as they finish and rows already there or claimed by a running
+process (OUT.jsonl.claims) are skipped, so several processes share one plan and a run can be resumed (delete
+the claims file of a killed run first). The sweep runs `quantize_model` with
 compare_rtn=False (the model-level guard's two extra passes; the per-layer tr(dW^T H dW) check stays on).
 `--final` scores the chosen configurations once on the 256 held-out sentences with the library's full path
 (compare_rtn on). `quantize_model` takes no GPTQ dampening: the bench sets it with `gptq_dampening`.
@@ -39,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import functools
+import hashlib
 import json
 import os
 import re
@@ -128,10 +131,12 @@ KINDS = ("same", "other")
 
 def sweep_plan(parts):
     """The sweep's configurations (scheme, search, dampening, actorder, kind, sentences), most wanted first:
-      w4a16:   W4A16: rtn; mse; mse+gptq x every dampening (static order); mse+gptq without act order and
-               gptq, at 0.01 and 0.1 — all on 64 sentences of each kind;
-      schemes: NVFP4A16, MXFP4A16, FP6_E2M3: rtn; mse; mse+gptq at 0.01 and 0.1 — 64 sentences of each kind;
-      budget:  W4A16 mse+gptq x every dampening on 16 and 32 sentences of each kind.
+      w4a16:   W4A16: rtn; mse; mse+gptq x every dampening (static order) — 64 sentences of each kind;
+      schemes: NVFP4A16, MXFP4A16, FP6_E2M3: rtn; mse+gptq at 0.01 and 0.1 — 64 sentences of each kind;
+      budget:  W4A16 mse+gptq at 0.01 and 0.1 on 16 and 32 sentences of each kind;
+      order:   W4A16 mse+gptq at 0.01 in column order (no act order); gptq at 0.1 — 64 sentences of each kind;
+      beyond:  W4A16 mse+gptq at 0.3 and 1.0 (past the grid) — 64 sentences of each kind;
+      mse:     NVFP4A16, MXFP4A16, FP6_E2M3 mse — 64 sentences of each kind.
     """
     plan = []
     for part in parts:
@@ -139,17 +144,21 @@ def sweep_plan(parts):
             plan.append(("W4A16", "rtn", None, None, "none", 0))
             plan += [("W4A16", "mse", None, None, k, 64) for k in KINDS]
             plan += [("W4A16", "mse+gptq", d, "static", k, 64) for d in DAMPENINGS for k in KINDS]
-            plan += [("W4A16", "mse+gptq", d, "none", k, 64) for d in (0.01, 0.1) for k in KINDS]
-            plan += [("W4A16", "gptq", d, "static", k, 64) for d in (0.01, 0.1) for k in KINDS]
         elif part == "schemes":
             for s in ("NVFP4A16", "MXFP4A16", "FP6_E2M3"):
                 plan.append((s, "rtn", None, None, "none", 0))
-                plan += [(s, "mse", None, None, k, 64) for k in KINDS]
                 plan += [(s, "mse+gptq", d, "static", k, 64) for d in (0.01, 0.1) for k in KINDS]
         elif part == "budget":
-            plan += [("W4A16", "mse+gptq", d, "static", k, n) for n in (16, 32) for d in DAMPENINGS for k in KINDS]
+            plan += [("W4A16", "mse+gptq", d, "static", k, n) for n in (16, 32) for d in (0.01, 0.1) for k in KINDS]
+        elif part == "order":
+            plan += [("W4A16", "mse+gptq", 0.01, "none", k, 64) for k in KINDS]
+            plan += [("W4A16", "gptq", 0.1, "static", k, 64) for k in KINDS]
+        elif part == "beyond":
+            plan += [("W4A16", "mse+gptq", d, "static", k, 64) for d in (0.3, 1.0) for k in KINDS]
+        elif part == "mse":
+            plan += [(s, "mse", None, None, k, 64) for s in ("NVFP4A16", "MXFP4A16", "FP6_E2M3") for k in KINDS]
         else:
-            raise SystemExit(f"--plan: unknown part {part!r} (w4a16, schemes, budget)")
+            raise SystemExit(f"--plan: unknown part {part!r} (w4a16, schemes, budget, order, beyond, mse)")
     return plan
 
 
@@ -163,16 +172,49 @@ def parse_config(text):
     return (s, search, None if d == "None" else float(d), None if a == "None" else a, k, int(n))
 
 
-def sweep(out_path, plan, score_on, *, compare_rtn, shard=(0, 1)):
+def reference(sentences, cache=None):
+    """torch sentence-transformers fp32 embeddings of `sentences`, kept in the directory `cache` (a .npy file
+    named by a hash of the sentences) when given, so resumed and parallel sweeps compute them once."""
+    if cache is None:
+        return embedded.torch_reference_embeddings(sentences)
+    name = os.path.join(cache, hashlib.sha256("\n".join(sentences).encode()).hexdigest()[:16] + ".npy")
+    if os.path.exists(name):
+        return np.load(name, allow_pickle=False)
+    emb = embedded.torch_reference_embeddings(sentences)
+    os.makedirs(cache, exist_ok=True)
+    np.save(name + ".tmp.npy", emb)
+    os.replace(name + ".tmp.npy", name)
+    return emb
+
+
+def _taken(out_path, claims=True):
+    """Keys of the rows in `out_path` (and, with claims, of those claimed in `out_path`.claims)."""
+    keys = set()
+    for path in (out_path, out_path + ".claims") if claims else (out_path,):
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                keys |= {json.loads(line)["key"] if line.startswith("{") else line.strip() for line in f if line.strip()}
+    return keys
+
+
+def _claim(out_path, key):
+    """Claim `key` for this process (False when done or claimed already): a line in `out_path`.claims, under an
+    exclusive lock, so several sweep processes share one plan as a work queue."""
+    with open(out_path + ".claims", "a+", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        if key in _taken(out_path):
+            return False
+        f.write(key + "\n")
+        f.flush()
+    return True
+
+
+def sweep(out_path, plan, score_on, *, compare_rtn, shard=(0, 1), cache=None):
     """Run the `plan` rows not yet in `out_path` (JSON lines), scoring each on `score_on` ("validation" or
     "held-out") and on its own calibration sentences; append each row as it finishes."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    done = set()
-    if os.path.exists(out_path):
-        with open(out_path, encoding="utf-8") as f:
-            done = {json.loads(line)["key"] for line in f if line.strip()}
-    todo = [c for i, c in enumerate(plan) if i % shard[1] == shard[0] and config_key(c) not in done]
-    if not todo:
+    todo = [c for i, c in enumerate(plan) if i % shard[1] == shard[0]]
+    if not [c for c in todo if config_key(c) not in _taken(out_path, claims=False)]:
         print("nothing to do", file=sys.stderr)
         return 0
     tok = embedded.Tokenizer()
@@ -182,9 +224,11 @@ def sweep(out_path, plan, score_on, *, compare_rtn, shard=(0, 1)):
     assert not set(score) & (set(pools["same"]) | set(pools["other"])), "scored set not disjoint"
     t0 = time.perf_counter()
     sets = {score_on: score, **{f"calib:{k}": v for k, v in pools.items()}}
-    refs = {name: embedded.torch_reference_embeddings(s) for name, s in sets.items()}
+    refs = {name: reference(s, cache) for name, s in sets.items()}
     print(f"references: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     for c in todo:
+        if not _claim(out_path, config_key(c)):
+            continue  # done, or being run by another process
         scheme, search, damp, act, kind, n = c
         t = time.perf_counter()
         calib = pools[kind][:n] if search != "rtn" else pools["same"]
@@ -299,10 +343,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON line per row, on stdout")
     ap.add_argument("--make-sets", action="store_true", help="rewrite converters/data/heldout_*.txt and exit")
     ap.add_argument("--sweep", metavar="OUT.jsonl", help="run the sweep plan, scored on the validation set")
-    ap.add_argument("--plan", default="w4a16,schemes,budget", help="the sweep's parts, in order")
+    ap.add_argument("--plan", default="w4a16,schemes,budget,order,beyond,mse", help="the sweep's parts, in order")
     ap.add_argument("--shard", default="0/1", help="I/N: run every N-th row of the plan starting at I")
     ap.add_argument("--final", metavar="OUT.jsonl", help="score --configs on the held-out set (compare_rtn on)")
     ap.add_argument("--configs", default="", help="SCHEME:SEARCH:DAMP:ACTORDER:KIND:COUNT,... for --final")
+    ap.add_argument("--refs-cache", metavar="DIR", help="keep the fp32 reference embeddings in DIR (.npy)")
     ap.add_argument("--report", nargs="+", metavar="ROWS.jsonl", help="print the tables of sweep / final rows")
     args = ap.parse_args(argv)
     if args.make_sets:
@@ -318,10 +363,10 @@ def main(argv=None) -> int:
     shard = tuple(int(x) for x in args.shard.split("/"))
     if args.sweep:
         return sweep(args.sweep, sweep_plan([p.strip() for p in args.plan.split(",") if p.strip()]), "validation",
-                     compare_rtn=False, shard=shard)
+                     compare_rtn=False, shard=shard, cache=args.refs_cache)
     if args.final:
         plan = [parse_config(c) for c in args.configs.split(",") if c.strip()]
-        return sweep(args.final, plan, "held-out", compare_rtn=True, shard=shard)
+        return sweep(args.final, plan, "held-out", compare_rtn=True, shard=shard, cache=args.refs_cache)
     return grid(args)
 
 
