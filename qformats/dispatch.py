@@ -133,13 +133,42 @@ def xla_qdot(x: jax.Array, q: QArray) -> jax.Array:
     `qformats.packed_dot`: the same weight elements, decoded from the packed codes inside XLA's fused
     matrix-vector loops, never a dense copy (not even one XLA would hoist out of a decode loop); see
     bench/packed_gemv.py. More rows (prefill), or kernels turned off (`set_kernels_enabled(False)`: every packed
-    matmul dequantizes), dequantize the whole weight once and use XLA's dot.
+    matmul dequantizes), dequantize the whole weight once and use XLA's dot; that dequantize is tied to x
+    (`_tied_to`), so a model's dense weights are not all made at once: one layer's at a time.
     """
     if _ENABLED["kernels"] and math.prod(x.shape[:-1]) <= FUSED_GEMV_ROWS and packed_dot_supported(x.shape, q):
         return packed_dot(x, q)
-    w = dequantize(q, dtype=x.dtype)
+    w = dequantize(_tied_to(q, x), dtype=x.dtype)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _tied_to(q: QArray, x: jax.Array) -> QArray:
+    """q with every array computed from x: a | z on its bits, z = int(0 * x_0) = 0 (x_0 zeroed when not finite).
+    No bit changes, but the dequantize of q now waits for the layer input x.
+
+    Without it, the dequantize of every layer depends on the weights only, and XLA:CPU's scheduler ran all of
+    them first: a packed model's prefill held every projection's dense float32 copy at once (the temporary
+    buffer of a compiled SmolLM2 `generate` was the size of its 210 dense projections). An optimization barrier
+    does not order them (none is left in the optimized module); a data dependency of the inputs of the
+    dequantize (not of its last op: a format whose unpack or scale decode is a fusion of its own would still run
+    early) does, so each dense weight lives from its layer's input to its dot. XLA folds `0 * x` only for
+    integers."""
+    if x.size == 0:
+        return q
+    x0 = x.reshape(-1)[0].astype(jnp.float32)
+    zero = jnp.float32(0.0) * jnp.where(jnp.isfinite(x0), x0, jnp.float32(0.0))
+
+    def tie(a):
+        if a is None:
+            return None
+        bits = jnp.dtype(f"uint{8 * a.dtype.itemsize}")
+        if a.dtype == bits:
+            return a | zero.astype(bits)
+        return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, bits) | zero.astype(bits), a.dtype)
+
+    leaves, aux = q.tree_flatten()
+    return QArray.tree_unflatten(aux, tuple(tie(a) for a in leaves))
 
 
 def qdot(x: jax.Array, q: QArray, kernel_weight: Optional[KernelWeight] = None) -> jax.Array:

@@ -76,3 +76,33 @@ def test_layer_without_a_kernel_has_no_cache():
 
     m = quantize_model(M(), [Rule(".*", "W4A16")])
     assert m.lin.kernel_cache is None and prepare_kernels(m) == 0
+
+
+def test_prefill_holds_about_one_layer_of_dense_weights():
+    """A packed model's prefill dequantizes each weight for XLA's GEMM; the dense copies must not all be live at
+    once. Bound on the compiled `generate`'s temporary buffer: the dense model's own, plus the float32 size of
+    one decoder layer's projections (a dequantize scheduled ahead of its layer input would hold all layers')."""
+    from flax import nnx
+
+    from qformats.models import generate as gen
+    from qformats.models.decoder import CausalLM, DecoderConfig, quantization_rules
+    from qformats.nn import quantize_model
+
+    cfg = DecoderConfig.from_hf(dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=384,
+                                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+    prompt = jnp.zeros((1, 16), jnp.int32)
+
+    def temp_bytes(scheme):
+        model = CausalLM(cfg, rngs=nnx.Rngs(0))
+        if scheme:
+            quantize_model(model, quantization_rules(scheme))
+        graphdef, state = nnx.split(model)
+        compiled = gen._generate.lower(graphdef, state, prompt, None, max_new_tokens=4, temperature=0.0,
+                                       top_k=None, top_p=None, eos=()).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    layer = 4 * (2 * d * cfg.num_heads * hd + 2 * d * cfg.num_kv_heads * hd + 3 * d * f)  # q, o, k, v, gate/up/down
+    dense = temp_bytes(None)
+    for scheme in ("W4A16_ASYM:g32", "MXFP4A16"):
+        assert temp_bytes(scheme) <= dense + layer, (scheme, temp_bytes(scheme), dense, layer)
