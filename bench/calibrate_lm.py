@@ -21,11 +21,11 @@ imports, model load and save excluded); CPU seconds (user + system, all threads)
 of each whole process as VmHWM (the kernel's high-water mark of the resident set: anonymous and file-backed pages,
 so memory-mapped checkpoint pages count while resident) and as the peak of RssAnon (anonymous pages only: heap,
 torch / XLA buffers), sampled every 20 ms. `--side ours|theirs|both` runs one side (its figures are kept in
-WORK/<recipe>-<side>.json, so the two sides can be measured in separate runs, ours under the bench lock); the
-table is printed from whatever WORK holds.
+WORK/<recipe>-<side>.json, so the two sides can be measured in separate runs, ours under the bench lock with
+--no-table); the table (and the perplexities) is printed from whatever WORK holds.
 
     python bench/calibrate_lm.py [--recipe gptq|awq|smoothquant-gptq] [--samples 64] [--seq-len 256]
-        [--side both] [--src DIR] [--work DIR] [--llmc-python /work/lcvenv/bin/python]
+        [--side both|ours|theirs|none] [--no-table] [--src DIR] [--work DIR] [--llmc-python /work/lcvenv/bin/python]
 """
 
 from __future__ import annotations
@@ -170,6 +170,9 @@ def main():
     ap.add_argument("--eval-windows", type=int, default=4)
     ap.add_argument("--side", choices=("ours", "theirs", "both", "none"), default="both",
                     help="which side to (re)measure; 'none': only print the table from WORK")
+    ap.add_argument("--no-table", action="store_true",
+                    help="measure only (e.g. under the bench lock); the perplexities and the table come from a later "
+                         "--side none run")
     ap.add_argument("--src", default=None, help="a dense SmolLM2 HF directory (default: converted from the GGUF)")
     ap.add_argument("--llmc-python", default="/work/lcvenv/bin/python")
     ap.add_argument("--work", default=None)
@@ -213,6 +216,8 @@ def main():
         r["date"] = time.strftime("%Y-%m-%d %H:%M")
         res[side].write_text(json.dumps(r))
         print(side, r, file=sys.stderr)
+    if a.no_table:
+        return
     got = {side: json.loads(res[side].read_text()) for side in res if res[side].exists()}
 
     import pydoc_data.topics as topics
