@@ -5,8 +5,9 @@ Usage:
   python bench/minilm_heldout.py [--schemes W4A16,NVFP4A16,MXFP4A16,FP6_E2M3] [--searches rtn,mse,gptq,mse+gptq]
          [--calibrations same,other] [--calib-count 64] [--dampening 0.01] [--actorder static|none]
          [--batching exact|padded] [--json] [--make-sets]
-  python bench/minilm_heldout.py --sweep OUT.jsonl [--plan w4a16,schemes,budget,order,beyond,mse] [--shard I/N]
+  python bench/minilm_heldout.py --sweep OUT.jsonl [--plan w4a16,beyond,rtn,schemes,budget,order,mse] [--shard I/N]
   python bench/minilm_heldout.py --final OUT.jsonl --configs SCHEME:SEARCH:DAMP:ACTORDER:KIND:COUNT,...
+  python bench/minilm_heldout.py --diagnose   (per layer kind: validation energy outside H_C's span)
   python bench/minilm_heldout.py --report SWEEP.jsonl [FINAL.jsonl]   (markdown tables, "**": min below RTN's)
 
 Sets (package data, `converters.embedded.heldout_sentences` / `default_sentences`):
@@ -54,11 +55,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from converters import embedded  # noqa: E402
 from converters.evaluate import cosines, resolve  # noqa: E402
 from qformats.models import minilm  # noqa: E402
-from qformats.nn import Rule, quantize_model, weight_search  # noqa: E402
+from qformats.nn import QLinear, Rule, quantize_model, weight_search  # noqa: E402
+from qformats.nn.graph import module_references, replace_child  # noqa: E402
+from qformats.observers import get_observer  # noqa: E402
 
 SCHEMES = "W4A16,NVFP4A16,MXFP4A16,FP6_E2M3"
 SEARCHES = "rtn,mse,gptq,mse+gptq"
@@ -130,35 +134,41 @@ KINDS = ("same", "other")
 
 
 def sweep_plan(parts):
-    """The sweep's configurations (scheme, search, dampening, actorder, kind, sentences), most wanted first:
+    """The sweep's configurations (scheme, search, dampening, actorder, kind, sentences) by named parts, in the
+    order given (a part "NAME@D" keeps only its rows at dampening D):
       w4a16:   W4A16: rtn; mse; mse+gptq x every dampening (static order) — 64 sentences of each kind;
-      schemes: NVFP4A16, MXFP4A16, FP6_E2M3: rtn; mse+gptq at 0.01 and 0.1 — 64 sentences of each kind;
+      beyond:  W4A16 mse+gptq at 0.3 and 1.0 (past the grid) — 64 sentences of each kind;
+      rtn:     NVFP4A16, MXFP4A16, FP6_E2M3 round-to-nearest;
+      schemes: NVFP4A16, MXFP4A16, FP6_E2M3 mse+gptq at 0.01 and 0.1 — 64 sentences of each kind;
       budget:  W4A16 mse+gptq at 0.01 and 0.1 on 16 and 32 sentences of each kind;
       order:   W4A16 mse+gptq at 0.01 in column order (no act order); gptq at 0.1 — 64 sentences of each kind;
-      beyond:  W4A16 mse+gptq at 0.3 and 1.0 (past the grid) — 64 sentences of each kind;
       mse:     NVFP4A16, MXFP4A16, FP6_E2M3 mse — 64 sentences of each kind.
     """
+    others = ("NVFP4A16", "MXFP4A16", "FP6_E2M3")
     plan = []
     for part in parts:
+        part, _, only = part.partition("@")
+        rows = []
         if part == "w4a16":
-            plan.append(("W4A16", "rtn", None, None, "none", 0))
-            plan += [("W4A16", "mse", None, None, k, 64) for k in KINDS]
-            plan += [("W4A16", "mse+gptq", d, "static", k, 64) for d in DAMPENINGS for k in KINDS]
-        elif part == "schemes":
-            for s in ("NVFP4A16", "MXFP4A16", "FP6_E2M3"):
-                plan.append((s, "rtn", None, None, "none", 0))
-                plan += [(s, "mse+gptq", d, "static", k, 64) for d in (0.01, 0.1) for k in KINDS]
-        elif part == "budget":
-            plan += [("W4A16", "mse+gptq", d, "static", k, n) for n in (16, 32) for d in (0.01, 0.1) for k in KINDS]
-        elif part == "order":
-            plan += [("W4A16", "mse+gptq", 0.01, "none", k, 64) for k in KINDS]
-            plan += [("W4A16", "gptq", 0.1, "static", k, 64) for k in KINDS]
+            rows.append(("W4A16", "rtn", None, None, "none", 0))
+            rows += [("W4A16", "mse", None, None, k, 64) for k in KINDS]
+            rows += [("W4A16", "mse+gptq", d, "static", k, 64) for d in DAMPENINGS for k in KINDS]
         elif part == "beyond":
-            plan += [("W4A16", "mse+gptq", d, "static", k, 64) for d in (0.3, 1.0) for k in KINDS]
+            rows += [("W4A16", "mse+gptq", d, "static", k, 64) for d in (0.3, 1.0) for k in KINDS]
+        elif part == "rtn":
+            rows += [(s, "rtn", None, None, "none", 0) for s in others]
+        elif part == "schemes":
+            rows += [(s, "mse+gptq", d, "static", k, 64) for d in (0.1, 0.01) for s in others for k in KINDS]
+        elif part == "budget":
+            rows += [("W4A16", "mse+gptq", d, "static", k, n) for d in (0.1, 0.01) for n in (32, 16) for k in KINDS]
+        elif part == "order":
+            rows += [("W4A16", "mse+gptq", 0.01, "none", k, 64) for k in KINDS]
+            rows += [("W4A16", "gptq", 0.1, "static", k, 64) for k in KINDS]
         elif part == "mse":
-            plan += [(s, "mse", None, None, k, 64) for s in ("NVFP4A16", "MXFP4A16", "FP6_E2M3") for k in KINDS]
+            rows += [(s, "mse", None, None, k, 64) for s in others for k in KINDS]
         else:
-            raise SystemExit(f"--plan: unknown part {part!r} (w4a16, schemes, budget, order, beyond, mse)")
+            raise SystemExit(f"--plan: unknown part {part!r} (w4a16, beyond, rtn, schemes, budget, order, mse)")
+        plan += [r for r in rows if not only or r[2] == float(only)]
     return plan
 
 
@@ -248,6 +258,69 @@ def sweep(out_path, plan, score_on, *, compare_rtn, shard=(0, 1), cache=None):
         print(f"{row['key']:<36} {score_on} {row['mean']:.5f} / {row['min']:.5f}   calib set "
               f"{row['calib_mean']:.5f} / {row['calib_min']:.5f}   ({row['seconds']:.0f} s, load {row['load']})",
               file=sys.stderr, flush=True)
+    return 0
+
+
+def input_moments(tok, sentences):
+    """Every Linear's input second moment over `sentences` (calibration batches, no padding rows): path ->
+    (H = (1/n) sum_t x_t x_t^T as float64 [K, K], n tokens), read from calibrating `QLinear`s (full moments)
+    swapped in for the float layers — the H that `quantize_model` gives GPTQ. Layers that see no input are left
+    out."""
+    model = embedded.load_minilm()
+    ss = resolve("W4A16")
+    layers = {}
+    for path, lin, parents in module_references(model, nnx.Linear).values():
+        q = QLinear.from_module(lin, ss, mode="calibrate", path=path, observer=get_observer("minmax", ss.weights),
+                                full_moments=True)
+        for parent, key in parents:
+            replace_child(parent, key, q)
+        layers[path] = q
+    step = nnx.jit(lambda m, b: m(**b))
+    for b in embedded.calibration_batches(tok, sentences):
+        step(model, b)
+    out = {}
+    for path, q in layers.items():
+        total, n = q.calib_sq.get_value()
+        if float(n) > 0:  # the pooler: mean-pooled embeddings never run it (quantize_model keeps it RTN)
+            out[path] = (np.asarray(total, np.float64) / float(n), int(n))
+    return out
+
+
+def diagnose(dampenings=(0.01, 0.1)):
+    """Why GPTQ calibrated on few tokens or other text loses held-out fidelity, per layer: for H_C (calibration)
+    with eigenpairs (e_i, u_i) and the dampening level lam = d * mean(diag H_C), the share of the validation
+    inputs' energy that H_C barely sees,
+        low(d) = sum_{i: e_i < lam} u_i^T H_V u_i / tr(H_V)       (H_V: validation moments),
+    i.e. the directions where GPTQ's objective tr(dW^T (H_C + lam I) dW) is held only by the dampening, so
+    the error GPTQ pushes out of H_C's span lands where the validation text has this much energy."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tok = embedded.Tokenizer()
+    prose = embedded.heldout_sentences("calib")
+    sets = {"same 64": prose[:64], "same 32": prose[:32], "other 64": embedded.default_sentences(),
+            "other 16": embedded.default_sentences()[:16]}
+    hv = input_moments(tok, prose[128:])
+    kinds = {}
+    for path in hv:
+        leaf = path.rsplit("/", 2)
+        role = "/".join(leaf[-2:]) if "attention" in path else leaf[-1]
+        if role in ("attention/key", "attention/value"):
+            continue  # the query's input: one H for q/k/v
+        kinds.setdefault("attention/qkv" if role == "attention/query" else role, []).append(path)
+    print("| calibration | tokens | " + " | ".join(f"{k} (K={hv[v[0]][0].shape[0]}) low@{d}"
+                                                  for k, v in kinds.items() for d in dampenings) + " |")
+    print("| --- | ---: |" + " ---: |" * (len(kinds) * len(dampenings)))
+    for name, sents in sets.items():
+        hc = input_moments(tok, sents)
+        cells = []
+        for k, paths in kinds.items():
+            for d in dampenings:
+                vals = []
+                for p in paths:
+                    e, u = np.linalg.eigh(hc[p][0])
+                    low = u[:, e < d * np.mean(np.diag(hc[p][0]))]
+                    vals.append(np.trace(low.T @ hv[p][0] @ low) / np.trace(hv[p][0]))
+                cells.append(f"{np.mean(vals):.3f}")
+        print(f"| {name} | {next(iter(hc.values()))[1]} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 
@@ -343,10 +416,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON line per row, on stdout")
     ap.add_argument("--make-sets", action="store_true", help="rewrite converters/data/heldout_*.txt and exit")
     ap.add_argument("--sweep", metavar="OUT.jsonl", help="run the sweep plan, scored on the validation set")
-    ap.add_argument("--plan", default="w4a16,schemes,budget,order,beyond,mse", help="the sweep's parts, in order")
+    ap.add_argument("--plan", default="w4a16,beyond,rtn,schemes,budget,order,mse", help="the sweep's parts, in order")
     ap.add_argument("--shard", default="0/1", help="I/N: run every N-th row of the plan starting at I")
     ap.add_argument("--final", metavar="OUT.jsonl", help="score --configs on the held-out set (compare_rtn on)")
     ap.add_argument("--configs", default="", help="SCHEME:SEARCH:DAMP:ACTORDER:KIND:COUNT,... for --final")
+    ap.add_argument("--diagnose", action="store_true", help="per-layer share of validation energy H_C misses")
     ap.add_argument("--refs-cache", metavar="DIR", help="keep the fp32 reference embeddings in DIR (.npy)")
     ap.add_argument("--report", nargs="+", metavar="ROWS.jsonl", help="print the tables of sweep / final rows")
     args = ap.parse_args(argv)
@@ -360,6 +434,8 @@ def main(argv=None) -> int:
         return 0
     if args.report:
         return report(args.report)
+    if args.diagnose:
+        return diagnose()
     shard = tuple(int(x) for x in args.shard.split("/"))
     if args.sweep:
         return sweep(args.sweep, sweep_plan([p.strip() for p in args.plan.split(",") if p.strip()]), "validation",
