@@ -8,15 +8,16 @@ propagate="float", kv_cache=...)`, theirs `oneshot` with QuantizationModifier an
 `static_minmax`). For every row and layer it compares, on the first evaluation window:
 
   scale   our k_scale / v_scale against the live model's (relative difference, max over heads);
-  input   the states entering the cache (post-RoPE keys, values), ours against theirs (max |a - b| / max |b|);
   formula `qformats.kv_cache.fake_quantize_kv(their states, their scale)` against what their QuantizedKVCache
           returned for them (elements that differ: 0 means the quantizer is the same function);
-  codes   fp8 codes of our states under our scale against codes of their states under their scale (fraction of
-          elements whose code differs);
+  codes   the fp8 codes of our uint8 cache (every layer reading the quantized cache of the layers below, as theirs)
+          against the codes of their states under their scale (fraction of elements whose code differs);
+  cached  our dequantized cache against the keys / values their attention read (max |a - b| / max |b|);
 
-and the perplexity of our model three ways: as calibrated, with their k_scale / v_scale swapped in, and theirs
-(live). If the formula agrees exactly, the scales agree to float32 rounding and the differing codes sit at rounding
-boundaries of states that differ by float32 accumulation order, the gap is float order, not a definition.
+and the perplexity of our model: as calibrated, with their k_scale / v_scale swapped in, and with our own scales
+times 1 +- 1e-6 (perturbations of the size of float32 rounding: how sensitive the fp8-cache perplexity is), next to
+theirs (live). If the formula agrees exactly, the scales agree to float32 rounding and perturbations of that size
+move the perplexity as much as the gap, the gap is float order, not a definition.
 """
 
 from __future__ import annotations
@@ -91,11 +92,12 @@ for row in rows.split(","):
 def compare(src: Path, row: str, ids, windows, theirs: dict, arrays) -> list:
     """Our calibration of `row`, compared layer by layer with their arrays; returns the report lines."""
     import jax.numpy as jnp
+    from flax import nnx
 
     from converters.causal_lm import load_causal_lm
     from converters.perplexity import perplexity
-    from qformats.kv_cache import fake_quantize_kv, parse_kv_cache, quantize_kv
-    from qformats.models.decoder import enable_kv_cache_quantization, kv_cache_scheme, kv_states
+    from qformats.kv_cache import dequantize_kv, fake_quantize_kv, parse_kv_cache, quantize_kv
+    from qformats.models.decoder import enable_kv_cache_quantization, kv_cache_scheme
     from qformats.models.sequential import calibrate_decoder
 
     base, _, kv = row.partition("+")
@@ -103,42 +105,56 @@ def compare(src: Path, row: str, ids, windows, theirs: dict, arrays) -> list:
     calibrate_decoder(model, [np.asarray(x, np.int32) for x in ids], base, weight_search="rtn", propagate="float",
                       kv_cache=parse_kv_cache(kv))
     ours_ppl = perplexity(model, windows)["ppl"]
-    states = kv_states(model, jnp.asarray(windows[:1], jnp.int32))
+    # our cache on the first window, in the quantized regime (each layer reads the fp8 keys / values of the layers
+    # below, as theirs does): the uint8 codes under our scales
+    w0 = jnp.asarray(windows[:1], jnp.int32)
+    _, cache = nnx.jit(lambda m, x: m(x, m.init_cache(1, x.shape[1])))(model, w0)
     n = model.config.num_layers
-    lines = [f"### {row}", "", "| layer | k_scale rel. diff | v_scale rel. diff | K input rel. diff | V input rel. diff "
-             "| formula: elements differing (K, V) | K codes differing | V codes differing |",
+    lines = [f"### {row}", "", "| layer | k_scale rel. diff | v_scale rel. diff | formula: elements differing (K, V) "
+             "| K codes differing | V codes differing | cached K max rel. diff | cached V max rel. diff |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    worst = {"scale": 0.0, "input": 0.0, "formula": 0, "codes": 0.0}
+    worst = {"scale": 0.0, "formula": 0, "codes": 0.0, "cached": 0.0}
     for i in range(n):
         a = model.model.layers[i].self_attn
         ours_s = [np.asarray(a.k_scale.get_value(), np.float32), np.asarray(a.v_scale.get_value(), np.float32)]
         their_s = [arrays[f"k_scale.{i}"].reshape(ours_s[0].shape), arrays[f"v_scale.{i}"].reshape(ours_s[1].shape)]
         srel = [float(np.max(np.abs(o / t - 1))) for o, t in zip(ours_s, their_s)]
-        row_cells, formula, codes = [], [], []
-        for j, (name, ours_x) in enumerate((("k", states[i][0]), ("v", states[i][1]))):
+        formula, codes, cached = [], [], []
+        for j, (name, ours_c) in enumerate((("k", cache.keys[i]), ("v", cache.values[i]))):
             tin, tout = arrays[f"{name}_in.{i}"], arrays[f"{name}_out.{i}"]
-            ox = np.asarray(ours_x)
-            row_cells.append(float(np.max(np.abs(ox - tin)) / np.max(np.abs(tin))))
             fq = np.asarray(fake_quantize_kv(jnp.asarray(tin), jnp.asarray(their_s[j])))
             formula.append(int(np.sum(fq != tout)))
-            oc = np.asarray(quantize_kv(jnp.asarray(ox), jnp.asarray(ours_s[j])))
             tc = np.asarray(quantize_kv(jnp.asarray(tin), jnp.asarray(their_s[j])))
+            oc = np.asarray(ours_c)
             codes.append(float(np.mean(oc != tc)))
+            ox = np.asarray(dequantize_kv(jnp.asarray(oc), jnp.asarray(ours_s[j])))
+            cached.append(float(np.max(np.abs(ox - tout)) / np.max(np.abs(tout))))
         worst["scale"] = max(worst["scale"], *srel)
-        worst["input"] = max(worst["input"], *row_cells)
         worst["formula"] += sum(formula)
         worst["codes"] = max(worst["codes"], *codes)
-        lines.append(f"| {i} | {srel[0]:.2e} | {srel[1]:.2e} | {row_cells[0]:.2e} | {row_cells[1]:.2e} | "
-                     f"{formula[0]}, {formula[1]} | {codes[0]:.2e} | {codes[1]:.2e} |")
-    swapped = [(arrays[f"k_scale.{i}"].reshape(kv_shape), arrays[f"v_scale.{i}"].reshape(kv_shape))
-               for i in range(n) for kv_shape in [kv_cache_scheme(model).scale_shape(model.config.num_kv_heads)]]
-    enable_kv_cache_quantization(model, kv_cache_scheme(model), swapped)
-    swapped_ppl = perplexity(model, windows)["ppl"]
+        worst["cached"] = max(worst["cached"], *cached)
+        lines.append(f"| {i} | {srel[0]:.2e} | {srel[1]:.2e} | {formula[0]}, {formula[1]} | {codes[0]:.2e} | "
+                     f"{codes[1]:.2e} | {cached[0]:.2e} | {cached[1]:.2e} |")
+    scheme = kv_cache_scheme(model)
+    shape = scheme.scale_shape(model.config.num_kv_heads)
+    ours_scales = [(np.asarray(a.k_scale.get_value()), np.asarray(a.v_scale.get_value()))
+                   for a in (layer.self_attn for layer in model.model.layers)]
+    variants = {"their k_scale / v_scale": [(arrays[f"k_scale.{i}"].reshape(shape), arrays[f"v_scale.{i}"].reshape(shape))
+                                            for i in range(n)]}
+    for f in (1 + 1e-6, 1 - 1e-6):  # float32-rounding-sized perturbations of our own scales: the sensitivity
+        variants[f"our scales x (1 {'+' if f > 1 else '-'} 1e-6)"] = [
+            (np.asarray(k * np.float32(f), np.float32), np.asarray(v * np.float32(f), np.float32))
+            for k, v in ours_scales]
     t = theirs[row]["ppl"]
-    lines += ["", f"Perplexity: ours {ours_ppl:.4f} ({(ours_ppl / t - 1) * 100:+.3f}%), ours with their k_scale / "
-                  f"v_scale {swapped_ppl:.4f} ({(swapped_ppl / t - 1) * 100:+.3f}%), theirs (live) {t:.4f}. Worst over "
-                  f"layers: scale {worst['scale']:.2e}, input {worst['input']:.2e}, codes differing "
-                  f"{worst['codes']:.2e}; formula mismatches in total: {worst['formula']}.", ""]
+    ppl_cells = [f"ours {ours_ppl:.4f} ({(ours_ppl / t - 1) * 100:+.3f}%)"]
+    for label, scales in variants.items():
+        enable_kv_cache_quantization(model, scheme, scales)
+        p = perplexity(model, windows)["ppl"]
+        ppl_cells.append(f"ours with {label} {p:.4f} ({(p / t - 1) * 100:+.3f}%)")
+        print(row, label, p, file=sys.stderr, flush=True)
+    lines += ["", f"Perplexity: {'; '.join(ppl_cells)}; theirs (live) {t:.4f}. Worst over layers: scale "
+                  f"{worst['scale']:.2e}, codes differing {worst['codes']:.2e}, cached values {worst['cached']:.2e}; "
+                  f"formula mismatches in total: {worst['formula']}.", ""]
     return lines
 
 
