@@ -313,10 +313,11 @@ def diagnose(dampenings=(0.01, 0.1)):
         hc = input_moments(tok, sents)
         cells = []
         for k, paths in kinds.items():
+            eig = {p: np.linalg.eigh(hc[p][0]) for p in paths}
             for d in dampenings:
                 vals = []
                 for p in paths:
-                    e, u = np.linalg.eigh(hc[p][0])
+                    e, u = eig[p]
                     low = u[:, e < d * np.mean(np.diag(hc[p][0]))]
                     vals.append(np.trace(low.T @ hv[p][0] @ low) / np.trace(hv[p][0]))
                 cells.append(f"{np.mean(vals):.3f}")
