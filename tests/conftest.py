@@ -61,3 +61,17 @@ def smollm2_dense(tmp_path_factory):
     from converters.gguf_convert import convert_gguf
 
     return convert_gguf(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "dense")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_per_module():
+    """After each test module, drop JAX's in-memory executables and tracing caches (and collect garbage): a
+    worker runs dozens of modules, and their compiled SmolLM2-sized programs otherwise stay resident until the
+    worker exits (one worker reached 5.8 GB). A later module that needs the same program loads it from the
+    run's persistent compilation cache above."""
+    yield
+    import gc
+
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
