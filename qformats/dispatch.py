@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from qformats.errors import KernelError
-from qformats.packed_dot import packed_dot, packed_dot_supported
+from qformats.packed_dot import packed_dot, packed_dot_supported, tie_to
 from qformats.qarray import QArray
 from qformats.quantize import dequantize
 
@@ -144,31 +144,17 @@ def xla_qdot(x: jax.Array, q: QArray) -> jax.Array:
 
 
 def _tied_to(q: QArray, x: jax.Array) -> QArray:
-    """q with every array computed from x: a | z on its bits, z = int(0 * x_0) = 0 (x_0 zeroed when not finite).
-    No bit changes, but the dequantize of q now waits for the layer input x.
+    """q with every array computed from x (`qformats.packed_dot.tie_to`): no bit changes, but the dequantize of q
+    waits for the layer input x.
 
     Without it, the dequantize of every layer depends on the weights only, and XLA:CPU's scheduler ran all of
     them first: a packed model's prefill held every projection's dense float32 copy at once (the temporary
     buffer of a compiled SmolLM2 `generate` was the size of its 210 dense projections). An optimization barrier
     does not order them (none is left in the optimized module); a data dependency of the inputs of the
     dequantize (not of its last op: a format whose unpack or scale decode is a fusion of its own would still run
-    early) does, so each dense weight lives from its layer's input to its dot. XLA folds `0 * x` only for
-    integers."""
-    if x.size == 0:
-        return q
-    x0 = x.reshape(-1)[0].astype(jnp.float32)
-    zero = jnp.float32(0.0) * jnp.where(jnp.isfinite(x0), x0, jnp.float32(0.0))
-
-    def tie(a):
-        if a is None:
-            return None
-        bits = jnp.dtype(f"uint{8 * a.dtype.itemsize}")
-        if a.dtype == bits:
-            return a | zero.astype(bits)
-        return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, bits) | zero.astype(bits), a.dtype)
-
+    early) does, so each dense weight lives from its layer's input to its dot."""
     leaves, aux = q.tree_flatten()
-    return QArray.tree_unflatten(aux, tuple(tie(a) for a in leaves))
+    return QArray.tree_unflatten(aux, tie_to(x, leaves))
 
 
 def qdot(x: jax.Array, q: QArray, kernel_weight: Optional[KernelWeight] = None) -> jax.Array:

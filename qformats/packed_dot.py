@@ -16,8 +16,10 @@ Why a path of its own (measured on XLA:CPU, jax 0.10.2; bench/packed_gemv.py, be
   - Inside `generate`'s `lax.while_loop`, XLA hoists loop-invariant code: the whole dequantize (it depends on the
     weights only) was moved out of the decode loop, so a dense float32 copy of every weight lived through the
     loop and each step read it back through a transposed elemental GEMV (W8A16 decode ran at 0.44x of dense).
-    An optimization barrier ties the packed arrays to the activations, which change every step, so nothing of
-    the weight is loop-invariant any more: each step reads the packed codes.
+    Now the codes are decoded inside the dots, which read the activations (they change every step), and the
+    per-group scales are tied to the activations by a data dependency (`tie_to`; an optimization barrier is
+    dropped by XLA:CPU before it optimizes), so nothing of the weight is loop-invariant any more: each step reads
+    the packed codes and scales.
   - The per-group factor s' = s / c (c: the global scale, NVFP4; E8M0 / fp8 scales decoded) is computed once per
     group [N, G] per call, in a fusion of its own, instead of once per element: XLA:CPU duplicates cheap
     producers (the E8M0 bit decode) into the GEMV loop, an optimization barrier does not stop it (none is left in
@@ -49,7 +51,7 @@ from qformats.errors import KernelError
 from qformats.formats import FloatFormat
 from qformats.qarray import QArray, element_values
 
-__all__ = ["packed_dot", "packed_dot_supported", "CHUNK", "MAX_ROWS"]
+__all__ = ["packed_dot", "packed_dot_supported", "tie_to", "CHUNK", "MAX_ROWS"]
 
 _STRATEGIES = ("tensor", "channel", "group", "tensor_group")
 
@@ -74,6 +76,31 @@ def packed_dot_supported(x_shape, q: QArray) -> bool:
         return False
     x_shape = tuple(x_shape)
     return (len(x_shape) >= 1 and x_shape[-1] == q.shape[0] and 1 <= math.prod(x_shape[:-1]) <= MAX_ROWS)
+
+
+def tie_to(x: jax.Array, arrays):
+    """`arrays` (a sequence; None entries pass through) with each array recomputed from x: a | z on its bits, with
+    z = int(0 * x_0) = 0 (x_0 zeroed when not finite). No bit changes; what XLA now sees is that every array
+    depends on x.
+
+    That orders work XLA:CPU would otherwise move: a computation of the weights alone is hoisted out of a decode
+    loop (loop-invariant code motion) or scheduled ahead of its layer, its result then held in memory for the
+    whole loop / for every layer at once. An optimization barrier does not prevent either on XLA:CPU (none is
+    left in the optimized module); a data dependency does. XLA folds `0 * x` only for integers."""
+    if x.size == 0:
+        return tuple(arrays)
+    x0 = x.reshape(-1)[0].astype(jnp.float32)
+    zero = jnp.float32(0.0) * jnp.where(jnp.isfinite(x0), x0, jnp.float32(0.0))
+
+    def tie(a):
+        if a is None:
+            return None
+        bits = jnp.dtype(f"uint{8 * a.dtype.itemsize}")
+        if a.dtype == bits:
+            return a | zero.astype(bits)
+        return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(a, bits) | zero.astype(bits), a.dtype)
+
+    return tuple(tie(a) for a in arrays)
 
 
 def _chunks(q: QArray) -> List[Tuple[int, int]]:
@@ -187,9 +214,12 @@ def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
     # x cut into the contiguous vectors of each dot (even / odd elements per nibble) before the loops read it
     xs = [[rows[m, k0:k1][j::2] for j in range(2)] if nib else [rows[m, k0:k1]]
           for m in range(rows.shape[0]) for k0, k1 in chunks]
-    # the barrier makes the packed arrays depend on x: XLA cannot hoist the decode out of a decode loop
+    # the barrier makes the packed arrays depend on x in the jaxpr; XLA:CPU drops it, so the per-group arrays are
+    # also tied to x by data (`tie_to`): their decode is not hoisted out of a decode loop as a float32 copy of
+    # every layer's scales (the codes need no tie: they are decoded inside the dots, which read x)
     xs, codes, scale, zp, gscale = jax.lax.optimization_barrier(
         (xs, q.codes, q.scale, q.zero_point, q.global_scale))
+    scale, zp, gscale = tie_to(rows, (scale, zp, gscale))
     s = _factor(q, scale, gscale, sdt)
     z = None if zp is None else zp
     if z is not None and scheme.strategy == "tensor":

@@ -165,10 +165,11 @@ def _while_shapes(text: str):
     return out
 
 
-@pytest.mark.parametrize("name", ["W8A16:g64", "W4A16:g64", "NVFP4A16"])
+@pytest.mark.parametrize("name", ["W8A16:g64", "W4A16:g64", "NVFP4A16", "MXFP4A16"])
 def test_no_dense_copy_of_the_weight_in_a_decode_loop(name):
     """In a lax loop with a loop-invariant weight (a decode loop), XLA would hoist the whole dequantize out of
-    the loop and keep a dense float32 copy in the loop state; the packed arrays must be what the loop reads."""
+    the loop and keep a dense float32 copy in the loop state; the packed arrays must be what the loop reads,
+    the scales included (no float32 copy of decoded per-group scales either)."""
     k = 256
 
     def loop(x, q):
@@ -180,6 +181,8 @@ def test_no_dense_copy_of_the_weight_in_a_decode_loop(name):
     shapes = _while_shapes(text)
     assert shapes, "no while loop in the compiled module"
     assert all(c < k * k for dt, c in shapes if dt[0] in "fb"), shapes   # no float array of the weight's size
+    if qk.scale.dtype != jnp.float32:   # fp8 / E8M0 scales: the stored ones, not a decoded float32 copy
+        assert not any(dt == "f32" and c == qk.scale.size for dt, c in shapes), shapes
     assert any(dt in ("u8", "s8") and c == qk.codes.size for dt, c in shapes), shapes   # the packed codes
     # and the loop computes the same as three dequantize-then-dot steps
     w = dequantize(qk, dtype=jnp.float32)
@@ -187,6 +190,27 @@ def test_no_dense_copy_of_the_weight_in_a_decode_loop(name):
     for _ in range(3):
         h = jnp.tanh(h @ w)[..., :k] + h
     np.testing.assert_allclose(np.asarray(jax.jit(loop)(x, qk)), np.asarray(h), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["NVFP4A16", "MXFP4A16"])
+def test_decode_loop_decodes_one_weights_scales_at_a_time(name):
+    """A decode step through several layers: each weight's per-group factor (fp8 / E8M0 scales decoded to
+    float32) is made when its layer runs, not all at the start of the step (XLA:CPU schedules a computation of
+    the weights alone first, which held every layer's float32 scales at once: 26 MB in SmolLM2's decode loop).
+    Bound on the loop's temporary buffer: two weights' float32 factors plus a few activation rows."""
+    k, layers = 256, 8
+    qs = [_weight(name, k, k, seed=i) for i in range(layers)]
+
+    def loop(x, qs):
+        def body(i, h):
+            for q in qs:
+                h = jnp.tanh(xla_qdot(h, q)) + h
+            return h
+        return jax.lax.fori_loop(0, 3, body, x)
+
+    temp = jax.jit(loop).lower(jnp.ones((1, k)), qs).compile().memory_analysis().temp_size_in_bytes
+    factor = qs[0].scale.size * 4
+    assert temp <= 2 * factor + 8 * k * 4, (temp, factor)
 
 
 def test_dispatch_routes_one_row_to_packed_dot():
