@@ -199,6 +199,7 @@ def main():
             continue
         if dst[side].exists():
             import shutil
+
             shutil.rmtree(dst[side])
         load = os.getloadavg()[0]
         if side == "ours":
@@ -223,6 +224,11 @@ def main():
     import pydoc_data.topics as topics
 
     eval_text = "\n".join(topics.topics[k] for k in sorted(topics.topics))
+    import shutil
+
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # save_pretrained writes no tokenizer: the source's
+        if "theirs" in got and (src / f).exists() and not (dst["theirs"] / f).exists():
+            shutil.copy(src / f, dst["theirs"] / f)
     ppl = {}
     for name, path in (("dense", src), ("ours", dst["ours"]), ("theirs", dst["theirs"])):
         if name == "dense" or name in got:
