@@ -20,7 +20,8 @@ Measured, the same way on both sides (MEASURE runs in both processes): wall time
 imports, model load and save excluded); CPU seconds (user + system, all threads) of the same spans; peak memory
 of each whole process as VmHWM (the kernel's high-water mark of the resident set: anonymous and file-backed pages,
 so memory-mapped checkpoint pages count while resident) and as the peak of RssAnon (anonymous pages only: heap,
-torch / XLA buffers), sampled every 20 ms. `--side ours|theirs|both` runs one side (its figures are kept in
+torch / XLA buffers), sampled every 20 ms. Their process runs with OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads
+otherwise spin while waiting, which on a shared, loaded machine multiplies its CPU seconds. `--side ours|theirs|both` runs one side (its figures are kept in
 WORK/<recipe>-<side>.json, so the two sides can be measured in separate runs, ours under the bench lock with
 --no-table); the table (and the perplexities) is printed from whatever WORK holds.
 
@@ -210,7 +211,8 @@ def main():
                 raise SystemExit(f"calibration tokens differ: ours {r['tokens']}, theirs {total}")
         else:
             r, wall = _run([a.llmc_python, "-c", THEIRS, str(src), str(dst[side]), str(work / "ids.json"),
-                            str(a.seq_len), str(a.group), a.recipe], env, "llm-compressor")
+                            str(a.seq_len), str(a.group), a.recipe], dict(env, OMP_WAIT_POLICY="PASSIVE"),
+                           "llm-compressor")
             r["process_s"] = wall
         r["load_before"], r["load_after"] = load, os.getloadavg()[0]
         r["nice"] = os.nice(0)
