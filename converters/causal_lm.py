@@ -347,18 +347,34 @@ def kv_scale_name_map(model) -> dict[str, tuple[str, bool]]:
 
 
 def save_causal_lm(model, dst: str | os.PathLike, hf_config: Mapping[str, Any], *, copy_from=None,
-                   max_shard_size: str = "5GB", overwrite: bool = False, ignore=()) -> Path:
+                   max_shard_size: str = "5GB", overwrite: bool = False, ignore=(), rotated=None) -> Path:
     """Write a `decoder.CausalLM` (dense, packed `QLinear` projections, and a quantized KV cache) as a
     compressed-tensors checkpoint: `converters.flax_io.save_compressed` under HF names, plus, with KV-cache
     quantization, `model.layers.{i}.self_attn.k_scale` / `v_scale` (static scales, in the model's dtype, shapes
     [1] or [kv_heads, 1, 1]) and `quantization_config.kv_cache_scheme`; `ignore`: quantization_config.ignore.
-    Returns the path written."""
+    config.json is `hf_config` with the model's own `tie_word_embeddings` (False after a rotation untied lm_head).
+
+    `rotated`: the `qformats.rotation.Rotated` record of the rotation applied to the model
+    (`qformats.models.rotate.rotate_decoder`, `quantize_model(rotate=...)`): its transform_config is recorded and
+    its online matrices (R3 / R4) written. A model carrying online rotations without that record is refused
+    (ModelError), since the checkpoint would silently lose them. Returns the path written."""
+    from flax import nnx
+
     from converters.flax_io import save_compressed
     from qformats.models import decoder
 
+    online = [p for p, m in nnx.iter_modules(model) if getattr(m, "rotations", None)]
+    if online and (rotated is None or not rotated.online):
+        where = "/".join(map(str, online[0]))
+        raise ModelError(f"save_causal_lm: {where} (and {len(online) - 1} more module(s)) carries online rotations; "
+                         f"pass rotated= (the record rotate_decoder returned) so that transform_config and the "
+                         f"online matrices are written, or the saved checkpoint would run without them")
     table = _flax_name_map(model.config)
     table.update(kv_scale_name_map(model))
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    config["tie_word_embeddings"] = bool(model.config.tie_word_embeddings)
     out = save_compressed(model, dst, table, config=config, copy_from=copy_from, max_shard_size=max_shard_size,
-                          overwrite=overwrite, ignore=ignore, kv_cache_scheme=decoder.kv_cache_scheme(model))
+                          overwrite=overwrite, ignore=ignore, kv_cache_scheme=decoder.kv_cache_scheme(model),
+                          transform_config=None if rotated is None else rotated.transform_config,
+                          extra_tensors=None if rotated is None else rotated.online)
     return Path(out)

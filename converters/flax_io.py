@@ -100,7 +100,7 @@ def load_compressed(path, model, name_map: Optional[NameMap] = None, *, ignore: 
 
 def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: Optional[dict] = None,
                     copy_from=None, max_shard_size="5GB", overwrite: bool = False, ignore: Iterable[str] = (),
-                    kv_cache_scheme=None, transform_config=None):
+                    kv_cache_scheme=None, transform_config=None, extra_tensors=None):
     """Write an NNX model (packed `qformats.nn` layers + float parameters) as a compressed-tensors checkpoint.
 
     Packed layers go out as their QArrays (the writer picks the compressed-tensors format from each scheme)
@@ -108,7 +108,9 @@ def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: O
     `config` (the model's HF config.json as a dict) gets the quantization_config; `copy_from` is a directory
     whose other files (tokenizer, ...) are copied; `ignore`: quantization_config.ignore (the Linear modules left
     dense, e.g. ["lm_head"]); `kv_cache_scheme`: quantization_config.kv_cache_scheme (its static scales come
-    through `name_map`); `transform_config`: the rotations fused into the weights (`converters.rotate`).
+    through `name_map`); `transform_config`: the rotations fused into the weights (`converters.rotate`);
+    `extra_tensors`: HF name -> array written as is beside the model's (e.g. the online rotation matrices of
+    `qformats.rotation.Rotated.online`; a name the model also writes is a CheckpointError).
     Atomic (see converters.ct_write.write_compressed).
     """
     from converters.ct_write import write_compressed
@@ -134,6 +136,10 @@ def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: O
                     tensors[f"{mod}.{local}"] = np.asarray(extra[local])
         else:
             tensors[name] = np.asarray(value).T if transpose else np.asarray(value)
+    for name, value in (extra_tensors or {}).items():
+        if name in tensors:
+            raise CheckpointError(f"{dst}: extra tensor {name!r} is also one of the model's tensors")
+        tensors[name] = np.asarray(value)
     if config is None and copy_from is not None and (Path(copy_from) / "config.json").exists():
         config = read_json(Path(copy_from) / "config.json", copy_from)
     return write_compressed(dst, tensors, schemes, config=config, copy_from=copy_from,

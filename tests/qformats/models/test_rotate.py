@@ -144,3 +144,26 @@ def test_sizes_without_a_rotation_are_refused():
     ref = logits(model)
     rotate_decoder(model, "random-hadamard", hadamard_bases=bases, center_embeddings=False)
     np.testing.assert_allclose(logits(model), ref, rtol=0, atol=ATOL)
+
+
+def test_saved_in_memory_rotation_reloads_with_its_online_rotations(src, tmp_path):
+    """rotate_decoder(R1..R4) + quantize_model, written by save_causal_lm(rotated=record): config.json says lm_head is
+    untied and records the transform_config, the online R3/R4 matrices are written, and the reloaded checkpoint
+    gives the in-memory model's logits bit for bit. Without the record, saving is refused (it would drop R3/R4)."""
+    import json
+
+    from converters.causal_lm import save_causal_lm
+
+    hf = json.loads((src / "config.json").read_text())
+    model, _, _ = load_causal_lm(src, tokenizer=False)
+    rec = rotate_decoder(model, "random-hadamard", rotations=("R1", "R2", "R3", "R4"))
+    quantize_model(model, decoder.quantization_rules("W4A16:g16"))
+    with pytest.raises(ModelError, match="online rotations"):
+        save_causal_lm(model, tmp_path / "lost", hf)
+    assert not (tmp_path / "lost").exists()
+    out = save_causal_lm(model, tmp_path / "q", hf, rotated=rec)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and hf["tie_word_embeddings"] is True
+    assert cfg["quantization_config"]["transform_config"] == rec.transform_config
+    back, _, _ = load_causal_lm(out, tokenizer=False)
+    np.testing.assert_array_equal(logits(back), logits(model))
