@@ -86,10 +86,14 @@ def tie_to(x: jax.Array, arrays):
     That orders work XLA:CPU would otherwise move: a computation of the weights alone is hoisted out of a decode
     loop (loop-invariant code motion) or scheduled ahead of its layer, its result then held in memory for the
     whole loop / for every layer at once. An optimization barrier does not prevent either on XLA:CPU (none is
-    left in the optimized module); a data dependency does. XLA folds `0 * x` only for integers."""
-    if x.size == 0:
+    left in the optimized module); a data dependency does. XLA folds `0 * x` only for integers.
+
+    Only in a process with one device: with several, x may be sharded (a row-parallel layer's input is split
+    along K) and reading x_0 would add a collective (a scalar all-reduce) to every layer, so the arrays are
+    returned as they are."""
+    if x.size == 0 or jax.device_count() > 1:
         return tuple(arrays)
-    x0 = x.reshape(-1)[0].astype(jnp.float32)
+    x0 = x[(0,) * x.ndim].astype(jnp.float32)
     zero = jnp.float32(0.0) * jnp.where(jnp.isfinite(x0), x0, jnp.float32(0.0))
 
     def tie(a):
