@@ -38,12 +38,17 @@ def jax_compilation_cache(tmp_path_factory):
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's root under xdist
     path = root / "jax-compilation-cache"
     path.mkdir(exist_ok=True)
-    saved = {k: os.environ.get(k) for k in ("JAX_COMPILATION_CACHE_DIR",)}
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(path)  # inherited by subprocesses
-    prev = jax.config.jax_compilation_cache_dir
+    keys = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    saved = {k: os.environ.get(k) for k in keys}
+    # inherited by subprocesses; every executable is cached, not only those that took over a second to compile:
+    # the suite compiles thousands of small ones, many of them again in another module or worker (-9% wall)
+    os.environ.update(zip(keys, (str(path), "0")))
+    prev = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     yield path
-    jax.config.update("jax_compilation_cache_dir", prev)
+    jax.config.update("jax_compilation_cache_dir", prev[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", prev[1])
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
