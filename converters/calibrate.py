@@ -41,6 +41,7 @@ DEFAULT_LM_WEIGHT_SEARCH = "gptq"  # llm-compressor's GPTQModifier (round-to-nea
 
 def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] = None,
                         weight_search: str = DEFAULT_WEIGHT_SEARCH, batch_size: int = 32, overwrite: bool = False,
+                        dampening_frac: float = embedded.GPTQ_DAMPENING,
                         log: Callable[[str], None] = lambda m: None) -> dict:
     """Quantize MiniLM's Linear layers (pooler included) with `scheme`, calibrated on `sentences` (default: the
     shipped set), and write the checkpoint to `dst`. Returns {"layers", "searched", "seconds", "path"}.
@@ -49,7 +50,8 @@ def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] 
     `batch_size` a batch): padded positions would enter every layer's H = E[x x^T] and activation ranges.
 
     weight_search: "rtn" (round-to-nearest weights; calibration still sets static activation scales),
-    "mse", "gptq" or "mse+gptq" (see `qformats.nn.quantize_model`).
+    "mse", "gptq" or "mse+gptq" (see `qformats.nn.quantize_model`). `dampening_frac`: GPTQ's, H += dampening_frac *
+    mean(diag H) * I (default `embedded.GPTQ_DAMPENING` = 0.1, chosen on held-out text; llm-compressor's is 0.01).
 
     Raises:
       SchemeError: unknown scheme. ModelError: the scheme does not fit a layer. CheckpointError: dst exists
@@ -69,8 +71,9 @@ def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] 
     tok = embedded.Tokenizer()
     batches = embedded.calibration_batches(tok, sentences, batch_size)  # no padding rows in H
     model = embedded.load_minilm()
+    damp = f" (dampening {dampening_frac:g})" if "gptq" in weight_search else ""
     log(f"calibrating all-MiniLM-L6-v2 on {len(sentences)} sentences ({len(batches)} batches), "
-        f"{ss.name}, weights: {weight_search}")
+        f"{ss.name}, weights: {weight_search}{damp}")
     logger = logging.getLogger("qformats")
     handler = _LogTo(log)
     logger.addHandler(handler)
@@ -79,7 +82,8 @@ def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the rule matches every Linear; nothing to warn about here
-            quantize_model(model, [Rule(".*", ss)], calibration_data=batches, weight_search=weight_search)
+            quantize_model(model, [Rule(".*", ss)], calibration_data=batches, weight_search=weight_search,
+                           dampening_frac=dampening_frac)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
@@ -147,8 +151,6 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         a scheme that does not fit, bad options.
     """
     import tempfile
-
-    import numpy as np
 
     from converters.calibration_data import load_calibration
     from converters.causal_lm import kv_scale_name_map, load_causal_lm

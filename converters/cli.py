@@ -2,7 +2,7 @@
 
   qformats quantize [SRC] DST --scheme NAME [--ignore P ...] [--targets T ...] [--skip-indivisible]
                     [--max-shard-size 5GB] [--overwrite] [--kv-cache fp8:dynamic] [--rotate random-hadamard]
-  qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search mse+gptq|gptq|mse|rtn]   (MiniLM)
+  qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search mse+gptq|gptq|mse|rtn] [--dampening F] (MiniLM)
   qformats quantize SRC DST --scheme NAME --calibrate FILE [--weight-search ...] [--awq | --smooth ALPHA]
       [--calibration-tokens N] [--seq-len L] [--kv-cache fp8|fp8:head|fp8:dynamic]   (causal LMs, layer by layer)
   qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
@@ -25,6 +25,7 @@ Exit status: 0 ok, 2 usage error, 1 failure (one line on stderr, no traceback).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from typing import List, Optional, Sequence
@@ -65,6 +66,9 @@ def _parser() -> _Parser:
     q.add_argument("--weight-search", choices=WEIGHT_SEARCHES, default=None,
                    help="with --calibrate: how the weights are chosen (default: mse+gptq, GPTQ on MSE-searched "
                         "scales: the best held-out fidelity measured, BENCHMARKS.md)")
+    q.add_argument("--dampening", type=float, default=None, metavar="FRAC",
+                   help="with --calibrate and a GPTQ search: H += FRAC * mean(diag H) * I (default: 0.1 for the "
+                        "embedded MiniLM, chosen on held-out text; 0.01, llm-compressor's, for a causal LM SRC DST)")
     q.add_argument("--awq", action="store_true",
                    help="with --calibrate SRC DST (causal LM): AWQ scales (llm-compressor's AWQModifier arithmetic) "
                         "folded into each layer before the weight search (default then: rtn); not with --smooth")
@@ -167,6 +171,10 @@ def _quantize(a) -> int:
         raise _Usage(f"qformats quantize: error: expected [SRC] DST, found {len(a.paths)} paths")
     if a.weight_search is not None and a.calibrate is None:
         raise _Usage("qformats quantize: error: --weight-search needs --calibrate")
+    if a.dampening is not None and a.calibrate is None:
+        raise _Usage("qformats quantize: error: --dampening needs --calibrate")
+    if a.dampening is not None and not (math.isfinite(a.dampening) and a.dampening >= 0):
+        raise _Usage(f"qformats quantize: error: --dampening must be a finite number >= 0, got {a.dampening}")
     if a.awq and a.calibrate is None:
         raise _Usage("qformats quantize: error: --awq needs --calibrate FILE (AWQ scales come from calibration data)")
     if a.calibrate is not None:
@@ -206,6 +214,8 @@ def _quantize_calibrated_lm(a) -> int:
         kw["calibration_tokens"] = a.calibration_tokens
     if a.seq_len is not None:
         kw["seq_len"] = a.seq_len
+    if a.dampening is not None:
+        kw["dampening_frac"] = a.dampening
     r = quantize_calibrated_lm(a.paths[0], a.paths[1], a.scheme, a.calibrate, weight_search=search, awq=a.awq,
                                smooth=a.smooth, overwrite=a.overwrite, kv_cache=a.kv_cache, rotate=a.rotate,
                                rotate_seed=a.rotate_seed, log=log, **kw)
@@ -245,8 +255,9 @@ def _quantize_calibrated(a) -> int:
     from converters.calibrate import DEFAULT_WEIGHT_SEARCH, quantize_calibrated
     search = a.weight_search or DEFAULT_WEIGHT_SEARCH
     log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
+    kw = {} if a.dampening is None else {"dampening_frac": a.dampening}
     r = quantize_calibrated(a.paths[0], a.scheme, sentences=sentences, weight_search=search,
-                            overwrite=a.overwrite, log=log)
+                            overwrite=a.overwrite, log=log, **kw)
     if a.quiet:  # otherwise the log lines said it already
         print(f"quantized {r['layers']} Linear layers ({r['searched']} by {search}) -> "
               f"{r['path']} in {r['seconds']:.1f} s", file=sys.stderr)

@@ -28,7 +28,7 @@ from flax import nnx
 from converters import embedded
 from qformats import SchemeSet
 from qformats.presets import parse_scheme
-from qformats.errors import QFormatsError, SchemeError
+from qformats.errors import QFormatsError
 from qformats.models import minilm
 from qformats.nn import QLinear, Rule, quantize_model
 from qformats.nn.weight_search import RTN, WEIGHT_SEARCHES
@@ -80,12 +80,14 @@ def _metrics(model, sentences, reference, tokenizer, batch_size) -> dict:
 
 
 def evaluate_one(name: str, sentences: Sequence[str], reference: np.ndarray, *, tokenizer=None,
-                 calibration=None, weight_search: str = RTN, batch_size: int = 32) -> dict:
+                 calibration=None, weight_search: str = RTN, batch_size: int = 32,
+                 dampening_frac: float = embedded.GPTQ_DAMPENING) -> dict:
     """One scheme on a fresh MiniLM → {"mean_cos", "min_cos", "bytes"} against `reference` embeddings
     (mean / min over sentences of the cosine, Σ bytes of the Linear weights).
 
     `calibration` (tokenized batches) gives static activation scales and the weight search its inputs'
-    moments; `weight_search` is one of qformats.nn's WEIGHT_SEARCHES (default "rtn": round-to-nearest).
+    moments; `weight_search` is one of qformats.nn's WEIGHT_SEARCHES (default "rtn": round-to-nearest);
+    `dampening_frac`: GPTQ's (default `embedded.GPTQ_DAMPENING`).
     """
     tok = tokenizer or embedded.Tokenizer()
     ss = resolve(name)
@@ -93,7 +95,8 @@ def evaluate_one(name: str, sentences: Sequence[str], reference: np.ndarray, *, 
     if ss is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # static activation schemes without data run dynamic (documented)
-            quantize_model(model, [Rule(".*", ss)], calibration_data=calibration, weight_search=weight_search)
+            quantize_model(model, [Rule(".*", ss)], calibration_data=calibration, weight_search=weight_search,
+                           dampening_frac=dampening_frac)
     return _metrics(model, sentences, reference, tok, batch_size)
 
 

@@ -127,7 +127,7 @@ class QuantizedMatmul(nnx.Module):
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def finalize(self, mode: str = "ptq", weight_search: Optional[str] = RTN,
-                 actorder: Optional[str] = "static") -> None:
+                 actorder: Optional[str] = "static", dampening_frac: float = 0.01) -> None:
         """End calibration: static activation scales from the observer, then the weight for `mode` (packed
         by `weight_search`, one of `WEIGHT_SEARCHES`; None is an alias of "rtn").
 
@@ -135,6 +135,7 @@ class QuantizedMatmul(nnx.Module):
         the calibration batches; "gptq" / "mse+gptq" run GPTQ with H = E[x x^T] (full moments needed).
         When the layer tracked full moments the result is kept only if the layer's output error on
         the batches, tr(dW^T H dW), is below round-to-nearest's (a layer that saw no input keeps RTN).
+        `actorder`, `dampening_frac`: GPTQ's (`quantize_weight`).
         Layers stacked for `nnx.scan` are finalized layer by layer (vmapped over the stacking axes).
         """
         if self.mode != "calibrate":
@@ -158,7 +159,7 @@ class QuantizedMatmul(nnx.Module):
             if weight_search == RTN:
                 return s, g, quantize_weight(w, schemes, RTN), None
             q = quantize_weight(w, schemes, weight_search, importance=jnp.where(seen, diag, 1.0),
-                                h=h if h.ndim == 2 else None, actorder=actorder)
+                                h=h if h.ndim == 2 else None, actorder=actorder, dampening_frac=dampening_frac)
             if h.ndim == 2:  # keep round-to-nearest where the search does not lower tr(dW^T H dW)
                 rtn = quantize_weight(w, schemes, RTN)
                 keep = seen & (output_error_array(q, w, h) < output_error_array(rtn, w, h))

@@ -40,7 +40,7 @@ def _default_forward(model, batch):
 def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibration_data: Optional[Iterable] = None,
                    *, weight_search: Optional[str] = RTN, observer: Any = "minmax",
                    forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True,
-                   compare_rtn: bool = True, actorder: Optional[str] = "static",
+                   compare_rtn: bool = True, actorder: Optional[str] = "static", dampening_frac: float = 0.01,
                    fuse_global_scales: Union[bool, Sequence[Sequence[str]]] = True,
                    rotate: Optional[str] = None, rotate_seed: int = 0, rotations: Sequence[str] = ("R1", "R2"),
                    hadamard_bases: Optional[Dict[int, Any]] = None) -> nnx.Module:
@@ -63,6 +63,8 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         calibration_data) or "mse+gptq" (GPTQ on the MSE search's scales).
       actorder: GPTQ's column order: "static" (default, llm-compressor's GPTQModifier default: descending
         diag(H); output error 0.5-0.75x of column order in bench/gptq_parity.py) or None (column order).
+      dampening_frac: GPTQ's dampening, H += dampening_frac * mean(diag H) * I (default 0.01, llm-compressor's;
+        the embedded MiniLM's calibration uses `converters.embedded.GPTQ_DAMPENING`, 0.1, chosen on held-out text).
       compare_rtn: with calibration_data and a weight_search, run the calibration batches again with the
         searched weights and with round-to-nearest ones and keep whichever gives the lower squared error
         against the float model's outputs (so a search never makes the model worse on its calibration
@@ -194,7 +196,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         floats = [q.kernel.get_value() for q in swapped] if guard else []
         fused = [(q, q.kernel.get_value(), shared[p]) for (p, *_), q in zip(plan, swapped) if p in shared]
         for q in swapped:
-            q.finalize(mode, weight_search=weight_search, actorder=actorder)
+            q.finalize(mode, weight_search=weight_search, actorder=actorder, dampening_frac=dampening_frac)
         for q, w, g in fused:  # round-to-nearest under the group's shared global scale
             q.set_weight(_pack_under(w, q.schemes.weights, g))
         if guard:

@@ -31,14 +31,15 @@ def search_name(weight_search: Optional[str], allowed=WEIGHT_SEARCHES, where: st
 
 
 def quantize_weight(kernel, schemes: SchemeSet, weight_search: Optional[str] = RTN, importance=None,
-                    h=None, actorder: Optional[str] = "static") -> QArray:
+                    h=None, actorder: Optional[str] = "static", dampening_frac: float = 0.01) -> QArray:
     """A kernel `[..., K, N]` → QArray along K by `weight_search` (None: an alias of "rtn"):
 
       "rtn": round-to-nearest, `quantize(w, scheme, 0)`;
       "mse": per-group clipping search minimising sum_k importance_k (w - Q(w))^2 (`observers.mse_quantize`);
       "gptq": GPTQ with H = E[x x^T] `h` [K, K] (`qformats.gptq.gptq_quantize`, llm-compressor's arithmetic),
         round-to-nearest scales, columns in `actorder` (default "static": descending diag(H), as
-        llm-compressor's GPTQModifier; None: column order);
+        llm-compressor's GPTQModifier; None: column order) and dampening H += dampening_frac * mean(diag H) * I
+        (default 0.01, llm-compressor's);
       "mse+gptq": GPTQ with the scales of the "mse" search (llm-compressor's MSE observer + GPTQ).
 
     Leading axes (layers stacked by `nnx.vmap` for `nnx.scan`) are vmapped over, together with those of
@@ -58,7 +59,7 @@ def quantize_weight(kernel, schemes: SchemeSet, weight_search: Optional[str] = R
         if weight_search == "mse":
             return mse_quantize(w, ws, 0, importance=imp)
         qp = mse_quantize(w, ws, 0, importance=imp) if weight_search == "mse+gptq" else None
-        return gptq_quantize(w, ws, hh, qparams=qp, actorder=actorder)
+        return gptq_quantize(w, ws, hh, qparams=qp, actorder=actorder, dampening_frac=dampening_frac)
 
     lead = kernel.ndim - 2
     axes = [0]

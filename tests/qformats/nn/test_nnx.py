@@ -509,3 +509,23 @@ def test_packed_model_trains_its_float_params_with_the_packed_filter():
     leaves = jax.tree.leaves(grads)
     assert leaves and all(jnp.issubdtype(g.dtype, jnp.floating) for g in leaves)
     assert float(jnp.abs(grads["heads"]["cls"]["bias"].get_value()).sum()) > 0
+
+
+def test_gptq_dampening_reaches_the_layer():
+    """quantize_model(dampening_frac=d) runs GPTQ with H += d * mean(diag H) * I: the codes are gptq_quantize's
+    at that dampening, and differ from the default 0.01's."""
+    from qformats.gptq import gptq_quantize
+    rng = np.random.default_rng(1)
+    mix = rng.normal(size=(256, 256)) / 16 + np.eye(256)
+    batch = jnp.asarray(rng.normal(size=(96, 256)) @ mix, jnp.float32)
+    h = (batch.T @ batch) / batch.shape[0]
+    codes = {}
+    for d in (0.01, 0.3):
+        model = One()
+        w = model.lin.kernel.get_value()
+        quantize_model(model, [Rule(".*", "W4A16")], calibration_data=[batch], weight_search="gptq",
+                       compare_rtn=False, dampening_frac=d)
+        want = gptq_quantize(w, presets["W4A16"].weights, h, actorder="static", dampening_frac=d)
+        codes[d] = np.asarray(model.lin.kernel.get_value().codes)
+        np.testing.assert_array_equal(codes[d], np.asarray(want.codes))
+    assert not np.array_equal(codes[0.01], codes[0.3])
