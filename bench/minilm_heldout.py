@@ -34,15 +34,13 @@ process (OUT.jsonl.claims) are skipped, so several processes share one plan and 
 the claims file of a killed run first). The sweep runs `quantize_model` with
 compare_rtn=False (the model-level guard's two extra passes; the per-layer tr(dW^T H dW) check stays on).
 `--final` scores the chosen configurations once on the 256 held-out sentences with the library's full path
-(compare_rtn on). `quantize_model` takes no GPTQ dampening: the bench sets it with `gptq_dampening`.
+(compare_rtn on); the GPTQ dampening goes to `quantize_model(dampening_frac=...)`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -60,7 +58,7 @@ from flax import nnx  # noqa: E402
 from converters import embedded  # noqa: E402
 from converters.evaluate import cosines, resolve  # noqa: E402
 from qformats.models import minilm  # noqa: E402
-from qformats.nn import QLinear, Rule, quantize_model, weight_search  # noqa: E402
+from qformats.nn import QLinear, Rule, quantize_model  # noqa: E402
 from qformats.nn.graph import module_references, replace_child  # noqa: E402
 from qformats.observers import get_observer  # noqa: E402
 
@@ -94,21 +92,6 @@ def make_sets(n_eval: int = 256, n_calib: int = 256, seed: int = 0):
     return [out[i] for i in idx[:n_eval]], [out[i] for i in idx[n_eval:n_eval + n_calib]]
 
 
-@contextlib.contextmanager
-def gptq_dampening(frac: float):
-    """Run `quantize_model`'s GPTQ with H += frac * mean(diag H) * I (`gptq_quantize(dampening_frac=frac)`).
-
-    `quantize_model` passes no GPTQ options; its weight searches call `qformats.nn.weight_search.gptq_quantize`,
-    which this context replaces by `functools.partial(gptq_quantize, dampening_frac=frac)` and then restores.
-    """
-    orig = weight_search.gptq_quantize
-    weight_search.gptq_quantize = functools.partial(orig, dampening_frac=frac)
-    try:
-        yield
-    finally:
-        weight_search.gptq_quantize = orig
-
-
 def padded_batches(tok, sentences, batch_size=32):
     """The batches calibration used before `embedded.calibration_batches`: padded to the longest, rounded to 16."""
     return [tok(sentences[i:i + batch_size]) for i in range(0, len(sentences), batch_size)]
@@ -117,10 +100,10 @@ def padded_batches(tok, sentences, batch_size=32):
 def run(scheme, search, batches, sets, refs, tok, *, dampening=0.01, actorder="static", compare_rtn=True):
     """Quantize a fresh MiniLM with `scheme` / `search` on `batches` → {set: (mean, min)} cosines vs fp32."""
     model = embedded.load_minilm()
-    with warnings.catch_warnings(), gptq_dampening(dampening):
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantize_model(model, [Rule(".*", resolve(scheme))], calibration_data=None if search == "rtn" else batches,
-                       weight_search=search, actorder=actorder, compare_rtn=compare_rtn)
+                       weight_search=search, actorder=actorder, compare_rtn=compare_rtn, dampening_frac=dampening)
     out = {}
     for name, sents in sets.items():
         c = cosines(minilm.encode_sentences(model, tok, sents, 32), refs[name])
