@@ -1,5 +1,5 @@
 """f32 GEMM throughput on this CPU: XLA (jax.jit) vs torch vs numpy, for the shapes a SmolLM2 calibration layer runs (python bench/gemm_cpu.py; needs torch)."""
-import time, os, sys
+import time
 import numpy as np
 import jax, jax.numpy as jnp
 import torch
