@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence
 from converters import embedded
 from converters.evaluate import resolve
 from qformats.errors import CheckpointError, ModelError
+from qformats.gptq import DAMPENING_FRAC
 from qformats.nn import Rule, quantize_model, quantized_layers
 from qformats.nn.weight_search import RTN, WEIGHT_SEARCHES
 
@@ -109,7 +110,7 @@ class _LogTo(logging.Handler):
 
 def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search: Optional[str] = None,
                            awq: bool = False, smooth: Optional[float] = None, calibration_tokens: int = 65536,
-                           seq_len: int = 512, seed: Optional[int] = 0, dampening_frac: float = 0.01,
+                           seq_len: int = 512, seed: Optional[int] = 0, dampening_frac: float = DAMPENING_FRAC,
                            block_size: int = 128, actorder: Optional[str] = "static",
                            propagate: Optional[str] = None, overwrite: bool = False, awq_n_grid: int = 20,
                            awq_duo_scaling=True, kv_cache=None, rotate: Optional[str] = None,

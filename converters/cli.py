@@ -208,6 +208,7 @@ def _quantize_calibrated_lm(a) -> int:
                      "(llm-compressor does not combine AWQ with SmoothQuant either): give one of them")
     from converters.calibrate import DEFAULT_LM_WEIGHT_SEARCH, quantize_calibrated_lm
     search = a.weight_search or ("rtn" if a.awq else DEFAULT_LM_WEIGHT_SEARCH)
+    _check_dampening(a, search)
     log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
     kw = {}
     if a.calibration_tokens is not None:
@@ -223,6 +224,14 @@ def _quantize_calibrated_lm(a) -> int:
         print(f"quantized {r['projections']} projections ({r['searched']} by {search}) on {r['tokens']} tokens -> "
               f"{r['path']}", file=sys.stderr)
     return 0
+
+
+def _check_dampening(a, search: str) -> None:
+    """--dampening only where a GPTQ search runs: it would otherwise be ignored."""
+    from qformats.nn.weight_search import NEEDS_HESSIAN
+    if a.dampening is not None and search not in NEEDS_HESSIAN:
+        raise _Usage(f"qformats quantize: error: --dampening is GPTQ's, and the weight search is {search!r}: use "
+                     f"--weight-search {' or '.join(NEEDS_HESSIAN)}, or drop --dampening")
 
 
 def _quantize_calibrated(a) -> int:
@@ -254,6 +263,7 @@ def _quantize_calibrated(a) -> int:
             raise _Usage(f"qformats quantize: error: --calibrate {path}: the file holds no sentences")
     from converters.calibrate import DEFAULT_WEIGHT_SEARCH, quantize_calibrated
     search = a.weight_search or DEFAULT_WEIGHT_SEARCH
+    _check_dampening(a, search)
     log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
     kw = {} if a.dampening is None else {"dampening_frac": a.dampening}
     r = quantize_calibrated(a.paths[0], a.scheme, sentences=sentences, weight_search=search,

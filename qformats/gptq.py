@@ -27,13 +27,16 @@ from qformats.quantize import check_input, quantize
 from qformats.scales import compute_scales
 from qformats.schemes import QuantScheme
 
-__all__ = ["gptq_quantize", "gptq_quantize_shared", "gptq_hinv"]
+__all__ = ["DAMPENING_FRAC", "gptq_quantize", "gptq_quantize_shared", "gptq_hinv"]
+
+DAMPENING_FRAC = 0.01
+"""GPTQ's default relative dampening, H += 0.01 * mean(diag H) * I: llm-compressor 0.14's GPTQModifier default."""
 
 
 _ACTORDERS = (None, "static", "weight")
 
 
-def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening_frac: float = 0.01,
+def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening_frac: float = DAMPENING_FRAC,
                   axis: int = 0, qparams: Optional[QArray] = None, actorder: Optional[str] = None) -> QArray:
     """Quantize `w` with GPTQ for the input second moment `h`, optionally in activation order.
 
@@ -109,7 +112,7 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
 
 
 def gptq_quantize_shared(ws: Sequence, scheme: QuantScheme, h, *, block_size: int = 128,
-                         dampening_frac: float = 0.01, axis: int = 0,
+                         dampening_frac: float = DAMPENING_FRAC, axis: int = 0,
                          qparams: Optional[Sequence[Optional[QArray]]] = None,
                          actorder: Optional[str] = None) -> List[QArray]:
     """GPTQ of several weights that read the same input (one Hessian `h`), e.g. a decoder layer's q/k/v or
@@ -233,7 +236,7 @@ def _requantize(q2, w, scheme, qparams: QArray) -> QArray:
                     global_scale=qparams.global_scale)
 
 
-def gptq_hinv(h, dampening_frac: float = 0.01):
+def gptq_hinv(h, dampening_frac: float = DAMPENING_FRAC):
     """(U, dead, fallback): the upper Cholesky factor U of (H')^-1 GPTQ works with.
 
     H' = H with dead diagonal entries (H[k, k] == 0, flagged in `dead`) set to 1, plus

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -45,12 +44,12 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.fused import group_amax, shared_global_scale, sibling_groups
-from qformats.gptq import gptq_quantize, gptq_quantize_shared
+from qformats.gptq import DAMPENING_FRAC, gptq_quantize, gptq_quantize_shared
 from qformats.kv_cache import KVCacheScheme, amax_of, scale_from_amax
 from qformats.models.decoder import CausalLM, attention_mask, enable_kv_cache_quantization, inv_freq, rope_tables
 from qformats.nn import CalibStat, QLinear, resolve_scheme
 from qformats.nn.rules import check_fits
-from qformats.nn.weight_search import NEEDS_HESSIAN, RTN, output_error, search_name
+from qformats.nn.weight_search import RTN, output_error, search_name
 from qformats.observers import get_observer, mse_quantize
 from qformats.quantize import quantize
 from qformats.schemes import SchemeSet
@@ -71,7 +70,7 @@ class GPTQOptions:
     "group" was removed from llm-compressor and is refused by `qformats.gptq`)."""
 
     block_size: int = 128
-    dampening_frac: float = 0.01
+    dampening_frac: float = DAMPENING_FRAC
     actorder: Optional[str] = "static"
 
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 from qformats.dispatch import prepare_weight
 from qformats.errors import ModelError
+from qformats.gptq import DAMPENING_FRAC
 from qformats.nn.projection import (add_bias, add_einsum_bias, check_einsum_acts, dot, einsum_apply, einsum_layout,
                                     einsum_matrix, fake_quantize_weight, on_codes, packed_einsum, packed_linear,
                                     packed_linear_general, quantize_acts, to_rows)
@@ -127,7 +128,7 @@ class QuantizedMatmul(nnx.Module):
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def finalize(self, mode: str = "ptq", weight_search: Optional[str] = RTN,
-                 actorder: Optional[str] = "static", dampening_frac: float = 0.01) -> None:
+                 actorder: Optional[str] = "static", dampening_frac: float = DAMPENING_FRAC) -> None:
         """End calibration: static activation scales from the observer, then the weight for `mode` (packed
         by `weight_search`, one of `WEIGHT_SEARCHES`; None is an alias of "rtn").
 

@@ -14,6 +14,7 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.fused import group_amax, shared_global_scale, sibling_groups
+from qformats.gptq import DAMPENING_FRAC
 from qformats.nn.graph import module_references, replace_child
 from qformats.nn.nnx_layers import QUANTIZED, QuantizedMatmul
 from qformats.nn.projection import check_einsum_acts, einsum_last_axis_error, einsum_layout
@@ -40,7 +41,7 @@ def _default_forward(model, batch):
 def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibration_data: Optional[Iterable] = None,
                    *, weight_search: Optional[str] = RTN, observer: Any = "minmax",
                    forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True,
-                   compare_rtn: bool = True, actorder: Optional[str] = "static", dampening_frac: float = 0.01,
+                   compare_rtn: bool = True, actorder: Optional[str] = "static", dampening_frac: float = DAMPENING_FRAC,
                    fuse_global_scales: Union[bool, Sequence[Sequence[str]]] = True,
                    rotate: Optional[str] = None, rotate_seed: int = 0, rotations: Sequence[str] = ("R1", "R2"),
                    hadamard_bases: Optional[Dict[int, Any]] = None) -> nnx.Module:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from qformats.errors import ModelError
-from qformats.gptq import gptq_quantize
+from qformats.gptq import DAMPENING_FRAC, gptq_quantize
 from qformats.observers import mse_quantize
 from qformats.qarray import QArray
 from qformats.quantize import dequantize, quantize
@@ -31,7 +31,7 @@ def search_name(weight_search: Optional[str], allowed=WEIGHT_SEARCHES, where: st
 
 
 def quantize_weight(kernel, schemes: SchemeSet, weight_search: Optional[str] = RTN, importance=None,
-                    h=None, actorder: Optional[str] = "static", dampening_frac: float = 0.01) -> QArray:
+                    h=None, actorder: Optional[str] = "static", dampening_frac: float = DAMPENING_FRAC) -> QArray:
     """A kernel `[..., K, N]` → QArray along K by `weight_search` (None: an alias of "rtn"):
 
       "rtn": round-to-nearest, `quantize(w, scheme, 0)`;

@@ -82,6 +82,8 @@ def test_quantize_options(dense, tmp_path, capsys):
     (["quantize", "a", "--scheme", "W4A16", "--dampening", "0.1"], 2, "--dampening needs --calibrate"),
     (["quantize", "dst", "--scheme", "W4A16", "--calibrate", "--dampening", "-1"], 2, "--dampening must be"),
     (["quantize", "dst", "--scheme", "W4A16", "--calibrate", "--dampening", "nan"], 2, "--dampening must be"),
+    (["quantize", "dst", "--scheme", "W4A16", "--calibrate", "--weight-search", "mse", "--dampening", "0.1"], 2,
+     "--dampening is GPTQ's"),
     (["inspect", "/nonexistent/ckpt"], 1, "/nonexistent/ckpt"),
     (["dequantize", "/nonexistent/ckpt", "/tmp/never"], 1, "/nonexistent/ckpt"),
 ])
