@@ -119,15 +119,17 @@ def encode_e8m0(x) -> jax.Array:
     """Nearest E8M0 code of x > 0, rounding the f32 bit pattern as ml_dtypes' float8_e8m0fnu does.
 
     code = f32 exponent field + (mantissa >= 2^22), i.e. to the nearest power of two with ties upward;
-    f32 subnormals give code 0 up to 2^-127 and 1 above; x <= 0 (including -0), inf and NaN -> 0xFF (NaN).
+    the binade [2^-127, 2^-126) (f32 subnormals) rounds the same way, its midpoint being 1.5 * 2^-127, and
+    everything below 2^-127 gives code 0; x <= 0 (including -0), inf and NaN -> 0xFF (NaN). ml_dtypes >= 0.7
+    rounds this way (0.5 and 0.6 sent the whole binade above 2^-127 to code 1).
     """
     u = _as_f32_bits(x)
     a = u & 0x7FFFFFFF
     code = (a >> 23)
     rem = a & 0x7FFFFF
     code = code + (rem >= 0x400000).astype(jnp.uint32)  # ties go up (ml_dtypes' e8m0fnu rounding)
-    # f32 subnormals (a * 2^-149): ml_dtypes gives 2^-127 up to a = 2^22 (2^-127 itself), 2^-126 above.
-    code = jnp.where(a < 0x800000, (a > 0x400000).astype(jnp.uint32), code)
+    # f32 subnormals (a * 2^-149): 2^-127 is a = 2^22, the midpoint to 2^-126 is a = 3 * 2^21.
+    code = jnp.where(a < 0x800000, (a >= 0x600000).astype(jnp.uint32), code)
     bad = (u >> 31 == 1) | (a >= 0x7F800000) | (a == 0) | (code > 254)
     return jnp.where(bad, jnp.uint32(255), code).astype(jnp.uint8)
 

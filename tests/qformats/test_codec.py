@@ -237,6 +237,19 @@ def test_e8m0_encode_exhaustive_and_decode():
     np.testing.assert_array_equal(np.asarray(decode(codes, "e8m0")).view(np.uint32), want.view(np.uint32))
 
 
+def test_e8m0_subnormal_binade_rounds_to_nearest_where_torch_rounds_up():
+    """[2^-127, 2^-126) rounds at its midpoint 1.5 * 2^-127 like every other binade (ml_dtypes >= 0.7); torch's
+    float8_e8m0fnu cast sends all of (2^-127, 1.5 * 2^-127) up to 2^-126 and agrees everywhere else."""
+    torch = pytest.importorskip("torch")
+    a = np.arange(0, 1 << 24, dtype=np.uint32)  # every f32 below 2^-125
+    ours = np.asarray(encode_e8m0(jnp.asarray(a.view(np.float32))))
+    np.testing.assert_array_equal(ours[1:], a[1:].view(np.float32).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8))
+    theirs = torch.from_numpy(a.view(np.float32)).to(torch.float8_e8m0fnu).view(torch.uint8).numpy()
+    differ = np.nonzero(ours[1:] != theirs[1:])[0] + 1
+    np.testing.assert_array_equal(differ, np.arange(0x400001, 0x600000))
+    assert set(ours[differ]) == {0} and set(theirs[differ]) == {1}
+
+
 def test_int_encode_round_half_even_and_clamp():
     x = jnp.array([-9.0, -8.5, -7.5, -0.5, 0.5, 1.5, 2.5, 7.49, 7.5, 100.0, jnp.nan])
     np.testing.assert_array_equal(np.asarray(encode(x, "int4")), [-8, -8, -8, 0, 0, 2, 2, 7, 7, 7, 0])
