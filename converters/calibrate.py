@@ -263,6 +263,36 @@ def _streamable(src: Path) -> bool:
     return isinstance(cfg, dict) and "quantization_config" not in cfg
 
 
+def _stream_plan(ck, scheme, slots, per_layer):
+    """The output tensors of `_quantize_streamed`, in the order it writes them (layer by layer: each layer's
+    tensors in `per_layer` order, its seven projections packed, the rest float32; then the tensors outside the
+    layers), so the writer puts each one straight to disk (`ShardedWriter`'s planned mode) instead of holding
+    every packed layer until the end. None (the writer then keeps a shard in memory) for schemes with static
+    input scales, whose extra tensors this plan does not list."""
+    import numpy as np
+
+    from converters.quantize_checkpoint import packed_specs
+    from converters.shard_writer import TensorSpec
+    from qformats.models.sequential import PROJECTIONS
+    from qformats.nn import resolve_scheme
+
+    ss = resolve_scheme(scheme)
+    a = ss.input_activations
+    if a is not None and a.dynamic is not True:
+        return None
+    plan, cache = [], {}
+    for names in per_layer.values():
+        for n in names:
+            slot = slots[n]
+            if slot.path[-1] == "kernel" and "/".join(str(p) for p in slot.path[3:-1]) in PROJECTIONS:
+                plan += packed_specs(ss, n.rsplit(".", 1)[0], tuple(ck.info(n).shape), np.float32, cache)
+            else:
+                plan.append(TensorSpec(n, np.dtype(np.float32), tuple(ck.info(n).shape)))
+    plan += [TensorSpec(n, np.dtype(np.float32), tuple(ck.info(n).shape)) for n, slot in slots.items()
+             if slot.path[:2] != ("model", "layers")]
+    return plan
+
+
 def _release(module) -> None:
     """Drops a module's arrays (each Variable holds a scalar placeholder afterwards): a layer that was written out."""
     import jax
@@ -302,9 +332,9 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
         raise CheckpointError(f"{src / 'config.json'}: {e}") from None
     model = nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
     tok = load_tokenizer(src)
-    tokenize = None if tok is None else (lambda text: tok.encode(text).ids)
-    samples = load_calibration(calibration, tokenize, seq_len=seq_len, max_tokens=calibration_tokens, seed=seed,
-                               vocab_size=cfg.vocab_size)
+    samples = load_calibration(calibration, None if tok is None else (lambda text, t=tok: t.encode(text).ids),
+                               seq_len=seq_len, max_tokens=calibration_tokens, seed=seed, vocab_size=cfg.vocab_size)
+    del tok  # the tokenizer's tables (~50 MiB) are not needed while calibrating
     slots = hf_tensor_names(cfg)
 
     def var(root, path):
@@ -312,7 +342,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
             root = root[p] if isinstance(p, int) else getattr(root, p)
         return getattr(root, path[-1])
 
-    with open_checkpoint(src) as ck, CompressedWriter(dst, overwrite=overwrite) as w:
+    with open_checkpoint(src) as ck:
         # every check of a whole load (decoder.load_hf_tensors), before any work
         names = set(ck.keys())
         missing = sorted(n for n in slots if n not in names)
@@ -341,43 +371,43 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
             f"{len(samples)} calibration samples, {sum(len(s) for s in samples)} tokens from {calibration}")
         per_layer = {i: [n for n in slots if slots[n].path[:3] == ("model", "layers", i)]
                      for i in range(cfg.num_layers)}
+        with CompressedWriter(dst, overwrite=overwrite, plan=_stream_plan(ck, scheme, slots, per_layer)) as w:
+            def load_layer(i, layer):
+                for n in per_layer[i]:
+                    slot = slots[n]
+                    v = var(layer, slot.path[3:])
+                    a = ck.get(n)
+                    v.set_value(jnp.asarray(a.T if slot.transpose else a, dtype=jnp.float32))
+                ck.drop_pages()
 
-        def load_layer(i, layer):
-            for n in per_layer[i]:
-                slot = slots[n]
-                v = var(layer, slot.path[3:])
-                a = ck.get(n)
-                v.set_value(jnp.asarray(a.T if slot.transpose else a, dtype=jnp.float32))
-            ck.drop_pages()
+            def store_layer(i, layer):
+                packed = export_quantized(layer)  # projection path relative to the layer -> QArray, scales
+                for n in per_layer[i]:
+                    slot = slots[n]
+                    rel = "/".join(str(p) for p in slot.path[3:-1])
+                    if rel in packed and slot.path[-1] == "kernel":
+                        mod = n.rsplit(".", 1)[0]
+                        w.add_qarray(mod, packed[rel]["weight"], packed[rel]["schemes"])
+                        for local in ("input_scale", "input_global_scale"):
+                            if local in packed[rel]:
+                                w.add_dense(f"{mod}.{local}", np.asarray(packed[rel][local]))
+                    else:
+                        a = np.asarray(var(layer, slot.path[3:]).get_value())
+                        w.add_dense(n, a.T if slot.transpose else a)
+                _release(layer)
 
-        def store_layer(i, layer):
-            packed = export_quantized(layer)  # projection path relative to the layer -> QArray, scales
-            for n in per_layer[i]:
-                slot = slots[n]
-                rel = "/".join(str(p) for p in slot.path[3:-1])
-                if rel in packed and slot.path[-1] == "kernel":
-                    mod = n.rsplit(".", 1)[0]
-                    w.add_qarray(mod, packed[rel]["weight"], packed[rel]["schemes"])
-                    for local in ("input_scale", "input_global_scale"):
-                        if local in packed[rel]:
-                            w.add_dense(f"{mod}.{local}", np.asarray(packed[rel][local]))
-                else:
-                    a = np.asarray(var(layer, slot.path[3:]).get_value())
-                    w.add_dense(n, a.T if slot.transpose else a)
-            _release(layer)
+            def embed(ids):
+                rows = np.asarray(ck.get("model.embed_tokens.weight")[np.asarray(ids)], np.float32)
+                ck.drop_pages()
+                return rows
 
-        def embed(ids):
-            rows = np.asarray(ck.get("model.embed_tokens.weight")[np.asarray(ids)], np.float32)
-            ck.drop_pages()
-            return rows
-
-        info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq,
-                                 propagate=propagate, transform=transform, embed=embed, load_layer=load_layer,
-                                 store_layer=store_layer, log=log)
-        for n, slot in slots.items():  # embeddings, final norm, an untied lm_head: as the checkpoint has them
-            if slot.path[:2] != ("model", "layers"):
-                w.add_dense(n, np.asarray(ck.get(n), np.float32))
-        w.finish(dict(hf_config), ignore=[] if cfg.tie_word_embeddings else ["lm_head"], copy_from=src)
+            info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq,
+                                     propagate=propagate, transform=transform, embed=embed, load_layer=load_layer,
+                                     store_layer=store_layer, log=log)
+            for n, slot in slots.items():  # embeddings, final norm, an untied lm_head: as the checkpoint has them
+                if slot.path[:2] != ("model", "layers"):
+                    w.add_dense(n, np.asarray(ck.get(n), np.float32))
+            w.finish(dict(hf_config), ignore=[] if cfg.tie_word_embeddings else ["lm_head"], copy_from=src)
     seconds = time.perf_counter() - t0
     log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}

@@ -57,7 +57,7 @@ from qformats.qarray import QArray
 from qformats.quantize import quantize
 from qformats.schemes import SchemeSet
 
-__all__ = ["QuantizeSummary", "is_linear_weight", "quantize_checkpoint", "select_modules"]
+__all__ = ["QuantizeSummary", "is_linear_weight", "packed_specs", "quantize_checkpoint", "select_modules"]
 
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -215,20 +215,29 @@ def _misfits(ck, infos, chosen: List[str], ss: SchemeSet) -> Dict[str, str]:
     return out
 
 
+def packed_specs(ss: SchemeSet, module: str, shape, dtype, cache: Optional[Dict[Any, List[Any]]] = None
+                 ) -> List[TensorSpec]:
+    """The tensors (names, dtypes, shapes, in `CompressedWriter.add_qarray`'s order) that module `module`'s
+    [out, in] weight of `dtype` takes once quantized with `ss`: what a planned writer needs before the values.
+    `cache` (optional dict) keeps the parts per (shape, dtype) between calls."""
+    cache = {} if cache is None else cache
+    key = (tuple(shape), np.dtype(dtype))
+    if key not in cache:
+        q0 = _zero_qarray(ss.weights, tuple(shape), np.dtype(dtype))
+        fmt = format_for(ss.weights, ss.input_activations)
+        cache[key] = [(k, a.dtype, a.shape) for k, a in qarray_to_tensors(q0, fmt, f"{module}.weight").items()]
+    return [TensorSpec(f"{module}.{k}" if module else k, dt, sh) for k, dt, sh in cache[key]]
+
+
 def _plan(infos, chosen_set, ss: SchemeSet) -> List[TensorSpec]:
     """The output tensors, in write order, from the source header alone (every chosen module fits the scheme)."""
     plan: List[TensorSpec] = []
-    fmt = format_for(ss.weights, ss.input_activations)
     cache: Dict[Any, List[Any]] = {}
     for name in sorted(infos):
         mod, _, local = name.rpartition(".")
         info = infos[name]
         if local == "weight" and mod in chosen_set:
-            key = (info.shape, info.dtype)
-            if key not in cache:
-                q0 = _zero_qarray(ss.weights, info.shape, info.numpy_dtype)
-                cache[key] = [(k, a.dtype, a.shape) for k, a in qarray_to_tensors(q0, fmt, name).items()]
-            plan.extend(TensorSpec(f"{mod}.{k}" if mod else k, dt, sh) for k, dt, sh in cache[key])
+            plan.extend(packed_specs(ss, mod, info.shape, info.numpy_dtype, cache))
         else:
             plan.append(TensorSpec(name, info.numpy_dtype, info.shape))
     return plan

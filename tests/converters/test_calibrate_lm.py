@@ -92,3 +92,30 @@ def test_lean_malloc_on_glibc():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
     assert lean_malloc() is True  # every option accepted (mallopt returns 1)
+
+
+@pytest.mark.parametrize("scheme, planned", [("NVFP4A16", True), ("W8A8", True), ("FP8", False)])
+def test_streamed_writer_plans_what_it_writes(tiny, tmp_path, monkeypatch, scheme, planned):
+    """The streamed path hands the writer the full tensor list up front (each tensor then goes straight to disk)
+    for every scheme without static input scales, and the checkpoint holds the calibrated codes either way."""
+    import converters.calibrate as cal
+
+    plans = []
+    real = cal._stream_plan
+    monkeypatch.setattr(cal, "_stream_plan", lambda *a: plans.append(real(*a)) or plans[-1])
+    dst = tmp_path / "q"
+    quantize_calibrated_lm(tiny / "src", dst, scheme, tiny / "calib.npy", seq_len=32, calibration_tokens=160)
+    assert (plans[0] is not None) == planned
+    if planned:
+        from converters.safetensors_io import open_checkpoint
+        with open_checkpoint(dst) as ck:
+            assert [s.name for s in plans[0]] and sorted(s.name for s in plans[0]) == sorted(ck.keys())
+    samples = load_calibration(tiny / "calib.npy", seq_len=32, max_tokens=160, seed=0)
+    loaded, _, _ = load_causal_lm(dst, tokenizer=False)
+    ref, _, _ = load_causal_lm(tiny / "src", tokenizer=False)
+    calibrate_decoder(ref, samples, scheme)
+    a, b = quantized_layers(loaded), quantized_layers(ref)
+    assert set(a) == set(b) and len(a) == 14
+    for p in a:
+        for x, y in zip(jax.tree.leaves(a[p].kernel.get_value()), jax.tree.leaves(b[p].kernel.get_value())):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=p)
