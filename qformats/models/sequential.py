@@ -152,22 +152,26 @@ def _set(layer, rel: str, new) -> None:
     setattr(getattr(layer, a), b, new)
 
 
-@nnx.jit
-def _calibration_pass(layer, x, valid, cos, sin, mask):
+@functools.partial(nnx.jit, static_argnames=("keep_output",))
+def _calibration_pass(layer, x, valid, cos, sin, mask, keep_output):
+    """Runs the calibrating layer (its projections record their statistics); returns its output only with
+    `keep_output`: otherwise XLA drops what no statistic needs (down_proj's product and the residual after it)."""
     for rel in PROJECTIONS:
         _get(layer, rel).valid.set_value(valid.astype(jnp.float32))
-    return layer(x, cos, sin, mask)[0]
+    out = layer(x, cos, sin, mask)[0]
+    return out if keep_output else None
 
 
-@functools.partial(nnx.jit, static_argnames=("kv_scheme",))
-def _calibration_pass_kv(layer, x, valid, cos, sin, mask, kv_scheme):
+@functools.partial(nnx.jit, static_argnames=("kv_scheme", "keep_output"))
+def _calibration_pass_kv(layer, x, valid, cos, sin, mask, kv_scheme, keep_output):
     """The calibration pass, plus max |state| of the keys / values this batch's real tokens put into the cache
     (shapes `kv_scheme.scale_shape`: per tensor or per KV head)."""
     for rel in PROJECTIONS:
         _get(layer, rel).valid.set_value(valid.astype(jnp.float32))
     out, (k, v) = layer(x, cos, sin, mask)
     real = valid[:, None, :, None]
-    return out, tuple(amax_of(jnp.where(real, s, jnp.zeros((), s.dtype)), kv_scheme) for s in (k, v))
+    amax = tuple(amax_of(jnp.where(real, s, jnp.zeros((), s.dtype)), kv_scheme) for s in (k, v))
+    return (out if keep_output else None), amax
 
 
 @nnx.jit
@@ -175,10 +179,11 @@ def _forward(layer, x, cos, sin, mask):
     return layer(x, cos, sin, mask)[0]
 
 
-def _propagate(layer, xs, layer_inputs):
-    """Layer outputs with the quantized weights and float activations: each projection runs with its weight
-    scheme alone while propagating (llm-compressor's propagation pass is under DisableQuantization: the weights
-    GPTQ wrote back, unquantized inputs)."""
+def _propagate(layer, xs, layer_inputs) -> None:
+    """Replaces each batch of `xs` by the layer's output with the quantized weights and float activations (each
+    projection runs with its weight scheme alone while propagating: llm-compressor's propagation pass is under
+    DisableQuantization, the weights GPTQ wrote back, unquantized inputs). In place, so a batch's input is freed
+    as its output is made."""
     saved = {}
     for rel in PROJECTIONS:
         lin = _get(layer, rel)
@@ -186,7 +191,11 @@ def _propagate(layer, xs, layer_inputs):
             saved[rel] = lin.schemes
             lin.schemes = SchemeSet(lin.schemes.name, lin.schemes.weights)
     try:
-        return [_forward(layer, x, *layer_inputs(x.shape[1])) for x in xs]
+        for j, x in enumerate(xs):
+            t = x.shape[1]
+            xs[j] = None
+            xs[j] = _forward(layer, x, *layer_inputs(t))
+            del x
     finally:
         for rel, schemes in saved.items():
             _get(layer, rel).schemes = schemes
@@ -392,15 +401,22 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 # the group's members read the same input: its first member records H and the input range
                 cal.record_inputs = rel == group[0]
                 _set(layer, rel, _Masked(cal))
-        if kv_static:
-            outs, amax = [], None
-            for x, v in zip(xs, valid):
-                out, cur = _calibration_pass_kv(layer, x, v, *layer_inputs(x.shape[1], window), kv_cache)
-                outs.append(out)
+        # the calibration pass's outputs are the next layer's inputs only with float propagation; otherwise
+        # the propagation pass makes them, and this pass keeps none (nor computes what only they need)
+        keep = propagate == "float"
+        amax = None
+        for j, v in enumerate(valid):
+            x = xs[j]
+            if kv_static:
+                out, cur = _calibration_pass_kv(layer, x, v, *layer_inputs(x.shape[1], window), kv_cache, keep)
                 amax = cur if amax is None else tuple(jnp.maximum(a, c) for a, c in zip(amax, cur))
+            else:
+                out = _calibration_pass(layer, x, v, *layer_inputs(x.shape[1], window), keep)
+            if keep:
+                xs[j] = out
+            del x, out
+        if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
-        else:
-            outs = [_calibration_pass(layer, x, v, *layer_inputs(x.shape[1], window)) for x, v in zip(xs, valid)]
         shared = fused_global_scales(floats, ss.weights) if weight_search in (RTN, "gptq") else {}
         results = {}
         for group in groups:
@@ -424,8 +440,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             searched += method != RTN
             _set(layer, rel, inner)
         if propagate == "quantized":
-            outs = _propagate(layer, xs, lambda t: layer_inputs(t, window))
-        xs = outs
+            _propagate(layer, xs, lambda t: layer_inputs(t, window))
         for rel in PROJECTIONS:  # full paths for messages and exports, now that layer i runs no more
             _get(layer, rel).path = f"model/layers/{i}/{rel}"
         if store_layer is not None:
