@@ -310,7 +310,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                       transform: Optional[Callable] = None, kv_cache: Optional[KVCacheScheme] = None,
                       tokens_per_batch: int = 2048, bucket: int = 32, max_padding: float = 0.125,
                       embed: Optional[Callable] = None, load_layer: Optional[Callable] = None,
-                      store_layer: Optional[Callable] = None,
+                      store_layer: Optional[Callable] = None, between_phases: Optional[Callable[[], None]] = None,
                       log: Callable[[str], None] = lambda m: None) -> dict:
     """Quantize the seven projections of every decoder layer of `model` in place, layer by layer (module docstring).
 
@@ -339,6 +339,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         embeddings of a batch's token ids (default: the model's embed_tokens); `load_layer(i, layer)` fills
         layer i's parameters just before its turn; `store_layer(i, layer)` receives layer i once quantized
         and propagated (full module paths set), after which calibration never touches it again.
+      between_phases: optional `between_phases()` called after each layer's calibration pass, the weight search of
+        each of its input groups (q/k/v, o, gate/up, down) and its propagation (e.g. `converters.calibrate.trim_malloc`: the temporaries of one phase, its first compilation
+        included, handed back before the next).
       log: progress messages.
 
     Returns {"layers": L, "searched": projections whose search won, "projections": 7 L, "tokens": n}.
@@ -417,6 +420,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             del x, out
         if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
+        if between_phases is not None:
+            between_phases()
         shared = fused_global_scales(floats, ss.weights) if weight_search in (RTN, "gptq") else {}
         results = {}
         for group in groups:
@@ -426,6 +431,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             results.update(quantize_group({r: floats[r] for r in group}, ss, h, weight_search, gptq, guard, shared))
             for rel in group[1:]:  # the input range the first member observed is theirs too
                 _get(layer, rel).inner.calib_amax.set_value(first.calib_amax.get_value())
+            del h
+            if between_phases is not None:
+                between_phases()
         for rel in PROJECTIONS:
             inner = _get(layer, rel).inner
             q, method = results[rel]
@@ -441,6 +449,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             _set(layer, rel, inner)
         if propagate == "quantized":
             _propagate(layer, xs, lambda t: layer_inputs(t, window))
+            if between_phases is not None:
+                between_phases()
         for rel in PROJECTIONS:  # full paths for messages and exports, now that layer i runs no more
             _get(layer, rel).path = f"model/layers/{i}/{rel}"
         if store_layer is not None:

@@ -87,11 +87,12 @@ def test_cli_calibrates_a_causal_lm(tiny, tmp_path):
 def test_lean_malloc_on_glibc():
     import platform
 
-    from converters.calibrate import lean_malloc
+    from converters.calibrate import lean_malloc, trim_malloc
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
     assert lean_malloc() is True  # every option accepted (mallopt returns 1)
+    assert trim_malloc() is True
 
 
 @pytest.mark.parametrize("scheme, planned", [("NVFP4A16", True), ("W8A8", True), ("FP8", False)])
@@ -119,3 +120,14 @@ def test_streamed_writer_plans_what_it_writes(tiny, tmp_path, monkeypatch, schem
     for p in a:
         for x, y in zip(jax.tree.leaves(a[p].kernel.get_value()), jax.tree.leaves(b[p].kernel.get_value())):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=p)
+
+
+def test_malloc_trimmed_between_the_phases_of_each_layer(tiny, tmp_path, monkeypatch):
+    import converters.calibrate as cal
+
+    calls = []
+    monkeypatch.setattr(cal, "trim_malloc", lambda: calls.append(1) or True)
+    quantize_calibrated_lm(tiny / "src", tmp_path / "q", "W4A16:g32", tiny / "calib.npy", seq_len=32,
+                           calibration_tokens=160)
+    # after the calibration pass, the search of each of the 4 input groups, the propagation
+    assert len(calls) == 6 * TINY["num_hidden_layers"]
