@@ -10,8 +10,10 @@ table beside a count from the shapes of what each pipeline does per layer:
     Hessians (ours)      2 * N' * (d^2 + d_q^2 + d^2 + d_ff^2)               (one H per input: q/k/v, o, gate/up, down)
 
 N = real tokens; N' = tokens including our padding (<= 12.5% more: `make_batches(max_padding=0.125)`). Both
-pipelines run the forward pass twice per layer (calibration, then propagation of the quantized outputs). The
-counts give the floor of each side's time on a machine of known peak GEMM speed (bench/gemm_cpu.py).
+pipelines run the forward pass twice per layer (calibration, then propagation of the quantized outputs); ours
+drops down_proj's product from the calibration pass (2 * N' * d_ff * d: only the discarded output needs it). The
+"from the shapes" rows are for the GPTQ recipe (--recipe gptq); the counted row is whatever the recipe runs.
+The counts give the floor of each side's time on a machine of known peak GEMM speed (bench/gemm_cpu.py).
 
     python bench/calib_flops.py [--recipe gptq] [--layers 4] [--src DIR] [--work DIR]
         [--llmc-python /work/lcvenv/bin/python]
@@ -57,7 +59,7 @@ def shape_counts(cfg: dict, lengths, padded_tokens: int):
     fwd = 2 * n * (d * (dq + 2 * dkv) + dq * d + 3 * d * dff) + 4 * sum(t * t for t in lengths) * dq
     theirs_h = 2 * n * (3 * d * d + dq * dq + 2 * d * d + dff * dff)
     ours_h = 2 * padded_tokens * (d * d + dq * dq + d * d + dff * dff)
-    return {"forward": fwd, "hessians_theirs": theirs_h, "hessians_ours": ours_h}
+    return {"forward": fwd, "hessians_theirs": theirs_h, "hessians_ours": ours_h, "down": 2 * padded_tokens * dff * d}
 
 
 def main():
@@ -103,18 +105,21 @@ def main():
     per = shape_counts(cfg, [len(x) for x in ids], padded)
     g = 1e9
     theirs_model = a.layers * (2 * per["forward"] + per["hessians_theirs"])
-    ours_model = a.layers * (2 * per["forward"] * padded / total + per["hessians_ours"])
+    ours_model = a.layers * (2 * per["forward"] * padded / total - per["down"] + per["hessians_ours"])
     print(f"### Calibration FLOPs, SmolLM2 first {a.layers} layers, {a.recipe}: {len(ids)} samples, {total} tokens "
           f"({padded} with our padding)\n")
     print("| | GFLOP (the first layers) | GFLOP per layer |\n| --- | ---: | ---: |")
-    print(f"| llm-compressor oneshot, counted (FlopCounterMode; lm_head not run) | {counted['total'] / g:.1f} | "
+    head = counted["by_module"].get("Linear", 0)  # the lm_head (a bare Linear at the top): run in both passes
+    print(f"| llm-compressor oneshot, counted (FlopCounterMode) | {counted['total'] / g:.1f} | "
           f"{counted['total'] / g / a.layers:.1f} |")
-    print(f"| llm-compressor, from the shapes: 2 forward passes + 7 Hessians | {theirs_model / g:.1f} | "
-          f"{theirs_model / g / a.layers:.1f} |")
-    print(f"| qformats, from the shapes: 2 forward passes + 4 Hessians, padded batches | {ours_model / g:.1f} | "
-          f"{ours_model / g / a.layers:.1f} |")
-    for k, v in sorted(counted["by_module"].items()):
-        print(f"module {k}: {v / g:.1f} GFLOP", file=sys.stderr)
+    print(f"| of which lm_head (counted; run by both passes of the last subgraph) | {head / g:.1f} | — |")
+    print(f"| of which the decoder layers (counted) | {(counted['total'] - head) / g:.1f} | "
+          f"{(counted['total'] - head) / g / a.layers:.1f} |")
+    if a.recipe == "gptq":
+        print(f"| llm-compressor, from the shapes: 2 forward passes + 7 Hessians | {theirs_model / g:.1f} | "
+              f"{theirs_model / g / a.layers:.1f} |")
+        print(f"| qformats, from the shapes: 2 forward passes (less down_proj's product in the first) + 4 "
+              f"Hessians, padded batches | {ours_model / g:.1f} | {ours_model / g / a.layers:.1f} |")
     print("\ncounted by op (GFLOP): " + ", ".join(f"{k} {v / g:.1f}" for k, v in
                                                  sorted(counted["by_op"].items(), key=lambda kv: -kv[1])))
 
