@@ -1,4 +1,4 @@
-"""The arithmetic of layer-by-layer calibration on SmolLM2: llm-compressor's `oneshot` FLOPs, counted, beside both sides' counts from the shapes.
+"""Calibration FLOPs on SmolLM2: llm-compressor's `oneshot` counted (FlopCounterMode), both sides from the shapes.
 
 Runs llm-compressor 0.14's `oneshot` (its own venv, --llmc-python) for a recipe of bench/calibrate_lm.py on the
 first --layers decoder layers of SmolLM2 (the same calibration token ids), under torch's `FlopCounterMode`

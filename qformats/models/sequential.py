@@ -340,8 +340,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         layer i's parameters just before its turn; `store_layer(i, layer)` receives layer i once quantized
         and propagated (full module paths set), after which calibration never touches it again.
       between_phases: optional `between_phases()` called after each layer's calibration pass, the weight search of
-        each of its input groups (q/k/v, o, gate/up, down) and its propagation (e.g. `converters.calibrate.trim_malloc`: the temporaries of one phase, its first compilation
-        included, handed back before the next).
+        each of its input groups (q/k/v, o, gate/up, down) and its propagation (e.g.
+        `converters.calibrate.trim_malloc`: the temporaries of one phase, its first compilation included, handed
+        back before the next).
       log: progress messages.
 
     Returns {"layers": L, "searched": projections whose search won, "projections": 7 L, "tokens": n}.
