@@ -131,3 +131,22 @@ def test_malloc_trimmed_between_the_phases_of_each_layer(tiny, tmp_path, monkeyp
                            calibration_tokens=160)
     # after the calibration pass, the search of each of the 4 input groups, the propagation
     assert len(calls) == 6 * TINY["num_hidden_layers"]
+
+
+def test_lean_compile_sets_the_codegen_flag_only_while_it_runs(monkeypatch):
+    import os
+
+    from converters.calibrate import lean_compile
+
+    seen = []
+    f = lean_compile(lambda: seen.append(os.environ.get("XLA_FLAGS")))
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    f()
+    assert seen[-1] == "--xla_cpu_parallel_codegen_split_count=1" and "XLA_FLAGS" not in os.environ
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    f()
+    assert seen[-1] == "--xla_force_host_platform_device_count=2 --xla_cpu_parallel_codegen_split_count=1"
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_parallel_codegen_split_count=4")  # the caller's choice is kept
+    f()
+    assert seen[-1] == "--xla_cpu_parallel_codegen_split_count=4"
