@@ -314,9 +314,9 @@ def _streamable(src: Path) -> bool:
     return isinstance(cfg, dict) and "quantization_config" not in cfg
 
 
-def _stream_plan(ck, scheme, slots, per_layer):
+def _stream_plan(ck, scheme, slots, per_layer, outside):
     """The output tensors of `_quantize_streamed`, in the order it writes them (layer by layer: each layer's
-    tensors in `per_layer` order, its seven projections packed, the rest float32; then the tensors outside the
+    tensors in `per_layer` order, its seven projections packed, the rest float32; then the tensors `outside` the
     layers), so the writer puts each one straight to disk (`ShardedWriter`'s planned mode) instead of holding
     every packed layer until the end. None (the writer then keeps a shard in memory) for schemes with static
     input scales, whose extra tensors this plan does not list."""
@@ -339,8 +339,7 @@ def _stream_plan(ck, scheme, slots, per_layer):
                 plan += packed_specs(ss, n.rsplit(".", 1)[0], tuple(ck.info(n).shape), np.float32, cache)
             else:
                 plan.append(TensorSpec(n, np.dtype(np.float32), tuple(ck.info(n).shape)))
-    plan += [TensorSpec(n, np.dtype(np.float32), tuple(ck.info(n).shape)) for n, slot in slots.items()
-             if slot.path[:2] != ("model", "layers")]
+    plan += [TensorSpec(n, np.dtype(np.float32), tuple(ck.info(n).shape)) for n in outside]
     return plan
 
 
@@ -422,7 +421,10 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
             f"{len(samples)} calibration samples, {sum(len(s) for s in samples)} tokens from {calibration}")
         per_layer = {i: [n for n in slots if slots[n].path[:3] == ("model", "layers", i)]
                      for i in range(cfg.num_layers)}
-        with CompressedWriter(dst, overwrite=overwrite, plan=_stream_plan(ck, scheme, slots, per_layer)) as w:
+        # embeddings, final norm, an untied lm_head: written last, as the checkpoint has them
+        outside = [n for n, slot in slots.items() if slot.path[:2] != ("model", "layers")]
+        plan = _stream_plan(ck, scheme, slots, per_layer, outside)
+        with CompressedWriter(dst, overwrite=overwrite, plan=plan) as w:
             def load_layer(i, layer):
                 for n in per_layer[i]:
                     slot = slots[n]
@@ -455,9 +457,8 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
             info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq,
                                      propagate=propagate, transform=transform, embed=embed, load_layer=load_layer,
                                      store_layer=store_layer, between_phases=trim_malloc, log=log)
-            for n, slot in slots.items():  # embeddings, final norm, an untied lm_head: as the checkpoint has them
-                if slot.path[:2] != ("model", "layers"):
-                    w.add_dense(n, np.asarray(ck.get(n), np.float32))
+            for n in outside:
+                w.add_dense(n, np.asarray(ck.get(n), np.float32))
             w.finish(dict(hf_config), ignore=[] if cfg.tie_word_embeddings else ["lm_head"], copy_from=src)
     seconds = time.perf_counter() - t0
     log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")

@@ -191,11 +191,8 @@ def _propagate(layer, xs, layer_inputs) -> None:
             saved[rel] = lin.schemes
             lin.schemes = SchemeSet(lin.schemes.name, lin.schemes.weights)
     try:
-        for j, x in enumerate(xs):
-            t = x.shape[1]
-            xs[j] = None
-            xs[j] = _forward(layer, x, *layer_inputs(t))
-            del x
+        for j in range(len(xs)):
+            xs[j] = _forward(layer, xs[j], *layer_inputs(xs[j].shape[1]))
     finally:
         for rel, schemes in saved.items():
             _get(layer, rel).schemes = schemes
@@ -409,16 +406,15 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         # the propagation pass makes them, and this pass keeps none (nor computes what only they need)
         keep = propagate == "float"
         amax = None
-        for j, v in enumerate(valid):
-            x = xs[j]
+        for j, (x, v) in enumerate(zip(xs, valid)):
+            args = (layer, x, v, *layer_inputs(x.shape[1], window))
             if kv_static:
-                out, cur = _calibration_pass_kv(layer, x, v, *layer_inputs(x.shape[1], window), kv_cache, keep)
+                out, cur = _calibration_pass_kv(*args, kv_cache, keep)
                 amax = cur if amax is None else tuple(jnp.maximum(a, c) for a, c in zip(amax, cur))
             else:
-                out = _calibration_pass(layer, x, v, *layer_inputs(x.shape[1], window), keep)
+                out = _calibration_pass(*args, keep)
             if keep:
                 xs[j] = out
-            del x, out
         if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
         if between_phases is not None:
