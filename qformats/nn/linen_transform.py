@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -29,7 +30,7 @@ from qformats.errors import ModelError
 from qformats.nn.linen import as_shape
 from qformats.nn.projection import (check_einsum_acts, einsum_layout, einsum_matrix, norm_axes, packed_einsum,
                                     packed_linear, packed_linear_general)
-from qformats.nn.rules import check_fit, compile_rules, select
+from qformats.nn.rules import check_fit, compile_rules, match, select
 from qformats.nn.weight_search import RTN, quantize_weight, search_name
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
@@ -106,9 +107,41 @@ def _layout_of(mod: nn.Module, kernel_shape, args, kwargs) -> WeightLayout:
 
 _FLOAT_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
 
+# Why interception and jax's jit caches need care. An interceptor (`nn.intercept_methods`) only sees the module
+# calls whose Python runs, and a method lifted with `nn.jit` (`@nn.jit` on a `__call__`, as gemma's linen
+# Transformer has, or a class `nn.jit(Block)`) is one `jax.jit`-ed function per class, whose trace cache is keyed
+# by (module fingerprint: its attributes, not its name or scope path; scope mutability; avals; jax's trace
+# context) -- not by the interceptors on flax's thread-local stack. So a trace is reused (the body does not run)
+# once the model has run on inputs of these shapes (any call, `jax.jit(module.apply)`, an earlier discovery),
+# and, within one trace, for a second instance of the same lifted class (`b1` reuses `b0`'s). Discovery
+# (`record_layouts`) therefore runs under `jax.disable_jit()`: every jitted body is then traced inline by
+# eval_shape, each call of each instance intercepted. An apply runs under a jit-keyed user context whose value
+# is what the wrapper computes, so a trace made without it or under another wrapper is not reused.
+_INTERCEPTION = jax.make_user_context(None)
+
+
+class _JitKey:
+    """A hashable value for `_INTERCEPTION`: equal parts, equal key; the hash is computed once (jax hashes the
+    context value at each jitted call)."""
+
+    __slots__ = ("parts", "_hash")
+
+    def __init__(self, parts):
+        self.parts, self._hash = parts, hash(parts)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, _JitKey) and self._hash == other._hash and self.parts == other.parts)
+
 
 def _root(variables):
     return variables["params"] if isinstance(variables.get("params"), Mapping) else variables
+
+
+def _scope_path(mod: nn.Module) -> str:
+    return "/".join(mod.scope.path) if mod.scope is not None else ""
 
 
 def record_layouts(module: nn.Module, variables: Mapping, *example_args, **example_kwargs) -> Dict[str, WeightLayout]:
@@ -117,14 +150,16 @@ def record_layouts(module: nn.Module, variables: Mapping, *example_args, **examp
     `nn.scan` / `nn.vmap` too). Runs under `jax.eval_shape`: shapes only, nothing is computed.
 
     `variables` may be the params dict itself (no "params" key); `example_kwargs` go to `module.apply`
-    (method arguments, `rngs=`, `mutable=`, ...). ModelError if the module cannot run on them.
+    (method arguments, `rngs=`, `mutable=`, ...). ModelError if the module cannot run on them. The module's code
+    is traced anew on every call, however often the model has run before (no jitted trace is reused, also under
+    `nn.jit`), so the same layers are found each time.
     """
     found: Dict[str, WeightLayout] = {}
 
     def record(next_fun, args, kwargs, context):
         mod = context.module
         if context.method_name == "__call__" and isinstance(mod, _FLOAT_LAYERS):
-            path = "/".join(mod.scope.path)
+            path = _scope_path(mod)
             kernel = mod.get_variable("params", "kernel") if mod.has_variable("params", "kernel") else None
             if path not in found and kernel is not None and not isinstance(kernel, QArray):
                 found[path] = _layout_of(mod, jnp.shape(nn.meta.unbox(kernel)), args, kwargs)
@@ -132,7 +167,10 @@ def record_layouts(module: nn.Module, variables: Mapping, *example_args, **examp
 
     v = variables if isinstance(variables.get("params"), Mapping) else {"params": variables}
     try:
-        with nn.intercept_methods(record):
+        # disable_jit: no cached trace stands in for a module call (see _INTERCEPTION). It also unrolls an
+        # `nn.scan` into per-layer calls and runs only the taken branch of a concrete `nn.cond`; under
+        # eval_shape all of it is abstract (no FLOPs, nothing compiled).
+        with nn.intercept_methods(record), jax.disable_jit():
             jax.eval_shape(lambda v: module.apply(v, *example_args, **example_kwargs), v)
     except ModelError:
         raise
@@ -259,15 +297,27 @@ class QuantizedLinen:
     module: nn.Module
     schemes: Dict[str, SchemeSet]
     layouts: Optional[Dict[str, WeightLayout]] = None
+    _jit_key: _JitKey = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        # with the scope path, what `_interceptor` computes depends on nothing else (see _INTERCEPTION): equal
+        # wrappers share traces
+        by_path = lambda d: tuple(sorted((d or {}).items(), key=lambda kv: kv[0]))  # noqa: E731
+        object.__setattr__(self, "_jit_key", _JitKey((type(self).__name__, by_path(self.schemes),
+                                                      by_path(self.layouts))))
 
     def _interceptor(self, next_fun, args, kwargs, context):
+        with _INTERCEPTION((self._jit_key, _scope_path(context.module))):  # see _INTERCEPTION
+            return self._call(next_fun, args, kwargs, context)
+
+    def _call(self, next_fun, args, kwargs, context):
         mod = context.module
         if context.method_name != "__call__" or not isinstance(mod, _FLOAT_LAYERS):
             return next_fun(*args, **kwargs)
         kernel = mod.get_variable("params", "kernel")
         if not isinstance(kernel, QArray):
             return next_fun(*args, **kwargs)
-        path = "/".join(mod.scope.path)
+        path = _scope_path(mod)
         ss = self.schemes.get(path)
         if ss is None:
             raise ModelError(f"{path}: packed kernel without a scheme (params and rules differ)")
@@ -298,7 +348,7 @@ class QuantizedLinen:
                              perm=layout.perm, contracts_last=layout.contracts_last, where=path, dtype=mod.dtype)
 
     def apply(self, variables, *args, **kwargs):
-        with nn.intercept_methods(self._interceptor):
+        with _INTERCEPTION((self._jit_key, "")), nn.intercept_methods(self._interceptor):
             return self.module.apply(variables, *args, **kwargs)
 
 
@@ -315,6 +365,31 @@ def _call_layout(mod, path: str, kernel: QArray, args, kwargs) -> WeightLayout:
     if layout.error is not None:
         raise ModelError(f"{path}: {layout.error}")
     return layout
+
+
+def _check_reached(module: nn.Module, root: Mapping, compiled, layouts: Mapping[str, WeightLayout]) -> None:
+    """Say loudly when discovery reached fewer layers than the params suggest, never quantize nothing quietly.
+
+    No Dense / DenseGeneral / Einsum call recorded while a rule quantizes something and the params hold arrays:
+    ModelError (how many arrays and 'kernel's, which of them the rules select). Some recorded: a warning naming
+    the rule-selected 'kernel's that no such call reached (they stay float, e.g. Conv kernels).
+    """
+    selected = [path for path, node in (("/".join(p), n) for p, n in _kernel_nodes(root))
+                if path not in layouts and not isinstance(node["kernel"], QArray) and match(compiled, path)[1] is not None]
+    names = [f"{p}/kernel" if p else "kernel" for p in selected]
+    shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+    if not layouts:
+        n_arrays = len(jax.tree.leaves(root))
+        if n_arrays and any(ss is not None for _, _, ss in compiled):
+            kernels = sum(1 for _ in _kernel_nodes(root))
+            raise ModelError(
+                f"{type(module).__name__}: module.apply on the example inputs reached no Dense / DenseGeneral / "
+                f"Einsum call, but its params hold {n_arrays} arrays ({kernels} 'kernel' params"
+                + (f"; the rules select {shown}" if selected else "") + "): nothing would be quantized. Its matmuls "
+                "are in other layer classes or plain jnp ops on self.param, which quantize_linen does not reach")
+    elif selected:
+        warnings.warn(f"qformats.nn: {type(module).__name__}: no Dense / DenseGeneral / Einsum call reached the "
+                      f"rule-selected params {shown}; they stay float", stacklevel=3)
 
 
 def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example_args,
@@ -336,7 +411,10 @@ def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example
         search); `LINEN_SEARCHES`.
 
     Everything (regexes, scheme names, shapes against schemes) is validated before any weight is quantized;
-    errors are ModelErrors naming the rule or the module path. `params` is not modified.
+    errors are ModelErrors naming the rule or the module path. `params` is not modified. The same kernels are
+    found however often the model has run (also with `nn.jit` methods). With example inputs, a run that reaches
+    no Dense / DenseGeneral / Einsum call while the params hold arrays (and a rule quantizes) is a ModelError,
+    and rule-selected 'kernel' params that no such call reached are named in a warning (they stay float).
 
     Kernels stacked by `nn.scan` / `nn.vmap` ([L, *kernel] in the params) are quantized layer by layer
     (`quantize_weight` vmaps the leading axes; the scanned call then sees a per-layer QArray). The stacking
@@ -344,9 +422,11 @@ def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example
     cannot when that axis happens to have the per-layer shape's sizes (e.g. axis 1 with L == K).
     DenseGeneral `batch_dims` and block scales (FP8_BLOCK) on stacked kernels are refused.
     """
-    compile_rules(rules)  # a bad rule is reported before the model is run
+    compiled = compile_rules(rules)  # a bad rule is reported before the model is run
     layouts = record_layouts(module, params, *example_args, **example_kwargs) if (example_args or example_kwargs) \
         else None
+    if layouts is not None:
+        _check_reached(module, _root(params), compiled, layouts)
     qparams, plan = _quantize(params, rules, weight_search, layouts)
     schemes = {p: ss for p, (_, _, ss) in plan.items()}
     return QuantizedLinen(module, schemes, {p: lay for p, (lay, _, _) in plan.items()}), qparams
