@@ -8,8 +8,9 @@ QArray is computed like the NNX layer (`QLinear` / `QLinearGeneral` / `QEinsum`)
 calls are intercepted — nothing global (no `jax.lax` patching), and only inside that `apply`.
 
 Params alone do not say which module a kernel belongs to or which of its axes are contracted, so
-`record_layouts` runs `module.apply` once under `jax.eval_shape` (no FLOPs, no memory) on example inputs
-with an interceptor that notes, per scope path, the module type and its attributes (`WeightLayout`).
+`record_layouts` runs `module.apply` once under `jax.eval_shape` (no FLOPs, no memory) and `jax.disable_jit`
+(so no cached trace of an earlier run of an `nn.jit` method stands in for its code) on example inputs with an
+interceptor that notes, per scope path, the module type and its attributes (`WeightLayout`).
 Without example inputs only 2-D kernels can be quantized (taken as Dense [K, N]).
 """
 
@@ -110,30 +111,29 @@ _FLOAT_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
 # Why interception and jax's jit caches need care. An interceptor (`nn.intercept_methods`) only sees the module
 # calls whose Python runs, and a method lifted with `nn.jit` (`@nn.jit` on a `__call__`, as gemma's linen
 # Transformer has, or a class `nn.jit(Block)`) is one `jax.jit`-ed function per class, whose trace cache is keyed
-# by (module fingerprint: its attributes, not its name or scope path; scope mutability; avals; jax's trace
-# context) -- not by the interceptors on flax's thread-local stack. So a trace is reused (the body does not run)
-# once the model has run on inputs of these shapes (any call, `jax.jit(module.apply)`, an earlier discovery),
-# and, within one trace, for a second instance of the same lifted class (`b1` reuses `b0`'s). Discovery
-# (`record_layouts`) therefore runs under `jax.disable_jit()`: every jitted body is then traced inline by
-# eval_shape, each call of each instance intercepted. An apply runs under a jit-keyed user context whose value
-# is what the wrapper computes, so a trace made without it or under another wrapper is not reused.
-_INTERCEPTION = jax.make_user_context(None)
+# by (module fingerprint: its attributes, not its name or scope path; scope mutability; the variables' and
+# arguments' pytree structure and avals; jax's trace context) -- not by the interceptors on flax's thread-local
+# stack. So a trace is reused (the body does not run) once the model has run on inputs of these shapes (any call,
+# `jax.jit(module.apply)`, an earlier discovery), and, within one trace, for a second instance of the same lifted
+# class (`b1` reuses `b0`'s). Hence:
+# - discovery (`record_layouts`) runs under `jax.disable_jit()`: every jitted body is traced inline by eval_shape,
+#   each call of each instance intercepted;
+# - an apply must compute nothing that the jit key does not contain: `QuantizedLinen.apply` passes each packed
+#   kernel as a `_Bound` node whose pytree structure holds its SchemeSet and layout, so the interceptor reads them
+#   from the variables (not from its path), and a trace made for another path, scheme or wrapper is never reused
+#   where it would compute something else.
+class _Bound:
+    """A packed kernel with what its call computes: `q` (the QArray, the only pytree child), `ss` (SchemeSet) and
+    `layout` (WeightLayout or None) as static pytree data, hence part of every jit cache key."""
+
+    __slots__ = ("q", "ss", "layout")
+
+    def __init__(self, q: QArray, ss: SchemeSet, layout: Optional[WeightLayout]):
+        self.q, self.ss, self.layout = q, ss, layout
 
 
-class _JitKey:
-    """A hashable value for `_INTERCEPTION`: equal parts, equal key; the hash is computed once (jax hashes the
-    context value at each jitted call)."""
-
-    __slots__ = ("parts", "_hash")
-
-    def __init__(self, parts):
-        self.parts, self._hash = parts, hash(parts)
-
-    def __hash__(self):
-        return self._hash
-
-    def __eq__(self, other):
-        return self is other or (isinstance(other, _JitKey) and self._hash == other._hash and self.parts == other.parts)
+jax.tree_util.register_pytree_node(_Bound, lambda b: ((b.q,), (b.ss, b.layout)),
+                                   lambda aux, children: _Bound(children[0], *aux))
 
 
 def _root(variables):
@@ -167,7 +167,7 @@ def record_layouts(module: nn.Module, variables: Mapping, *example_args, **examp
 
     v = variables if isinstance(variables.get("params"), Mapping) else {"params": variables}
     try:
-        # disable_jit: no cached trace stands in for a module call (see _INTERCEPTION). It also unrolls an
+        # disable_jit: no cached trace stands in for a module call (see _Bound). It also unrolls an
         # `nn.scan` into per-layer calls and runs only the taken branch of a concrete `nn.cond`; under
         # eval_shape all of it is abstract (no FLOPs, nothing compiled).
         with nn.intercept_methods(record), jax.disable_jit():
@@ -291,41 +291,30 @@ class QuantizedLinen:
     with Qa the rule's input-activation quantization along the contracted axis (identity when weight-only).
     `layouts` (path → WeightLayout as quantized; `quantize_linen` fills them) are checked against each call; a
     path without one must have a kernel whose contracted axes come first (then [K, N] is a plain reshape), else
-    ModelError.
+    ModelError. `apply` hands each packed kernel to the module together with its SchemeSet and layout (as static
+    pytree data), so jitted traces (`nn.jit` methods) are keyed by what each call computes.
     """
 
     module: nn.Module
     schemes: Dict[str, SchemeSet]
     layouts: Optional[Dict[str, WeightLayout]] = None
-    _jit_key: _JitKey = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        # with the scope path, what `_interceptor` computes depends on nothing else (see _INTERCEPTION): equal
-        # wrappers share traces
-        by_path = lambda d: tuple(sorted((d or {}).items(), key=lambda kv: kv[0]))  # noqa: E731
-        object.__setattr__(self, "_jit_key", _JitKey((type(self).__name__, by_path(self.schemes),
-                                                      by_path(self.layouts))))
 
     def _interceptor(self, next_fun, args, kwargs, context):
-        with _INTERCEPTION((self._jit_key, _scope_path(context.module))):  # see _INTERCEPTION
-            return self._call(next_fun, args, kwargs, context)
-
-    def _call(self, next_fun, args, kwargs, context):
+        # reads the scheme and layout from the kernel node, never from the path: see _Bound
         mod = context.module
         if context.method_name != "__call__" or not isinstance(mod, _FLOAT_LAYERS):
             return next_fun(*args, **kwargs)
-        kernel = mod.get_variable("params", "kernel")
-        if not isinstance(kernel, QArray):
-            return next_fun(*args, **kwargs)
+        bound = mod.get_variable("params", "kernel")
         path = _scope_path(mod)
-        ss = self.schemes.get(path)
-        if ss is None:
+        if isinstance(bound, QArray):
             raise ModelError(f"{path}: packed kernel without a scheme (params and rules differ)")
+        if not isinstance(bound, _Bound):
+            return next_fun(*args, **kwargs)
+        kernel, ss, known = bound.q, bound.ss, bound.layout
         if isinstance(mod, nn.Dense):
             layout = _dense_layout(kernel.shape)
         else:
             layout = _call_layout(mod, path, kernel, args, kwargs)
-        known = (self.layouts or {}).get(path)
         if known is not None and (known.perm, known.k, known.n) != (layout.perm, layout.k, layout.n):
             raise ModelError(f"{path}: this {layout.kind} call flattens its kernel {layout.kernel_shape} with axes "
                              f"{layout.perm} to [{layout.k}, {layout.n}], but it was quantized as {known.perm} → "
@@ -348,8 +337,27 @@ class QuantizedLinen:
                              perm=layout.perm, contracts_last=layout.contracts_last, where=path, dtype=mod.dtype)
 
     def apply(self, variables, *args, **kwargs):
-        with _INTERCEPTION((self._jit_key, "")), nn.intercept_methods(self._interceptor):
-            return self.module.apply(variables, *args, **kwargs)
+        bound = _bind(variables, self.schemes, self.layouts or {})
+        with nn.intercept_methods(self._interceptor):
+            out = self.module.apply(bound, *args, **kwargs)
+        if not kwargs.get("mutable"):
+            return out
+        return jax.tree.map(lambda t: t.q if isinstance(t, _Bound) else t, out,  # mutated collections: QArrays
+                            is_leaf=lambda t: isinstance(t, _Bound))
+
+
+def _bind(tree, schemes: Mapping[str, SchemeSet], layouts: Mapping[str, WeightLayout], prefix=()):
+    """`tree` with each QArray 'kernel' whose path has a scheme as a `_Bound` (a copy; the rest shared)."""
+    out = {}
+    for name, sub in tree.items():
+        path = "/".join(prefix[1:])  # prefix[0]: the collection ("params")
+        if isinstance(sub, Mapping):
+            out[name] = _bind(sub, schemes, layouts, prefix + (name,))
+        elif name == "kernel" and prefix[:1] == ("params",) and isinstance(sub, QArray) and path in schemes:
+            out[name] = _Bound(sub, schemes[path], layouts.get(path))
+        else:
+            out[name] = sub
+    return out
 
 
 def _call_layout(mod, path: str, kernel: QArray, args, kwargs) -> WeightLayout:
@@ -374,8 +382,11 @@ def _check_reached(module: nn.Module, root: Mapping, compiled, layouts: Mapping[
     ModelError (how many arrays and 'kernel's, which of them the rules select). Some recorded: a warning naming
     the rule-selected 'kernel's that no such call reached (they stay float, e.g. Conv kernels).
     """
-    selected = [path for path, node in (("/".join(p), n) for p, n in _kernel_nodes(root))
-                if path not in layouts and not isinstance(node["kernel"], QArray) and match(compiled, path)[1] is not None]
+    selected = []
+    for p, node in _kernel_nodes(root):
+        path = "/".join(p)
+        if path not in layouts and not isinstance(node["kernel"], QArray) and match(compiled, path)[1] is not None:
+            selected.append(path)
     names = [f"{p}/kernel" if p else "kernel" for p in selected]
     shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
     if not layouts:

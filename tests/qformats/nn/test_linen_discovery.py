@@ -85,6 +85,8 @@ def test_quantize_twice_after_jitted_runs_finds_the_same_kernels(cls, paths):
         assert fresh_mod.layouts == qmod1.layouts
         _assert_same_packing(_packed(fresh), p1)
         np.testing.assert_array_equal(np.asarray(qmod2.apply(q2, X)), np.asarray(fresh_mod.apply(fresh, X)))
+        _, state = qmod2.apply(q2, X, mutable=True)  # the variables come back as they went in
+        _assert_same_packing(_packed(state), _packed(q2))
 
 
 def test_wrappers_do_not_share_a_jitted_trace():
@@ -142,3 +144,43 @@ def test_rule_selected_kernels_no_layer_reached_are_named():
                                          "params conv/kernel; they stay float"):
         qmod, qparams = quantize_linen(ConvAndDense(), params, [Rule(".*", "FP8_DYNAMIC")], x)
     assert set(qmod.schemes) == {"head"} and not isinstance(qparams["params"]["conv"]["kernel"], QArray)
+
+
+class MethodJittedBlock(nn.Module):
+    def setup(self):
+        self.fc = nn.Dense(128)
+
+    @nn.jit
+    def __call__(self, x):
+        return self.fc(x)
+
+
+class TwoMethodJitted(nn.Module):
+    """Two instances of one class whose method is lifted with nn.jit: jax would give both one trace."""
+
+    @nn.compact
+    def __call__(self, x):
+        return MethodJittedBlock(name="b1")(nn.relu(MethodJittedBlock(name="b0")(x)))
+
+
+class TwoPlain(nn.Module):
+    """The reference: the same params tree, nothing lifted."""
+
+    @nn.compact
+    def __call__(self, x):
+        return Block(name="b1")(nn.relu(Block(name="b0")(x)))
+
+
+def test_instances_of_one_jitted_class_keep_their_own_schemes():
+    """b0 quantizes its inputs (FP8_DYNAMIC), b1 is weight-only with the same packed weights' format: the second
+    instance must not reuse the first one's trace."""
+    params = TwoMethodJitted().init(jax.random.key(5), X)
+    fp8 = presets["FP8_DYNAMIC"]
+    rules = [Rule("b0/fc", fp8), Rule("b1/fc", SchemeSet("fp8_weights_only", weights=fp8.weights))]
+    qmod, qparams = quantize_linen(TwoMethodJitted(), params, rules, X)
+    ref_mod, ref = quantize_linen(TwoPlain(), params, rules, X)
+    assert set(qmod.schemes) == {"b0/fc", "b1/fc"}
+    _assert_same_packing(_packed(qparams), _packed(ref))
+    want = np.asarray(ref_mod.apply(ref, X))
+    np.testing.assert_array_equal(np.asarray(qmod.apply(qparams, X)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(qmod.apply)(qparams, X)), want)
