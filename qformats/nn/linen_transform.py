@@ -8,8 +8,9 @@ QArray is computed like the NNX layer (`QLinear` / `QLinearGeneral` / `QEinsum`)
 calls are intercepted — nothing global (no `jax.lax` patching), and only inside that `apply`.
 
 Params alone do not say which module a kernel belongs to or which of its axes are contracted, so
-`record_layouts` runs `module.apply` once under `jax.eval_shape` (no FLOPs, no memory) on example inputs
-with an interceptor that notes, per scope path, the module type and its attributes (`WeightLayout`).
+`record_layouts` runs `module.apply` once under `jax.eval_shape` (no FLOPs, no memory) and `jax.disable_jit`
+(so no cached trace of an earlier run of an `nn.jit` method stands in for its code) on example inputs with an
+interceptor that notes, per scope path, the module type and its attributes (`WeightLayout`).
 Without example inputs only 2-D kernels can be quantized (taken as Dense [K, N]).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -29,7 +31,7 @@ from qformats.errors import ModelError
 from qformats.nn.linen import as_shape
 from qformats.nn.projection import (check_einsum_acts, einsum_layout, einsum_matrix, norm_axes, packed_einsum,
                                     packed_linear, packed_linear_general)
-from qformats.nn.rules import check_fit, compile_rules, select
+from qformats.nn.rules import check_fit, compile_rules, match, select
 from qformats.nn.weight_search import RTN, quantize_weight, search_name
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
@@ -106,9 +108,40 @@ def _layout_of(mod: nn.Module, kernel_shape, args, kwargs) -> WeightLayout:
 
 _FLOAT_LAYERS = (nn.Dense, nn.DenseGeneral, nn.Einsum)
 
+# Why interception and jax's jit caches need care. An interceptor (`nn.intercept_methods`) only sees the module
+# calls whose Python runs, and a method lifted with `nn.jit` (`@nn.jit` on a `__call__`, as gemma's linen
+# Transformer has, or a class `nn.jit(Block)`) is one `jax.jit`-ed function per class, whose trace cache is keyed
+# by (module fingerprint: its attributes, not its name or scope path; scope mutability; the variables' and
+# arguments' pytree structure and avals; jax's trace context) -- not by the interceptors on flax's thread-local
+# stack. So a trace is reused (the body does not run) once the model has run on inputs of these shapes (any call,
+# `jax.jit(module.apply)`, an earlier discovery), and, within one trace, for a second instance of the same lifted
+# class (`b1` reuses `b0`'s). Hence:
+# - discovery (`record_layouts`) runs under `jax.disable_jit()`: every jitted body is traced inline by eval_shape,
+#   each call of each instance intercepted;
+# - an apply must compute nothing that the jit key does not contain: `QuantizedLinen.apply` passes each packed
+#   kernel as a `_Bound` node whose pytree structure holds its SchemeSet and layout, so the interceptor reads them
+#   from the variables (not from its path), and a trace made for another path, scheme or wrapper is never reused
+#   where it would compute something else.
+class _Bound:
+    """A packed kernel with what its call computes: `q` (the QArray, the only pytree child), `ss` (SchemeSet) and
+    `layout` (WeightLayout or None) as static pytree data, hence part of every jit cache key."""
+
+    __slots__ = ("q", "ss", "layout")
+
+    def __init__(self, q: QArray, ss: SchemeSet, layout: Optional[WeightLayout]):
+        self.q, self.ss, self.layout = q, ss, layout
+
+
+jax.tree_util.register_pytree_node(_Bound, lambda b: ((b.q,), (b.ss, b.layout)),
+                                   lambda aux, children: _Bound(children[0], *aux))
+
 
 def _root(variables):
     return variables["params"] if isinstance(variables.get("params"), Mapping) else variables
+
+
+def _scope_path(mod: nn.Module) -> str:
+    return "/".join(mod.scope.path) if mod.scope is not None else ""
 
 
 def record_layouts(module: nn.Module, variables: Mapping, *example_args, **example_kwargs) -> Dict[str, WeightLayout]:
@@ -117,14 +150,16 @@ def record_layouts(module: nn.Module, variables: Mapping, *example_args, **examp
     `nn.scan` / `nn.vmap` too). Runs under `jax.eval_shape`: shapes only, nothing is computed.
 
     `variables` may be the params dict itself (no "params" key); `example_kwargs` go to `module.apply`
-    (method arguments, `rngs=`, `mutable=`, ...). ModelError if the module cannot run on them.
+    (method arguments, `rngs=`, `mutable=`, ...). ModelError if the module cannot run on them. The module's code
+    is traced anew on every call, however often the model has run before (no jitted trace is reused, also under
+    `nn.jit`), so the same layers are found each time.
     """
     found: Dict[str, WeightLayout] = {}
 
     def record(next_fun, args, kwargs, context):
         mod = context.module
         if context.method_name == "__call__" and isinstance(mod, _FLOAT_LAYERS):
-            path = "/".join(mod.scope.path)
+            path = _scope_path(mod)
             kernel = mod.get_variable("params", "kernel") if mod.has_variable("params", "kernel") else None
             if path not in found and kernel is not None and not isinstance(kernel, QArray):
                 found[path] = _layout_of(mod, jnp.shape(nn.meta.unbox(kernel)), args, kwargs)
@@ -132,7 +167,10 @@ def record_layouts(module: nn.Module, variables: Mapping, *example_args, **examp
 
     v = variables if isinstance(variables.get("params"), Mapping) else {"params": variables}
     try:
-        with nn.intercept_methods(record):
+        # disable_jit: no cached trace stands in for a module call (see _Bound). It also unrolls an
+        # `nn.scan` into per-layer calls and runs only the taken branch of a concrete `nn.cond`; under
+        # eval_shape all of it is abstract (no FLOPs, nothing compiled).
+        with nn.intercept_methods(record), jax.disable_jit():
             jax.eval_shape(lambda v: module.apply(v, *example_args, **example_kwargs), v)
     except ModelError:
         raise
@@ -253,7 +291,8 @@ class QuantizedLinen:
     with Qa the rule's input-activation quantization along the contracted axis (identity when weight-only).
     `layouts` (path → WeightLayout as quantized; `quantize_linen` fills them) are checked against each call; a
     path without one must have a kernel whose contracted axes come first (then [K, N] is a plain reshape), else
-    ModelError.
+    ModelError. `apply` hands each packed kernel to the module together with its SchemeSet and layout (as static
+    pytree data), so jitted traces (`nn.jit` methods) are keyed by what each call computes.
     """
 
     module: nn.Module
@@ -261,21 +300,21 @@ class QuantizedLinen:
     layouts: Optional[Dict[str, WeightLayout]] = None
 
     def _interceptor(self, next_fun, args, kwargs, context):
+        # reads the scheme and layout from the kernel node, never from the path: see _Bound
         mod = context.module
         if context.method_name != "__call__" or not isinstance(mod, _FLOAT_LAYERS):
             return next_fun(*args, **kwargs)
-        kernel = mod.get_variable("params", "kernel")
-        if not isinstance(kernel, QArray):
-            return next_fun(*args, **kwargs)
-        path = "/".join(mod.scope.path)
-        ss = self.schemes.get(path)
-        if ss is None:
+        bound = mod.get_variable("params", "kernel")
+        path = _scope_path(mod)
+        if isinstance(bound, QArray):
             raise ModelError(f"{path}: packed kernel without a scheme (params and rules differ)")
+        if not isinstance(bound, _Bound):
+            return next_fun(*args, **kwargs)
+        kernel, ss, known = bound.q, bound.ss, bound.layout
         if isinstance(mod, nn.Dense):
             layout = _dense_layout(kernel.shape)
         else:
             layout = _call_layout(mod, path, kernel, args, kwargs)
-        known = (self.layouts or {}).get(path)
         if known is not None and (known.perm, known.k, known.n) != (layout.perm, layout.k, layout.n):
             raise ModelError(f"{path}: this {layout.kind} call flattens its kernel {layout.kernel_shape} with axes "
                              f"{layout.perm} to [{layout.k}, {layout.n}], but it was quantized as {known.perm} → "
@@ -298,8 +337,27 @@ class QuantizedLinen:
                              perm=layout.perm, contracts_last=layout.contracts_last, where=path, dtype=mod.dtype)
 
     def apply(self, variables, *args, **kwargs):
+        bound = _bind(variables, self.schemes, self.layouts or {})
         with nn.intercept_methods(self._interceptor):
-            return self.module.apply(variables, *args, **kwargs)
+            out = self.module.apply(bound, *args, **kwargs)
+        if not kwargs.get("mutable"):
+            return out
+        return jax.tree.map(lambda t: t.q if isinstance(t, _Bound) else t, out,  # mutated collections: QArrays
+                            is_leaf=lambda t: isinstance(t, _Bound))
+
+
+def _bind(tree, schemes: Mapping[str, SchemeSet], layouts: Mapping[str, WeightLayout], prefix=()):
+    """`tree` with each QArray 'kernel' whose path has a scheme as a `_Bound` (a copy; the rest shared)."""
+    out = {}
+    for name, sub in tree.items():
+        path = "/".join(prefix[1:])  # prefix[0]: the collection ("params")
+        if isinstance(sub, Mapping):
+            out[name] = _bind(sub, schemes, layouts, prefix + (name,))
+        elif name == "kernel" and prefix[:1] == ("params",) and isinstance(sub, QArray) and path in schemes:
+            out[name] = _Bound(sub, schemes[path], layouts.get(path))
+        else:
+            out[name] = sub
+    return out
 
 
 def _call_layout(mod, path: str, kernel: QArray, args, kwargs) -> WeightLayout:
@@ -315,6 +373,34 @@ def _call_layout(mod, path: str, kernel: QArray, args, kwargs) -> WeightLayout:
     if layout.error is not None:
         raise ModelError(f"{path}: {layout.error}")
     return layout
+
+
+def _check_reached(module: nn.Module, root: Mapping, compiled, layouts: Mapping[str, WeightLayout]) -> None:
+    """Say loudly when discovery reached fewer layers than the params suggest, never quantize nothing quietly.
+
+    No Dense / DenseGeneral / Einsum call recorded while a rule quantizes something and the params hold arrays:
+    ModelError (how many arrays and 'kernel's, which of them the rules select). Some recorded: a warning naming
+    the rule-selected 'kernel's that no such call reached (they stay float, e.g. Conv kernels).
+    """
+    selected = []
+    for p, node in _kernel_nodes(root):
+        path = "/".join(p)
+        if path not in layouts and not isinstance(node["kernel"], QArray) and match(compiled, path)[1] is not None:
+            selected.append(path)
+    names = [f"{p}/kernel" if p else "kernel" for p in selected]
+    shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+    if not layouts:
+        n_arrays = len(jax.tree.leaves(root))
+        if n_arrays and any(ss is not None for _, _, ss in compiled):
+            kernels = sum(1 for _ in _kernel_nodes(root))
+            raise ModelError(
+                f"{type(module).__name__}: module.apply on the example inputs reached no Dense / DenseGeneral / "
+                f"Einsum call, but its params hold {n_arrays} arrays ({kernels} 'kernel' params"
+                + (f"; the rules select {shown}" if selected else "") + "): nothing would be quantized. Its matmuls "
+                "are in other layer classes or plain jnp ops on self.param, which quantize_linen does not reach")
+    elif selected:
+        warnings.warn(f"qformats.nn: {type(module).__name__}: no Dense / DenseGeneral / Einsum call reached the "
+                      f"rule-selected params {shown}; they stay float", stacklevel=3)
 
 
 def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example_args,
@@ -336,7 +422,10 @@ def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example
         search); `LINEN_SEARCHES`.
 
     Everything (regexes, scheme names, shapes against schemes) is validated before any weight is quantized;
-    errors are ModelErrors naming the rule or the module path. `params` is not modified.
+    errors are ModelErrors naming the rule or the module path. `params` is not modified. The same kernels are
+    found however often the model has run (also with `nn.jit` methods). With example inputs, a run that reaches
+    no Dense / DenseGeneral / Einsum call while the params hold arrays (and a rule quantizes) is a ModelError,
+    and rule-selected 'kernel' params that no such call reached are named in a warning (they stay float).
 
     Kernels stacked by `nn.scan` / `nn.vmap` ([L, *kernel] in the params) are quantized layer by layer
     (`quantize_weight` vmaps the leading axes; the scanned call then sees a per-layer QArray). The stacking
@@ -344,9 +433,11 @@ def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example
     cannot when that axis happens to have the per-layer shape's sizes (e.g. axis 1 with L == K).
     DenseGeneral `batch_dims` and block scales (FP8_BLOCK) on stacked kernels are refused.
     """
-    compile_rules(rules)  # a bad rule is reported before the model is run
+    compiled = compile_rules(rules)  # a bad rule is reported before the model is run
     layouts = record_layouts(module, params, *example_args, **example_kwargs) if (example_args or example_kwargs) \
         else None
+    if layouts is not None:
+        _check_reached(module, _root(params), compiled, layouts)
     qparams, plan = _quantize(params, rules, weight_search, layouts)
     schemes = {p: ss for p, (_, _, ss) in plan.items()}
     return QuantizedLinen(module, schemes, {p: lay for p, (lay, _, _) in plan.items()}), qparams
