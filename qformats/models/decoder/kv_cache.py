@@ -13,6 +13,7 @@ from qformats.errors import ModelError
 from qformats.kv_cache import KVCacheScheme, calibrate_kv_scales
 from qformats.models.decoder.model import Attention, CausalLM
 
+
 class KVScale(nnx.Variable):
     """A static KV-cache scale (`k_scale` / `v_scale` of an attention module), shape [1] or [kv_heads, 1, 1]."""
 

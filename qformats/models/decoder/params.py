@@ -12,6 +12,7 @@ from qformats.errors import ModelError
 from qformats.models.decoder.model import CausalLM, DecoderConfig, inv_freq
 from qformats.nn import QLinear
 
+
 class TensorSlot(NamedTuple):
     """Where an HF state-dict tensor goes: the Flax parameter path and whether it is transposed
     (torch Linear weight [out, in] -> Flax kernel [in, out])."""

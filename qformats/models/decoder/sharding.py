@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from qformats.sharding import ShardingRules
+
 #: Logical axes of a KV cache buffer [batch, num_kv_heads, max_len, head_dim].
 KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 
@@ -26,11 +28,10 @@ PARAM_AXES = (
 
 
 def tensor_parallel_rules(config, axis: str = "tp"):
-    """`qformats.sharding.ShardingRules` of the Megatron layout of a `DecoderConfig` on mesh axis `axis`: `PARAM_AXES`, with heads,
-    KV heads, the MLP's hidden units and the vocabulary split over `axis` (heads cut at whole heads), the
-    model dimension replicated. With these rules the KV cache is split by KV heads too (`CausalLM.init_cache`)."""
-    from qformats.sharding import ShardingRules
-
+    """`qformats.sharding.ShardingRules` of the Megatron layout of `config` (a `DecoderConfig`) on mesh axis `axis`:
+    `PARAM_AXES`, with heads, KV heads, the MLP's hidden units and the vocabulary split over `axis` (heads cut at
+    whole heads), the model dimension replicated. With these rules the KV cache is split by KV heads too
+    (`CausalLM.init_cache`)."""
     return ShardingRules(PARAM_AXES, (("vocab", axis), ("heads", axis), ("kv_heads", axis), ("mlp", axis),
                                       ("embed", None), ("head_dim", None)),
                          units=(("heads", config.head_dim), ("kv_heads", config.head_dim)))
