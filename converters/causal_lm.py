@@ -355,7 +355,7 @@ def save_causal_lm(model, dst: str | os.PathLike, hf_config: Mapping[str, Any], 
     config.json is `hf_config` with the model's own `tie_word_embeddings` (False after a rotation untied lm_head).
 
     `rotated`: the `qformats.rotation.Rotated` record of the rotation applied to the model
-    (`qformats.models.rotate.rotate_decoder`, `quantize_model(rotate=...)`): its transform_config is recorded and
+    (`qformats.models.decoder.rotate_decoder`, called before `quantize_model`): its transform_config is recorded and
     its online matrices (R3 / R4) written. A model carrying online rotations without that record is refused
     (ModelError), since the checkpoint would silently lose them. Returns the path written."""
     from flax import nnx

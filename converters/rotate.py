@@ -16,7 +16,7 @@ returns the `transform_config` it records. Its steps, in its order (llmcompresso
      R3 (online, order head_dim): q_attn and k_cache of each self_attn (post-RoPE queries and keys);
      R4 (online, order intermediate_size): input of down_proj, with its weight_input (inverse) fused.
   The formulas (and this order) are `qformats.rotation`'s, shared with the in-memory
-  `qformats.models.rotate.rotate_decoder` (W' = W R on the input side, W' = R^T W, b' = R^T b on the output side,
+  `qformats.models.decoder.rotate_decoder` (W' = W R on the input side, W' = R^T W, b' = R^T b on the output side,
   E' = E R, R = M / sqrt(n)). R1 and R2 leave the model's function unchanged (after steps 1-3); R3 / R4 need the
   stored online matrices `<module>.R3_q_attn.weight`, `<module>.R3_k_cache.weight`, `<module>.R4_input.weight`
   (M unnormalised, float64, as compressed-tensors saves them), which `converters.causal_lm.load_causal_lm` applies

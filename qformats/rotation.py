@@ -13,7 +13,7 @@ the caller casts, except in `spinquant_tensor`, which casts back after every ste
 
 SpinQuant (llm-compressor 0.14's SpinQuantModifier) on a decoder of the llama family, by HF tensor name -- the one
 home of its formulas, used by `converters.rotate.rotate_checkpoint` (a checkpoint, tensor by tensor) and
-`qformats.models.rotate.rotate_decoder` (a Flax decoder in memory):
+`qformats.models.decoder.rotate_decoder` (a Flax decoder in memory):
 
   1. untie lm_head (lm_head.weight = the embedding);
   2. center the embedding rows, E <- E - mean(E, -1) (optional: it changes an RMSNorm model's function slightly);

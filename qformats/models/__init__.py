@@ -1,2 +1,3 @@
 """Flax NNX model definitions (pure modules, no file I/O): `minilm` (all-MiniLM-L6-v2 BERT) and `decoder`
-(the llama / mistral / qwen2 / qwen3 causal-LM family). Import the submodules directly."""
+(the llama / mistral / qwen2 / qwen3 causal-LM family, a package: the model, its HF names and its adapters).
+Import the submodules directly."""

@@ -42,9 +42,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
                    *, weight_search: Optional[str] = RTN, observer: Any = "minmax",
                    forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True,
                    compare_rtn: bool = True, actorder: Optional[str] = "static", dampening_frac: float = DAMPENING_FRAC,
-                   fuse_global_scales: Union[bool, Sequence[Sequence[str]]] = True,
-                   rotate: Optional[str] = None, rotate_seed: int = 0, rotations: Sequence[str] = ("R1", "R2"),
-                   hadamard_bases: Optional[Dict[int, Any]] = None) -> nnx.Module:
+                   fuse_global_scales: Union[bool, Sequence[Sequence[str]]] = True) -> nnx.Module:
     """Swap every `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Einsum` whose path matches a rule for its
     quantized counterpart (`QLinear` / `QLinearGeneral` / `QEinsum`), in place; returns `model`.
 
@@ -82,30 +80,17 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         is not a TENSOR_GROUP layer of this call); False: every layer its own. Sharing applies to
         round-to-nearest PTQ (with or without calibration data); in QAT mode or with a weight search the
         layers keep their own global scales (a warning; a ModelError for explicit groups).
-      rotate: "hadamard" or "random-hadamard": SpinQuant's `rotations` (default R1 + R2) applied to the dense
-        decoder first, in place (`qformats.models.rotate.rotate_decoder`: lm_head untied, embedding centred,
-        norms folded, W' = W R / R^T W with R = diag(s) Had_n / sqrt(n); the same formulas and float64 order as
-        `converters.rotate.rotate_checkpoint`, so the packed weights equal those of quantize_checkpoint(...,
-        rotate=...)); the rules then see the rotated model, including its new lm_head. Only for a
-        `qformats.models.decoder.CausalLM` (ModelError otherwise). rotate_seed: the random signs' seed;
-        hadamard_bases: compressed-tensors' stored Hadamard matrices (`converters.transforms.ct_hadamard_bases()`),
-        needed for orders that are not a power of two. Record the rotation in a checkpoint with
-        `qformats.rotation.spinquant_transform_config` (or call rotate_decoder yourself for its record).
 
     Everything (regexes, preset names, shapes against schemes) is checked before the first swap; on a
     bad rule or a layer that does not fit, ModelError names the rule or module path and the model is
-    unchanged (with `rotate`, a misfit found after the rotation leaves the model rotated, not quantized).
+    unchanged. A decoder to be rotated (SpinQuant) is rotated first, by one call before this one:
+    `qformats.models.decoder.rotate_decoder(model, kind, seed=seed)`; the rules then see the rotated model.
     Rules matching no Linear are reported with a warning.
     """
     if mode not in ("ptq", "qat"):
         raise ModelError(f"quantize_model: mode must be 'ptq' or 'qat', got {mode!r}")
     weight_search = search_name(weight_search, where="quantize_model: weight_search")
     compiled = compile_rules(rules)
-    if rotate is not None:
-        # imported here: qformats.models builds on qformats.nn, and only this option needs the decoder
-        from qformats.models.rotate import rotate_decoder
-
-        rotate_decoder(model, rotate, seed=rotate_seed, rotations=rotations, hadamard_bases=hadamard_bases)
     calibrating = calibration_data is not None
     hessian = weight_search in NEEDS_HESSIAN
     if hessian and not (calibrating and mode == "ptq"):

@@ -1,4 +1,4 @@
-"""qformats.models.rotate: SpinQuant rotations of an in-memory decoder (and quantize_model(rotate=...)) against the
+"""qformats.models.decoder.rotate: SpinQuant rotations of an in-memory decoder (then quantize_model) against the
 checkpoint path (converters.rotate.rotate_checkpoint -> quantize_checkpoint -> load_causal_lm) and the unrotated model."""
 
 import jax
@@ -15,8 +15,8 @@ from converters.rotate import rotate_checkpoint
 from converters.transforms import ct_hadamard_bases
 from qformats.errors import ModelError
 from qformats.models import decoder
+from qformats.models.decoder import rotate_decoder
 from qformats.models.minilm import MiniLM, MiniLMConfig
-from qformats.models.rotate import rotate_decoder
 from qformats.nn import quantize_model
 
 # power-of-two sizes, so that "hadamard" (Sylvester) exists too: hidden 64, head_dim 16, intermediate 128
@@ -77,14 +77,15 @@ def test_rotated_dense_model_keeps_its_logits(src, kind, rotations):
     ("W4A16:g16", "random-hadamard", ("R1", "R2", "R3", "R4")),
 ])
 def test_in_memory_rotation_and_quantization_equal_the_checkpoint_path(src, tmp_path, scheme, kind, rotations):
-    """quantize_model(rotate=...) on the loaded dense model == rotate_checkpoint -> quantize_checkpoint ->
+    """rotate_decoder then quantize_model on the loaded dense model == rotate_checkpoint -> quantize_checkpoint ->
     load_causal_lm, leaf for leaf (packed codes, scales, global scales, dense tensors, online rotation signs) and
     logit for logit, bit for bit: the same per-tensor function with the same float64 products and casts."""
     dst = tmp_path / "q"
     quantize_checkpoint(src, dst, scheme, rotate=kind, rotations=rotations, progress=False)
     want_model, _, _ = load_causal_lm(dst, tokenizer=False)
     model, _, _ = load_causal_lm(src, tokenizer=False)
-    quantize_model(model, decoder.quantization_rules(scheme), rotate=kind, rotations=rotations)
+    rotate_decoder(model, kind, rotations=rotations)
+    quantize_model(model, decoder.quantization_rules(scheme))
     got, want = flat_state(model), flat_state(want_model)
     assert sorted(got) == sorted(want)
     for k in want:
@@ -114,7 +115,7 @@ def test_unsupported_models_and_requests_are_typed_errors(src):
     model, _, _ = load_causal_lm(src, tokenizer=False)
     before = flat_state(model)
     with pytest.raises(ModelError, match="decoder family"):
-        quantize_model(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), [], rotate="random-hadamard")
+        rotate_decoder(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), "random-hadamard")
     with pytest.raises(ModelError, match="kind"):
         rotate_decoder(model, "random-matrix")
     with pytest.raises(ModelError, match="rotations"):

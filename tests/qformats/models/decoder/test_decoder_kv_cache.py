@@ -1,4 +1,5 @@
-"""FP8 KV cache (qformats.kv_cache + the decoder's quantized cache) against compressed-tensors' own definitions.
+"""FP8 KV cache (qformats.kv_cache + qformats.models.decoder.kv_cache, the decoder's quantized cache) against
+compressed-tensors' own definitions.
 
 The reference: compressed-tensors 0.20's quantize / fake_quantize / dynamic-scale functions on the same arrays
 (bit for bit), and a transformers llama whose attention modules carry compressed-tensors' `QuantizedKVCache`

@@ -12,7 +12,9 @@ compressed-tensors module names and `qformats.nn` rules map 1:1 ('.' <-> '/').
 
 The KV cache is an explicit pytree (`KVCache`) passed in and out of `CausalLM.__call__`; prefill and decode are
 the same function (positions start at `cache.length`), so both jit and `qformats.models.generate` runs them in one
-compiled loop. No file I/O here: `load_hf_tensors` fills a model from a mapping of HF state-dict tensors.
+compiled loop. This module is the model alone (no file I/O, no HF names): `params` maps HF state-dict tensors
+onto it, and `kv_cache`, `rotate`, `sharding` and `rules` adapt it (KV-cache quantization, online rotations, the
+tensor-parallel layout, the `qformats.nn` rules of its projections).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,7 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.kv_cache import KVCacheScheme, dequantize_kv, dynamic_scale, quantize_kv
-from qformats.nn import QLinear, Rule
+from qformats.models.decoder.sharding import KV_CACHE_AXES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
@@ -495,7 +497,7 @@ class CausalLM(nnx.Module):
         for a dynamic scheme) unless `dtype` asks for a float cache, which then holds the unquantized states."""
         c = self.config
         shape = (batch, c.num_kv_heads, max_len, c.head_dim)
-        scheme = kv_cache_scheme(self)
+        scheme = self.model.layers[0].self_attn.kv_scheme  # the same on every layer (kv_cache_scheme)
         if scheme is not None and dtype is None:
             dtype = jnp.uint8
         dtype = dtype or self.dtype
@@ -558,316 +560,3 @@ class CausalLM(nnx.Module):
             cols = tuple(zip(*entries))
             new_cache = KVCache(cols[0], cols[1], start + t, *(cols[2:] if len(cols) == 4 else (None, None)))
         return logits.astype(jnp.float32), new_cache
-
-
-# ----------------------------------------------------------------------------------------------- HF names
-
-class TensorSlot(NamedTuple):
-    """Where an HF state-dict tensor goes: the Flax parameter path and whether it is transposed
-    (torch Linear weight [out, in] -> Flax kernel [in, out])."""
-
-    path: Tuple[Union[str, int], ...]
-    transpose: bool = False
-
-
-def hf_tensor_names(config: DecoderConfig) -> Dict[str, TensorSlot]:
-    """HF tensor name -> TensorSlot for every parameter of `CausalLM(config)`.
-
-    Module paths are HF's with '.' -> '/': "model.layers.0.self_attn.q_proj.weight" is the kernel of
-    `model/layers/0/self_attn/q_proj` (transposed); a norm's "weight" is the norm's `weight`;
-    "model.embed_tokens.weight" is the embedding table [vocab, d] as is.
-    """
-    out: Dict[str, TensorSlot] = {"model.embed_tokens.weight": TensorSlot(("model", "embed_tokens", "embedding"))}
-
-    def linear(prefix: Tuple, bias: bool):
-        name = ".".join(str(p) for p in prefix)
-        out[name + ".weight"] = TensorSlot(prefix + ("kernel",), True)
-        if bias:
-            out[name + ".bias"] = TensorSlot(prefix + ("bias",))
-
-    def norm(prefix: Tuple):
-        out[".".join(str(p) for p in prefix) + ".weight"] = TensorSlot(prefix + ("weight",))
-
-    c = config
-    for i in range(c.num_layers):
-        lp = ("model", "layers", i)
-        norm(lp + ("input_layernorm",))
-        norm(lp + ("post_attention_layernorm",))
-        for name in ("q_proj", "k_proj", "v_proj"):
-            linear(lp + ("self_attn", name), c.qkv_bias)
-        linear(lp + ("self_attn", "o_proj"), c.o_bias)
-        if c.qk_norm:
-            norm(lp + ("self_attn", "q_norm"))
-            norm(lp + ("self_attn", "k_norm"))
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            linear(lp + ("mlp", name), c.mlp_bias)
-    norm(("model", "norm"))
-    if not c.tie_word_embeddings:
-        linear(("lm_head",), False)
-    return out
-
-
-def module_path(hf_module: str) -> str:
-    """HF module name -> Flax module path ("model.layers.0.mlp.up_proj" -> "model/layers/0/mlp/up_proj")."""
-    return hf_module.replace(".", "/")
-
-
-def _resolve(model: nnx.Module, path: Tuple[Union[str, int], ...]):
-    node = model
-    for p in path:
-        node = node[p] if isinstance(p, int) else getattr(node, p)
-    return node
-
-
-def _rotary_name(name: str) -> bool:
-    return name.endswith(".rotary_emb.inv_freq")
-
-
-def load_hf_tensors(model: CausalLM, tensors: Mapping[str, Any]) -> CausalLM:
-    """Fill `model` in place from HF state-dict tensors (numpy or jax arrays by HF name); returns `model`.
-
-    Every parameter named by `hf_tensor_names` must be given with its HF shape (Linear weights [out, in], stored
-    transposed as the [in, out] kernel; cast to the parameter's dtype). Layers already swapped for packed
-    `QLinear`s (e.g. by `qformats.nn.load_quantized` from a compressed-tensors checkpoint) take no dense weight
-    or bias here. Tensors the model has no place for are an error, except two that carry no information and
-    are checked instead: a tied model's "lm_head.weight" must equal the embedding, and old checkpoints'
-    "*.rotary_emb.inv_freq" must equal the config's inverse frequencies.
-
-    Raises ModelError naming the missing, unexpected or misshapen tensors; the model is unchanged then.
-    """
-    slots = hf_tensor_names(model.config)
-    expected: Dict[str, Tuple[TensorSlot, nnx.Variable]] = {}
-    packed = []
-    for name, slot in slots.items():
-        owner = _resolve(model, slot.path[:-1])
-        if isinstance(owner, QLinear):
-            packed.append(name)
-            continue
-        expected[name] = (slot, getattr(owner, slot.path[-1]))
-    missing = [n for n in expected if n not in tensors]
-    unexpected, checks = [], []
-    for n in tensors:
-        if n in expected:
-            continue
-        if n in packed:
-            unexpected.append(f"{n} (its module is already packed)")
-        elif n == "lm_head.weight" and model.config.tie_word_embeddings:
-            checks.append(n)
-        elif _rotary_name(n):
-            checks.append(n)
-        else:
-            unexpected.append(n)
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing: {_listing(missing)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected: {_listing(unexpected)}")
-    bad_shape = []
-    for n, (slot, var) in expected.items():
-        if n not in tensors:
-            continue
-        want = tuple(var.get_value().shape)
-        want = want[::-1] if slot.transpose else want
-        got = tuple(np.shape(tensors[n]))
-        if got != want:
-            bad_shape.append(f"{n} {got} (expected {want})")
-    if bad_shape:
-        problems.append(f"{len(bad_shape)} with the wrong shape: {_listing(bad_shape)}")
-    for n in checks:
-        if n == "lm_head.weight":
-            if "model.embed_tokens.weight" in tensors and not np.array_equal(
-                    np.asarray(tensors[n]), np.asarray(tensors["model.embed_tokens.weight"])):
-                problems.append("lm_head.weight differs from model.embed_tokens.weight but the config ties them "
-                                "(tie_word_embeddings)")
-        else:
-            want = inv_freq(model.config)
-            got = np.asarray(tensors[n], np.float32)
-            if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6, atol=0):
-                problems.append(f"{n} does not equal the inverse frequencies of the config's rope "
-                                f"({model.config.rope})")
-    if problems:
-        raise ModelError(f"load_hf_tensors ({model.config.model_type}): " + "; ".join(problems))
-    for n, (slot, var) in expected.items():
-        value = jnp.asarray(tensors[n], dtype=var.get_value().dtype)
-        var.set_value(value.T if slot.transpose else value)
-    return model
-
-
-def _listing(names: List[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
-# ----------------------------------------------------------------------------------------------- rotations
-
-ROTATION_SITES = ("input", "output")
-ATTENTION_SITES = ("q_attn", "k_cache")
-
-
-def set_rotation(model: CausalLM, module: str, location: str, weight) -> None:
-    """Apply the online rotation `weight` -- a dense M [n, n] (v -> v @ M, per block of n) or a
-    `HadamardRotation` (the same map by the fast transform) -- at `location` of the HF
-    module `module`: "input" / "output" of a projection ("model.layers.0.mlp.down_proj"), or "q_attn" /
-    "k_cache" (post-RoPE queries / keys, per head) of an attention module ("model.layers.0.self_attn").
-    ModelError for another module or location, or a size that does not divide the rotated axis."""
-    parts = module.split(".")
-    if isinstance(weight, HadamardRotation):
-        order = int(weight.signs.get_value().shape[0])
-    else:
-        weight = jnp.asarray(weight)
-        if weight.ndim != 2 or weight.shape[0] != weight.shape[1]:
-            raise ModelError(f"set_rotation {module} {location}: expected a square matrix, found shape "
-                             f"{tuple(weight.shape)}")
-        order = int(weight.shape[0])
-    ok = len(parts) >= 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
-        int(parts[2]) < model.config.num_layers
-    if ok and len(parts) == 4 and parts[3] == "self_attn" and location in ATTENTION_SITES:
-        owner, key, size = model.model.layers[int(parts[2])].self_attn, location, model.config.head_dim
-    elif ok and len(parts) == 5 and parts[3] in ("self_attn", "mlp") and location in ROTATION_SITES:
-        owner = getattr(model.model.layers[int(parts[2])], parts[3])
-        lin = getattr(owner, parts[4], None)
-        if parts[4] not in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj") or lin is None:
-            raise ModelError(f"set_rotation: {module} is not a projection of the decoder")
-        key = f"{parts[4]}/{location}"
-        size = _features(lin, location)
-    else:
-        raise ModelError(f"set_rotation: online rotations at {location!r} of {module!r} are not supported (supported: "
-                         f"{ROTATION_SITES} of the q/k/v/o/gate/up/down projections, {ATTENTION_SITES} of self_attn)")
-    if size % order:
-        raise ModelError(f"set_rotation {module} {location}: a rotation of order {order} does not divide {size}")
-    rots = dict(owner.rotations or {})
-    rots[key] = weight if isinstance(weight, HadamardRotation) else Rotation(weight)
-    owner.rotations = nnx.data(nnx.Dict(rots))
-
-
-def _features(lin, location: str) -> int:
-    k = lin.kernel.get_value()
-    shape = k.shape
-    return int(shape[0] if location == "input" else shape[1])
-
-
-# ----------------------------------------------------------------------------------------------- KV cache
-
-class KVScale(nnx.Variable):
-    """A static KV-cache scale (`k_scale` / `v_scale` of an attention module), shape [1] or [kv_heads, 1, 1]."""
-
-
-def _attentions(model: CausalLM) -> List[Attention]:
-    return [layer.self_attn for layer in model.model.layers]
-
-
-def kv_cache_scheme(model: CausalLM) -> Optional[KVCacheScheme]:
-    """The model's KV-cache scheme (the same on every layer), or None when its cache is not quantized."""
-    return _attentions(model)[0].kv_scheme
-
-
-def enable_kv_cache_quantization(model: CausalLM, scheme: KVCacheScheme,
-                                 scales: Optional[Sequence[Tuple[Any, Any]]] = None) -> CausalLM:
-    """Quantize the KV cache of `model` (in place; returns it) with `scheme` (`qformats.kv_cache`).
-
-    scales: per layer (k_scale, v_scale), each of shape `scheme.scale_shape(num_kv_heads)` (static schemes:
-    required, e.g. from `calibrate_kv_cache`; dynamic: must be None). They are stored as `KVScale` variables
-    in the compute dtype, as compressed-tensors keeps them in the model's dtype. From then on attention reads
-    fake-quantized keys / values, and `init_cache` gives fp8-code caches. ModelError for a missing scale,
-    a wrong count or shape, or a scale that is not finite and positive.
-    """
-    attns = _attentions(model)
-    c = model.config
-    want = scheme.scale_shape(c.num_kv_heads)
-    if scheme.dynamic:
-        if scales is not None:
-            raise ModelError("enable_kv_cache_quantization: a dynamic KV-cache scheme takes no static scales")
-        for a in attns:
-            a.kv_scheme, a.k_scale, a.v_scale = scheme, None, None
-        return model
-    if scales is None or len(scales) != len(attns):
-        raise ModelError(f"enable_kv_cache_quantization: a static KV-cache scheme needs (k_scale, v_scale) for each "
-                         f"of the {len(attns)} layers, found {'none' if scales is None else len(scales)}")
-    checked = []
-    for i, pair in enumerate(scales):
-        row = []
-        for name, sc in zip(("k_scale", "v_scale"), pair):
-            a = np.asarray(sc, np.float32)
-            if a.shape != want or not np.all(np.isfinite(a)) or not np.all(a > 0):
-                raise ModelError(f"enable_kv_cache_quantization: model/layers/{i}/self_attn/{name}: expected finite "
-                                 f"positive scales of shape {want} ({scheme.strategy}), found shape {a.shape}"
-                                 + ("" if a.shape != want else f", values {a.ravel()[:4]}"))
-            row.append(jnp.asarray(sc, model.dtype))
-        checked.append(row)
-    for a, (ks, vs) in zip(attns, checked):
-        a.kv_scheme, a.k_scale, a.v_scale = scheme, KVScale(ks), KVScale(vs)
-    return model
-
-
-def kv_states(model: CausalLM, ids: jax.Array) -> List[Tuple[jax.Array, jax.Array]]:
-    """Per layer the (keys, values) [B, G, T, D] that tokens `ids` [B, T] put into the cache, unquantized
-    (post-RoPE keys; the states `calibrate_kv_cache` observes)."""
-    b, t = ids.shape
-    _, cache = model(ids, model.init_cache(b, t, dtype=model.dtype))
-    return list(zip(cache.keys, cache.values))
-
-
-def calibrate_kv_cache(model: CausalLM, batches: Iterable[Any], scheme: KVCacheScheme) -> CausalLM:
-    """Static KV-cache scales from calibration token batches ([B, T] ids each), then
-    `enable_kv_cache_quantization(model, scheme, scales)`: scale = max |state| / 448 over all batches (per
-    tensor or per KV head), `qformats.kv_cache.calibrate_kv_scales`. Returns the model."""
-    from qformats.kv_cache import calibrate_kv_scales
-
-    step = nnx.jit(kv_states)
-    scales = calibrate_kv_scales((step(model, jnp.asarray(ids)) for ids in batches), scheme)
-    return enable_kv_cache_quantization(model, scheme, scales)
-
-
-def kv_scale_tensors(model: CausalLM) -> Dict[str, jax.Array]:
-    """compressed-tensors names -> static KV-cache scales: "model.layers.{i}.self_attn.k_scale" / "v_scale"
-    ({} without static KV-cache quantization)."""
-    out: Dict[str, jax.Array] = {}
-    for i, a in enumerate(_attentions(model)):
-        if a.k_scale is not None:
-            out[f"model.layers.{i}.self_attn.k_scale"] = a.k_scale.get_value()
-            out[f"model.layers.{i}.self_attn.v_scale"] = a.v_scale.get_value()
-    return out
-
-
-def quantization_rules(scheme, *, quantize_lm_head: bool = False) -> List[Rule]:
-    """`qformats.nn` rules quantizing the seven projections of every decoder layer with `scheme` and leaving
-    `lm_head` dense (as llm-compressor's recipes do: `ignore=["lm_head"]`) unless `quantize_lm_head` (and the
-    model has an untied lm_head). The embedding is an nnx.Embed, which rules never touch."""
-    rules = [Rule(r"model/layers/\d+/(self_attn/[qkvo]_proj|mlp/(gate|up|down)_proj)", scheme)]
-    return rules + [Rule("lm_head", scheme)] if quantize_lm_head else rules
-
-
-# ----------------------------------------------------------------------------------------------- sharding
-
-#: Logical axes of a KV cache buffer [batch, num_kv_heads, max_len, head_dim].
-KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
-
-#: Logical axes of every parameter of the family (by module path; the float parameter's layout, which packed
-#: weights inherit): the Megatron tensor-parallel layout once "heads", "kv_heads", "mlp" and "vocab" map to a
-#: mesh axis — q/k/v/gate/up column-parallel, o/down row-parallel, embedding and lm_head split by vocabulary.
-PARAM_AXES = (
-    (r"model/embed_tokens/embedding", ("vocab", "embed")),
-    (r"model/layers/\d+/self_attn/q_proj/kernel", ("embed", "heads")),
-    (r"model/layers/\d+/self_attn/q_proj/bias", ("heads",)),
-    (r"model/layers/\d+/self_attn/[kv]_proj/kernel", ("embed", "kv_heads")),
-    (r"model/layers/\d+/self_attn/[kv]_proj/bias", ("kv_heads",)),
-    (r"model/layers/\d+/self_attn/o_proj/kernel", ("heads", "embed")),
-    (r"model/layers/\d+/mlp/(gate|up)_proj/kernel", ("embed", "mlp")),
-    (r"model/layers/\d+/mlp/(gate|up)_proj/bias", ("mlp",)),
-    (r"model/layers/\d+/mlp/down_proj/kernel", ("mlp", "embed")),
-    (r"model/layers/\d+/self_attn/[qk]_norm/weight", ("head_dim",)),
-    (r".*(layernorm|norm)/weight", ("embed",)),
-    (r".*/bias", ("embed",)),
-    (r"lm_head/kernel", ("embed", "vocab")),
-)
-
-
-def tensor_parallel_rules(config: DecoderConfig, axis: str = "tp"):
-    """`qformats.sharding.ShardingRules` of the Megatron layout on mesh axis `axis`: `PARAM_AXES`, with heads,
-    KV heads, the MLP's hidden units and the vocabulary split over `axis` (heads cut at whole heads), the
-    model dimension replicated. With these rules the KV cache is split by KV heads too (`CausalLM.init_cache`)."""
-    from qformats.sharding import ShardingRules
-
-    return ShardingRules(PARAM_AXES, (("vocab", axis), ("heads", axis), ("kv_heads", axis), ("mlp", axis),
-                                      ("embed", None), ("head_dim", None)),
-                         units=(("heads", config.head_dim), ("kv_heads", config.head_dim)))

@@ -1,5 +1,5 @@
-"""The llama / mistral / qwen2 / qwen3 decoder against transformers on the same random weights: float32 logits,
-cached decoding, greedy generation token for token; config parsing, HF-name loading errors, packed layers."""
+"""qformats.models.decoder.model: the llama / mistral / qwen2 / qwen3 decoder against transformers on the same random
+weights: float32 logits, cached decoding, greedy generation token for token; config parsing, packed layers."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -160,48 +160,6 @@ def test_from_hf_refuses_what_it_cannot_compute(change, message):
         DecoderConfig.from_hf({**base, **change})
 
 
-# ---------------------------------------------------------------------------------------------- loading
-
-@pytest.fixture(scope="module")
-def tied_tensors():
-    hf = hf_model("qwen2")
-    return hf.config.to_dict(), {k: v.numpy() for k, v in hf.state_dict().items()}
-
-
-def test_load_refuses_missing_unexpected_and_misshapen_tensors(tied_tensors):
-    cfg, tensors = tied_tensors
-    model = load_hf_tensors(abstract_model(cfg), tensors)
-    before = np.asarray(model.model.norm.weight.get_value())
-    t = dict(tensors)
-    del t["model.layers.1.mlp.up_proj.weight"]
-    t["model.layers.0.self_attn.q_proj.weight_scale"] = np.ones(1, np.float32)
-    t["model.norm.weight"] = np.ones(65, np.float32)
-    with pytest.raises(ModelError) as e:
-        load_hf_tensors(model, t)
-    msg = str(e.value)
-    assert "1 missing: model.layers.1.mlp.up_proj.weight" in msg
-    assert "1 unexpected: model.layers.0.self_attn.q_proj.weight_scale" in msg
-    assert "model.norm.weight (65,) (expected (64,))" in msg
-    np.testing.assert_array_equal(np.asarray(model.model.norm.weight.get_value()), before)  # unchanged
-
-
-def test_load_checks_tied_lm_head_and_rotary_buffers(tied_tensors):
-    cfg, tensors = tied_tensors
-    tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
-    emb = tensors["model.embed_tokens.weight"]
-    inv = DecoderConfig.from_hf(cfg).rope.inv_freq(16)
-    ok = {**tensors, "lm_head.weight": emb.copy(), "model.layers.0.self_attn.rotary_emb.inv_freq": inv}
-    model = load_hf_tensors(abstract_model(cfg), ok)
-    np.testing.assert_array_equal(np.asarray(model.model.embed_tokens.embedding.get_value()), emb)
-    with pytest.raises(ModelError, match="lm_head.weight differs from model.embed_tokens.weight"):
-        load_hf_tensors(abstract_model(cfg), {**tensors, "lm_head.weight": emb + 1})
-    with pytest.raises(ModelError, match="rotary_emb.inv_freq does not equal"):
-        load_hf_tensors(abstract_model(cfg), {**tensors, "model.layers.0.self_attn.rotary_emb.inv_freq": inv * 2})
-    untied = {**cfg, "tie_word_embeddings": False}
-    with pytest.raises(ModelError, match="1 missing: lm_head.weight"):
-        load_hf_tensors(abstract_model(untied), tensors)
-
-
 # ---------------------------------------------------------------------------------------------- packed
 
 PACKABLE = dict(SMALL, hidden_size=128, intermediate_size=256, num_hidden_layers=1)
@@ -226,14 +184,3 @@ def test_packed_forward_equals_float_model_on_dequantized_weights(scheme):
     got = np.asarray(forward(packed, jnp.asarray(IDS)))
     want = np.asarray(forward(ref, jnp.asarray(IDS)))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)  # accumulation order only
-
-
-def test_quantization_rules_leave_lm_head_dense():
-    rules = quantization_rules("W8A16")
-    assert [r.pattern for r in rules] == [r"model/layers/\d+/(self_attn/[qkvo]_proj|mlp/(gate|up|down)_proj)"]
-    assert [r.pattern for r in quantization_rules("W8A16", quantize_lm_head=True)][1] == "lm_head"
-    model = CausalLM(DecoderConfig.from_hf(dict(
-        model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=2)), rngs=nnx.Rngs(0))
-    quantize_model(model, quantization_rules("W8A16", quantize_lm_head=True))
-    assert isinstance(model.lm_head, QLinear)

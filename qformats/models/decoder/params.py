@@ -1,0 +1,150 @@
+"""HF parameter names of the decoder family and loading: one table from HF state-dict names to `CausalLM` slots."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, NamedTuple, Tuple, Union
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qformats.errors import ModelError
+from qformats.models.decoder.model import CausalLM, DecoderConfig, inv_freq
+from qformats.nn import QLinear
+
+
+class TensorSlot(NamedTuple):
+    """Where an HF state-dict tensor goes: the Flax parameter path and whether it is transposed
+    (torch Linear weight [out, in] -> Flax kernel [in, out])."""
+
+    path: Tuple[Union[str, int], ...]
+    transpose: bool = False
+
+
+def hf_tensor_names(config: DecoderConfig) -> Dict[str, TensorSlot]:
+    """HF tensor name -> TensorSlot for every parameter of `CausalLM(config)`.
+
+    Module paths are HF's with '.' -> '/': "model.layers.0.self_attn.q_proj.weight" is the kernel of
+    `model/layers/0/self_attn/q_proj` (transposed); a norm's "weight" is the norm's `weight`;
+    "model.embed_tokens.weight" is the embedding table [vocab, d] as is.
+    """
+    out: Dict[str, TensorSlot] = {"model.embed_tokens.weight": TensorSlot(("model", "embed_tokens", "embedding"))}
+
+    def linear(prefix: Tuple, bias: bool):
+        name = ".".join(str(p) for p in prefix)
+        out[name + ".weight"] = TensorSlot(prefix + ("kernel",), True)
+        if bias:
+            out[name + ".bias"] = TensorSlot(prefix + ("bias",))
+
+    def norm(prefix: Tuple):
+        out[".".join(str(p) for p in prefix) + ".weight"] = TensorSlot(prefix + ("weight",))
+
+    c = config
+    for i in range(c.num_layers):
+        lp = ("model", "layers", i)
+        norm(lp + ("input_layernorm",))
+        norm(lp + ("post_attention_layernorm",))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            linear(lp + ("self_attn", name), c.qkv_bias)
+        linear(lp + ("self_attn", "o_proj"), c.o_bias)
+        if c.qk_norm:
+            norm(lp + ("self_attn", "q_norm"))
+            norm(lp + ("self_attn", "k_norm"))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            linear(lp + ("mlp", name), c.mlp_bias)
+    norm(("model", "norm"))
+    if not c.tie_word_embeddings:
+        linear(("lm_head",), False)
+    return out
+
+
+def module_path(hf_module: str) -> str:
+    """HF module name -> Flax module path ("model.layers.0.mlp.up_proj" -> "model/layers/0/mlp/up_proj")."""
+    return hf_module.replace(".", "/")
+
+
+def resolve_path(model: nnx.Module, path: Tuple[Union[str, int], ...]):
+    """The node of `model` at `path` (attribute names and list indices, as in `TensorSlot.path`)."""
+    node = model
+    for p in path:
+        node = node[p] if isinstance(p, int) else getattr(node, p)
+    return node
+
+
+def _rotary_name(name: str) -> bool:
+    return name.endswith(".rotary_emb.inv_freq")
+
+
+def load_hf_tensors(model: CausalLM, tensors: Mapping[str, Any]) -> CausalLM:
+    """Fill `model` in place from HF state-dict tensors (numpy or jax arrays by HF name); returns `model`.
+
+    Every parameter named by `hf_tensor_names` must be given with its HF shape (Linear weights [out, in], stored
+    transposed as the [in, out] kernel; cast to the parameter's dtype). Layers already swapped for packed
+    `QLinear`s (e.g. by `qformats.nn.load_quantized` from a compressed-tensors checkpoint) take no dense weight
+    or bias here. Tensors the model has no place for are an error, except two that carry no information and
+    are checked instead: a tied model's "lm_head.weight" must equal the embedding, and old checkpoints'
+    "*.rotary_emb.inv_freq" must equal the config's inverse frequencies.
+
+    Raises ModelError naming the missing, unexpected or misshapen tensors; the model is unchanged then.
+    """
+    slots = hf_tensor_names(model.config)
+    expected: Dict[str, Tuple[TensorSlot, nnx.Variable]] = {}
+    packed = []
+    for name, slot in slots.items():
+        owner = resolve_path(model, slot.path[:-1])
+        if isinstance(owner, QLinear):
+            packed.append(name)
+            continue
+        expected[name] = (slot, getattr(owner, slot.path[-1]))
+    missing = [n for n in expected if n not in tensors]
+    unexpected, checks = [], []
+    for n in tensors:
+        if n in expected:
+            continue
+        if n in packed:
+            unexpected.append(f"{n} (its module is already packed)")
+        elif n == "lm_head.weight" and model.config.tie_word_embeddings:
+            checks.append(n)
+        elif _rotary_name(n):
+            checks.append(n)
+        else:
+            unexpected.append(n)
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected: {_listing(unexpected)}")
+    bad_shape = []
+    for n, (slot, var) in expected.items():
+        if n not in tensors:
+            continue
+        want = tuple(var.get_value().shape)
+        want = want[::-1] if slot.transpose else want
+        got = tuple(np.shape(tensors[n]))
+        if got != want:
+            bad_shape.append(f"{n} {got} (expected {want})")
+    if bad_shape:
+        problems.append(f"{len(bad_shape)} with the wrong shape: {_listing(bad_shape)}")
+    for n in checks:
+        if n == "lm_head.weight":
+            if "model.embed_tokens.weight" in tensors and not np.array_equal(
+                    np.asarray(tensors[n]), np.asarray(tensors["model.embed_tokens.weight"])):
+                problems.append("lm_head.weight differs from model.embed_tokens.weight but the config ties them "
+                                "(tie_word_embeddings)")
+        else:
+            want = inv_freq(model.config)
+            got = np.asarray(tensors[n], np.float32)
+            if got.shape != want.shape or not np.allclose(got, want, rtol=1e-6, atol=0):
+                problems.append(f"{n} does not equal the inverse frequencies of the config's rope "
+                                f"({model.config.rope})")
+    if problems:
+        raise ModelError(f"load_hf_tensors ({model.config.model_type}): " + "; ".join(problems))
+    for n, (slot, var) in expected.items():
+        value = jnp.asarray(tensors[n], dtype=var.get_value().dtype)
+        var.set_value(value.T if slot.transpose else value)
+    return model
+
+
+def _listing(names: List[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

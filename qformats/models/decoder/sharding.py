@@ -1,0 +1,37 @@
+"""Sharding axes of the decoder family: logical axes of every parameter and of the KV cache, and the Megatron rules."""
+
+from __future__ import annotations
+
+from qformats.sharding import ShardingRules
+
+#: Logical axes of a KV cache buffer [batch, num_kv_heads, max_len, head_dim].
+KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
+
+#: Logical axes of every parameter of the family (by module path; the float parameter's layout, which packed
+#: weights inherit): the Megatron tensor-parallel layout once "heads", "kv_heads", "mlp" and "vocab" map to a
+#: mesh axis — q/k/v/gate/up column-parallel, o/down row-parallel, embedding and lm_head split by vocabulary.
+PARAM_AXES = (
+    (r"model/embed_tokens/embedding", ("vocab", "embed")),
+    (r"model/layers/\d+/self_attn/q_proj/kernel", ("embed", "heads")),
+    (r"model/layers/\d+/self_attn/q_proj/bias", ("heads",)),
+    (r"model/layers/\d+/self_attn/[kv]_proj/kernel", ("embed", "kv_heads")),
+    (r"model/layers/\d+/self_attn/[kv]_proj/bias", ("kv_heads",)),
+    (r"model/layers/\d+/self_attn/o_proj/kernel", ("heads", "embed")),
+    (r"model/layers/\d+/mlp/(gate|up)_proj/kernel", ("embed", "mlp")),
+    (r"model/layers/\d+/mlp/(gate|up)_proj/bias", ("mlp",)),
+    (r"model/layers/\d+/mlp/down_proj/kernel", ("mlp", "embed")),
+    (r"model/layers/\d+/self_attn/[qk]_norm/weight", ("head_dim",)),
+    (r".*(layernorm|norm)/weight", ("embed",)),
+    (r".*/bias", ("embed",)),
+    (r"lm_head/kernel", ("embed", "vocab")),
+)
+
+
+def tensor_parallel_rules(config, axis: str = "tp"):
+    """`qformats.sharding.ShardingRules` of the Megatron layout of `config` (a `DecoderConfig`) on mesh axis `axis`:
+    `PARAM_AXES`, with heads, KV heads, the MLP's hidden units and the vocabulary split over `axis` (heads cut at
+    whole heads), the model dimension replicated. With these rules the KV cache is split by KV heads too
+    (`CausalLM.init_cache`)."""
+    return ShardingRules(PARAM_AXES, (("vocab", axis), ("heads", axis), ("kv_heads", axis), ("mlp", axis),
+                                      ("embed", None), ("head_dim", None)),
+                         units=(("heads", config.head_dim), ("kv_heads", config.head_dim)))
