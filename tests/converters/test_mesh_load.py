@@ -1,5 +1,6 @@
-"""converters.mesh_load in one process on one device: the sharded loader equals load_causal_lm, reads shard by
-shard, and refuses what it cannot read shard-wise with typed errors (8 devices: tests/multidevice)."""
+"""load_causal_lm(mesh=...) in one process on one device (converters.mesh_load): the sharded load equals the
+one-device load, reads shard by shard, and refuses what it cannot read shard-wise with typed errors (8 devices:
+tests/multidevice)."""
 
 import json
 
@@ -10,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters.causal_lm import load_causal_lm
-from converters.mesh_load import ReadStats, load_causal_lm_sharded, place, tensor_parallel_setup
+from converters.mesh_load import ReadStats, place, tensor_parallel_setup
 from converters.quantize_checkpoint import quantize_checkpoint
 from converters.safetensors_io import open_checkpoint, save_file
 from qformats.errors import CheckpointError, ModelError
@@ -54,7 +55,7 @@ def test_sharded_load_equals_load_causal_lm(dense_dir, tmp_path, scheme):
         quantize_checkpoint(dense_dir, src, scheme, progress=False)
     ref, _, _ = load_causal_lm(src, tokenizer=False)
     st = ReadStats()
-    got, hf, tok = load_causal_lm_sharded(src, _mesh1(), tokenizer=False, stats=st)
+    got, hf, tok = load_causal_lm(src, mesh=_mesh1(), tokenizer=False, stats=st)
     assert tok is None and hf["model_type"] == "llama"
     a, b = _leaves(ref), _leaves(got)
     assert len(a) == len(b)
@@ -87,7 +88,7 @@ def test_asymmetric_packed_zero_points_are_refused_naming_the_module(dense_dir, 
     quantize_checkpoint(dense_dir, src, "W4A16_ASYM:g16", progress=False)
     with pytest.raises(CheckpointError, match=r"module 'model.layers.0.mlp.down_proj' \(pack-quantized.*an "
                                               r"asymmetric pack-quantized zero point.*load_causal_lm"):
-        load_causal_lm_sharded(src, _mesh1(), tokenizer=False)
+        load_causal_lm(src, mesh=_mesh1(), tokenizer=False)
 
 
 def test_missing_and_unexpected_tensors_are_checkpoint_errors(dense_dir, tmp_path):
@@ -99,9 +100,9 @@ def test_missing_and_unexpected_tensors_are_checkpoint_errors(dense_dir, tmp_pat
     save_file(tensors, bad / "model.safetensors")
     (bad / "config.json").write_text(json.dumps(HF))
     with pytest.raises(CheckpointError, match=r"1 missing: model.norm.weight; 1 unexpected: model.extra.weight"):
-        load_causal_lm_sharded(bad, _mesh1(), tokenizer=False)
+        load_causal_lm(bad, mesh=_mesh1(), tokenizer=False)
     with pytest.raises(CheckpointError, match=r"expected a checkpoint directory"):
-        load_causal_lm_sharded(bad / "model.safetensors", _mesh1())
+        load_causal_lm(bad / "model.safetensors", mesh=_mesh1())
 
 
 def test_tensor_parallel_setup_after_jax_started_needs_the_devices():
@@ -135,7 +136,7 @@ def test_kv_cache_scheme_loads_onto_the_mesh(dense_dir, tmp_path, kv):
         calibrate_kv_cache(m, [ids], scheme)
     src = save_causal_lm(m, tmp_path / "kv", cfg)
     ref, _, _ = load_causal_lm(src, tokenizer=False)
-    got, _, _ = load_causal_lm_sharded(src, _mesh1(), tokenizer=False)
+    got, _, _ = load_causal_lm(src, mesh=_mesh1(), tokenizer=False)
     assert kv_cache_scheme(got) == scheme
     a, b = kv_scale_tensors(ref), kv_scale_tensors(got)
     assert sorted(a) == sorted(b) and len(a) == (0 if scheme.dynamic else 2)
