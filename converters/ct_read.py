@@ -324,7 +324,7 @@ def _plan(ck: Checkpoint, qc: Optional[QuantConfig], mods: Dict[str, StoredModul
         for g in groups:
             if g.name not in used:
                 warnings.warn(f"{ck.path}: quantization_config group {g.name!r} (targets {list(g.targets)}) "
-                              f"matches no quantized module in the checkpoint", stacklevel=3)
+                              f"matches no quantized module in the checkpoint", stacklevel=4)
         for t in qc.ignore:
             if t.startswith("re:"):
                 continue
@@ -332,7 +332,7 @@ def _plan(ck: Checkpoint, qc: Optional[QuantConfig], mods: Dict[str, StoredModul
                 continue  # a tied lm_head (no tensor of its own) is ignored by name, as llm-compressor writes it
             if t not in mods and not any(k.startswith(t + ".") for k in mods):
                 warnings.warn(f"{ck.path}: quantization_config.ignore entry {t!r} matches no module in the "
-                              f"checkpoint", stacklevel=3)
+                              f"checkpoint", stacklevel=4)
     return plan
 
 
