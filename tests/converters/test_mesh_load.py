@@ -147,3 +147,50 @@ def test_kv_cache_scheme_loads_onto_the_mesh(dense_dir, tmp_path, kv):
     (la, ca), (lb, cb) = step(ref, ids), step(got, ids)
     assert ca.keys[0].dtype == cb.keys[0].dtype == np.uint8
     np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+
+
+def _splits(d, parts):
+    edges = [round(i * d / parts) for i in range(parts + 1)]
+    return [slice(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+@pytest.mark.parametrize("scheme", ["W4A16:g16", "W3A16:g16", "W8A16:g16", "W8A8", "NVFP4A16", "MXFP6A16",
+                                    "FP8_DYNAMIC", "W4A16_ASYM:g16"])
+def test_the_decoder_reads_any_slice_of_a_leaf_as_the_whole_leaf_holds_it(dense_dir, tmp_path, scheme):
+    """converters.ct_read.decode_weight, the one decoder of both placements: its leaves read whole make the QArray
+    read_compressed returns, and each leaf read by slices (rows and columns cut anywhere, as a device reads its
+    part) equals that slice of the whole leaf; a layout whose values span slices says so (whole_only)."""
+    from converters.ct_read import decode_weight, open_compressed, plan_modules, read_compressed
+
+    src = tmp_path / "q"
+    quantize_checkpoint(dense_dir, src, scheme, progress=False)
+    ref = read_compressed(src).qarrays()
+    ck, _, qc = open_compressed(src)
+    decoded = 0
+    with ck:
+        for m in plan_modules(ck, qc):
+            if m.group is None:
+                continue
+            w = decode_weight(ck, m, qc)
+            q = w.whole()
+            for part in ("codes", "scale", "zero_point", "global_scale"):
+                a, b = getattr(q, part), getattr(ref[m.name], part)
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert a.dtype == b.dtype and a.shape == b.shape
+                    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+            decoded += 1
+            if w.whole_only is not None:
+                assert scheme == "W4A16_ASYM:g16", w.whole_only
+                continue
+            for leaf in (w.codes, w.scale, w.zero_point, w.global_scale):
+                if leaf is None:
+                    continue
+                whole = leaf.read(None)
+                assert whole.shape == leaf.shape and whole.dtype == leaf.dtype
+                for parts in (1, 2, 3, 8):
+                    for rows in _splits(leaf.shape[0], parts):
+                        for cols in (_splits(leaf.shape[1], 5 - parts % 4) if len(leaf.shape) > 1 else [None]):
+                            ix = (rows,) if cols is None else (rows, cols)
+                            np.testing.assert_array_equal(leaf.read(ix).view(np.uint8), whole[ix].view(np.uint8))
+    assert decoded == 7
