@@ -32,6 +32,12 @@ Legacy `weight_g_idx` (older llm-compressor / converted GPTQ checkpoints): the t
 reads as usual; an activation-ordered one (integer weights) gives the module's dense torch-layout [N, K] weight
 W[:, j] = (q[:, j] - z[:, g[j]]) * s[:, g[j]] instead of a QArray, with a warning naming the module.
 
+One decoder for every placement: `plan_modules` (the header checks above, the group of each module) and
+`decode_weight(ck, module, qc, src)`, whose QArray leaves read from a `TensorSource` either whole (`whole()`,
+what `read_compressed` returns) or one device's slice at a time (`converters.mesh_load.place_weight`, for
+`converters.causal_lm.load_causal_lm(src, mesh=...)`). `is_quantized(config)` says whether a checkpoint's
+config.json declares quantized weights.
+
 Dense values: `dense_weight(q, dtype)` is what transformers loads (`from_pretrained(...,
 quantization_config=CompressedTensorsConfig(dequantize=True))`): compressed-tensors' decompression in
 `q.dtype` (one rounding of the product), then a cast to the model's dtype; `exact=True` rounds the
