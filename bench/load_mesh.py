@@ -16,7 +16,7 @@ devices; torch + transformers), warms nothing else, records its baseline, then t
 /proc/self/status: VmHWM (peak resident set: anonymous + file-backed pages, i.e. memory-mapped checkpoint
 pages count while mapped) and RssAnon (sampled every 2 ms during the load: the peak; and after it). Loaders:
   - ours: `converters.causal_lm.load_causal_lm(SRC, param_dtype=<stored dtype>)`, one device;
-  - ours, N devices: `converters.mesh_load.load_causal_lm_sharded(SRC, mesh)` on an N-device CPU mesh
+  - ours, N devices: `converters.causal_lm.load_causal_lm(SRC, mesh=mesh)` on an N-device CPU mesh
     (`tensor_parallel_setup(N)`), the decoder's Megatron layout (`tensor_parallel_rules`) with every logical
     axis that N does not divide replicated instead (SmolLM2's 9 heads / 3 KV heads at N=8, TinyLlama's 4 KV
     heads at N=8: the table says which); per-device parameter bytes are `param_bytes_per_device`;
@@ -148,7 +148,7 @@ def child(kind: str, src: Path, devices: int) -> dict:
         from flax import nnx
 
         from converters.causal_lm import load_causal_lm
-        from converters.mesh_load import ReadStats, load_causal_lm_sharded, tensor_parallel_setup
+        from converters.mesh_load import ReadStats, tensor_parallel_setup
         from qformats.models.decoder import DecoderConfig
         from qformats.sharding import param_bytes_per_device
 
@@ -162,7 +162,8 @@ def child(kind: str, src: Path, devices: int) -> dict:
             if kind == "sharded":
                 cfg = DecoderConfig.from_hf(json.loads((src / "config.json").read_text()))
                 rules, dropped = mesh_rules(cfg, devices)
-                model, _, _ = load_causal_lm_sharded(src, mesh, rules, param_dtype=pdt, tokenizer=False, stats=st)
+                model, _, _ = load_causal_lm(src, mesh=mesh, rules=rules, param_dtype=pdt,
+                                             tokenizer=False, stats=st)
                 res["replicated_axes"] = dropped
             else:
                 model, _, _ = load_causal_lm(src, param_dtype=pdt, tokenizer=False)
@@ -260,7 +261,7 @@ def table(results, meta) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes = []
     for name, size, r in results:
-        loader = {"ours": "qformats load_causal_lm", "sharded": "qformats load_causal_lm_sharded",
+        loader = {"ours": "qformats load_causal_lm", "sharded": "qformats load_causal_lm(mesh=)",
                   "transformers": "transformers from_pretrained"}[r["kind"]]
         if "error" in r:
             lines.append(f"| {name} | {size / 1e6:.0f} | {loader} | {r['devices']} | - | failed |" + " - |" * 10)

@@ -12,6 +12,11 @@
 - a `.gguf` file: `converters.gguf_convert.open_gguf`, each tensor dequantized by gguf on its way in (the
   result equals loading `convert_gguf`'s output, without writing it).
 
+With `mesh=` the same checkpoints load onto a jax Mesh: a directory shard by shard (every parameter a global
+jax.Array laid out by sharding rules, each device's slice read from the memory map straight to it,
+`converters.mesh_load`; quantized weights decoded by the same `converters.ct_read.decode_weight`), a `.gguf`
+file on one device and then laid out (`qformats.sharding.shard_model`).
+
 A parameter the checkpoint does not fill, a tensor the model has no place for, or a shape that differs is an
 error; nothing is left at an initial value.
 """
@@ -103,11 +108,6 @@ def _flax_name_map(cfg) -> dict[str, tuple[str, bool]]:
             for name, slot in decoder.hf_tensor_names(cfg).items()}
 
 
-def _is_compressed(hf_config: Mapping[str, Any]) -> bool:
-    qc = hf_config.get("quantization_config")
-    return isinstance(qc, Mapping) and qc.get("quant_method") == "compressed-tensors"
-
-
 def load_tokenizer(src: str | os.PathLike):
     """The `tokenizers.Tokenizer` of a checkpoint directory (its tokenizer.json) or of a .gguf file (built as
     `converters.gguf_convert` writes it); None when the directory has no tokenizer.json.
@@ -141,8 +141,10 @@ def _tokenizer_from_str(text: str, where: Path):
         raise CheckpointError(f"{where}: expected a tokenizers tokenizer.json, found {e}") from None
 
 
-def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, tokenizer: bool = True):
-    """Loads a llama / mistral / qwen2 / qwen3 causal LM as `qformats.models.decoder.CausalLM`.
+def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, tokenizer: bool = True, mesh=None,
+                   rules=None, stats=None):
+    """Loads a llama / mistral / qwen2 / qwen3 causal LM as `qformats.models.decoder.CausalLM`, on one device or
+    onto a mesh.
 
     Args:
       src: a dense HF checkpoint directory (single file or sharded), a compressed-tensors checkpoint
@@ -150,6 +152,18 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
       dtype: compute dtype of the model (default float32). param_dtype: dtype of the dense parameters
         (default: `dtype`); packed layers keep the checkpoint's codes and scales.
       tokenizer: also return the checkpoint's tokenizer (`load_tokenizer`).
+      mesh: None (default): one device. A `jax.sharding.Mesh` (in a multi-process run, `jax.distributed`, the
+        global mesh): every parameter is a global jax.Array laid out by `rules` (packed weights: the layout of
+        the float weight they stand for), built from each device's slice of the stored tensor, read from the
+        memory map straight to that device (`converters.mesh_load`); a process reads only its own devices'
+        slices. Compressed layouts whose values span slices (asymmetric pack-quantized zero points, the
+        pre-0.18 int32 layout for 3/5/6/7 bits, int-quantized codes under 8 bits, activation-ordered g_idx) and
+        online rotations are CheckpointErrors there: load them on one device and `qformats.sharding.shard_model`.
+        A `.gguf` file is read whole on one device, then laid out by `shard_model`.
+      rules: with `mesh`, a `qformats.sharding.ShardingRules`; default `decoder.tensor_parallel_rules(config,
+        axis)` for a 1-D mesh of axis `axis` (ModelError for a mesh of several axes without rules).
+      stats: with `mesh` and a directory, a `converters.mesh_load.ReadStats` to fill with the bytes this process
+        read.
 
     Returns:
       (model, hf_config, tokenizer or None): hf_config is the config.json dict (for a GGUF file, the one
@@ -157,9 +171,11 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
 
     Raises:
       CheckpointError: unreadable or unsupported checkpoint, missing / unexpected / misshapen tensors.
+      ModelError: with `mesh`, a parameter the mesh cannot split (naming it).
     """
     import jax.numpy as jnp
 
+    from converters.ct_read import is_quantized
     from converters.safetensors_io import open_checkpoint, read_json
     from qformats.models import decoder
 
@@ -179,28 +195,155 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
             decoder.load_hf_tensors(model, _LazyTensors(g.keys(), g.shape, g.get))
         except ModelError as e:
             raise CheckpointError(f"{where}: {e}") from None
-    elif p.is_dir():
-        hf_config = read_json(p / "config.json")
-        if not isinstance(hf_config, dict):
-            raise CheckpointError(f"{p / 'config.json'}: expected a JSON object, found {type(hf_config).__name__}")
-        model, cfg = _abstract_model(hf_config, dtype, param_dtype, str(p / "config.json"))
-        if _is_compressed(hf_config):
-            from converters.transforms import applying_online_transforms
+        _check_filled(model, where)
+        if mesh is not None:
+            from qformats.sharding import shard_model
 
-            with applying_online_transforms():  # _load_compressed installs them
-                _load_compressed(p, model, cfg)
-        else:
-            with open_checkpoint(p) as ck:
-                try:
-                    decoder.load_hf_tensors(model, _LazyTensors(ck.keys(), lambda n: ck.info(n).shape, ck.get))
-                except ModelError as e:
-                    raise CheckpointError(f"{where}: {e}") from None
-        tok = load_tokenizer(p) if tokenizer else None
-    else:
+            model = shard_model(model, mesh, _mesh_rules(cfg, mesh, rules))
+        return model, hf_config, tok
+    if not p.is_dir():
         raise CheckpointError(f"{p}: expected a checkpoint directory or a .gguf file, found "
                               f"{'no such path' if not p.exists() else 'another kind of file'}")
+    hf_config = read_json(p / "config.json")
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{p / 'config.json'}: expected a JSON object, found {type(hf_config).__name__}")
+    model, cfg = _abstract_model(hf_config, dtype, param_dtype, str(p / "config.json"))
+    if mesh is not None:
+        _load_on_mesh(p, hf_config, model, cfg, param_dtype, mesh, _mesh_rules(cfg, mesh, rules), stats)
+    elif is_quantized(hf_config):
+        from converters.transforms import applying_online_transforms
+
+        with applying_online_transforms():  # _load_compressed installs them
+            _load_compressed(p, model, cfg)
+    else:
+        with open_checkpoint(p) as ck:
+            try:
+                decoder.load_hf_tensors(model, _LazyTensors(ck.keys(), lambda n: ck.info(n).shape, ck.get))
+            except ModelError as e:
+                raise CheckpointError(f"{where}: {e}") from None
+    tok = load_tokenizer(p) if tokenizer else None
     _check_filled(model, where)
     return model, hf_config, tok
+
+
+def _mesh_rules(cfg, mesh, rules):
+    """`rules`, or the decoder's Megatron layout over the one axis of `mesh`."""
+    from qformats.models import decoder
+
+    if rules is not None:
+        return rules
+    if len(mesh.axis_names) != 1:
+        raise ModelError(f"load_causal_lm: a mesh of axes {mesh.axis_names} needs explicit rules")
+    return decoder.tensor_parallel_rules(cfg, mesh.axis_names[0])
+
+
+def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stats) -> None:
+    """Fills the abstract `model` from checkpoint directory `p` onto `mesh`, every parameter placed slice by slice
+    (`converters.mesh_load.place`): dense tensors from their stored rows / columns, quantized modules as decoded
+    by `converters.ct_read.decode_weight` (`place_weight`), static KV-cache scales replicated."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from converters.ct_config import parse_quantization_config
+    from converters.ct_read import decode_weight, is_quantized, plan_modules
+    from converters.mesh_load import SliceSource, dense_reader, equal_by_rows, place, place_weight
+    from converters.safetensors_io import open_checkpoint
+    from qformats.models import decoder
+    from qformats.nn import load_quantized
+    from qformats.sharding import spec_for
+
+    slots = decoder.hf_tensor_names(cfg)
+    qc = parse_quantization_config(hf_config["quantization_config"], str(p / "config.json")) \
+        if is_quantized(hf_config) else None
+    with open_checkpoint(p) as ck:
+        src = SliceSource(ck, stats)
+        quantized: dict[str, dict[str, Any]] = {}
+        schemes: dict[str, Any] = {}
+        consumed = set()
+        for m in plan_modules(ck, qc) if qc is not None else ():
+            if m.group is None:
+                continue
+            slot = slots.get(f"{m.name}.weight")
+            if slot is None or not slot.transpose:
+                raise CheckpointError(f"{p}: module {m.name!r} holds quantized tensors but the model has no Linear "
+                                      f"there")
+            fpath = "/".join(str(x) for x in slot.path[:-1])
+            w = decode_weight(ck, m, qc, src)
+            entry: dict[str, Any] = {"weight": place_weight(w, mesh, rules, fpath, stats)}
+            for local in ("input_scale", "input_global_scale"):
+                if local in m.tensors:
+                    entry[local] = np.asarray(src.read(m.tensors[local]))
+            bias = f"{m.name}.bias"
+            if bias in ck:
+                bpath = "/".join(str(x) for x in slots[bias].path)
+                shape = tuple(ck.info(bias).shape)
+                entry["bias"] = place(shape, param_dtype, NamedSharding(mesh, spec_for(bpath, shape, mesh, rules)),
+                                      dense_reader(src, bias, False), stats)
+            consumed.update(n for local, n in m.tensors.items()
+                            if local.startswith("weight") or local in ("input_scale", "input_global_scale", "bias"))
+            quantized[fpath] = entry
+            schemes[fpath] = m.group.input_activations
+        kv = qc.kv_cache if qc is not None else None
+        kv_scales = None
+        if kv is not None:
+            kv_scales = read_kv_scales(ck, cfg, kv, str(p))
+            if kv_scales is not None:
+                consumed.update(kv_scale_names(cfg))
+        packed = {f"{m.replace('/', '.')}.weight" for m in quantized}
+        dense = {n: s for n, s in slots.items() if n not in packed and n not in consumed}
+        missing = [n for n in dense if n not in ck]
+        extra = [n for n in ck.keys() if n not in dense and n not in consumed]
+        checks = [n for n in extra if n.endswith(".rotary_emb.inv_freq")
+                  or (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+        extra = [n for n in extra if n not in checks]
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} missing: {', '.join(missing[:8])}")
+        if extra:
+            problems.append(f"{len(extra)} unexpected: {', '.join(extra[:8])}")
+        variables = {n: _slot_variable(model, slot) for n, slot in dense.items()}
+        for n, slot in dense.items():
+            if n in ck:
+                want = tuple(variables[n].get_value().shape)
+                got = tuple(ck.info(n).shape)
+                if (got[::-1] if slot.transpose else got) != want:
+                    problems.append(f"{n} {got} (expected {want[::-1] if slot.transpose else want})")
+        for n in checks:
+            if n == "lm_head.weight":
+                if "model.embed_tokens.weight" in ck and not equal_by_rows(ck, n, "model.embed_tokens.weight"):
+                    problems.append("lm_head.weight differs from model.embed_tokens.weight but the config ties them")
+            elif not np.allclose(np.asarray(ck.get(n), np.float32), decoder.inv_freq(cfg), rtol=1e-6, atol=0):
+                problems.append(f"{n} does not equal the inverse frequencies of the config's rope")
+        if problems:
+            raise CheckpointError(f"{p}: " + "; ".join(problems))
+        placed = []
+        for n, slot in dense.items():
+            v = variables[n]
+            a = v.get_value()
+            sharding = NamedSharding(mesh, spec_for("/".join(str(x) for x in slot.path), a.shape, mesh, rules))
+            placed.append((v, place(a.shape, a.dtype, sharding, dense_reader(src, n, slot.transpose), stats)))
+    try:
+        load_quantized(model, quantized, schemes)
+    except ModelError as e:
+        raise CheckpointError(f"{p}: {e}") from None
+    for v, a in placed:
+        v.set_value(a)
+    if kv is not None:
+        # KV-cache scales are replicated on every device, per-head ones included: kv_heads floats per layer, read
+        # by attention wherever its heads live (the cache buffers themselves split by KV heads, set_sharding)
+        rep = NamedSharding(mesh, PartitionSpec())
+        scales = None if kv_scales is None else [tuple(jax.device_put(jnp.asarray(x), rep) for x in pair)
+                                                 for pair in kv_scales]
+        _enable_kv_cache(p, model, kv, scales)
+
+
+def _slot_variable(model, slot):
+    """The nnx.Variable of a `decoder.hf_tensor_names` slot."""
+    var = model
+    for part in slot.path:
+        var = var[part] if isinstance(part, int) else getattr(var, part)
+    return var
 
 
 def kv_scale_names(cfg) -> list[str]:
@@ -324,10 +467,16 @@ def _load_kv_scales(path: Path, model, cfg, kv) -> None:
     """Static k_scale / v_scale of every layer (`read_kv_scales`) -> `decoder.enable_kv_cache_quantization`; a
     dynamic scheme takes none."""
     from converters.safetensors_io import open_checkpoint
-    from qformats.models import decoder
 
     with open_checkpoint(path) as ck:
         scales = read_kv_scales(ck, cfg, kv, str(path))
+    _enable_kv_cache(path, model, kv, scales)
+
+
+def _enable_kv_cache(path: Path, model, kv, scales) -> None:
+    """`decoder.enable_kv_cache_quantization(model, kv, scales)`, its ModelError a CheckpointError naming `path`."""
+    from qformats.models import decoder
+
     try:
         decoder.enable_kv_cache_quantization(model, kv, scales)
     except ModelError as e:

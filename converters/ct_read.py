@@ -32,6 +32,12 @@ Legacy `weight_g_idx` (older llm-compressor / converted GPTQ checkpoints): the t
 reads as usual; an activation-ordered one (integer weights) gives the module's dense torch-layout [N, K] weight
 W[:, j] = (q[:, j] - z[:, g[j]]) * s[:, g[j]] instead of a QArray, with a warning naming the module.
 
+One decoder for every placement: `plan_modules` (the header checks above, the group of each module) and
+`decode_weight(ck, module, qc, src)`, whose QArray leaves read from a `TensorSource` either whole (`whole()`,
+what `read_compressed` returns) or one device's slice at a time (`converters.mesh_load.place_weight`, for
+`converters.causal_lm.load_causal_lm(src, mesh=...)`). `is_quantized(config)` says whether a checkpoint's
+config.json declares quantized weights.
+
 Dense values: `dense_weight(q, dtype)` is what transformers loads (`from_pretrained(...,
 quantization_config=CompressedTensorsConfig(dequantize=True))`): compressed-tensors' decompression in
 `q.dtype` (one rounding of the product), then a cast to the model's dtype; `exact=True` rounds the
@@ -45,7 +51,8 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -61,7 +68,8 @@ from qformats.grouping import expected_shapes
 from qformats.quantize import dequantize
 from qformats.schemes import QuantScheme
 
-__all__ = ["CompressedModel", "QUANT_PARAM_NAMES", "dense_weight", "iter_modules", "open_compressed",
+__all__ = ["CompressedModel", "Leaf", "QUANT_PARAM_NAMES", "StoredModule", "StoredWeight", "TensorSource",
+           "decode_weight", "dense_weight", "is_quantized", "iter_modules", "open_compressed", "plan_modules",
            "read_compressed", "to_flax_params", "split_name"]
 
 #: Local tensor names that hold quantization parameters of a module (never dense weights).
@@ -78,6 +86,16 @@ _FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")
 _PACKED_FORMATS = ("pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp6-pack-quantized",
                    FPX_FORMAT)
 _INT_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
+
+
+#: One slice per dimension of an array: the part of it that one device holds.
+Index = Tuple[slice, ...]
+
+
+def is_quantized(config: Any) -> bool:
+    """Whether a checkpoint's config.json (a dict) declares quantized weights: a non-empty `quantization_config`
+    (compressed-tensors, or any other quant_method, which the readers then refuse by name)."""
+    return isinstance(config, Mapping) and bool(config.get("quantization_config"))
 
 
 def split_name(name: str) -> Tuple[str, str]:
@@ -162,17 +180,21 @@ def _load_config(path: Path) -> Dict[str, Any]:
     return cfg
 
 
-class _Module:
-    def __init__(self, name: str):
-        self.name = name
-        self.tensors: Dict[str, str] = {}  # local -> full name
+@dataclasses.dataclass
+class StoredModule:
+    """One module of a checkpoint, from its headers: `tensors` maps local names ("weight_packed") to stored
+    names; `group` is the config group whose format stores its weight (None: a dense module)."""
+
+    name: str
+    tensors: Dict[str, str] = dataclasses.field(default_factory=dict)
+    group: Optional[ConfigGroup] = None
 
 
-def _modules_of(ck: Checkpoint) -> Dict[str, _Module]:
-    mods: Dict[str, _Module] = {}
+def _modules_of(ck: Checkpoint) -> Dict[str, StoredModule]:
+    mods: Dict[str, StoredModule] = {}
     for name in ck.keys():
         m, local = split_name(name)
-        mods.setdefault(m, _Module(m)).tensors[local] = name
+        mods.setdefault(m, StoredModule(m)).tensors[local] = name
     return mods
 
 
@@ -219,31 +241,41 @@ class LoadedModule:
 def iter_modules(ck: Checkpoint, qc: Optional[QuantConfig]) -> Iterator[LoadedModule]:
     """Yield modules one at a time (streaming: only one module's tensors are built at once), after the whole
     checkpoint has been checked against the config from its headers (see the module docstring)."""
-    mods = _modules_of(ck)
-    plan = _plan(ck, qc, mods)
-    for name in sorted(mods):
-        m = mods[name]
+    for m in plan_modules(ck, qc):
         stored = sum(ck.info(full).nbytes for full in m.tensors.values())
-        group = plan[name]
-        if group is None or group.format == "dense":
-            yield LoadedModule(name, {k: ck.get(v) for k, v in m.tensors.items()}, None, None, stored)
+        if m.group is None or m.group.format == "dense":
+            yield LoadedModule(m.name, {k: ck.get(v) for k, v in m.tensors.items()}, None, None, stored)
             continue
-        where = _where(ck, m)
         tensors = {k: ck.get(v) for k, v in m.tensors.items() if k not in _WEIGHT_PARTS}
-        q = _weight_qarray(ck, m, group, qc, where)  # a dense array for legacy activation-ordered g_idx groups
+        q = decode_weight(ck, m, qc).whole()  # a dense array for legacy activation-ordered g_idx groups
         tensors["weight"] = q
         if "weight_zero_point" in m.tensors and isinstance(q, QArray) and q.zero_point is None:
             tensors["weight_zero_point"] = ck.get(m.tensors["weight_zero_point"])
-        yield LoadedModule(name, tensors, group.format, group.name, stored)
+        yield LoadedModule(m.name, tensors, m.group.format, m.group.name, stored)
 
 
-def _where(ck: Checkpoint, m: _Module) -> str:
+def plan_modules(ck: Checkpoint, qc: Optional[QuantConfig]) -> List[StoredModule]:
+    """Every module of an open checkpoint (sorted by name), each with the config group that stores its weight
+    (None: dense), after the whole checkpoint has been checked against `qc` from its headers (module
+    docstring; reads no tensor data but each `weight_shape`'s two integers).
+
+    Raises CheckpointError naming the file, module, tensor and what was expected."""
+    mods = _modules_of(ck)
+    plan = _plan(ck, qc, mods)
+    out = []
+    for name in sorted(mods):
+        mods[name].group = plan[name]
+        out.append(mods[name])
+    return out
+
+
+def _where(ck: Checkpoint, m: StoredModule) -> str:
     first = next((m.tensors[p] for p in ("weight_packed", "weight_scale", "weight") if p in m.tensors),
                  next(iter(m.tensors.values())))
     return f"{ck.file_of(first)}: module {m.name!r}"
 
 
-def _coded(ck: Checkpoint, m: _Module) -> list:
+def _coded(ck: Checkpoint, m: StoredModule) -> list:
     """The module's tensors that only a quantized module holds."""
     out = [p for p in _CODED_PARTS if p in m.tensors]
     if "weight" in m.tensors and ck.info(m.tensors["weight"]).dtype not in _FLOAT_DTYPES:
@@ -261,7 +293,7 @@ def _no_config(ck: Checkpoint, qc: Optional[QuantConfig]) -> str:
     return f"{root / 'config.json'} has no quantization_config"
 
 
-def _plan(ck: Checkpoint, qc: Optional[QuantConfig], mods: Dict[str, _Module]) -> Dict[str, Optional[ConfigGroup]]:
+def _plan(ck: Checkpoint, qc: Optional[QuantConfig], mods: Dict[str, StoredModule]) -> Dict[str, Optional[ConfigGroup]]:
     groups = [g for g in qc.groups if g.weights is not None] if qc is not None else []
     # "dense" groups (a frozen, not yet compressed model: float weights beside their scales) stay raw
     compressing = [g for g in groups if g.format != "dense"]
@@ -298,7 +330,7 @@ def _plan(ck: Checkpoint, qc: Optional[QuantConfig], mods: Dict[str, _Module]) -
         for g in groups:
             if g.name not in used:
                 warnings.warn(f"{ck.path}: quantization_config group {g.name!r} (targets {list(g.targets)}) "
-                              f"matches no quantized module in the checkpoint", stacklevel=3)
+                              f"matches no quantized module in the checkpoint", stacklevel=4)
         for t in qc.ignore:
             if t.startswith("re:"):
                 continue
@@ -306,11 +338,11 @@ def _plan(ck: Checkpoint, qc: Optional[QuantConfig], mods: Dict[str, _Module]) -
                 continue  # a tied lm_head (no tensor of its own) is ignored by name, as llm-compressor writes it
             if t not in mods and not any(k.startswith(t + ".") for k in mods):
                 warnings.warn(f"{ck.path}: quantization_config.ignore entry {t!r} matches no module in the "
-                              f"checkpoint", stacklevel=3)
+                              f"checkpoint", stacklevel=4)
     return plan
 
 
-def _check_dense(ck: Checkpoint, m: _Module, qc: Optional[QuantConfig], compressing) -> None:
+def _check_dense(ck: Checkpoint, m: StoredModule, qc: Optional[QuantConfig], compressing) -> None:
     """A module without quantized tensors: a compressing group must not target it by name (its scale or
     packed codes would then be missing, renamed or mis-encoded)."""
     if not compressing or "weight" not in m.tensors or qc.is_ignored(m.name):
@@ -326,7 +358,7 @@ def _check_dense(ck: Checkpoint, m: _Module, qc: Optional[QuantConfig], compress
                                   f"{sorted(m.tensors)})")
 
 
-def _pick_group(ck: Checkpoint, m: _Module, qc: QuantConfig, where: str) -> ConfigGroup:
+def _pick_group(ck: Checkpoint, m: StoredModule, qc: QuantConfig, where: str) -> ConfigGroup:
     groups = [g for g in qc.groups if g.weights is not None]
     cands = [g for g in groups if g.matches_by_name(m.name)] or [g for g in groups if g.matches(m.name)]
     if not cands:
@@ -338,7 +370,7 @@ def _pick_group(ck: Checkpoint, m: _Module, qc: QuantConfig, where: str) -> Conf
     return cands[0]
 
 
-def _fits(ck: Checkpoint, m: _Module, g: ConfigGroup) -> bool:
+def _fits(ck: Checkpoint, m: StoredModule, g: ConfigGroup) -> bool:
     packed = g.format in ("pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized",
                           "mxfp6-pack-quantized", FPX_FORMAT)
     if packed != ("weight_packed" in m.tensors):
@@ -354,7 +386,7 @@ def _fits(ck: Checkpoint, m: _Module, g: ConfigGroup) -> bool:
 
 
 # ---- one weight -----------------------------------------------------------------------------------------------
-def _need(ck: Checkpoint, m: _Module, local: str, where: str, dtypes, ndim=None):
+def _need(ck: Checkpoint, m: StoredModule, local: str, where: str, dtypes, ndim=None):
     """The header info of tensor `local`, checked for dtype and rank (no data read)."""
     if local not in m.tensors:
         raise CheckpointError(f"{where}: expected tensor {m.name + '.' + local!r} for its format, found none "
@@ -367,17 +399,17 @@ def _need(ck: Checkpoint, m: _Module, local: str, where: str, dtypes, ndim=None)
     return info
 
 
-def _at(ck: Checkpoint, m: _Module, local: str) -> str:
+def _at(ck: Checkpoint, m: StoredModule, local: str) -> str:
     full = m.tensors[local]
     return f"{ck.file_of(full)}: tensor {full!r}"
 
 
-def _weight_shape(ck: Checkpoint, m: _Module, where: str) -> Tuple[int, int]:
+def _weight_shape(ck: Checkpoint, m: StoredModule, where: str, src: "TensorSource") -> Tuple[int, int]:
     info = _need(ck, m, "weight_shape", where, ("I64", "I32", "U64", "U32", "I16"), 1)
     if info.shape != (2,):
         raise CheckpointError(f"{_at(ck, m, 'weight_shape')}: expected shape [2] ([out, in]), found "
                               f"{list(info.shape)}")
-    ws = ck.get(m.tensors["weight_shape"])
+    ws = src.read(m.tensors["weight_shape"])
     if (ws < 1).any() or (ws > 2**40).any():
         raise CheckpointError(f"{_at(ck, m, 'weight_shape')}: expected [out, in] of positive ints, found "
                               f"{ws.tolist()}")
@@ -414,9 +446,12 @@ class _Layout:
     zp_legacy: bool  # the same for a packed weight_zero_point
 
 
-def _check_layout(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, where: str) -> _Layout:
+def _check_layout(ck: Checkpoint, m: StoredModule, g: ConfigGroup, qc: QuantConfig, where: str,
+                  src: Optional["TensorSource"] = None) -> _Layout:
     """Header-level check of one quantized module: exactly its format's tensors, their dtypes, and the
-    shapes the scheme and weight_shape imply. Reads no tensor data except weight_shape's two ints."""
+    shapes the scheme and weight_shape imply. Reads no tensor data except weight_shape's two ints (from `src`;
+    default: the checkpoint's map)."""
+    src = TensorSource(ck) if src is None else src
     s: QuantScheme = g.weights
     fmt, bits = g.format, s.bits
     req, opt = _parts(fmt, s)
@@ -450,7 +485,7 @@ def _check_layout(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, w
             raise CheckpointError(f"{where}: pack-quantized holds integers, but the weights args say "
                                   f"{s.format.name}")
         info = _need(ck, m, "weight_packed", where, ("I32",), 2)
-        n, k = _weight_shape(ck, m, where)
+        n, k = _weight_shape(ck, m, where, src)
         legacy = _legacy_layout(qc, bits, k, info.shape[1], _at(ck, m, "weight_packed"))
         if info.shape[0] != n:
             raise CheckpointError(f"{_at(ck, m, 'weight_packed')}: expected {n} rows (weight_shape), found "
@@ -466,7 +501,7 @@ def _check_layout(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, w
         info = _need(ck, m, "weight_packed", where, ("U8",), 2)
         n, cols = info.shape
         if fmt == FPX_FORMAT:
-            n2, k = _weight_shape(ck, m, where)
+            n2, k = _weight_shape(ck, m, where, src)
             if n2 != n or cols != (k * bits + 7) // 8:
                 raise CheckpointError(f"{_at(ck, m, 'weight_packed')}: expected shape [{n2}, "
                                       f"{(k * bits + 7) // 8}] for weight_shape [{n2}, {k}] of {bits}-bit "
@@ -479,10 +514,10 @@ def _check_layout(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, w
                                       f"(four 6-bit codes in 3 bytes), found {cols}")
             else:
                 k = cols * 4 // 3
-            if "weight_shape" in m.tensors and _weight_shape(ck, m, where) != (n, k):
+            ws = _weight_shape(ck, m, where, src) if "weight_shape" in m.tensors else (n, k)
+            if ws != (n, k):
                 raise CheckpointError(f"{_at(ck, m, 'weight_shape')}: expected [{n}, {k}] (the shape "
-                                      f"weight_packed {list(info.shape)} holds), found "
-                                      f"{list(_weight_shape(ck, m, where))}")
+                                      f"weight_packed {list(info.shape)} holds), found {list(ws)}")
     else:
         raise CheckpointError(f"{where}: unsupported format {fmt!r}")
     # -- scale ------------------------------------------------------------------------------------------------
@@ -528,83 +563,231 @@ def _check_layout(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, w
     return _Layout(n, k, exp["scale"], legacy, zp_legacy)
 
 
-def _weight_qarray(ck: Checkpoint, m: _Module, g: ConfigGroup, qc: QuantConfig, where: str):
+# ---- decoding one weight from a byte source ---------------------------------------------------------------------
+class TensorSource:
+    """Where the decoder reads stored tensor data: `read(name)` is tensor `name` whole, `read(name, index)`
+    only name[index] (one slice per leading dimension; the rows are chosen before any byte is read).
+
+    This one reads a Checkpoint's memory map (read-only zero-copy views); `converters.mesh_load.SliceSource`
+    counts what each device reads."""
+
+    def __init__(self, ck: Checkpoint):
+        self.ck = ck
+
+    def read(self, name: str, index: Optional[Index] = None) -> np.ndarray:
+        if index is None or not self.ck.info(name).shape:
+            return self.ck.get(name)
+        return self.ck.get_slice(name)[index]
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One array of a decoded QArray, read on demand: `read(None)` the whole array (`shape`, `dtype`),
+    `read(index)` only array[index] (index: one slice per dimension), from its stored tensors' matching bytes."""
+
+    shape: Tuple[int, ...]
+    dtype: np.dtype
+    read: Callable[[Optional[Index]], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredWeight:
+    """The weight of one quantized module, decoded lazily: the QArray's leaves as readers over a TensorSource.
+
+    The QArray has logical shape `shape` = (K, N) (the Flax kernel, `axis=0`): codes [N, ceil(K * bits / 8)]
+    (torch's [out, in] storage), scale / zero_point the contracted scale shape, global_scale [1].
+    `whole()` reads every leaf whole (what `read_compressed` returns); a placement that gives each device its
+    own slice calls `leaf.read(index)` per device (`converters.mesh_load.place_weight`), which a layout whose
+    values span the slices does not allow: `whole_only` says why (None: any slice reads on its own).
+    """
+
+    module: str
+    where: str
+    group: ConfigGroup
+    scheme: QuantScheme
+    shape: Tuple[int, int]
+    dtype: Any
+    codes: Leaf
+    scale: Leaf
+    zero_point: Optional[Leaf]
+    global_scale: Optional[Leaf]
+    whole_only: Optional[str]
+    g_idx: Optional[np.ndarray]  # an activation-ordered (non-trivial) group index: the weight loads dense
+
+    def qarray(self, codes, scale, zero_point=None, global_scale=None) -> QArray:
+        """The QArray of these leaves (arrays, placed arrays or ShapeDtypeStructs); CheckpointError when the
+        parts do not fit the scheme."""
+        q = QArray(codes, scale, zero_point, global_scale, scheme=self.scheme, shape=self.shape, dtype=self.dtype,
+                   axis=0)
+        try:
+            q.check()
+        except QFormatsError as e:
+            raise CheckpointError(f"{self.where}: {e}") from None
+        return q
+
+    def whole(self):
+        """The QArray, every leaf read whole; for a non-trivial `g_idx`, the dense torch-layout [N, K] weight
+        (`_g_idx_dense`) instead."""
+        codes = self.codes.read(None)
+        sc = self.scale.read(None)
+        zp = None if self.zero_point is None else self.zero_point.read(None)
+        gs = None if self.global_scale is None else self.global_scale.read(None)
+        if self.g_idx is not None:
+            return _g_idx_dense(self, codes, sc, zp)
+        return self.qarray(codes, sc, zp, gs)
+
+
+def _cut(a: np.ndarray, index: Optional[Index]) -> np.ndarray:
+    return a if index is None else a[index]
+
+
+def decode_weight(ck: Checkpoint, m: StoredModule, qc: QuantConfig, src: Optional[TensorSource] = None) \
+        -> StoredWeight:
+    """The weight of quantized module `m` (a `plan_modules` entry) as a `StoredWeight`, reading bytes from `src`
+    (default: the checkpoint's memory map). Reads now only what the leaves do not hold: weight_shape, and whole
+    the small tensors that are checked or needed whole (a symmetric zero point, global scale, g_idx).
+
+    The codes: naive / int / float-quantized 8-bit values as stored (float8 viewed as uint8); int-quantized
+    codes narrower than 8 bits packed (offset by -qmin); pack-quantized int32 words as their little-endian byte
+    stream (8-bit values offset by 128 back to int8; the pre-0.18 `32 // bits` layout unpacked and repacked);
+    NVFP4 / MX / fpx bytes as stored. Zero points: asymmetric pack-quantized ones unpacked from int32 words
+    across output channels (minus the offset 2^(bits-1)), others cast to int8.
+
+    Raises CheckpointError (naming the file, module and tensor) for a layout or values that do not fit."""
+    g: ConfigGroup = m.group
     s: QuantScheme = g.weights
-    fmt = g.format
-    bits = s.bits
-    where = f"{where} ({fmt}, group {g.name})"
-    lay = _check_layout(ck, m, g, qc, where)
+    fmt, bits = g.format, s.bits
+    src = TensorSource(ck) if src is None else src
+    where = f"{_where(ck, m)} ({fmt}, group {g.name})"
+    lay = _check_layout(ck, m, g, qc, where, src)
     n, k = lay.n, lay.k
-    # -- codes ---------------------------------------------------------------------------------------------
+    t = m.tensors
+    kbytes = (k * bits + 7) // 8
+    whole_only = None
+    # -- codes [N, kbytes] ------------------------------------------------------------------------------------
     if fmt in ("naive-quantized", "int-quantized", "float-quantized", "mxfp8-quantized"):
-        w = ck.get(m.tensors["weight"])
+        name = t["weight"]
         if not isinstance(s.format, IntFormat):
-            codes = w.view(np.uint8)
+            codes_dtype = np.uint8
+
+            def codes(ix):
+                return src.read(name, ix).view(np.uint8)
         elif bits == 8:
-            codes = w
+            codes_dtype = np.int8
+
+            def codes(ix):
+                return src.read(name, ix)
         else:
-            _check_int_range(w, s.format.qmin, s.format.qmax, _at(ck, m, "weight"))
-            codes = pack((w.astype(np.int16) - s.format.qmin).astype(np.uint8), bits)
+            codes_dtype = np.uint8
+            whole_only = f"{fmt} with {bits}-bit integer codes (stored one per int8, packed on load)"
+
+            def codes(ix):
+                w = src.read(name)
+                _check_int_range(w, s.format.qmin, s.format.qmax, _at(ck, m, "weight"))
+                return _cut(pack((w.astype(np.int16) - s.format.qmin).astype(np.uint8), bits), ix)
     elif fmt == "pack-quantized":
-        wp = ck.get(m.tensors["weight_packed"])
+        name = t["weight_packed"]
+        vals = k if bits == 8 else kbytes  # bytes of the little-endian word stream that hold the codes
+
+        def stream(ix):
+            # the int32 words' little-endian bytes are the code stream: read the words that hold the slice's
+            # bytes (rows and word columns), then cut at the byte boundaries
+            if ix is None:
+                return src.read(name).view("<u1")[:, :vals]
+            a, b, _ = ix[1].indices(vals)
+            w0 = a // 4
+            words = src.read(name, (ix[0], slice(w0, -(-b // 4))))
+            return words.view("<u1")[:, a - 4 * w0: b - 4 * w0]
         if bits == 8:
-            codes = (wp.view("<u1")[:, :k].astype(np.int16) - 128).astype(np.int8)
+            codes_dtype = np.int8
+
+            def codes(ix):
+                return (stream(ix).astype(np.int16) - 128).astype(np.int8)
         elif not lay.legacy:
-            codes = np.ascontiguousarray(wp.view("<u1")[:, : (k * bits + 7) // 8])
+            codes_dtype = np.uint8
+
+            def codes(ix):
+                return np.ascontiguousarray(stream(ix))
         else:
-            codes = pack(unpack_int32(wp, bits, k, legacy=True), bits)
+            codes_dtype = np.uint8
+            if 32 % bits:  # with 32 % bits == 0 the legacy words hold the same byte stream as the dense ones
+                whole_only = "the pre-0.18 int32 layout (32 // bits values per word)"
+
+            def codes(ix):
+                if ix is None or 32 % bits:
+                    return _cut(pack(unpack_int32(src.read(name), bits, k, legacy=True), bits), ix)
+                return np.ascontiguousarray(stream(ix))
     else:
-        codes = ck.get(m.tensors["weight_packed"])
+        name = t["weight_packed"]
+        codes_dtype = np.uint8
+
+        def codes(ix):
+            return src.read(name, ix)
     # -- scale ------------------------------------------------------------------------------------------------
-    sc = ck.get(m.tensors["weight_scale"])
-    if s.scale_format == "e8m0":
-        sc, dtype = sc.view(np.uint8), jnp.bfloat16
-    elif s.strategy == "tensor_group":
-        dtype = jnp.bfloat16
-    else:
-        dtype = sc.dtype
-    sc = sc.reshape(lay.scale)
+    sname = t["weight_scale"]
+    s_info = ck.info(sname)
+    e8m0 = s.scale_format == "e8m0"
+    s_dtype = np.dtype(np.uint8) if e8m0 else s_info.numpy_dtype
+    dtype = jnp.bfloat16 if e8m0 or s.strategy == "tensor_group" else s_info.numpy_dtype
+
+    def _scale_shaped(name):
+        """read(index) of a tensor stored in the contracted scale shape (or reshaped to it, read whole)."""
+        if tuple(ck.info(name).shape) == lay.scale:
+            return lambda ix: src.read(name, ix)
+        return lambda ix: _cut(src.read(name).reshape(lay.scale), ix)
+    raw_scale = _scale_shaped(sname)
+
+    def scale(ix):
+        a = raw_scale(ix)
+        return a.view(np.uint8) if e8m0 else a
     # -- zero point / global scale / g_idx ----------------------------------------------------------------------
     zp = None
     if not s.symmetric:
         if fmt == "pack-quantized" and s.strategy in ("group", "channel"):
-            zpk = ck.get(m.tensors["weight_zero_point"])
-            u = np.asarray(unpack_int32(zpk, bits, n, legacy=lay.zp_legacy, axis=0))
-            zp = (u.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+            whole_only = "an asymmetric pack-quantized zero point (int32 words packed across output channels)"
+            zname = t["weight_zero_point"]
+
+            def zp(ix):
+                u = np.asarray(unpack_int32(src.read(zname), bits, n, legacy=lay.zp_legacy, axis=0))
+                return _cut((u.astype(np.int16) - (1 << (bits - 1))).astype(np.int8), ix)
         else:
-            z = ck.get(m.tensors["weight_zero_point"])
-            _check_int_range(z, s.format.qmin, s.format.qmax, _at(ck, m, "weight_zero_point"))
-            zp = z.astype(np.int8).reshape(lay.scale)
-    elif "weight_zero_point" in m.tensors and ck.get(m.tensors["weight_zero_point"]).any():
+            raw_zp = _scale_shaped(t["weight_zero_point"])
+
+            def zp(ix):
+                z = raw_zp(ix)
+                _check_int_range(z, s.format.qmin, s.format.qmax, _at(ck, m, "weight_zero_point"))
+                return z.astype(np.int8)
+    elif "weight_zero_point" in t and src.read(t["weight_zero_point"]).any():
         raise CheckpointError(f"{_at(ck, m, 'weight_zero_point')}: the weights args say symmetric, expected no "
                               f"zero point or an all-zero one, found nonzero values")
     gs = None
     if s.strategy == "tensor_group":
-        gs = ck.get(m.tensors["weight_global_scale"]).reshape(1)
-    if "weight_g_idx" in m.tensors:
-        gi = ck.get(m.tensors["weight_g_idx"])
+        gs_host = src.read(t["weight_global_scale"]).reshape(1)
+        gs = Leaf((1,), np.dtype(np.float32), lambda ix: _cut(gs_host, ix))
+    g_idx = None
+    if "weight_g_idx" in t:
+        gi = src.read(t["weight_g_idx"])
         if not np.array_equal(gi, np.arange(k) // s.group_size):
-            return _g_idx_dense(ck, m, s, fmt, codes, sc, zp, gi, n, k, where)
-    q = QArray(codes, sc, zp, gs, scheme=s, shape=(k, n), dtype=dtype, axis=0)
-    try:
-        q.check()
-    except QFormatsError as e:
-        raise CheckpointError(f"{where}: {e}") from None
-    return q
+            at = _at(ck, m, "weight_g_idx")
+            if not isinstance(s.format, IntFormat):
+                raise CheckpointError(f"{at}: a non-trivial group index is supported for integer weights only, "
+                                      f"found {s.format.name} ({fmt})")
+            _check_int_range(gi, 0, lay.scale[-1] - 1, at)
+            g_idx = gi
+            whole_only = (f"activation-ordered groups (a weight_g_idx other than column // {s.group_size}, loaded as "
+                          f"a dense weight)")
+    return StoredWeight(m.name, where, g, s, (k, n), dtype, Leaf((n, kbytes), np.dtype(codes_dtype), codes),
+                        Leaf(lay.scale, s_dtype, scale),
+                        None if zp is None else Leaf(lay.scale, np.dtype(np.int8), zp), gs, whole_only, g_idx)
 
 
-def _g_idx_dense(ck: Checkpoint, m: _Module, s: QuantScheme, fmt: str, codes, sc, zp, gi, n: int, k: int,
-                 where: str) -> np.ndarray:
+def _g_idx_dense(w: StoredWeight, codes, sc, zp) -> np.ndarray:
     """The dense torch-layout [N, K] weight of a module with a non-trivial `weight_g_idx` (legacy activation-
     ordered GPTQ groups): W[:, j] = (q[:, j] - z[:, g[j]]) * s[:, g[j]], the product rounded once to the scale's
     dtype as compressed-tensors' dequantization does. A QArray keeps its groups contiguous along K, so such a
     layer is loaded dense, with a warning naming it."""
-    at = _at(ck, m, "weight_g_idx")
-    if not isinstance(s.format, IntFormat):
-        raise CheckpointError(f"{at}: a non-trivial group index is supported for integer weights only, found "
-                              f"{s.format.name} ({fmt})")
-    groups = sc.shape[-1]
-    _check_int_range(gi, 0, groups - 1, at)
+    s, gi, where = w.scheme, w.g_idx, w.where
+    k, n = w.shape
     if s.bits == 8:
         vals = np.asarray(codes).view(np.int8).astype(np.float32)
     else:  # packed offset codes, little-endian bit stream of each row: back to unsigned values, minus the offset
@@ -615,11 +798,11 @@ def _g_idx_dense(ck: Checkpoint, m: _Module, s: QuantScheme, fmt: str, codes, sc
     if zp is not None:
         vals = vals - np.asarray(zp, np.float32)[:, g]
     dtype = sc.dtype
-    w = (vals * np.asarray(sc, np.float32)[:, g]).astype(dtype)
+    dense = (vals * np.asarray(sc, np.float32)[:, g]).astype(dtype)
     warnings.warn(f"{where}: weight_g_idx holds activation-ordered groups (not column // {s.group_size}); this "
                   f"layer is loaded as a dense [{n}, {k}] {np.dtype(dtype).name} weight, "
                   "W[:, j] = (q[:, j] - z[:, g[j]]) * s[:, g[j]]", stacklevel=3)
-    return w
+    return dense
 
 
 def _legacy_layout(qc: QuantConfig, bits: int, n: int, words: int, at: str) -> bool:

@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from converters.ct_read import is_quantized
 from converters.safetensors_io import read_json
 from qformats.errors import CheckpointError, ModelError
 
-__all__ = ["STORED", "token_windows", "window_nll", "perplexity", "is_quantized", "load_for_scheme", "encode_text",
+__all__ = ["STORED", "token_windows", "window_nll", "perplexity", "load_for_scheme", "encode_text",
            "evaluate_text"]
 
 STORED = "stored"
@@ -108,11 +109,6 @@ def perplexity(model, windows: np.ndarray, *, batch_size: int = 4,
     tokens = w.shape[0] * (w.shape[1] - 1)
     nll = total / tokens
     return {"ppl": math.exp(nll), "nll": nll, "tokens": tokens}
-
-
-def is_quantized(hf_config) -> bool:
-    """True when a checkpoint's config.json holds a quantization_config (its Linear weights are stored packed)."""
-    return bool(isinstance(hf_config, dict) and hf_config.get("quantization_config"))
 
 
 def _indivisible_paths(model, rules, ss) -> List[str]:

@@ -1,5 +1,6 @@
-"""converters.mesh_load in one process on one device: the sharded loader equals load_causal_lm, reads shard by
-shard, and refuses what it cannot read shard-wise with typed errors (8 devices: tests/multidevice)."""
+"""load_causal_lm(mesh=...) in one process on one device (converters.mesh_load): the sharded load equals the
+one-device load, reads shard by shard, and refuses what it cannot read shard-wise with typed errors (8 devices:
+tests/multidevice)."""
 
 import json
 
@@ -10,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters.causal_lm import load_causal_lm
-from converters.mesh_load import ReadStats, load_causal_lm_sharded, place, tensor_parallel_setup
+from converters.mesh_load import ReadStats, place, tensor_parallel_setup
 from converters.quantize_checkpoint import quantize_checkpoint
 from converters.safetensors_io import open_checkpoint, save_file
 from qformats.errors import CheckpointError, ModelError
@@ -54,7 +55,7 @@ def test_sharded_load_equals_load_causal_lm(dense_dir, tmp_path, scheme):
         quantize_checkpoint(dense_dir, src, scheme, progress=False)
     ref, _, _ = load_causal_lm(src, tokenizer=False)
     st = ReadStats()
-    got, hf, tok = load_causal_lm_sharded(src, _mesh1(), tokenizer=False, stats=st)
+    got, hf, tok = load_causal_lm(src, mesh=_mesh1(), tokenizer=False, stats=st)
     assert tok is None and hf["model_type"] == "llama"
     a, b = _leaves(ref), _leaves(got)
     assert len(a) == len(b)
@@ -87,7 +88,7 @@ def test_asymmetric_packed_zero_points_are_refused_naming_the_module(dense_dir, 
     quantize_checkpoint(dense_dir, src, "W4A16_ASYM:g16", progress=False)
     with pytest.raises(CheckpointError, match=r"module 'model.layers.0.mlp.down_proj' \(pack-quantized.*an "
                                               r"asymmetric pack-quantized zero point.*load_causal_lm"):
-        load_causal_lm_sharded(src, _mesh1(), tokenizer=False)
+        load_causal_lm(src, mesh=_mesh1(), tokenizer=False)
 
 
 def test_missing_and_unexpected_tensors_are_checkpoint_errors(dense_dir, tmp_path):
@@ -99,9 +100,9 @@ def test_missing_and_unexpected_tensors_are_checkpoint_errors(dense_dir, tmp_pat
     save_file(tensors, bad / "model.safetensors")
     (bad / "config.json").write_text(json.dumps(HF))
     with pytest.raises(CheckpointError, match=r"1 missing: model.norm.weight; 1 unexpected: model.extra.weight"):
-        load_causal_lm_sharded(bad, _mesh1(), tokenizer=False)
+        load_causal_lm(bad, mesh=_mesh1(), tokenizer=False)
     with pytest.raises(CheckpointError, match=r"expected a checkpoint directory"):
-        load_causal_lm_sharded(bad / "model.safetensors", _mesh1())
+        load_causal_lm(bad / "model.safetensors", mesh=_mesh1())
 
 
 def test_tensor_parallel_setup_after_jax_started_needs_the_devices():
@@ -135,7 +136,7 @@ def test_kv_cache_scheme_loads_onto_the_mesh(dense_dir, tmp_path, kv):
         calibrate_kv_cache(m, [ids], scheme)
     src = save_causal_lm(m, tmp_path / "kv", cfg)
     ref, _, _ = load_causal_lm(src, tokenizer=False)
-    got, _, _ = load_causal_lm_sharded(src, _mesh1(), tokenizer=False)
+    got, _, _ = load_causal_lm(src, mesh=_mesh1(), tokenizer=False)
     assert kv_cache_scheme(got) == scheme
     a, b = kv_scale_tensors(ref), kv_scale_tensors(got)
     assert sorted(a) == sorted(b) and len(a) == (0 if scheme.dynamic else 2)
@@ -146,3 +147,50 @@ def test_kv_cache_scheme_loads_onto_the_mesh(dense_dir, tmp_path, kv):
     (la, ca), (lb, cb) = step(ref, ids), step(got, ids)
     assert ca.keys[0].dtype == cb.keys[0].dtype == np.uint8
     np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+
+
+def _splits(d, parts):
+    edges = [round(i * d / parts) for i in range(parts + 1)]
+    return [slice(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+@pytest.mark.parametrize("scheme", ["W4A16:g16", "W3A16:g16", "W8A16:g16", "W8A8", "NVFP4A16", "MXFP6A16",
+                                    "FP8_DYNAMIC", "W4A16_ASYM:g16"])
+def test_the_decoder_reads_any_slice_of_a_leaf_as_the_whole_leaf_holds_it(dense_dir, tmp_path, scheme):
+    """converters.ct_read.decode_weight, the one decoder of both placements: its leaves read whole make the QArray
+    read_compressed returns, and each leaf read by slices (rows and columns cut anywhere, as a device reads its
+    part) equals that slice of the whole leaf; a layout whose values span slices says so (whole_only)."""
+    from converters.ct_read import decode_weight, open_compressed, plan_modules, read_compressed
+
+    src = tmp_path / "q"
+    quantize_checkpoint(dense_dir, src, scheme, progress=False)
+    ref = read_compressed(src).qarrays()
+    ck, _, qc = open_compressed(src)
+    decoded = 0
+    with ck:
+        for m in plan_modules(ck, qc):
+            if m.group is None:
+                continue
+            w = decode_weight(ck, m, qc)
+            q = w.whole()
+            for part in ("codes", "scale", "zero_point", "global_scale"):
+                a, b = getattr(q, part), getattr(ref[m.name], part)
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert a.dtype == b.dtype and a.shape == b.shape
+                    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+            decoded += 1
+            if w.whole_only is not None:
+                assert scheme == "W4A16_ASYM:g16", w.whole_only
+                continue
+            for leaf in (w.codes, w.scale, w.zero_point, w.global_scale):
+                if leaf is None:
+                    continue
+                whole = leaf.read(None)
+                assert whole.shape == leaf.shape and whole.dtype == leaf.dtype
+                for parts in (1, 2, 3, 8):
+                    for rows in _splits(leaf.shape[0], parts):
+                        for cols in (_splits(leaf.shape[1], 5 - parts % 4) if len(leaf.shape) > 1 else [None]):
+                            ix = (rows,) if cols is None else (rows, cols)
+                            np.testing.assert_array_equal(leaf.read(ix).view(np.uint8), whole[ix].view(np.uint8))
+    assert decoded == 7

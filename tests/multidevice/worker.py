@@ -183,7 +183,7 @@ def case_load(n: int, workdir: str):
     from flax import nnx
 
     from converters.causal_lm import load_causal_lm
-    from converters.mesh_load import ReadStats, load_causal_lm_sharded, tensor_parallel_setup
+    from converters.mesh_load import ReadStats, tensor_parallel_setup
     from converters.quantize_checkpoint import quantize_checkpoint
     from qformats.models.decoder import CausalLM, DecoderConfig
 
@@ -198,7 +198,7 @@ def case_load(n: int, workdir: str):
     for name in ("dense", "w4", "nvfp4"):
         ref, _, _ = load_causal_lm(wd / name, tokenizer=False)
         st = ReadStats()
-        got, _, _ = load_causal_lm_sharded(wd / name, mesh, tokenizer=False, stats=st)
+        got, _, _ = load_causal_lm(wd / name, mesh=mesh, tokenizer=False, stats=st)
         a = jax.tree.leaves(nnx.state(ref, nnx.Param))
         b = jax.tree.leaves(nnx.state(got, nnx.Param))
         res[name] = dict(leaves=len(a), same=len(a) == len(b) and all(
@@ -222,7 +222,8 @@ def case_memory(n: int, workdir: str):
     import numpy as np
     from flax import nnx
 
-    from converters.mesh_load import ReadStats, load_causal_lm_sharded, place, tensor_parallel_setup
+    from converters.causal_lm import load_causal_lm
+    from converters.mesh_load import ReadStats, place, tensor_parallel_setup
 
     mesh = tensor_parallel_setup(n)
     wd = Path(workdir)
@@ -233,7 +234,7 @@ def case_memory(n: int, workdir: str):
     st = ReadStats()
     base = _rss_anon()
     with PeakRss() as pk:
-        model, _, _ = load_causal_lm_sharded(wd / "big", mesh, tokenizer=False, stats=st)
+        model, _, _ = load_causal_lm(wd / "big", mesh=mesh, tokenizer=False, stats=st)
     placed = sum(s.data.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))
                  for s in leaf.addressable_shards)
     return dict(baseline=base, peak=pk.peak, placed=placed, largest_slice=st.largest,
@@ -296,7 +297,7 @@ def case_multiprocess(n: int, workdir: str, pid: int, nproc: int, port: int):
     from jax.sharding import Mesh
 
     from converters.causal_lm import load_causal_lm
-    from converters.mesh_load import ReadStats, load_causal_lm_sharded
+    from converters.mesh_load import ReadStats
 
     wd = Path(workdir)
     mesh = Mesh(np.array(jax.devices()), ("tp",))
@@ -304,7 +305,7 @@ def case_multiprocess(n: int, workdir: str, pid: int, nproc: int, port: int):
     res = {"global_devices": len(jax.devices()), "local_devices": len(jax.local_devices())}
     for name in ("dense", "w4"):
         st = ReadStats()
-        model, _, _ = load_causal_lm_sharded(wd / name, mesh, tokenizer=False, stats=st)
+        model, _, _ = load_causal_lm(wd / name, mesh=mesh, tokenizer=False, stats=st)
         gids = multihost_utils.host_local_array_to_global_array(ids, mesh, jax.sharding.PartitionSpec())
         gd, state = nnx.split(model)
         logits = jax.jit(lambda s, x: nnx.merge(gd, s)(x)[0])(state, gids)
