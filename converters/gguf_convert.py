@@ -501,7 +501,8 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str =
     files = model.tokenizer_files() if tokenizer else {}
     config = dict(model.config, dtype=target.name)
     plan = [TensorSpec(name, target, model.shape(name)) for name in model.keys()]
-    with ShardedWriter(dst, max_shard_size, overwrite=overwrite, plan=plan, metadata={"format": "pt"}) as w:
+    with ShardedWriter(dst, max_shard_size, overwrite=overwrite, plan=plan, metadata={"format": "pt"},
+                       sources=(src,)) as w:
         for name, array in model.items():
             w.add(name, array.astype(target, copy=False))
         w.add_json("config.json", config)
