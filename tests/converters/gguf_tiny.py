@@ -21,7 +21,7 @@ def byte_alphabet() -> list[str]:
 
 
 def tiny_gguf(path: Path, *, hidden=16, heads=2, kv_heads=1, inter=32, layers=1, weight_type=None, metadata=(),
-              tokens=None, merges=None, seed=0) -> Path:
+              tokens=None, merges=None, block_count=None, freq_base=10000.0, rms_eps=1e-6, seed=0) -> Path:
     """Writes a small random llama GGUF file at `path` (projections in `weight_type`, default F32)."""
     import gguf
 
@@ -33,16 +33,16 @@ def tiny_gguf(path: Path, *, hidden=16, heads=2, kv_heads=1, inter=32, layers=1,
     if merges is None:
         merges = ["h e", "Ġ t"]
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(layers)
+    w.add_block_count(layers if block_count is None else block_count)
     w.add_context_length(64)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(inter)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(freq_base)
+    w.add_layer_norm_rms_eps(rms_eps)
     w.add_rope_dimension_count(hidden // heads)
-    w.add_vocab_size(len(tokens))
+    w.add_vocab_size(len(tokens) if isinstance(tokens[0], str) else 258)
     for add in metadata:
         add(w)
     w.add_tokenizer_model("gpt2")
@@ -57,7 +57,8 @@ def tiny_gguf(path: Path, *, hidden=16, heads=2, kv_heads=1, inter=32, layers=1,
         return (0.5 * rng.standard_normal((r, c))).astype(np.float32)
 
     hd = hidden // heads
-    tensors = {"token_embd.weight": (mat(len(tokens), hidden), q.F32), "output_norm.weight": (1 + mat(1, hidden)[0], q.F32)}
+    vocab = len(tokens) if isinstance(tokens[0], str) else 258
+    tensors = {"token_embd.weight": (mat(vocab, hidden), q.F32), "output_norm.weight": (1 + mat(1, hidden)[0], q.F32)}
     for i in range(layers):
         p = f"blk.{i}."
         tensors.update({p + "attn_norm.weight": (1 + mat(1, hidden)[0], q.F32),
@@ -79,3 +80,10 @@ def tiny_gguf(path: Path, *, hidden=16, heads=2, kv_heads=1, inter=32, layers=1,
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def tensor_info_at(data: bytes, name: str) -> int:
+    """Byte offset of tensor `name`'s info (its dims count, after the name) in GGUF file bytes `data`."""
+    raw = name.encode()
+    at = data.rindex(len(raw).to_bytes(8, "little") + raw)
+    return at + 8 + len(raw)
