@@ -245,7 +245,8 @@ def write_compressed(dst: "str | os.PathLike", tensors: Mapping[str, Any], schem
     Returns the path written.
     """
     dst = Path(dst)
-    with CompressedWriter(dst, max_shard_size, overwrite=overwrite) as w:
+    sources = () if copy_from is None else (copy_from,)  # the directory whose files are copied is read from
+    with CompressedWriter(dst, max_shard_size, overwrite=overwrite, sources=sources) as w:
         for name in sorted(tensors):
             v = tensors[name]
             if isinstance(v, QArray):
