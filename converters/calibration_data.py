@@ -153,7 +153,7 @@ def _lines(p: Path) -> Iterator[tuple]:
     CheckpointError for a line over MAX_LINE_BYTES or invalid UTF-8."""
     fd, _ = open_regular(p, None, "a calibration file")
     with os.fdopen(fd, "rb") as f:
-        n, carry = 0, b""
+        n = 0
         while True:
             raw = f.readline(MAX_LINE_BYTES + 2)
             if not raw:
@@ -233,25 +233,44 @@ def _tokens(p: Path, n: int, tokenize: Callable, text: str, seq_len: int) -> np.
     return np.asarray(ids, np.int64)[:seq_len]
 
 
+#: Tokens a text file's first pass keeps (int32, 64 MiB); beyond, only lengths are kept and the selected
+#: samples are tokenized again in a second pass.
+_KEEP_TOKENS = 1 << 24
+
+
 def _text_samples(p: Path, tokenize: Callable, seq_len: int):
-    """Pass 1: each sample's length (tokenized, truncated); the selected ones are tokenized again by `get`."""
+    """Pass 1: each sample's length (tokenized, truncated), the arrays too while they total at most
+    _KEEP_TOKENS; beyond that `get` tokenizes the selected samples again."""
     lengths: List[int] = []
     where: List[int] = []  # the sample's ordinal among the file's non-blank texts
+    kept: Optional[List[np.ndarray]] = []
+    total = 0
     for k, (n, text) in enumerate(_texts(p)):
-        m = len(_tokens(p, n, tokenize, text, seq_len))
-        if m:
+        ids = _tokens(p, n, tokenize, text, seq_len)
+        if ids.size:
             if len(lengths) >= MAX_SAMPLES:
                 raise CheckpointError(f"{p}: expected at most {MAX_SAMPLES} calibration samples (MAX_SAMPLES), "
                                       f"found more")
-            lengths.append(m)
+            lengths.append(ids.size)
             where.append(k)
+            total += ids.size
+            if kept is not None:
+                kept.append(ids)
+                if total > _KEEP_TOKENS:
+                    kept = None
 
     def get(indices: List[int]) -> dict:
+        if kept is not None:
+            return {i: kept[i] for i in indices}
         want = {where[i]: i for i in indices}
         out = {}
         for k, (n, text) in enumerate(_texts(p)):
             if k in want:
-                out[want[k]] = _tokens(p, n, tokenize, text, seq_len)
+                out[want[k]] = ids = _tokens(p, n, tokenize, text, seq_len)
+                if ids.size != lengths[want[k]]:
+                    break
+        if len(out) != len(indices) or any(out[i].size != lengths[i] for i in out):
+            raise CheckpointError(f"{p}: expected the same samples on a second read, found the file changed")
         return out
 
     return lengths, get

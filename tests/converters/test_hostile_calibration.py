@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from converters import cli
+from converters import calibration_data, cli
 from converters.calibration_data import (
     MAX_JSON_DEPTH,
     MAX_LINE_BYTES,
@@ -59,8 +59,11 @@ def _reference(path, tokenize, seq_len, max_tokens, seed):
     return select_samples(rows, max_tokens, seed)
 
 
+@pytest.mark.parametrize("keep", [None, 10])  # 10: only lengths kept, the selected samples read again
 @pytest.mark.parametrize("seed", [None, 0, 5])
-def test_streamed_selection_equals_the_materialised_one(tmp_path, seed):
+def test_streamed_selection_equals_the_materialised_one(tmp_path, seed, keep, monkeypatch):
+    if keep is not None:
+        monkeypatch.setattr(calibration_data, "_KEEP_TOKENS", keep)
     rng = np.random.default_rng(1)
     txt = tmp_path / "c.txt"
     txt.write_text("\n".join("".join(chr(97 + int(c)) for c in rng.integers(0, 26, int(n)))
