@@ -19,6 +19,12 @@ architectures: `modeling_gguf_pytorch_utils.load_gguf_checkpoint`) does, done wi
 Unlike transformers, nothing is dropped silently: a tensor the HF model has no place for, a missing one, a
 shape that does not fit the config, rope scaling, experts or an unknown block type is a CheckpointError
 naming the file and tensor/key and saying what is supported.
+
+The file is untrusted: `check_gguf_header` reads the header first, every count and length checked against
+the file size (so a 2^40-element array in a 49-byte file is refused at once), every tensor's data aligned,
+in bounds, non-overlapping and exactly its type's size; only then does gguf's reader map it. Metadata is
+type-checked (integers in range, `rope.freq_base` and the RMS epsilon finite and positive) and the tokenizer
+is built only from string tokens and merges whose pieces are in the vocabulary.
 """
 
 from __future__ import annotations
@@ -406,8 +412,9 @@ class GGUFModel:
                              ("tokenizer.ggml.token_type", _INT_TYPES)):
             f = self._header.fields.get(key)
             if (f is None and key != "tokenizer.ggml.token_type") or (f is not None and f.element not in element):
-                raise CheckpointError(f"{self.path}: metadata key {key!r}: expected an array of "
-                                      f"{'strings' if element == {'STRING'} else 'integers'}, found {self._stored(key)}")
+                kind = "strings" if element == {"STRING"} else "integers"
+                raise CheckpointError(f"{self.path}: metadata key {key!r}: expected an array of {kind}, found "
+                                      f"{self._stored(key)}")
         tokens = self._value("tokenizer.ggml.tokens")
         merges = self._value("tokenizer.ggml.merges")
         if not isinstance(tokens, list) or not isinstance(merges, list):

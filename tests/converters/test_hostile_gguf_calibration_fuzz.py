@@ -104,7 +104,8 @@ def mutate_npy():
             data = bytearray(bytes(data).replace(b"'shape': (", b"'shape': (" + str(rng.choice(EXTREME)).encode()
                                                  + b", ", 1))
         elif kind == "descr":
-            data = bytearray(bytes(data).replace(b"'descr': '", b"'descr': '" + rng.choice([b"O", b"|", b">", b"V"]), 1))
+            junk = rng.choice([b"O", b"|", b">", b"V"])
+            data = bytearray(bytes(data).replace(b"'descr': '", b"'descr': '" + junk, 1))
         else:
             data[8:10] = struct.pack("<H", rng.randrange(65536))
     return bytes(data)
