@@ -214,6 +214,8 @@ def _quantize_calibrated_lm(a) -> int:
     if a.calibration_tokens is not None:
         kw["calibration_tokens"] = a.calibration_tokens
     if a.seq_len is not None:
+        from converters.perplexity import check_context
+        check_context(a.paths[0], a.seq_len)  # before the (slow) load and calibration
         kw["seq_len"] = a.seq_len
     if a.dampening is not None:
         kw["dampening_frac"] = a.dampening

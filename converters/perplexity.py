@@ -35,7 +35,7 @@ from converters.safetensors_io import read_json
 from qformats.errors import CheckpointError, ModelError
 
 __all__ = ["STORED", "token_windows", "window_nll", "perplexity", "is_quantized", "load_for_scheme", "encode_text",
-           "check_window", "evaluate_text"]
+           "check_context", "check_window", "evaluate_text"]
 
 STORED = "stored"
 
@@ -204,6 +204,16 @@ def _hf_config(src: "str | os.PathLike") -> Dict:
     return open_gguf(p).config
 
 
+def check_context(src: "str | os.PathLike", seq_len: int, cfg: Optional[Dict] = None) -> None:
+    """Refuses `seq_len` above the `max_position_embeddings` (the context) of the causal LM at `src`, read
+    from config.json or the GGUF header (or `cfg`, that config) before any weight is loaded; ModelError
+    naming `src` and the limit."""
+    ctx = (_hf_config(src) if cfg is None else cfg).get("max_position_embeddings")
+    if isinstance(ctx, int) and not isinstance(ctx, bool) and seq_len > ctx:
+        raise ModelError(f"{src}: --seq-len {seq_len}: expected at most the model's context, "
+                         f"max_position_embeddings = {ctx}")
+
+
 def check_window(src: "str | os.PathLike", seq_len: int, batch_size: int, memory_bytes: Optional[int] = None) -> None:
     """Refuses, before any load or compute, windows the model at `src` cannot run: `seq_len` above its
     `max_position_embeddings` (its context), or an estimated activation peak above `memory_bytes` (default:
@@ -214,10 +224,7 @@ def check_window(src: "str | os.PathLike", seq_len: int, batch_size: int, memory
       ModelError naming `src`, the limit and the value.
     """
     cfg = _hf_config(src)
-    ctx = cfg.get("max_position_embeddings")
-    if isinstance(ctx, int) and not isinstance(ctx, bool) and seq_len > ctx:
-        raise ModelError(f"{src}: --seq-len {seq_len}: expected at most the model's context, "
-                         f"max_position_embeddings = {ctx}")
+    check_context(src, seq_len, cfg)
     vocab, heads = cfg.get("vocab_size"), cfg.get("num_attention_heads")
     if not all(isinstance(v, int) and v > 0 for v in (vocab, heads)):
         return

@@ -191,3 +191,17 @@ def test_seq_len_beyond_context_or_memory_refused_before_loading(tmp_path):
     with pytest.raises(ModelError, match=r"--seq-len 100000 with --batch-size 4: expected windows whose activations "
                                          r"fit in memory"):
         check_window(src, 100000, 4, memory_bytes=64 * 2**30)
+
+
+def test_calibration_seq_len_beyond_context_refused_by_the_cli(tmp_path, capsys):
+    src = tmp_path / "m"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    (tmp_path / "c.txt").write_text("calibration text\n")
+    argv = ["quantize", str(src), str(tmp_path / "out"), "--scheme", "W4A16", "--calibrate", str(tmp_path / "c.txt"),
+            "--seq-len", "512"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"qformats: error: {src}: --seq-len 512: expected at most the model's context, " \
+           "max_position_embeddings = 64" in err
+    assert not (tmp_path / "out").exists()
