@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 
 from converters import embedded
 from converters.evaluate import resolve
+from converters.safe_files import check_destination
 from qformats.errors import CheckpointError, ModelError
 from qformats.gptq import DAMPENING_FRAC
 from qformats.nn import Rule, quantize_model, quantized_layers
@@ -193,6 +194,7 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     from qformats.models.decoder import hf_tensor_names
     from qformats.models.sequential import GPTQOptions, calibrate_decoder
 
+    check_destination(dst, (src,))  # fail before the calibration work, not after (the writer checks again)
     if Path(dst).exists() and not overwrite:  # fail before the calibration work, not after
         raise CheckpointError(f"{dst}: already exists (pass overwrite=True / --overwrite to replace it)")
     if awq and smooth is not None:
@@ -424,7 +426,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
         # embeddings, final norm, an untied lm_head: written last, as the checkpoint has them
         outside = [n for n, slot in slots.items() if slot.path[:2] != ("model", "layers")]
         plan = _stream_plan(ck, scheme, slots, per_layer, outside)
-        with CompressedWriter(dst, overwrite=overwrite, plan=plan) as w:
+        with CompressedWriter(dst, overwrite=overwrite, plan=plan, sources=(src,)) as w:
             def load_layer(i, layer):
                 for n in per_layer[i]:
                     slot = slots[n]

@@ -214,6 +214,8 @@ def _quantize_calibrated_lm(a) -> int:
     if a.calibration_tokens is not None:
         kw["calibration_tokens"] = a.calibration_tokens
     if a.seq_len is not None:
+        from converters.perplexity import check_context
+        check_context(a.paths[0], a.seq_len)  # before the (slow) load and calibration
         kw["seq_len"] = a.seq_len
     if a.dampening is not None:
         kw["dampening_frac"] = a.dampening
@@ -258,7 +260,8 @@ def _quantize_calibrated(a) -> int:
         path = Path(a.calibrate)
         if not path.is_file():
             raise _Usage(f"qformats quantize: error: --calibrate {path}: no such file")
-        sentences = [s.strip() for s in path.read_text(encoding="utf-8").splitlines() if s.strip()]
+        from converters.calibration_data import read_text_file
+        sentences = [s.strip() for s in read_text_file(path, "--calibrate sentences").splitlines() if s.strip()]
         if not sentences:
             raise _Usage(f"qformats quantize: error: --calibrate {path}: the file holds no sentences")
     from converters.calibrate import DEFAULT_WEIGHT_SEARCH, quantize_calibrated
@@ -310,10 +313,8 @@ def _read_text(flag: str, name: str) -> str:
     path = Path(name)
     if not path.is_file():
         raise _Usage(f"qformats: error: {flag} {path}: no such file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise _Usage(f"qformats: error: {flag} {path}: expected UTF-8 text, found {e}") from None
+    from converters.calibration_data import read_text_file
+    return read_text_file(path, f"{flag} text")  # size-capped, strict UTF-8: a CheckpointError names the file
 
 
 def _schemes(text: str) -> List[str]:

@@ -135,13 +135,14 @@ class CompressedWriter:
     """Streams tensors and QArrays into a compressed-tensors checkpoint at `dst`: `add_dense(name, array)`,
     `add_qarray(module, q, scheme_set)`, then `finish(base_config, ignore=..., targets=..., copy_from=...)`,
     which moves the complete directory into place; `abort` (or an exception inside `with`) leaves `dst` as
-    it was. `max_shard_size`, `overwrite` and `plan` (the tensor list, for a writer that streams each tensor
-    to disk as it comes) are `ShardedWriter`'s."""
+    it was. `max_shard_size`, `overwrite`, `plan` (the tensor list, for a writer that streams each tensor
+    to disk as it comes) and `sources` (the paths read, which `dst` must stay apart from) are
+    `ShardedWriter`'s."""
 
     def __init__(self, dst: "str | os.PathLike", max_shard_size: "int | str" = "5GB", *, overwrite: bool = False,
-                 plan: Optional[Sequence[TensorSpec]] = None):
+                 plan: Optional[Sequence[TensorSpec]] = None, sources: Sequence["str | os.PathLike"] = ()):
         self.dst = Path(dst)
-        self._w = ShardedWriter(self.dst, max_shard_size, overwrite=overwrite, plan=plan)
+        self._w = ShardedWriter(self.dst, max_shard_size, overwrite=overwrite, plan=plan, sources=sources)
         self._groups: List[Tuple[Tuple[Any, Any, Any], SchemeSet, List[str]]] = []
         self.dense_bytes = 0  # bytes the quantized weights had dense
         self.written_bytes = 0
@@ -244,7 +245,8 @@ def write_compressed(dst: "str | os.PathLike", tensors: Mapping[str, Any], schem
     Returns the path written.
     """
     dst = Path(dst)
-    with CompressedWriter(dst, max_shard_size, overwrite=overwrite) as w:
+    sources = () if copy_from is None else (copy_from,)  # the directory whose files are copied is read from
+    with CompressedWriter(dst, max_shard_size, overwrite=overwrite, sources=sources) as w:
         for name in sorted(tensors):
             v = tensors[name]
             if isinstance(v, QArray):

@@ -37,7 +37,7 @@ def dequantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", dt
     stream = sys.stderr if progress is True else (progress or None)
     n = 0
     try:
-        with ShardedWriter(dst, max_shard_size, overwrite=overwrite) as w:
+        with ShardedWriter(dst, max_shard_size, overwrite=overwrite, sources=(src,)) as w:
             for mod in iter_modules(ck, qc):
                 prefix = f"{mod.name}." if mod.name else ""
                 quantized = isinstance(mod.tensors.get("weight"), QArray)

@@ -19,19 +19,29 @@ architectures: `modeling_gguf_pytorch_utils.load_gguf_checkpoint`) does, done wi
 Unlike transformers, nothing is dropped silently: a tensor the HF model has no place for, a missing one, a
 shape that does not fit the config, rope scaling, experts or an unknown block type is a CheckpointError
 naming the file and tensor/key and saying what is supported.
+
+The file is untrusted: `check_gguf_header` reads the header first, every count and length checked against
+the file size (so a 2^40-element array in a 49-byte file is refused at once), every tensor's data aligned,
+in bounds, non-overlapping and exactly its type's size; only then does gguf's reader map it. Metadata is
+type-checked (integers in range, `rope.freq_base` and the RMS epsilon finite and positive) and the tokenizer
+is built only from string tokens and merges whose pieces are in the vocabulary.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
+import mmap
 import os
 import re
+import struct
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
+from converters.safe_files import open_regular
 from qformats.errors import CheckpointError
 
 __all__ = [
@@ -151,11 +161,15 @@ class GGUFModel:
     """An open GGUF causal LM: its HF config, tensors under HF names (dequantized on demand), tokenizer files.
 
     Built by `open_gguf`. The file is memory-mapped by gguf's reader; `get(name)` dequantizes one tensor.
+    Metadata is type-checked against the header (`check_gguf_header`): sizes and counts are integers in
+    [1, 2^31) (`block_count` at most the file's tensor count), `rope.freq_base` and the RMS epsilon finite
+    positive numbers, token ids inside the vocabulary.
     """
 
-    def __init__(self, path: Path, reader: Any):
+    def __init__(self, path: Path, reader: Any, header: GGUFHeader):
         self.path = path
         self._reader = reader
+        self._header = header
         self._fields = reader.fields
         arch = self._value("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -179,13 +193,37 @@ class GGUFModel:
                                   f"{type(e).__name__}: {e}") from None
         return value
 
-    def _int(self, key: str) -> int | None:
+    def _stored(self, key: str) -> str:
+        f = self._header.fields.get(key)
+        return "nothing" if f is None else (f"{f.type}[{f.count}] of {f.element}" if f.element else f.type)
+
+    def _int(self, key: str, low: int = 1, high: int = 2**31 - 1) -> int | None:
+        """Metadata `key` as an int in [low, high] (None when absent)."""
         value = self._value(key)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise CheckpointError(f"{self.path}: metadata key {key!r}: expected one integer, found {value!r:.80}")
+        f = self._header.fields[key]
+        if f.type not in _INT_TYPES or isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise CheckpointError(f"{self.path}: metadata key {key!r}: expected one integer, found "
+                                  f"{self._stored(key)} {value!r:.80}")
+        if not low <= int(value) <= high:
+            raise CheckpointError(f"{self.path}: metadata key {key!r}: expected an integer in [{low}, {high}], "
+                                  f"found {int(value)}")
         return int(value)
+
+    def _positive_float(self, key: str) -> float | None:
+        """Metadata `key` as a finite float > 0 (None when absent)."""
+        value = self._value(key)
+        if value is None:
+            return None
+        f = self._header.fields[key]
+        if f.type not in _INT_TYPES | _FLOAT_TYPES or isinstance(value, bool):
+            raise CheckpointError(f"{self.path}: metadata key {key!r}: expected a number, found {self._stored(key)} "
+                                  f"{value!r:.80}")
+        x = float(value)
+        if not (math.isfinite(x) and x > 0):
+            raise CheckpointError(f"{self.path}: metadata key {key!r}: expected a finite number > 0, found {x!r}")
+        return x
 
     def _build_config(self) -> dict[str, Any]:
         arch, path = self.architecture, self.path
@@ -212,22 +250,20 @@ class GGUFModel:
             # the file states it (llama.cpp's default: hidden / heads), so it is written explicitly.
             keys["attention.key_length"] = "head_dim"
         for gguf_key, hf_key in keys.items():
-            value = self._value(f"{arch}.{gguf_key}")
-            if value is None:
+            if f"{arch}.{gguf_key}" not in self._fields:
                 continue
             if hf_key in ("rope_theta", "rms_norm_eps"):
-                if not isinstance(value, (float, int, np.floating, np.integer)) or isinstance(value, bool):
-                    raise CheckpointError(f"{path}: metadata key '{arch}.{gguf_key}': expected a number, found "
-                                          f"{value!r:.80}")
-                config[hf_key] = float(value)
+                config[hf_key] = self._positive_float(f"{arch}.{gguf_key}")
+            elif hf_key == "num_hidden_layers":  # each layer has tensors: no more layers than the file has tensors
+                config[hf_key] = self._int(f"{arch}.{gguf_key}", 1, max(1, len(self._header.tensors)))
             else:
                 config[hf_key] = self._int(f"{arch}.{gguf_key}")
         for gguf_key, hf_key in _TOKEN_ID_KEYS.items():
-            value = self._int(f"tokenizer.ggml.{gguf_key}")
+            value = self._int(f"tokenizer.ggml.{gguf_key}", 0)
             if value is not None:
                 config[hf_key] = value
         if "vocab_size" not in config and "tokenizer.ggml.tokens" in self._fields:
-            config["vocab_size"] = len(self._fields["tokenizer.ggml.tokens"].data)
+            config["vocab_size"] = self._header.fields["tokenizer.ggml.tokens"].count
         if "vocab_size" not in config:
             raise CheckpointError(f"{path}: expected {arch}.vocab_size or tokenizer.ggml.tokens to give the "
                                   f"vocabulary size, found neither")
@@ -372,12 +408,22 @@ class GGUFModel:
         if kind != "gpt2":
             raise CheckpointError(f"{self.path}: tokenizer.ggml.model is {kind!r}; supported GGUF tokenizers: 'gpt2' "
                                   f"(byte-level BPE). Convert without the tokenizer (tokenizer=False) instead")
+        for key, element in (("tokenizer.ggml.tokens", {"STRING"}), ("tokenizer.ggml.merges", {"STRING"}),
+                             ("tokenizer.ggml.token_type", _INT_TYPES)):
+            f = self._header.fields.get(key)
+            if (f is None and key != "tokenizer.ggml.token_type") or (f is not None and f.element not in element):
+                kind = "strings" if element == {"STRING"} else "integers"
+                raise CheckpointError(f"{self.path}: metadata key {key!r}: expected an array of {kind}, found "
+                                      f"{self._stored(key)}")
         tokens = self._value("tokenizer.ggml.tokens")
         merges = self._value("tokenizer.ggml.merges")
         if not isinstance(tokens, list) or not isinstance(merges, list):
             raise CheckpointError(f"{self.path}: expected tokenizer.ggml.tokens and tokenizer.ggml.merges string "
                                   f"arrays, found {type(tokens).__name__} and {type(merges).__name__}")
         types = self._value("tokenizer.ggml.token_type") or []
+        if types and len(types) != len(tokens):
+            raise CheckpointError(f"{self.path}: metadata key 'tokenizer.ggml.token_type': expected one type per "
+                                  f"token ({len(tokens)}), found {len(types)}")
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
         vocab: dict[str, int] = {}
@@ -389,6 +435,11 @@ class GGUFModel:
             pair = m.split(" ")
             if len(pair) != 2:
                 raise CheckpointError(f"{self.path}: tokenizer.ggml.merges: expected 'left right' pairs, found {m!r}")
+            for piece in (*pair, pair[0] + pair[1]):
+                if piece not in vocab:
+                    raise CheckpointError(f"{self.path}: tokenizer.ggml.merges: merge {m!r}: expected its pieces and "
+                                          f"their merge in the vocabulary (tokenizer.ggml.tokens), found {piece!r} "
+                                          f"missing")
             pairs.append(pair)
         added = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
                   "normalized": False, "special": True}
@@ -456,6 +507,239 @@ class GGUFModel:
         return files
 
 
+# ---- the header, checked before gguf's reader sees the file ---------------------------------------------------------
+
+#: Largest GGUF header (metadata and tensor infos) read: 1 GiB; a 256k-token vocabulary with its merges is ~20 MB.
+MAX_GGUF_HEADER_BYTES = 1 << 30
+#: Deepest nesting of GGUF arrays accepted (an array of arrays of scalars is depth 2).
+MAX_GGUF_ARRAY_DEPTH = 2
+_GGML_MAX_DIMS = 4
+# GGUF value types: id -> (name, struct code or None for string / array)
+_GGUF_TYPES = {0: ("UINT8", "B"), 1: ("INT8", "b"), 2: ("UINT16", "H"), 3: ("INT16", "h"), 4: ("UINT32", "I"),
+               5: ("INT32", "i"), 6: ("FLOAT32", "f"), 7: ("BOOL", "?"), 8: ("STRING", None), 9: ("ARRAY", None),
+               10: ("UINT64", "Q"), 11: ("INT64", "q"), 12: ("FLOAT64", "d")}
+_INT_TYPES = {"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"}
+_FLOAT_TYPES = {"FLOAT32", "FLOAT64"}
+
+
+class _Field(NamedTuple):
+    """One metadata value as stored: its type name, the array's element type (None for a scalar), the element
+    count (1 for a scalar) and, for scalars, the value."""
+
+    type: str
+    element: str | None
+    count: int
+    value: Any
+
+
+class _TensorInfo(NamedTuple):
+    name: str
+    dims: tuple[int, ...]  # GGUF order (fastest first)
+    type: int
+    offset: int  # from the start of the data section
+    nbytes: int
+
+
+class GGUFHeader(NamedTuple):
+    """A GGUF file's header as `check_gguf_header` read it: metadata fields by key, tensor infos in file
+    order, the data section's offset in the file, the alignment and the file size."""
+
+    fields: dict
+    tensors: list
+    data_offset: int
+    alignment: int
+    size: int
+
+
+class _Cursor:
+    """Reads little- or big-endian GGUF values from a buffer, every length checked against what is left."""
+
+    def __init__(self, buf: Any, path: Path, order: str, limit: int):
+        self.buf, self.path, self.order, self.pos, self.limit = buf, path, order, 0, limit
+
+    def fail(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: expected a GGUF file, found {what} (at byte {self.pos})")
+
+    def left(self) -> int:
+        return self.limit - self.pos
+
+    def take(self, code: str) -> Any:
+        n = struct.calcsize(code)
+        if n > self.left():
+            raise self.fail(f"the header cut short: {n} bytes needed, {self.left()} left")
+        value = struct.unpack_from(self.order + code, self.buf, self.pos)[0]
+        self.pos += n
+        return value
+
+    def count(self, what: str, least: int) -> int:
+        """A uint64 count of items of at least `least` bytes each, checked against the bytes left."""
+        n = self.take("Q")
+        if n * least > self.left():
+            raise self.fail(f"{what} = {n}, more than the {self.left()} bytes left can hold")
+        return n
+
+    def string(self, what: str) -> str:
+        n = self.count(f"the length of {what}", 1)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{what}: invalid UTF-8 at byte {e.start}") from None
+
+    def skip_string(self, what: str) -> None:
+        n = self.count(f"the length of {what}", 1)
+        self.pos += n
+
+
+def _read_value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> _Field:
+    if vtype not in _GGUF_TYPES:
+        raise c.fail(f"metadata key {key!r}: an unknown value type {vtype}")
+    name, code = _GGUF_TYPES[vtype]
+    if code is not None:
+        return _Field(name, None, 1, c.take(code))
+    if name == "STRING":
+        return _Field(name, None, 1, c.string(f"the value of {key!r}"))
+    if depth >= MAX_GGUF_ARRAY_DEPTH:
+        raise c.fail(f"metadata key {key!r}: arrays nested deeper than {MAX_GGUF_ARRAY_DEPTH}")
+    etype = c.take("I")
+    if etype not in _GGUF_TYPES:
+        raise c.fail(f"metadata key {key!r}: an array of the unknown value type {etype}")
+    ename, ecode = _GGUF_TYPES[etype]
+    least = struct.calcsize(ecode) if ecode is not None else (8 if ename == "STRING" else 12)
+    n = c.count(f"the element count of {key!r}", least)
+    if ecode is not None:
+        c.pos += n * least
+    elif ename == "STRING":
+        for i in range(n):
+            c.skip_string(f"element {i} of {key!r}")
+    else:
+        for _ in range(n):
+            _read_value(c, etype, key, depth + 1)
+    return _Field("ARRAY", ename, n, None)
+
+
+def _type_name(gguf: Any, ttype: int) -> str:
+    return gguf.GGMLQuantizationType(ttype).name
+
+
+def check_gguf_header(path: str | os.PathLike, max_header_bytes: int = MAX_GGUF_HEADER_BYTES) -> GGUFHeader:
+    """Reads and checks a GGUF file's header without trusting it; returns it (`GGUFHeader`).
+
+    Every count and length (key-value count, string lengths, array element counts, tensor count, dimensions)
+    is checked against the bytes left before anything is allocated or iterated, so the work is bounded by
+    the file size (and at most `max_header_bytes` of header are read). Each tensor must have 1-4 positive
+    dimensions, a known GGML type whose block divides its first dimension, an offset aligned to
+    `general.alignment` (a power of two; default 32), and occupy exactly `nbytes = elements / block_size *
+    block_bytes` bytes: tensors sorted by offset follow each other with only the alignment padding between
+    them, and the last ends within the file, followed by less than one alignment of padding. Keys and tensor
+    names are unique UTF-8.
+
+    Raises:
+      CheckpointError naming the file, the key or tensor, and what was expected.
+    """
+    import gguf
+
+    p = Path(path)
+    fd, st = open_regular(p, None, "a GGUF file")
+    try:
+        size = st.st_size
+        if size < 24:
+            raise CheckpointError(f"{p}: expected a GGUF file, found {size} bytes (a GGUF header has at least 24)")
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+            return _parse_header(mm, p, size, max_header_bytes, gguf)
+    except (OSError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{p}: expected a readable GGUF file, found {type(e).__name__}: {e}") from None
+    finally:
+        os.close(fd)
+
+
+def _parse_header(mm: Any, p: Path, size: int, max_header_bytes: int, gguf: Any) -> GGUFHeader:
+    if mm[:4] != b"GGUF":
+        raise CheckpointError(f"{p}: expected a GGUF file (magic 'GGUF'), found {bytes(mm[:4])!r}")
+    order = "<"
+    version = struct.unpack_from("<I", mm, 4)[0]
+    if version & 0xFFFF == 0:
+        order, version = ">", struct.unpack_from(">I", mm, 4)[0]
+    if version not in (2, 3):
+        raise CheckpointError(f"{p}: expected GGUF version 2 or 3, found {version}")
+    c = _Cursor(mm, p, order, min(size, max_header_bytes))
+    c.pos = 8
+    n_tensors = c.count("the tensor count", 24)  # name length, dims count, type, offset
+    n_kv = c.count("the key-value count", 12)  # key length, value type
+    fields: dict[str, _Field] = {}
+    for _ in range(n_kv):
+        key = c.string("a metadata key")
+        if key in fields:
+            raise c.fail(f"metadata key {key!r} twice")
+        fields[key] = _read_value(c, c.take("I"), key)
+    align = fields.get("general.alignment")
+    alignment = 32
+    if align is not None:
+        if align.type != "UINT32" or align.value <= 0 or align.value & (align.value - 1) or align.value > 1 << 24:
+            raise CheckpointError(f"{p}: metadata key 'general.alignment': expected a UINT32 power of two up to "
+                                  f"2^24, found {align.type} {align.value!r}")
+        alignment = align.value
+    if n_tensors * 24 > c.left():
+        raise c.fail(f"the tensor count = {n_tensors}, more than the {c.left()} bytes left can hold")
+    infos: list[_TensorInfo] = []
+    names: set[str] = set()
+    for _ in range(n_tensors):
+        name = c.string("a tensor name")
+        if name in names:
+            raise CheckpointError(f"{p}: tensor {name!r}: expected each tensor once, found it twice")
+        names.add(name)
+        n_dims = c.take("I")
+        if not 1 <= n_dims <= _GGML_MAX_DIMS:
+            raise CheckpointError(f"{p}: tensor {name!r}: expected 1 to {_GGML_MAX_DIMS} dimensions, found {n_dims}")
+        dims = tuple(c.take("Q") for _ in range(n_dims))
+        ttype, offset = c.take("I"), c.take("Q")
+        if any(d <= 0 for d in dims):
+            raise CheckpointError(f"{p}: tensor {name!r}: expected positive dimensions, found {list(dims)}")
+        try:
+            qtype = gguf.GGMLQuantizationType(ttype)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise CheckpointError(f"{p}: tensor {name!r}: expected a known GGML type, found type id {ttype}"
+                                  ) from None
+        if dims[0] % block:
+            raise CheckpointError(f"{p}: tensor {name!r}: GGML type {qtype.name} stores blocks of {block} values; "
+                                  f"expected a first dimension divisible by {block}, found {dims[0]}")
+        elements = 1
+        for d in dims:
+            elements *= d
+        nbytes = elements // block * block_bytes
+        if nbytes > size:
+            raise CheckpointError(f"{p}: tensor {name!r}: {qtype.name} {list(dims)} needs {nbytes} bytes, more "
+                                  f"than the whole file ({size})")
+        if offset % alignment:
+            raise CheckpointError(f"{p}: tensor {name!r}: expected a data offset aligned to {alignment} bytes, "
+                                  f"found {offset}")
+        infos.append(_TensorInfo(name, dims, ttype, offset, nbytes))
+    data_offset = -(-c.pos // alignment) * alignment
+    at, prev = 0, None  # where the next tensor must start (relative to the data section), the tensor before
+    for t in sorted(infos, key=lambda t: t.offset):
+        if t.offset != at:
+            after = "the data section's start" if prev is None else (
+                f"tensor {prev.name!r} ({_type_name(gguf, prev.type)} {list(prev.dims)}: {prev.nbytes} bytes, "
+                f"padded to {alignment})")
+            found = "overlapping it" if t.offset < at else f"{t.offset - at} bytes later"
+            raise CheckpointError(f"{p}: tensor {t.name!r}: expected its data at offset {at}, right after {after}, "
+                                  f"found it at {t.offset}, {found} (a type, shape or offset that does not match "
+                                  f"the bytes stored)")
+        at, prev = t.offset + -(-t.nbytes // alignment) * alignment, t
+    if infos:
+        last = max(infos, key=lambda t: t.offset)
+        end, padded = data_offset + last.offset + last.nbytes, data_offset + at
+        if not end <= size <= padded:
+            raise CheckpointError(f"{p}: tensor {last.name!r} ({_type_name(gguf, last.type)} {list(last.dims)}: "
+                                  f"{last.nbytes} bytes), the last: expected the tensor data to end the file at "
+                                  f"byte {end} (up to {padded} with padding), found a {size}-byte file")
+    return GGUFHeader(fields, infos, data_offset, alignment, size)
+
+
 def open_gguf(path: str | os.PathLike) -> GGUFModel:
     """Opens a GGUF causal LM (memory-mapped) with gguf's reader; its config and tensor names are checked here.
 
@@ -471,11 +755,15 @@ def open_gguf(path: str | os.PathLike) -> GGUFModel:
     p = Path(path)
     if not p.is_file():
         raise CheckpointError(f"{p}: expected a GGUF file, found no such file")
+    header = check_gguf_header(p)  # bounded by the file size; gguf's reader trusts the counts it reads
     try:
         reader = gguf.GGUFReader(p)
     except (ValueError, OSError, IndexError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{p}: expected a GGUF file, found {type(e).__name__}: {e}") from None
-    return GGUFModel(p, reader)
+    if reader.data_offset != header.data_offset or len(reader.tensors) != len(header.tensors):
+        raise CheckpointError(f"{p}: expected gguf's reader to find the header checked here, found another "
+                              f"(data at {reader.data_offset}, not {header.data_offset})")
+    return GGUFModel(p, reader, header)
 
 
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "float32", tokenizer: bool = True,
@@ -501,7 +789,8 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str =
     files = model.tokenizer_files() if tokenizer else {}
     config = dict(model.config, dtype=target.name)
     plan = [TensorSpec(name, target, model.shape(name)) for name in model.keys()]
-    with ShardedWriter(dst, max_shard_size, overwrite=overwrite, plan=plan, metadata={"format": "pt"}) as w:
+    with ShardedWriter(dst, max_shard_size, overwrite=overwrite, plan=plan, metadata={"format": "pt"},
+                       sources=(src,)) as w:
         for name, array in model.items():
             w.add(name, array.astype(target, copy=False))
         w.add_json("config.json", config)

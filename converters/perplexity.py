@@ -36,7 +36,7 @@ from converters.safetensors_io import read_json
 from qformats.errors import CheckpointError, ModelError
 
 __all__ = ["STORED", "token_windows", "window_nll", "perplexity", "load_for_scheme", "encode_text",
-           "evaluate_text"]
+           "check_context", "check_window", "evaluate_text"]
 
 STORED = "stored"
 
@@ -176,8 +176,65 @@ def load_for_scheme(src: "str | os.PathLike", scheme: str, *, dtype=None, tokeni
 
 
 def encode_text(tokenizer, text: str) -> List[int]:
-    """The token ids of the whole text, without special tokens (`tokenizers.Tokenizer.encode`)."""
+    """The token ids of the whole text, without special tokens (`tokenizers.Tokenizer.encode`).
+
+    Raises ModelError for anything but a str of Unicode characters (a lone surrogate, e.g. from a JSON
+    `\\ud800` escape, is refused with its position)."""
+    if not isinstance(text, str):
+        raise ModelError(f"perplexity: expected the text as a str, found {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ModelError(f"perplexity: expected text of Unicode characters, found a lone surrogate "
+                         f"U+{ord(text[e.start]):04X} at character {e.start}") from None
     return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _hf_config(src: "str | os.PathLike") -> Dict:
+    """The HF config of the causal LM at `src` without loading weights (config.json, or a GGUF header)."""
+    p = Path(src)
+    if p.is_dir():
+        cfg = read_json(p / "config.json")
+        return cfg if isinstance(cfg, dict) else {}
+    from converters.gguf_convert import open_gguf
+    return open_gguf(p).config
+
+
+def check_context(src: "str | os.PathLike", seq_len: int, cfg: Optional[Dict] = None) -> None:
+    """Refuses `seq_len` above the `max_position_embeddings` (the context) of the causal LM at `src`, read
+    from config.json or the GGUF header (or `cfg`, that config) before any weight is loaded; ModelError
+    naming `src` and the limit."""
+    ctx = (_hf_config(src) if cfg is None else cfg).get("max_position_embeddings")
+    if isinstance(ctx, int) and not isinstance(ctx, bool) and seq_len > ctx:
+        raise ModelError(f"{src}: --seq-len {seq_len}: expected at most the model's context, "
+                         f"max_position_embeddings = {ctx}")
+
+
+def check_window(src: "str | os.PathLike", seq_len: int, batch_size: int, memory_bytes: Optional[int] = None) -> None:
+    """Refuses, before any load or compute, windows the model at `src` cannot run: `seq_len` above its
+    `max_position_embeddings` (its context), or an estimated activation peak above `memory_bytes` (default:
+    the machine's physical memory). Estimate, bytes: batch · L · (3 · 4 · vocab + 2 · 4 · heads · L) -- the
+    float32 logits with their log-sum-exp temporaries and one layer's attention scores and weights.
+
+    Raises:
+      ModelError naming `src`, the limit and the value.
+    """
+    cfg = _hf_config(src)
+    check_context(src, seq_len, cfg)
+    vocab, heads = cfg.get("vocab_size"), cfg.get("num_attention_heads")
+    if not all(isinstance(v, int) and v > 0 for v in (vocab, heads)):
+        return
+    if memory_bytes is None:
+        try:
+            memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+    need = batch_size * seq_len * (3 * 4 * vocab + 2 * 4 * heads * seq_len)
+    if need > memory_bytes:
+        raise ModelError(f"{src}: --seq-len {seq_len} with --batch-size {batch_size}: expected windows whose "
+                         f"activations fit in memory ({memory_bytes / 2**30:.1f} GiB), found an estimated "
+                         f"{need / 2**30:.1f} GiB (batch · L · (12 · vocab {vocab} + 8 · heads {heads} · L)); "
+                         f"use a smaller --seq-len or --batch-size")
 
 
 def evaluate_text(src: "str | os.PathLike", text: str, schemes: Sequence[str] = (STORED,), *, seq_len: int = 512,
@@ -190,7 +247,8 @@ def evaluate_text(src: "str | os.PathLike", text: str, schemes: Sequence[str] = 
 
     Raises:
       CheckpointError: SRC has no tokenizer.json, or as `load_for_scheme`. ModelError: the text is shorter
-      than one window, or as `load_for_scheme`.
+      than one window, `seq_len` beyond the model's context or memory (`check_window`), or as
+      `load_for_scheme`.
     """
     from qformats.nn import param_bytes
     from qformats.presets import parse_scheme
@@ -200,6 +258,9 @@ def evaluate_text(src: "str | os.PathLike", text: str, schemes: Sequence[str] = 
             parse_scheme(s)
     from converters.causal_lm import load_tokenizer
 
+    if int(seq_len) != seq_len or seq_len < 2:  # token_windows says it; check_window needs an int
+        token_windows([], seq_len)
+    check_window(src, int(seq_len), int(batch_size))
     tok = load_tokenizer(src)
     if tok is None:
         raise CheckpointError(f"{src}: expected a tokenizer.json beside the checkpoint, found none")

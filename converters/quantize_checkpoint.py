@@ -429,7 +429,7 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
         if clash:
             raise CheckpointError(f"{src}: already holds transform tensors {clash[:4]}")
         plan += [TensorSpec(n, np.asarray(a).dtype, np.shape(a)) for n, a in sorted(online.items())]
-        with CompressedWriter(dst, max_shard_size, overwrite=overwrite, plan=plan) as w:
+        with CompressedWriter(dst, max_shard_size, overwrite=overwrite, plan=plan, sources=(src,)) as w:
             for name in sorted(infos):
                 mod, _, local = name.rpartition(".")
                 info = infos[name]

@@ -130,7 +130,7 @@ def rotate_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", kind: 
             raise CheckpointError(f"{src}: no lm_head.weight and tie_word_embeddings is false")
 
         out_names = sorted(set(names) | {"lm_head.weight"})
-        with ShardedWriter(Path(dst), max_shard_size, overwrite=overwrite) as w:
+        with ShardedWriter(Path(dst), max_shard_size, overwrite=overwrite, sources=(src,)) as w:
             for name in out_names:
                 src_name = "model.embed_tokens.weight" if (name == "lm_head.weight" and tied) else name
                 norm = fused_norm_name(name)

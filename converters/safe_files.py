@@ -25,7 +25,8 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 from qformats.errors import CheckpointError
 
-__all__ = ["MAX_JSON_BYTES", "allowed_roots", "copy_extra_files", "loads_strict", "open_regular", "read_json"]
+__all__ = ["MAX_JSON_BYTES", "allowed_roots", "check_destination", "copy_extra_files", "loads_strict", "open_regular",
+           "read_json"]
 
 #: Largest JSON file (config.json, an index, a tokenizer config) read from a checkpoint: 64 MiB. The
 #: weight_map of a 1T-parameter model's index is a few MB.
@@ -154,6 +155,31 @@ def read_json(path: "str | os.PathLike", root: "str | os.PathLike | None" = None
                               f"column {e.colno})") from None
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: expected JSON, found {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def check_destination(dst: "str | os.PathLike", sources: Iterable["str | os.PathLike"]) -> None:
+    """Refuses a destination that would overwrite or hold what is being read: CheckpointError when `dst`,
+    resolved (links followed, `..` removed), equals one of `sources`, lies inside one, or contains one, or
+    names the same file (hard link). Call it before anything is written; `overwrite` makes no difference."""
+    dst_real = os.path.realpath(dst)
+    for src in sources:
+        if src is None:
+            continue
+        src_real = os.path.realpath(src)
+        same = dst_real == src_real
+        if not same:
+            with contextlib.suppress(OSError):
+                same = os.path.samefile(dst_real, src_real)
+        if same:
+            found = "it is the source"
+        elif _inside(dst_real, src_real):
+            found = f"it inside the source ({src_real})"
+        elif _inside(src_real, dst_real):
+            found = f"it holds the source ({src_real})"
+        else:
+            continue
+        raise CheckpointError(f"{dst}: expected a destination apart from the source {src}, found {found}; "
+                              f"choose another destination (nothing was written)")
 
 
 # ---- copying --------------------------------------------------------------------------------------------------

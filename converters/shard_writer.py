@@ -5,8 +5,19 @@ Everything is written into a hidden temp directory next to the destination
 a reader, or a crash at any point, sees either no checkpoint (or the old one, when overwriting) or the
 complete new one, never a part. Overwriting swaps the two directories atomically (Linux `renameat2`
 with RENAME_EXCHANGE; elsewhere the old directory is renamed aside first and put back if the second
-rename fails) and only then deletes the old one. The temp directories that a killed writer leaves behind
-are removed by the next writer to the same destination on the same host once their process is gone.
+rename fails) and only then deletes the old one.
+
+Hostile destinations and interruptions:
+  - the source(s) being read are given to the writer (`sources=`), and a destination that is a source, lies
+    inside one or holds one (resolved, links followed) is refused before anything is written
+    (`converters.safe_files.check_destination`), with or without `overwrite`;
+  - one writer at a time per destination: a lock file `.<name>.lock` beside it, held with `flock` from the
+    start to the final rename; a second writer gets a CheckpointError at once;
+  - SIGTERM and SIGHUP are handled like SIGINT while a writer is open (a KeyboardInterrupt, so the temp
+    directory is removed and the old checkpoint stays), unless the program installed its own handler
+    (or ignores SIGHUP); a signal that arrives during the final renames takes effect after them;
+  - the temp directories a killed writer leaves behind (its host and PID are in the name) are removed by
+    the next writer into the same parent folder on the same host once that process is gone.
 
 Shard naming as transformers writes it: one `model.safetensors`, or `model-0000i-of-0000N.safetensors`
 plus `model.safetensors.index.json` (`{"metadata": {"total_size": bytes}, "weight_map": {name: file}}`).
@@ -22,13 +33,20 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple, Sequence
 
-from converters.safe_files import copy_extra_files
+try:
+    import fcntl
+except ImportError:  # not POSIX: the lock file is created with O_EXCL instead
+    fcntl = None  # type: ignore[assignment]
+
+from converters.safe_files import check_destination, copy_extra_files
 from converters.safetensors_io import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -72,6 +90,8 @@ class ShardedWriter:
     Args:
       dst: the checkpoint directory to create. It must not exist (an empty directory is fine) unless
         `overwrite`; with `overwrite`, whatever is there stays intact until the new checkpoint is complete.
+      sources: the paths the checkpoint is made from (directories or files); `dst` may be none of them,
+        nor lie inside or hold one of them.
       max_shard_size: bytes, or a string such as "5GB" or "500MiB" (see `parse_size`).
       metadata: the safetensors `__metadata__` of every shard (e.g. {"format": "pt"}).
 
@@ -81,8 +101,12 @@ class ShardedWriter:
     """
 
     def __init__(self, dst: str | os.PathLike, max_shard_size: int | str = "5GB", *, overwrite: bool = False,
-                 plan: Sequence[TensorSpec] | None = None, metadata: dict[str, str] | None = None):
+                 plan: Sequence[TensorSpec] | None = None, metadata: dict[str, str] | None = None,
+                 sources: Sequence[str | os.PathLike] = ()):
         self.dst = Path(dst)
+        if isinstance(sources, (str, os.PathLike)):
+            sources = (sources,)
+        check_destination(self.dst, sources)
         self.max_shard_size = parse_size(max_shard_size)
         self.overwrite = bool(overwrite)
         header_bytes([], metadata, where=str(self.dst))  # checks metadata (str -> str) before any work
@@ -97,22 +121,34 @@ class ShardedWriter:
         self._pos = 0  # planned mode: tensors written
         self._file: BinaryIO | None = None  # planned mode: the shard being written
         self._state = "open"
+        self._lock: _Lock | None = None
+        self._signals: _Signals | None = None
         if plan is not None:
             self._plan = self._layout(plan)
-        _remove_stale(self.dst)
-        if _occupied(self.dst) and not self.overwrite:
-            raise CheckpointError(f"{self.dst}: expected a new path for the checkpoint, found it exists "
-                                  f"(pass overwrite=True to replace it)")
-        tag = f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        tmp = self.dst.with_name(f".{self.dst.name}.tmp-{tag}")
-        self._aside = self.dst.with_name(f".{self.dst.name}.old-{tag}")  # the old dst, where no atomic swap
         try:
             self.dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir(0o777)  # the umask applies, as for a plain mkdir
         except OSError as e:
             raise CheckpointError(f"{self.dst}: cannot create a temp directory next to it ({e.strerror or e})"
                                   ) from None
+        self._lock = _Lock(self.dst)
+        try:
+            _remove_stale(self.dst)
+            if _occupied(self.dst) and not self.overwrite:
+                raise CheckpointError(f"{self.dst}: expected a new path for the checkpoint, found it exists "
+                                      f"(pass overwrite=True to replace it)")
+            tag = f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            tmp = self.dst.with_name(f".{self.dst.name}.tmp-{tag}")
+            self._aside = self.dst.with_name(f".{self.dst.name}.old-{tag}")  # the old dst, where no atomic swap
+            try:
+                tmp.mkdir(0o777)  # the umask applies, as for a plain mkdir
+            except OSError as e:
+                raise CheckpointError(f"{self.dst}: cannot create a temp directory next to it "
+                                      f"({e.strerror or e})") from None
+        except BaseException:
+            self._lock.release()
+            raise
         self._tmp = tmp
+        self._signals = _Signals()
 
     # -- tensors ----------------------------------------------------------------------------------------
 
@@ -285,12 +321,21 @@ class ShardedWriter:
         try:
             paths = self._finish_files()
             _fsync_dir(self._tmp)
-            _commit(self._tmp, self.dst, self.overwrite, self._aside)
+            with self._signals.deferred():
+                _commit(self._tmp, self.dst, self.overwrite, self._aside, self._lock.release)
         except BaseException:
             self.abort()
             raise
         self._state = "finished"
+        self._close()
         return [self.dst / p.name for p in paths]
+
+    def _close(self) -> None:
+        """Releases the lock and the signal handlers; a signal deferred during the renames is raised now."""
+        if self._lock is not None:
+            self._lock.release()
+        if self._signals is not None:
+            self._signals.restore()
 
     def _finish_files(self) -> list[Path]:
         if self._plan is not None:
@@ -333,6 +378,9 @@ class ShardedWriter:
             with contextlib.suppress(OSError):
                 f.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._signals is not None:
+            self._signals.pending = None  # interrupted already: this abort is the interruption's effect
+        self._close()
 
     def __enter__(self) -> ShardedWriter:
         return self
@@ -422,9 +470,10 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def _commit(tmp: Path, dst: Path, overwrite: bool, aside: Path) -> None:
+def _commit(tmp: Path, dst: Path, overwrite: bool, aside: Path, release=lambda: None) -> None:
     """Moves the finished directory `tmp` to `dst` in one rename; an existing `dst` (with `overwrite`) is
-    swapped out atomically where the OS allows (else renamed to `aside` first), then deleted."""
+    swapped out atomically where the OS allows (else renamed to `aside` first), then deleted; `release`
+    (the lock) is called before the parent directory is made durable."""
     try:
         if not _occupied(dst):
             os.rename(tmp, dst)  # replaces an empty directory atomically; refuses a non-empty one
@@ -440,6 +489,7 @@ def _commit(tmp: Path, dst: Path, overwrite: bool, aside: Path) -> None:
                 os.rename(aside, dst)  # put the original back
                 raise
             _remove(aside)
+        release()
         _fsync_dir(dst.parent)
     except OSError as e:
         raise CheckpointError(f"{dst}: cannot move the finished checkpoint into place ({e.strerror or e})"
@@ -456,25 +506,175 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_STALE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{12}")
+_LOCK = re.compile(r"\.(?P<name>.+)\.lock")
+
+
+def _dead(host: str, pid: str) -> bool:
+    """True for a writer of this host whose process is gone."""
+    return host == _HOST and int(pid) != os.getpid() and not _alive(int(pid))
+
+
 def _remove_stale(dst: Path) -> None:
-    """Removes the temp directories of writers to `dst` on this host whose process is gone; an old
-    checkpoint that such a writer had renamed aside (`.old-`, only where no atomic swap exists) is put
-    back at `dst` when nothing is there."""
-    pattern = re.compile(re.escape(f".{dst.name}.") + r"(tmp|old)-([0-9a-f]{8})-(\d+)-[0-9a-f]{12}")
+    """Removes what writers into `dst`'s parent folder left when killed, where their process (on this host)
+    is gone: temp directories, lock files no one holds, and -- put back at its name when nothing is there --
+    an old checkpoint such a writer had renamed aside (`.old-`, only where no atomic swap exists)."""
     try:
         entries = sorted(os.scandir(dst.parent), key=lambda e: e.name) if dst.parent.is_dir() else []
     except OSError:
         return
     for entry in entries:
-        m = pattern.fullmatch(entry.name)
-        if not m or m.group(2) != _HOST or int(m.group(3)) == os.getpid() or _alive(int(m.group(3))):
+        m = _STALE.fullmatch(entry.name)
+        if m is None:
+            lock = _LOCK.fullmatch(entry.name)
+            if lock is not None and lock.group("name") != dst.name:
+                _Lock.remove_stale(Path(entry.path))
+            continue
+        if not _dead(m.group("host"), m.group("pid")):
             continue
         path = Path(entry.path)
-        if m.group(1) == "old" and not (dst.exists() or dst.is_symlink()):
+        target = dst.with_name(m.group("name"))
+        if m.group("kind") == "old" and not (target.exists() or target.is_symlink()):
             try:
-                os.rename(path, dst)
+                os.rename(path, target)
             except OSError as e:
-                raise CheckpointError(f"{dst}: cannot restore the checkpoint a stopped writer left at {path} "
-                                      f"({e.strerror or e})") from None
+                if target == dst:  # another destination's: its own next writer retries
+                    raise CheckpointError(f"{dst}: cannot restore the checkpoint a stopped writer left at {path} "
+                                          f"({e.strerror or e})") from None
         else:
             _remove(path)
+
+
+class _Lock:
+    """One writer per destination: `.<name>.lock` beside `dst`, held with flock (released by the kernel when
+    the process dies, so a killed writer never blocks the next one) and unlinked on release. The file holds
+    `<host> <pid>` of its writer, so that a writer into the same folder can remove a dead writer's lock."""
+
+    def __init__(self, dst: Path):
+        self.path = dst.with_name(f".{dst.name}.lock")
+        self.fd: int | None = None
+        for _ in range(16):  # the file can be unlinked between our open and our flock: then try again
+            fd = self._open()
+            if fd is None:
+                continue
+            if not self._try_lock(fd):
+                os.close(fd)
+                raise CheckpointError(f"{dst}: expected no other writer to this destination, found one writing it "
+                                      f"(it holds the lock {self.path}); wait for it to finish or choose another "
+                                      f"destination")
+            if self._current(fd):
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"{_HOST} {os.getpid()}\n".encode())
+                self.fd = fd
+                return
+            os.close(fd)
+        raise CheckpointError(f"{dst}: cannot take the lock {self.path}: it keeps being replaced")
+
+    def _open(self) -> int | None:
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        if fcntl is None:
+            flags |= os.O_EXCL
+        try:
+            return os.open(self.path, flags, 0o666)
+        except FileExistsError:  # no flock: the file is the lock
+            if _Lock.remove_stale(self.path):
+                return None
+            raise CheckpointError(f"{self.path.with_name(self.path.name[1:-5])}: expected no other writer to this "
+                                  f"destination, found its lock {self.path}") from None
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot create the writer's lock file ({e.strerror or e})") from None
+
+    @staticmethod
+    def _try_lock(fd: int) -> bool:
+        if fcntl is None:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return False
+            raise CheckpointError(f"cannot lock a writer's lock file ({e.strerror or e})") from None
+        return True
+
+    def _current(self, fd: int) -> bool:
+        """True when `fd` is still the file at `self.path` (not one unlinked after we opened it)."""
+        try:
+            a, b = os.fstat(fd), os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return False
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+    @staticmethod
+    def remove_stale(path: Path) -> bool:
+        """Unlinks lock file `path` when its writer (this host) is dead and no one holds it; True if removed."""
+        try:
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return False
+        try:
+            if fcntl is not None and not _Lock._try_lock(fd):
+                return False
+            owner = os.read(fd, 64).decode("ascii", "replace").split()
+            if len(owner) != 2 or not owner[1].isdigit() or not _dead(owner[0], owner[1]):
+                return False
+            os.unlink(path)
+            return True
+        except (OSError, CheckpointError):
+            return False
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        """Unlinks the lock file, then lets it go (in that order, so that no one locks an unlinked file in
+        the meantime and believes it holds the lock); a second call does nothing."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        os.close(fd)
+
+
+class _Signals:
+    """While a writer is open: SIGTERM and SIGHUP raise KeyboardInterrupt, as SIGINT does, where the program
+    left them at their defaults (so the writer's `with` block removes the temp directory and `dst` keeps the
+    old checkpoint); inside `deferred()` (the final renames) any of the three is held back until `restore`.
+    Only the main thread can install signal handlers; elsewhere nothing changes."""
+
+    def __init__(self):
+        self.prev: dict[int, Any] = {}
+        self.pending: int | None = None
+        self._defer = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is None:
+                continue
+            cur = signal.getsignal(sig)
+            if cur is (signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL):
+                self.prev[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self._defer:
+            self.pending = signum
+            return
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self._defer = True
+        try:
+            yield
+        finally:
+            self._defer = False
+
+    def restore(self) -> None:
+        prev, self.prev = self.prev, {}
+        for sig, handler in prev.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, handler)
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            raise KeyboardInterrupt(signal.Signals(pending).name)

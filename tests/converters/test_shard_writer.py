@@ -103,7 +103,8 @@ def test_planned_mode_streams_each_tensor_to_disk(tmp_path):
     a, b = np.arange(64, dtype=np.float32), np.arange(64, dtype=np.int32)
     w = ShardedWriter(tmp_path / "s", plan=[TensorSpec("a", a.dtype, a.shape), TensorSpec("b", b.dtype, b.shape)])
     w.add("a", a)
-    (tmp,) = [tmp_path / n for n in _hidden(tmp_path)]
+    assert _hidden(tmp_path) == [".s.lock", *(n for n in _hidden(tmp_path) if ".s.tmp-" in n)]  # the lock, the temp dir
+    (tmp,) = [tmp_path / n for n in _hidden(tmp_path) if ".s.tmp-" in n]
     (part,) = list(tmp.iterdir())
     assert part.name == SINGLE_FILE
     # the header (both tensors) and a's bytes are written before b arrives
