@@ -166,7 +166,7 @@ def _eval_text_parser() -> _Parser:
 
 
 def _quantize(a) -> int:
-    from converters.quantize_checkpoint import quantize_checkpoint
+    from converters.pipelines.quantize_checkpoint import quantize_checkpoint
     if len(a.paths) > 2:
         raise _Usage(f"qformats quantize: error: expected [SRC] DST, found {len(a.paths)} paths")
     if a.weight_search is not None and a.calibrate is None:
@@ -183,7 +183,7 @@ def _quantize(a) -> int:
         raise _Usage(f"qformats quantize: error: --kv-cache {a.kv_cache} has static k_scale / v_scale, calibrated from "
                      f"data: add --calibrate FILE (causal LM SRC DST), or use --kv-cache fp8:dynamic")
     if len(a.paths) == 1:
-        from converters.embedded import model_dir
+        from converters.evaluation.embedded import model_dir
         src, dst = model_dir(), a.paths[0]
     else:
         src, dst = a.paths
@@ -197,7 +197,7 @@ def _quantize(a) -> int:
 
 
 def _quantize_calibrated_lm(a) -> int:
-    """`qformats quantize SRC DST --scheme S --calibrate FILE ...` for a causal LM (converters.calibrate)."""
+    """`qformats quantize SRC DST --scheme S --calibrate FILE ...` for a causal LM (converters.pipelines.calibrate)."""
     if not a.calibrate:
         raise _Usage("qformats quantize: error: --calibrate needs FILE (text, .jsonl or .npy token ids) for SRC DST")
     if a.ignore is not None or a.targets is not None or a.max_shard_size != "5GB" or a.skip_indivisible:
@@ -206,7 +206,7 @@ def _quantize_calibrated_lm(a) -> int:
     if a.awq and a.smooth is not None:
         raise _Usage("qformats quantize: error: --awq and --smooth both fold per-channel scales into the same norms "
                      "(llm-compressor does not combine AWQ with SmoothQuant either): give one of them")
-    from converters.calibrate import DEFAULT_LM_WEIGHT_SEARCH, quantize_calibrated_lm
+    from converters.pipelines.calibrate import DEFAULT_LM_WEIGHT_SEARCH, quantize_calibrated_lm
     search = a.weight_search or ("rtn" if a.awq else DEFAULT_LM_WEIGHT_SEARCH)
     _check_dampening(a, search)
     log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
@@ -261,7 +261,7 @@ def _quantize_calibrated(a) -> int:
         sentences = [s.strip() for s in path.read_text(encoding="utf-8").splitlines() if s.strip()]
         if not sentences:
             raise _Usage(f"qformats quantize: error: --calibrate {path}: the file holds no sentences")
-    from converters.calibrate import DEFAULT_WEIGHT_SEARCH, quantize_calibrated
+    from converters.pipelines.calibrate import DEFAULT_WEIGHT_SEARCH, quantize_calibrated
     search = a.weight_search or DEFAULT_WEIGHT_SEARCH
     _check_dampening(a, search)
     log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))
@@ -275,14 +275,14 @@ def _quantize_calibrated(a) -> int:
 
 
 def _dequantize(a) -> int:
-    from converters.dequantize_checkpoint import dequantize_checkpoint
+    from converters.pipelines.dequantize_checkpoint import dequantize_checkpoint
     n = dequantize_checkpoint(a.src, a.dst, a.dtype, max_shard_size=a.max_shard_size, overwrite=a.overwrite)
     print(f"dequantized {n} weights to {a.dtype} -> {a.dst}")
     return 0
 
 
 def _inspect(a) -> int:
-    from converters.inspect_checkpoint import format_table, inspect_checkpoint
+    from converters.pipelines.inspect_checkpoint import format_table, inspect_checkpoint
     print(format_table(inspect_checkpoint(a.path)))
     return 0
 
@@ -294,7 +294,7 @@ def _has_text(rest: List[str]) -> bool:
 def _eval(rest: List[str]) -> int:
     if _has_text(rest):
         return _eval_text(_eval_text_parser().parse_args(rest))
-    from converters import evaluate
+    from converters.evaluation import embedding_fidelity as evaluate
     try:
         rc = evaluate.main(rest)
     except SystemExit as e:  # its argparse: --help (0) or a usage error (2)
@@ -330,7 +330,7 @@ def _schemes(text: str) -> List[str]:
 def _eval_text(a) -> int:
     import json
 
-    from converters.perplexity import evaluate_text
+    from converters.evaluation.perplexity import evaluate_text
     text = _read_text("--text", a.text)
     schemes = _schemes(a.schemes)
     if a.seq_len < 2 or (a.max_windows is not None and a.max_windows < 1) or a.batch_size < 1:
@@ -356,7 +356,7 @@ def _convert(a) -> int:
 
     from pathlib import Path
 
-    from converters.gguf_convert import convert_gguf
+    from converters.formats.gguf_convert import convert_gguf
     from qformats.errors import CheckpointError
     if Path(a.dst).exists() and not a.overwrite:  # before reading the file (seconds for a large one)
         raise CheckpointError(f"{a.dst}: expected a new path for the checkpoint, found it exists (pass --overwrite "
@@ -374,7 +374,7 @@ def _generate(a) -> int:
     import jax
     import numpy as np
 
-    from converters.perplexity import load_for_scheme
+    from converters.evaluation.perplexity import load_for_scheme
     from qformats.models.generate import generate
     if a.max_new_tokens < 1:
         raise _Usage("qformats generate: error: --max-new-tokens must be >= 1")
@@ -384,12 +384,12 @@ def _generate(a) -> int:
         raise _Usage("qformats generate: error: --skip-indivisible needs --scheme")
     mesh = None
     if a.tensor_parallel is not None:
-        from converters.mesh_load import tensor_parallel_setup
+        from converters.pipelines.mesh_load import tensor_parallel_setup
         if a.tensor_parallel < 1:
             raise _Usage("qformats generate: error: --tensor-parallel must be >= 1")
         mesh = tensor_parallel_setup(a.tensor_parallel)  # before any other JAX operation
     if mesh is not None and a.scheme is None:
-        from converters.mesh_load import load_on_mesh
+        from converters.pipelines.mesh_load import load_on_mesh
         model, cfg, tok = load_on_mesh(a.src, mesh)  # each device's slice read straight from the file
         skipped = []
     else:
