@@ -107,9 +107,12 @@ print(json.dumps({"oneshot_s": t, "oneshot_cpu_s": c, "threads": torch.get_num_t
 OURS = MEASURE + r"""
 import json, resource, sys, time
 from converters.pipelines.calibrate import quantize_calibrated_lm
+from converters.process import lean_calibration
 src, dst, text, seq_len, tokens, scheme, kind = sys.argv[1:8]
-info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),
-                              awq=kind == "awq", smooth=0.5 if kind == "smoothquant-gptq" else None)
+with lean_calibration() as between_phases:  # the process tuning `qformats quantize --calibrate` applies
+    info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),
+                                  awq=kind == "awq", smooth=0.5 if kind == "smoothquant-gptq" else None,
+                                  between_phases=between_phases)
 print(json.dumps({"cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), **memory(),
                   "samples": info["samples"], "tokens": info["tokens"]}))
 """

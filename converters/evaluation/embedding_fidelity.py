@@ -34,7 +34,7 @@ from qformats.nn import QLinear, Rule, quantize_model
 from qformats.nn.weight_search import RTN, WEIGHT_SEARCHES
 
 __all__ = ["DEFAULT_SCHEMES", "SEARCHES", "resolve", "linear_weight_bytes", "cosines", "evaluate_one", "evaluate",
-           "evaluate_checkpoint", "format_table", "main"]
+           "evaluate_checkpoint", "format_table", "build_parser", "main"]
 
 # The weight-only table `qformats eval` prints by default: dense, then 8 bits down to 4 (BENCHMARKS.md).
 DEFAULT_SCHEMES = ("dense", "W8A16", "FP8_E4M3", "FP8_BLOCK:w", "MXFP8A16", "FP6_E2M3", "FP6_E3M2", "FP5_E2M2",
@@ -159,7 +159,8 @@ def format_table(results: Dict[str, dict], reference_name: str) -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of `qformats eval` for the MiniLM embedding fidelity."""
     p = argparse.ArgumentParser(prog="qformats eval", description=__doc__.splitlines()[0])
     p.add_argument("src", nargs="*", help="compressed-tensors checkpoints of all-MiniLM-L6-v2 to evaluate too "
                                           "(e.g. written by `qformats quantize`)")
@@ -193,7 +194,7 @@ def _read_lines(flag: str, name: str) -> Optional[List[str]]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """`qformats eval [SRC ...] [options]`; returns the exit status (0 ok, 2 usage, 1 failure)."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

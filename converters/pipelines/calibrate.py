@@ -20,9 +20,7 @@ does.
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import time
 import warnings
 from pathlib import Path
@@ -35,8 +33,7 @@ from qformats.gptq import DAMPENING_FRAC
 from qformats.nn import Rule, quantize_model, quantized_layers
 from qformats.nn.weight_search import RTN, WEIGHT_SEARCHES
 
-__all__ = ["DEFAULT_WEIGHT_SEARCH", "DEFAULT_LM_WEIGHT_SEARCH", "lean_compile", "lean_malloc", "quantize_calibrated",
-           "quantize_calibrated_lm", "trim_malloc"]
+__all__ = ["DEFAULT_WEIGHT_SEARCH", "DEFAULT_LM_WEIGHT_SEARCH", "quantize_calibrated", "quantize_calibrated_lm"]
 
 DEFAULT_WEIGHT_SEARCH = "mse+gptq"  # the best held-out fidelity measured (BENCHMARKS.md)
 DEFAULT_LM_WEIGHT_SEARCH = "gptq"  # llm-compressor's GPTQModifier (round-to-nearest scales, GPTQ codes)
@@ -110,42 +107,14 @@ class _LogTo(logging.Handler):
         self.fn(record.getMessage())
 
 
-def lean_compile(fn):
-    """Decorator: while `fn` runs, XLA_FLAGS asks XLA:CPU to compile each module as one piece
-    (`--xla_cpu_parallel_codegen_split_count=1`, unless the caller's XLA_FLAGS already sets it); restored after.
-
-    XLA reads the flags when JAX's CPU backend starts, so this takes effect only in a process whose first JAX
-    computation happens inside `fn` (the `qformats quantize` CLI, a fresh script); elsewhere nothing changes.
-    Parallel code generation compiles the pieces of a module at once, and their LLVM temporaries add up: the
-    peak of a SmolLM2 calibration falls from ~463 to ~437 MiB RssAnon (it is reached while layer 1's GPTQ
-    searches compile), with no slower compilation on 2 cores. The compiled code computes the same values (the
-    checkpoints written with and without it are byte-identical)."""
-    flag = "--xla_cpu_parallel_codegen_split_count"
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        before = os.environ.get("XLA_FLAGS")
-        if flag not in (before or ""):
-            os.environ["XLA_FLAGS"] = f"{before} {flag}=1" if before else f"{flag}=1"
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if before is None:
-                os.environ.pop("XLA_FLAGS", None)
-            else:
-                os.environ["XLA_FLAGS"] = before
-
-    return run
-
-
-@lean_compile
 def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search: Optional[str] = None,
                            awq: bool = False, smooth: Optional[float] = None, calibration_tokens: int = 65536,
                            seq_len: int = 512, seed: Optional[int] = 0, dampening_frac: float = DAMPENING_FRAC,
                            block_size: int = 128, actorder: Optional[str] = "static",
                            propagate: Optional[str] = None, overwrite: bool = False, awq_n_grid: int = 20,
                            awq_duo_scaling=True, kv_cache=None, rotate: Optional[str] = None,
-                           rotate_seed: int = 0, log: Callable[[str], None] = lambda m: None) -> dict:
+                           rotate_seed: int = 0, between_phases: Optional[Callable[[], object]] = None,
+                           log: Callable[[str], None] = lambda m: None) -> dict:
     """Quantize a causal LM's decoder projections with `scheme`, calibrated layer by layer, and write a
     compressed-tensors checkpoint at `dst`. Returns {"layers", "projections", "searched", "tokens", "samples",
     "seconds", "path"}.
@@ -175,10 +144,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
       rotate: "hadamard" or "random-hadamard": SpinQuant's R1 + R2 (`converters.pipelines.rotate.rotate_checkpoint`,
         signs from `rotate_seed`) fused into a dense copy of `src` (a directory) before loading, so calibration sees the
         rotated model; recorded as quantization_config.transform_config.
-
-    Memory: glibc's malloc is set to return large freed blocks at once (`lean_malloc`), for the whole process,
-    and the free pages of its arenas are handed back between the phases of each layer (`trim_malloc`); in a
-    process whose JAX backend starts here, XLA:CPU compiles each module as one piece (`lean_compile`).
+      between_phases: called with no arguments between the phases of each layer's calibration
+        (`qformats.models.sequential.calibrate_decoder`'s), e.g. `converters.process.trim_malloc`; the process
+        tuning of the `qformats` CLI is `converters.process.lean_calibration`, which this function does not apply.
 
     Raises:
       CheckpointError: unreadable src / calibration file, dst exists without overwrite. ModelError / SchemeError:
@@ -216,12 +184,11 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
 
         transform = smoothquant_transform(smooth)
     t0 = time.perf_counter()
-    lean_malloc()
     if rotate is None and kv_cache is None and _streamable(Path(src)):  # one layer resident at a time
         return _quantize_streamed(Path(src), dst, scheme, calibration, weight_search=weight_search, gptq=gptq,
                                   propagate=propagate, transform=transform, seq_len=seq_len,
                                   calibration_tokens=calibration_tokens, seed=seed, overwrite=overwrite, t0=t0,
-                                  log=log)
+                                  between_phases=between_phases, log=log)
     with tempfile.TemporaryDirectory(prefix="qformats-rotated-") as rot_dir:
         rotated = None
         if rotate is not None:  # before calibration: the rotated model is the one calibrated
@@ -238,7 +205,7 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         f"{time.perf_counter() - t0:.1f} s; {len(samples)} calibration samples, "
         f"{sum(len(s) for s in samples)} tokens from {calibration}")
     info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq, propagate=propagate,
-                             transform=transform, kv_cache=kv_cache, between_phases=trim_malloc, log=log)
+                             transform=transform, kv_cache=kv_cache, between_phases=between_phases, log=log)
     names = {n: ("/".join(str(p) for p in slot.path), slot.transpose)
              for n, slot in hf_tensor_names(model.config).items()}
     names.update(kv_scale_name_map(model))
@@ -261,47 +228,6 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     seconds = time.perf_counter() - t0
     log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}
-
-
-def lean_malloc(mmap_threshold: int = 1 << 20, arena_max: int = 2) -> bool:
-    """Makes glibc's malloc hand large blocks back to the system as soon as they are freed, for this process.
-
-    XLA:CPU allocates every run's activations and temporary buffers (tens of MiB a decoder layer pass) with
-    malloc. By default glibc raises its mmap threshold up to 32 MiB after such blocks are freed, so they are then
-    carved from the heap and kept there, and each XLA worker thread gets its own arena that keeps its own:
-    the resident set climbs far above what is live (the peak of a SmolLM2 calibration: ~930 -> ~670 MiB on a
-    4-layer cut with 2048-token batches). Here: blocks >= `mmap_threshold` bytes are mapped and unmapped on each
-    use (mallopt M_MMAP_THRESHOLD, which also stops the threshold's growth), free memory at the heap top above
-    it is returned (M_TRIM_THRESHOLD), and at most `arena_max` arenas are made from now on (M_ARENA_MAX).
-    Computed values do not change. Returns False (and changes nothing) where the C library has no mallopt (not glibc).
-    """
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # glibc's <malloc.h> parameter numbers
-    return bool(mallopt(m_mmap_threshold, mmap_threshold) and mallopt(m_trim_threshold, mmap_threshold)
-                and mallopt(m_arena_max, arena_max))
-
-
-def trim_malloc() -> bool:
-    """Hands the free pages of every malloc arena back to the system now (glibc's `malloc_trim(0)`).
-
-    XLA's compilations (LLVM) and runs leave many small freed blocks scattered through the heap and through
-    each worker thread's arena; glibc returns only the free top of the main heap by itself. Called between the
-    phases of a layer's calibration, this keeps the resident set near what is live (SmolLM2: ~410 -> ~360 MiB
-    RssAnon between layers). Computed values do not change. Returns False where there is no malloc_trim (not
-    glibc)."""
-    import ctypes
-
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim(0)
-    return True
 
 
 def _streamable(src: Path) -> bool:
@@ -356,7 +282,7 @@ def _release(module) -> None:
 
 def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_search: str, gptq, propagate: str,
                        transform, seq_len: int, calibration_tokens: int, seed, overwrite: bool, t0: float,
-                       log: Callable[[str], None]) -> dict:
+                       between_phases: Optional[Callable[[], object]], log: Callable[[str], None]) -> dict:
     """`quantize_calibrated_lm` for a dense checkpoint directory, streamed: the model is built abstract
     (shapes only), each decoder layer's tensors are read from the memory-mapped checkpoint just before its
     calibration (`calibrate_decoder`'s load_layer) and its packed result goes to the checkpoint writer right
@@ -456,7 +382,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
 
             info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq,
                                      propagate=propagate, transform=transform, embed=embed, load_layer=load_layer,
-                                     store_layer=store_layer, between_phases=trim_malloc, log=log)
+                                     store_layer=store_layer, between_phases=between_phases, log=log)
             for n in outside:
                 w.add_dense(n, np.asarray(ck.get(n), np.float32))
             w.finish(dict(hf_config), ignore=[] if cfg.tie_word_embeddings else ["lm_head"], copy_from=src)

@@ -107,15 +107,67 @@ def test_help_is_ok(capsys):
 
 def test_eval_delegates(monkeypatch):
     from converters.evaluation import embedding_fidelity as evaluate
+    from converters.evaluation.embedded import model_dir
     seen = {}
     monkeypatch.setattr(evaluate, "main", lambda argv: seen.setdefault("argv", argv) and 0)
-    assert main(["eval", "--json", "x"]) == 0
-    assert seen["argv"] == ["--json", "x"]
+    assert main(["eval", "--json", str(model_dir())]) == 0  # a MiniLM checkpoint: embedding fidelity
+    assert seen["argv"] == ["--json", str(model_dir())]
 
     def usage(argv):
         raise SystemExit(2)
     monkeypatch.setattr(evaluate, "main", usage)
     assert main(["eval", "--bogus"]) == 2
+
+
+def _model(path, **config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_eval_chooses_by_the_model(tmp_path, monkeypatch, capsys):
+    """A causal LM (config.json architectures *ForCausalLM / a decoder model_type, or a .gguf file) gets perplexity,
+    wherever its SRC stands among the options; no SRC or a BERT checkpoint gets the embedding fidelity."""
+    from converters.evaluation import embedding_fidelity, perplexity
+    ran = []
+    monkeypatch.setattr(perplexity, "evaluate_text", lambda src, text, schemes, **kw: ran.append(("ppl", str(src)))
+                        or {"stored": {"ppl": 2.0, "tokens": 3, "bytes": 4}})
+    monkeypatch.setattr(embedding_fidelity, "main", lambda argv: ran.append(("fidelity", argv)) and 0)
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    llama = _model(tmp_path / "llama", model_type="llama", architectures=["LlamaForCausalLM"])
+    qwen = _model(tmp_path / "qwen", model_type="qwen3")
+    bert = _model(tmp_path / "bert", model_type="bert", architectures=["BertModel"])
+    assert main(["eval", llama, "--text", str(text), "--json"]) == 0
+    assert main(["eval", "--text", str(text), "--seq-len", "8", qwen]) == 0
+    assert main(["eval", str(tmp_path / "m.gguf"), "--text", str(text)]) == 0
+    assert main(["eval", "--schemes", "dense", bert]) == 0
+    assert main(["eval", "--json"]) == 0
+    assert ran == [("ppl", llama), ("ppl", qwen), ("ppl", str(tmp_path / "m.gguf")),
+                   ("fidelity", ["--schemes", "dense", bert]), ("fidelity", ["--json"])]
+    capsys.readouterr()
+    assert main(["eval", llama, "--json"]) == 2  # a causal LM needs the text
+    assert "--text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, msg", [
+    ("mixed", "expected SRCs of one kind of model"),
+    ("unknown", "cannot tell how to evaluate it"),
+    ("missing", "no such checkpoint"),
+    ("no-config", "expected a checkpoint directory with a config.json or a .gguf file"),
+    ("text-without-src", "--text FILE measures the perplexity of a causal LM: give its SRC"),
+])
+def test_eval_refuses_a_model_it_cannot_place(tmp_path, capsys, case, msg):
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    args = {"mixed": [_model(tmp_path / "a", architectures=["LlamaForCausalLM"]),
+                      _model(tmp_path / "b", model_type="bert")],
+            "unknown": [_model(tmp_path / "t5", model_type="t5", architectures=["T5Model"]), "--text", str(text)],
+            "missing": [str(tmp_path / "nope"), "--text", str(text)],
+            "no-config": [str(tmp_path), "--text", str(text)],
+            "text-without-src": ["--text", str(text)]}[case]
+    assert main(["eval", *args]) == 2
+    assert msg in capsys.readouterr().err
 
 
 def test_eval_help_names_its_default_schemes(capsys):

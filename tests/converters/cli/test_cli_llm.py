@@ -209,7 +209,7 @@ def test_tiny_sampling_is_seeded(tiny, capsys):
 
 # ---- usage errors --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, code, msg", [
-    (["eval", "x", "--text", "/no/such/file"], 2, "--text /no/such/file: no such file"),
+    (["eval", "x.gguf", "--text", "/no/such/file"], 2, "--text /no/such/file: no such file"),
     (["generate", "x", "--prompt", "p", "--scheme", "W4A16:g7x"], 1, "suffix ':g7x'"),
     (["generate", "x", "--prompt", "p", "--skip-indivisible"], 2, "--skip-indivisible needs --scheme"),
     (["generate", "/no/such/dir", "--prompt", "p"], 1, "expected a checkpoint directory or a .gguf file"),
