@@ -93,6 +93,10 @@ def test_convert_writes_what_convert_gguf_writes(tmp_path, capsys):
     converters.formats.gguf_convert.convert_gguf (whose output equals transformers' own GGUF loading: test_gguf_convert,
     on the embedded SmolLM2 too)."""
     from converters.formats.gguf_convert import convert_gguf
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # test_gguf_convert's helper
     from test_gguf_convert import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf")

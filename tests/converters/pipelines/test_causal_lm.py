@@ -192,6 +192,9 @@ def test_tiny_gguf_logits_equal_transformers(tmp_path, arch):
     """A .gguf loads in memory as its converted checkpoint loads in transformers (qwen3 with head_dim =
     hidden / heads, which transformers' own GGUF path would take as 128)."""
     gguf = pytest.importorskip("gguf")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # test_gguf_convert's helper
     from test_gguf_convert import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, hidden=128, heads=4, kv_heads=2, inter=256,
