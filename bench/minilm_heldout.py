@@ -412,7 +412,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.make_sets:
         ev, ca = make_sets()
-        data = os.path.join(os.path.dirname(_HERE), "converters", "data")
+        data = os.path.join(os.path.dirname(_HERE), "converters", "evaluation", "data")
         for name, sents in (("heldout_eval.txt", ev), ("heldout_calib.txt", ca)):
             with open(os.path.join(data, name), "w", encoding="utf-8") as f:
                 f.write("\n".join(sents) + "\n")
