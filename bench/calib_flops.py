@@ -75,8 +75,8 @@ def main():
     root = Path(__file__).resolve().parents[1]
     work = Path(a.work or tempfile.mkdtemp(prefix="qformats-calib-flops-"))
     work.mkdir(parents=True, exist_ok=True)
-    from converters.embedded import smollm2_gguf
-    from converters.gguf_convert import convert_gguf
+    from converters.evaluation.embedded import smollm2_gguf
+    from converters.formats.gguf_convert import convert_gguf
     from qformats.models.sequential import make_batches
 
     src = Path(a.src) if a.src else work / "smollm2-f32"

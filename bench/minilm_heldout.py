@@ -10,18 +10,19 @@ Usage:
   python bench/minilm_heldout.py --diagnose   (per layer kind: validation energy outside H_C's span)
   python bench/minilm_heldout.py --report SWEEP.jsonl [FINAL.jsonl]   (markdown tables, "**": min below RTN's)
 
-Sets (package data, `converters.embedded.heldout_sentences` / `default_sentences`):
-  held-out   converters/data/heldout_eval.txt: 256 sentences of the Python documentation's prose;
-  same kind  converters/data/heldout_calib.txt: another 256 sentences of that prose; the first 64 are the
+Sets (package data, `converters.evaluation.embedded.heldout_sentences` / `default_sentences`):
+  held-out   converters/evaluation/data/heldout_eval.txt: 256 sentences of the Python documentation's prose;
+  same kind  converters/evaluation/data/heldout_calib.txt: another 256 sentences of that prose; the first 64 are the
              calibration pool (the first 16 / 32 / 64 used), sentences 128-255 the validation set;
-  other kind converters/data/sentences.txt: the 64 shipped everyday-English sentences (the first 16 / 32 / 64).
+  other kind converters/evaluation/data/sentences.txt: the 64 shipped everyday-English sentences (the first 16 / 32 /
+  64).
 The two prose sets come from `pydoc_data.topics` (the standard library's copy of the Python reference's topics,
 PSF License): non-indented paragraphs split into sentences, kept when 8-40 words, capitalised, ending in ".",
 with >= 93% letters/spaces and no code punctuation; deduplicated, shuffled with numpy seed 0; the first 256 are
 the held-out set, the next 256 the calibration set. `--make-sets` rewrites the two files that way (the shipped
 files are what the figures in BENCHMARKS.md used; a different Python's pydoc_data gives different sentences).
 
-Every Linear (pooler included) is quantized as `converters.calibrate.quantize_calibrated` does
+Every Linear (pooler included) is quantized as `converters.pipelines.calibrate.quantize_calibrated` does
 (`quantize_model(..., calibration_data=batches, weight_search=S)`); the reference is torch sentence-transformers
 fp32. `--batching padded` calibrates on the old padded batches (32 a batch, lengths rounded up to 16, padding
 rows entering H) instead of `embedded.calibration_batches` (no padding).
@@ -55,8 +56,8 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from converters import embedded  # noqa: E402
-from converters.evaluate import cosines, resolve  # noqa: E402
+from converters.evaluation import embedded  # noqa: E402
+from converters.evaluation.embedding_fidelity import cosines, resolve  # noqa: E402
 from qformats.models import minilm  # noqa: E402
 from qformats.nn import QLinear, Rule, quantize_model  # noqa: E402
 from qformats.nn.graph import module_references, replace_child  # noqa: E402
@@ -398,7 +399,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batching", choices=("exact", "padded"), default="exact")
     ap.add_argument("--bucket", type=int, default=8, help="embedded.calibration_batches' length bucket")
     ap.add_argument("--json", action="store_true", help="one JSON line per row, on stdout")
-    ap.add_argument("--make-sets", action="store_true", help="rewrite converters/data/heldout_*.txt and exit")
+    ap.add_argument("--make-sets", action="store_true",
+                    help="rewrite converters/evaluation/data/heldout_*.txt and exit")
     ap.add_argument("--sweep", metavar="OUT.jsonl", help="run the sweep plan, scored on the validation set")
     ap.add_argument("--plan", default="w4a16,beyond,rtn,schemes,budget,order,mse", help="the sweep's parts, in order")
     ap.add_argument("--shard", default="0/1", help="I/N: run every N-th row of the plan starting at I")
@@ -410,7 +412,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.make_sets:
         ev, ca = make_sets()
-        data = os.path.join(os.path.dirname(_HERE), "converters", "data")
+        data = os.path.join(os.path.dirname(_HERE), "converters", "evaluation", "data")
         for name, sents in (("heldout_eval.txt", ev), ("heldout_calib.txt", ca)):
             with open(os.path.join(data, name), "w", encoding="utf-8") as f:
                 f.write("\n".join(sents) + "\n")

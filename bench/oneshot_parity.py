@@ -27,7 +27,7 @@ DATA_FREE = "FP8_DYNAMIC,FP8_BLOCK,W8A8,W8A16,W4A16,W4A16_ASYM,W3A16,NVFP4A16,MX
 
 
 def _tensors(d: Path):
-    from converters.safetensors_io import open_checkpoint
+    from converters.formats.safetensors_io import open_checkpoint
     with open_checkpoint(d) as ck:
         return {k: np.array(ck.get(k)) for k in ck.keys()}
 

@@ -7,7 +7,7 @@ Text and protocol: bench/llm_ppl.py's (the prose of `pydoc_data.topics`, consecu
 each run alone, ppl = exp(mean NLL)); every row is evaluated on the very same window ids.
 
 Ours (float32): `quantize_checkpoint(src, dst, scheme)` with `rotate=None` and `rotate="random-hadamard"`
-(SpinQuant R1 + R2 fused, `converters.rotate`; SmolLM2's hidden size 576 = 4 * 144 has no deterministic
+(SpinQuant R1 + R2 fused, `converters.pipelines.rotate`; SmolLM2's hidden size 576 = 4 * 144 has no deterministic
 Hadamard matrix, so "hadamard" is refused, as llm-compressor refuses it), each checkpoint loaded with
 `load_causal_lm` and run by the Flax decoder. Also the dense rotated model (no quantization).
 
@@ -122,9 +122,9 @@ def w4a4(a, src: Path, work: Path, windows) -> str:
     QuIP, SpinQuant."""
     from calibrate_lm import calibration_lines
 
-    from converters.calibrate import quantize_calibrated_lm
-    from converters.causal_lm import load_causal_lm, load_tokenizer
-    from converters.perplexity import perplexity
+    from converters.pipelines.calibrate import quantize_calibrated_lm
+    from converters.pipelines.causal_lm import load_causal_lm, load_tokenizer
+    from converters.evaluation.perplexity import perplexity
 
     tok = load_tokenizer(src)
     ids = [x[:a.calib_len] for x in (tok.encode(t).ids for t in calibration_lines(8 * a.samples))
@@ -141,7 +141,7 @@ def w4a4(a, src: Path, work: Path, windows) -> str:
     for rot in (None, "random-hadamard", "torch-signs"):
         d = work / f"NVFP4-{rot or 'none'}"
         if rot == "torch-signs":  # R1 + R2 with the signs compressed-tensors' factories draw: their SpinQuant model
-            from converters.rotate import rotate_checkpoint
+            from converters.pipelines.rotate import rotate_checkpoint
 
             cfg = json.loads((src / "config.json").read_text())
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -190,10 +190,10 @@ def main(argv=None) -> int:
 
     from llm_ppl import document_text
 
-    from converters.causal_lm import load_causal_lm, load_tokenizer
-    from converters.perplexity import encode_text, perplexity, token_windows
-    from converters.quantize_checkpoint import quantize_checkpoint
-    from converters.rotate import rotate_checkpoint
+    from converters.pipelines.causal_lm import load_causal_lm, load_tokenizer
+    from converters.evaluation.perplexity import encode_text, perplexity, token_windows
+    from converters.pipelines.quantize_checkpoint import quantize_checkpoint
+    from converters.pipelines.rotate import rotate_checkpoint
 
     src = Path(a.src)
     keep = a.work is not None

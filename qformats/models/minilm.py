@@ -21,7 +21,7 @@ __all__ = [
 # The model mirrors Hugging Face's `BertModel` for inference (no dropout) and the sentence embedding
 # mirrors sentence-transformers' pipeline for all-MiniLM-L6-v2: Transformer → mean pooling over the
 # attention mask → L2 normalisation. Pure: reading config.json, model.safetensors and the tokenizer is
-# `converters.embedded`'s job.
+# `converters.evaluation.embedded`'s job.
 #
 # Every dense layer is a plain `nnx.Linear` (kernel `[in, out]`) held directly as an attribute, so
 # `qformats.nn.quantize_model` can swap it by a regex on its module path. The paths read like the HF
@@ -338,7 +338,7 @@ def encode_sentences(model: nnx.Module, tokenizer: Callable[[Sequence[str]], Map
     """`embed` over `sentences` in batches of `batch_size` → float32 numpy `[n, hidden]`, rows of unit L2 norm.
 
     `tokenizer` maps a list of sentences to a batch {"input_ids", "attention_mask", "token_type_ids"}
-    (e.g. `converters.embedded.Tokenizer`).
+    (e.g. `converters.evaluation.embedded.Tokenizer`).
     """
     out = []
     for start in range(0, len(sentences), batch_size):

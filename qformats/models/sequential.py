@@ -28,7 +28,7 @@ attention: a real position never sees a padded one, so the real tokens' activati
 unpadded sample). Each layer's projections are built with paths relative to the layer, so every layer has
 the same graph and each (batch, length) shape compiles once for the whole model.
 
-Pure: takes a `CausalLM` and token arrays, quantizes it in place; no file I/O (converters.calibrate drives it).
+Pure: takes a `CausalLM` and token arrays, quantizes it in place; no file I/O (converters.pipelines.calibrate drives it).
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
 
     Args:
       model: a float `CausalLM` (its projections nnx.Linear; lm_head and embeddings stay dense).
-      samples: calibration token arrays (a list of 1-D int arrays, e.g. `converters.calibration_data`), or Batches.
+      samples: calibration token arrays (a list of 1-D int arrays, e.g. `converters.evaluation.calibration_data`), or Batches.
       scheme: a scheme string ("W4A16:g64", ...) or SchemeSet for every projection.
       weight_search: "rtn", "mse", "gptq" or "mse+gptq" (`quantize_projection`).
       gptq: GPTQ's options (llm-compressor 0.14's defaults).
@@ -331,14 +331,14 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
       tokens_per_batch, bucket, max_padding: batching (`make_batches`). A layer pass's temporaries grow with the
         batch ([B, heads, T, T] attention scores, [B, T, intermediate] MLP activations): 2048 tokens a batch keep
         them to a few tens of MiB on SmolLM2-sized layers.
-      embed, load_layer, store_layer: streaming (the model need not be resident: `converters.calibrate` reads
+      embed, load_layer, store_layer: streaming (the model need not be resident: `converters.pipelines.calibrate` reads
         one layer at a time from the checkpoint and writes it out when done). `embed(ids)` -> [B, T, d]
         embeddings of a batch's token ids (default: the model's embed_tokens); `load_layer(i, layer)` fills
         layer i's parameters just before its turn; `store_layer(i, layer)` receives layer i once quantized
         and propagated (full module paths set), after which calibration never touches it again.
       between_phases: optional `between_phases()` called after each layer's calibration pass, the weight search of
         each of its input groups (q/k/v, o, gate/up, down) and its propagation (e.g.
-        `converters.calibrate.trim_malloc`: the temporaries of one phase, its first compilation included, handed
+        `converters.pipelines.calibrate.trim_malloc`: the temporaries of one phase, its first compilation included, handed
         back before the next).
       log: progress messages.
 

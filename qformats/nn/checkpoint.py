@@ -3,7 +3,7 @@
 
 The tensors are given per Flax module path ("encoder/layers/0/attention/query") as a dict of local names:
 "weight" (a QArray of logical shape [in, out] = the Flax kernel, quantized along axis 0 — the layout
-`converters.ct_read` returns) and optionally "bias", "input_scale", "input_global_scale". Mapping checkpoint
+`converters.formats.compressed_tensors.read` returns) and optionally "bias", "input_scale", "input_global_scale". Mapping checkpoint
 names to module paths is the caller's (the model knows its names).
 """
 

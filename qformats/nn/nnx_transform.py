@@ -63,14 +63,14 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
       actorder: GPTQ's column order: "static" (default, llm-compressor's GPTQModifier default: descending
         diag(H); output error 0.5-0.75x of column order in bench/gptq_parity.py) or None (column order).
       dampening_frac: GPTQ's dampening, H += dampening_frac * mean(diag H) * I (default 0.01, llm-compressor's;
-        the embedded MiniLM's calibration uses `converters.embedded.GPTQ_DAMPENING`, 0.1, chosen on held-out text).
+        the embedded MiniLM's calibration uses `converters.evaluation.embedded.GPTQ_DAMPENING`, 0.1, chosen on held-out text).
       compare_rtn: with calibration_data and a weight_search, run the calibration batches again with the
         searched weights and with round-to-nearest ones and keep whichever gives the lower squared error
         against the float model's outputs (so a search never makes the model worse on its calibration
         data; costs two more passes and keeps the float outputs of the calibration batches meanwhile).
       observer: "minmax" | "moving_average" | "percentile" | "mse" | an `observers.Observer`.
       fuse_global_scales: NVFP4 (TENSOR_GROUP) weights of fused siblings share one global scale, as
-        llm-compressor's oneshot and `converters.quantize_checkpoint` do (vLLM runs q/k/v_proj as one qkv_proj
+        llm-compressor's oneshot and `converters.pipelines.quantize_checkpoint` do (vLLM runs q/k/v_proj as one qkv_proj
         matmul, gate/up_proj as one gate_up_proj): every member of a group takes
           g = 448 * 6 / max_i max |W_i|   (`qformats.fused.shared_global_scale`, the smallest member's g),
         and its fp8 group scales and codes are computed under that g. True: the groups of

@@ -54,7 +54,7 @@ def leaf_shapes(model):
 def save_dense(model, cfg, hf, path):
     import numpy as np
 
-    from converters.safetensors_io import save_file
+    from converters.formats.safetensors_io import save_file
     from qformats.models.decoder import hf_tensor_names
 
     path.mkdir(parents=True, exist_ok=True)
@@ -75,7 +75,7 @@ def case_tp(n: int, workdir: str):
     import numpy as np
     from flax import nnx
 
-    from converters.mesh_load import tensor_parallel_setup
+    from converters.pipelines.mesh_load import tensor_parallel_setup
     from qformats.models.decoder import CausalLM, DecoderConfig, quantization_rules, tensor_parallel_rules
     from qformats.models.generate import generate
     from qformats.nn import quantize_model
@@ -182,9 +182,9 @@ def case_load(n: int, workdir: str):
     import numpy as np
     from flax import nnx
 
-    from converters.causal_lm import load_causal_lm
-    from converters.mesh_load import ReadStats, tensor_parallel_setup
-    from converters.quantize_checkpoint import quantize_checkpoint
+    from converters.pipelines.causal_lm import load_causal_lm
+    from converters.pipelines.mesh_load import ReadStats, tensor_parallel_setup
+    from converters.pipelines.quantize_checkpoint import quantize_checkpoint
     from qformats.models.decoder import CausalLM, DecoderConfig
 
     mesh = tensor_parallel_setup(n)
@@ -222,8 +222,8 @@ def case_memory(n: int, workdir: str):
     import numpy as np
     from flax import nnx
 
-    from converters.causal_lm import load_causal_lm
-    from converters.mesh_load import ReadStats, place, tensor_parallel_setup
+    from converters.pipelines.causal_lm import load_causal_lm
+    from converters.pipelines.mesh_load import ReadStats, place, tensor_parallel_setup
 
     mesh = tensor_parallel_setup(n)
     wd = Path(workdir)
@@ -247,9 +247,9 @@ def case_smollm2(n: int, workdir: str):
     import numpy as np
     from flax import nnx
 
-    from converters.causal_lm import load_causal_lm
-    from converters.embedded import smollm2_gguf
-    from converters.mesh_load import tensor_parallel_setup
+    from converters.pipelines.causal_lm import load_causal_lm
+    from converters.evaluation.embedded import smollm2_gguf
+    from converters.pipelines.mesh_load import tensor_parallel_setup
     from qformats.models.decoder import quantization_rules, tensor_parallel_rules
     from qformats.models.generate import generate
     from qformats.nn import quantize_model
@@ -296,8 +296,8 @@ def case_multiprocess(n: int, workdir: str, pid: int, nproc: int, port: int):
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh
 
-    from converters.causal_lm import load_causal_lm
-    from converters.mesh_load import ReadStats
+    from converters.pipelines.causal_lm import load_causal_lm
+    from converters.pipelines.mesh_load import ReadStats
 
     wd = Path(workdir)
     mesh = Mesh(np.array(jax.devices()), ("tp",))

@@ -72,7 +72,7 @@ def test_non_string_is_a_scheme_error():
 
 
 def test_eval_and_rules_use_the_parser():
-    from converters.evaluate import resolve
+    from converters.evaluation.embedding_fidelity import resolve
     from qformats.nn.rules import resolve_scheme
 
     want = parse_scheme("W4A16:g64:w")

@@ -262,7 +262,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Rotation(nnx.Variable):
     """An online rotation matrix M [n, n]: values v become v @ M, per block of n along the last axis
     (block-diagonal M). For compressed-tensors' Hadamard kinds M = W / sqrt(n), W its stored transform weight
-    permuted / transposed as its args say; for random-matrix M = W (see converters.transforms)."""
+    permuted / transposed as its args say; for random-matrix M = W (see converters.formats.compressed_tensors.transforms)."""
 
 
 def rotate(x: jax.Array, m: jax.Array) -> jax.Array:

@@ -3,7 +3,7 @@
 `set_rotation` installs an online rotation (a dense matrix or the fast Hadamard transform) at a projection's input
 or output or on post-RoPE queries / keys; `CausalLM` applies it in its forward pass.
 
-`rotate_decoder(model, kind)` does to a dense `CausalLM` what `converters.rotate.rotate_checkpoint` does to its
+`rotate_decoder(model, kind)` does to a dense `CausalLM` what `converters.pipelines.rotate.rotate_checkpoint` does to its
 checkpoint -- the same steps, the same per-tensor function (`qformats.rotation.spinquant_tensor`, float64 fusing with
 a cast back to the parameter dtype after every step), so that rotating in memory and then quantizing
 (`rotate_decoder(model, kind, seed=seed)`, then `qformats.nn.quantize_model(model, rules)`) packs exactly what
@@ -120,14 +120,14 @@ def rotate_decoder(model: CausalLM, kind: str = "random-hadamard", *, seed: int 
         quantization, not yet on a mesh).
       kind: "hadamard" (Sylvester, power-of-two orders only) or "random-hadamard".
       seed: the random signs' seed (`qformats.rotation.random_signs(n, seed, GROUP_STREAMS[group])`), the same
-        draw as `converters.rotate.rotate_checkpoint(seed=...)`.
+        draw as `converters.pipelines.rotate.rotate_checkpoint(seed=...)`.
       rotations: a subset of ("R1", "R2", "R3", "R4").
       signs: random-hadamard only: group -> signs [n] to use instead of the seeded draw.
-      hadamard_bases: compressed-tensors' stored Hadamard matrices (`converters.transforms.ct_hadamard_bases()`),
+      hadamard_bases: compressed-tensors' stored Hadamard matrices (`converters.formats.compressed_tensors.transforms.ct_hadamard_bases()`),
         needed for orders that are not a power of two (SmolLM2's 576 = 4 * 144) and for 32.
 
     Returns:
-      the `qformats.rotation.Rotated` record: transform_config (for `converters.flax_io.save_compressed`'s
+      the `qformats.rotation.Rotated` record: transform_config (for `converters.pipelines.flax_io.save_compressed`'s
       transform_config; save with tie_word_embeddings false in the HF config) and the online matrices.
 
     Raises:

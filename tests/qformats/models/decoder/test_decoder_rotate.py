@@ -1,5 +1,5 @@
 """qformats.models.decoder.rotate: SpinQuant rotations of an in-memory decoder (then quantize_model) against the
-checkpoint path (converters.rotate.rotate_checkpoint -> quantize_checkpoint -> load_causal_lm) and the unrotated model."""
+checkpoint path (converters.pipelines.rotate.rotate_checkpoint -> quantize_checkpoint -> load_causal_lm) and the unrotated model."""
 
 import jax
 import jax.numpy as jnp
@@ -9,10 +9,10 @@ import torch
 import transformers
 from flax import nnx
 
-from converters.causal_lm import load_causal_lm
-from converters.quantize_checkpoint import quantize_checkpoint
-from converters.rotate import rotate_checkpoint
-from converters.transforms import ct_hadamard_bases
+from converters.pipelines.causal_lm import load_causal_lm
+from converters.pipelines.quantize_checkpoint import quantize_checkpoint
+from converters.pipelines.rotate import rotate_checkpoint
+from converters.formats.compressed_tensors.transforms import ct_hadamard_bases
 from qformats.errors import ModelError
 from qformats.models import decoder
 from qformats.models.decoder import rotate_decoder
@@ -26,7 +26,7 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
 IDS = jnp.asarray(np.random.RandomState(0).randint(0, 128, (2, 9)), jnp.int32)
 # float32 logits of magnitude ~5: the rotated weights are rounded to float32 once per fused step and the rotated
 # activations are summed in another order; orthogonal rotations do not amplify that (the checkpoint tests measure
-# <= 4e-6, the same bound as tests/converters/test_rotate.py)
+# <= 4e-6, the same bound as tests/converters/pipelines/test_rotate.py)
 ATOL = 2e-5
 
 
@@ -153,7 +153,7 @@ def test_saved_in_memory_rotation_reloads_with_its_online_rotations(src, tmp_pat
     gives the in-memory model's logits bit for bit. Without the record, saving is refused (it would drop R3/R4)."""
     import json
 
-    from converters.causal_lm import save_causal_lm
+    from converters.pipelines.causal_lm import save_causal_lm
 
     hf = json.loads((src / "config.json").read_text())
     model, _, _ = load_causal_lm(src, tokenizer=False)

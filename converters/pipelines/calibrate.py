@@ -1,0 +1,393 @@
+"""Calibrated quantization to compressed-tensors checkpoints: the embedded all-MiniLM-L6-v2 and the decoder family.
+
+`qformats quantize DST --scheme W4A16 --calibrate [FILE] [--weight-search mse+gptq]` lands here: the Flax MiniLM
+(`qformats.models.minilm`, real weights from `converters.evaluation.embedded`) runs the calibration sentences once
+through `qformats.nn.quantize_model` (static activation scales, per-layer H = E[x x^T], then the weight search: GPTQ on
+MSE-searched scales by default), and the packed model is written with `converters.evaluation.embedded.save_checkpoint`
+under the HF tensor names, next to the packaged tokenizer and sentence-transformers files. The result is an ordinary
+compressed-tensors checkpoint: GPTQ changes the codes, not the format (transformers / vLLM load a W4A16 GPTQ
+checkpoint like an RTN one).
+
+Causal LMs (llama / mistral / qwen2 / qwen3: `quantize_calibrated_lm`): the checkpoint is loaded into the Flax
+decoder (`converters.pipelines.causal_lm`), calibrated layer by layer on samples from a text / jsonl / .npy file
+(`converters.evaluation.calibration_data`, `qformats.models.sequential`), optionally after SmoothQuant or AWQ scales are
+folded into each layer, and written with `converters.pipelines.flax_io.save_compressed` (lm_head left dense and listed
+in `ignore`, as llm-compressor's recipes do).
+
+A data-free checkpoint of any HF model needs no Flax model (`converters.pipelines.quantize_checkpoint`); calibration
+does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from converters.evaluation import embedded
+from converters.evaluation.embedding_fidelity import resolve
+from converters.formats.safe_files import check_destination
+from qformats.errors import CheckpointError, ModelError
+from qformats.gptq import DAMPENING_FRAC
+from qformats.nn import Rule, quantize_model, quantized_layers
+from qformats.nn.weight_search import RTN, WEIGHT_SEARCHES
+
+__all__ = ["DEFAULT_WEIGHT_SEARCH", "DEFAULT_LM_WEIGHT_SEARCH", "quantize_calibrated", "quantize_calibrated_lm"]
+
+DEFAULT_WEIGHT_SEARCH = "mse+gptq"  # the best held-out fidelity measured (BENCHMARKS.md)
+DEFAULT_LM_WEIGHT_SEARCH = "gptq"  # llm-compressor's GPTQModifier (round-to-nearest scales, GPTQ codes)
+
+
+def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] = None,
+                        weight_search: str = DEFAULT_WEIGHT_SEARCH, batch_size: int = 32, overwrite: bool = False,
+                        dampening_frac: float = embedded.GPTQ_DAMPENING,
+                        log: Callable[[str], None] = lambda m: None) -> dict:
+    """Quantize MiniLM's Linear layers (pooler included) with `scheme`, calibrated on `sentences` (default: the
+    shipped set), and write the checkpoint to `dst`. Returns {"layers", "searched", "seconds", "path"}.
+
+    The sentences are batched without padding (`embedded.calibration_batches`: grouped by length, at most
+    `batch_size` a batch): padded positions would enter every layer's H = E[x x^T] and activation ranges.
+
+    weight_search: "rtn" (round-to-nearest weights; calibration still sets static activation scales),
+    "mse", "gptq" or "mse+gptq" (see `qformats.nn.quantize_model`). `dampening_frac`: GPTQ's, H += dampening_frac *
+    mean(diag H) * I (default `embedded.GPTQ_DAMPENING` = 0.1, chosen on held-out text; llm-compressor's is 0.01).
+
+    Raises:
+      SchemeError: unknown scheme. ModelError: the scheme does not fit a layer. CheckpointError: dst exists
+        (without overwrite) or cannot be written; nothing is left half-written.
+    """
+    if weight_search not in WEIGHT_SEARCHES:
+        raise ModelError(f"weight_search must be one of {WEIGHT_SEARCHES}, got {weight_search!r}")
+    ss = resolve(scheme)
+    if ss is None:
+        raise ModelError("scheme 'dense' quantizes nothing; pick a preset such as W4A16")
+    if Path(dst).exists() and not overwrite:  # fail before the calibration work, not after
+        raise CheckpointError(f"{dst}: already exists (pass overwrite=True / --overwrite to replace it)")
+    sentences = list(sentences) if sentences is not None else embedded.default_sentences()
+    if not sentences:
+        raise ModelError("calibration needs at least one sentence")
+    t0 = time.perf_counter()
+    tok = embedded.Tokenizer()
+    batches = embedded.calibration_batches(tok, sentences, batch_size)  # no padding rows in H
+    model = embedded.load_minilm()
+    damp = f" (dampening {dampening_frac:g})" if "gptq" in weight_search else ""
+    log(f"calibrating all-MiniLM-L6-v2 on {len(sentences)} sentences ({len(batches)} batches), "
+        f"{ss.name}, weights: {weight_search}{damp}")
+    logger = logging.getLogger("qformats")
+    handler = _LogTo(log)
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the rule matches every Linear; nothing to warn about here
+            quantize_model(model, [Rule(".*", ss)], calibration_data=batches, weight_search=weight_search,
+                           dampening_frac=dampening_frac)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    layers = quantized_layers(model)
+    searched = sum(1 for m in layers.values() if m.weight_method != RTN)
+    log(f"quantized {len(layers)} Linear layers in {time.perf_counter() - t0:.1f} s "
+        f"({searched} with {weight_search}, {len(layers) - searched} round-to-nearest)")
+    embedded.save_checkpoint(model, dst, overwrite=overwrite)
+    log(f"wrote {dst}")
+    return {"layers": len(layers), "searched": searched, "seconds": time.perf_counter() - t0, "path": str(dst)}
+
+
+class _LogTo(logging.Handler):
+    """Forwards the INFO records of the `qformats` logger to a `log(str)` callable."""
+
+    def __init__(self, fn):
+        super().__init__(logging.INFO)
+        self.fn = fn
+
+    def emit(self, record):
+        self.fn(record.getMessage())
+
+
+def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search: Optional[str] = None,
+                           awq: bool = False, smooth: Optional[float] = None, calibration_tokens: int = 65536,
+                           seq_len: int = 512, seed: Optional[int] = 0, dampening_frac: float = DAMPENING_FRAC,
+                           block_size: int = 128, actorder: Optional[str] = "static",
+                           propagate: Optional[str] = None, overwrite: bool = False, awq_n_grid: int = 20,
+                           awq_duo_scaling=True, kv_cache=None, rotate: Optional[str] = None,
+                           rotate_seed: int = 0, between_phases: Optional[Callable[[], object]] = None,
+                           log: Callable[[str], None] = lambda m: None) -> dict:
+    """Quantize a causal LM's decoder projections with `scheme`, calibrated layer by layer, and write a
+    compressed-tensors checkpoint at `dst`. Returns {"layers", "projections", "searched", "tokens", "samples",
+    "seconds", "path"}.
+
+    Args:
+      src: a dense HF checkpoint directory (llama / mistral / qwen2 / qwen3) or a .gguf file.
+      dst: the output directory (atomic write; tokenizer and other files of a directory `src` copied, a .gguf
+        file's tokenizer written as tokenizer.json / tokenizer_config.json).
+      scheme: a scheme string ("W4A16", "W4A16:g64", "W8A8", ...) for every projection; lm_head stays dense.
+      calibration: a text file (one sample per non-empty line), a .jsonl file ({"text": ...} per line) or a
+        .npy array of token ids (`converters.evaluation.calibration_data.load_calibration`).
+      weight_search: "rtn", "mse", "gptq" or "mse+gptq"; default "gptq", or "rtn" with `awq` (llm-compressor's
+        AWQ recipe: AWQModifier then round-to-nearest QuantizationModifier).
+      awq: AWQ scales (`qformats.awq`, llm-compressor 0.14's AWQModifier arithmetic) folded into each layer before
+        its weight search; `awq_n_grid`, `awq_duo_scaling`: its n_grid and duo_scaling. Not combinable with `smooth`
+        (both fold per-channel scales into the same norms; llm-compressor does not combine them).
+      smooth: SmoothQuant migration strength alpha in [0, 1] (`qformats.smoothquant`), or None.
+      calibration_tokens, seq_len, seed: the token budget, the longest sample, the sample order's seed.
+      dampening_frac, block_size, actorder: GPTQ's options (llm-compressor 0.14's names and defaults).
+      propagate: "quantized" or "float" (`qformats.models.sequential`); default "quantized", except with
+        round-to-nearest weights: "float", as llm-compressor runs such a recipe (its pipeline keeps quantization
+        disabled and RTN leaves the weights float until the checkpoint is written, so layer i+1 sees float outputs:
+        what the static activation ranges of W4A4 / W8A8 and the KV-cache scales are calibrated on).
+      kv_cache: a `qformats.kv_cache.KVCacheScheme` or "fp8" / "fp8:head" / "fp8:dynamic": FP8 KV cache, static
+        k_scale / v_scale calibrated on the same samples (`calibrate_decoder`'s kv_cache), written as
+        compressed-tensors' kv_cache_scheme with the scales under each attention module.
+      rotate: "hadamard" or "random-hadamard": SpinQuant's R1 + R2 (`converters.pipelines.rotate.rotate_checkpoint`,
+        signs from `rotate_seed`) fused into a dense copy of `src` (a directory) before loading, so calibration sees the
+        rotated model; recorded as quantization_config.transform_config.
+      between_phases: called with no arguments between the phases of each layer's calibration
+        (`qformats.models.sequential.calibrate_decoder`'s), e.g. `converters.process.trim_malloc`; the process
+        tuning of the `qformats` CLI is `converters.process.lean_calibration`, which this function does not apply.
+
+    Raises:
+      CheckpointError: unreadable src / calibration file, dst exists without overwrite. ModelError / SchemeError:
+        a scheme that does not fit, bad options.
+    """
+    import tempfile
+
+    from converters.evaluation.calibration_data import load_calibration
+    from converters.pipelines.causal_lm import kv_scale_name_map, load_causal_lm
+    from converters.pipelines.flax_io import save_compressed
+    from qformats.kv_cache import parse_kv_cache
+    from qformats.models.decoder import hf_tensor_names
+    from qformats.models.sequential import GPTQOptions, calibrate_decoder
+
+    check_destination(dst, (src,))  # fail before the calibration work, not after (the writer checks again)
+    if Path(dst).exists() and not overwrite:  # fail before the calibration work, not after
+        raise CheckpointError(f"{dst}: already exists (pass overwrite=True / --overwrite to replace it)")
+    if awq and smooth is not None:
+        raise ModelError("quantize_calibrated_lm: AWQ and SmoothQuant (smooth=ALPHA / --smooth) both fold per-channel "
+                         "scales into the same norms and projections, and llm-compressor does not combine them: "
+                         "choose one")
+    if isinstance(kv_cache, str):
+        kv_cache = parse_kv_cache(kv_cache)
+    if weight_search is None:
+        weight_search = RTN if awq else DEFAULT_LM_WEIGHT_SEARCH
+    if propagate is None:
+        propagate = "float" if weight_search == RTN else "quantized"
+    gptq = GPTQOptions(block_size=block_size, dampening_frac=dampening_frac, actorder=actorder)
+    transform = None
+    if awq:
+        from qformats.awq import awq_transform
+
+        transform = awq_transform(scheme, n_grid=awq_n_grid, duo_scaling=awq_duo_scaling)
+    if smooth is not None:
+        from qformats.smoothquant import smoothquant_transform
+
+        transform = smoothquant_transform(smooth)
+    t0 = time.perf_counter()
+    if rotate is None and kv_cache is None and _streamable(Path(src)):  # one layer resident at a time
+        return _quantize_streamed(Path(src), dst, scheme, calibration, weight_search=weight_search, gptq=gptq,
+                                  propagate=propagate, transform=transform, seq_len=seq_len,
+                                  calibration_tokens=calibration_tokens, seed=seed, overwrite=overwrite, t0=t0,
+                                  between_phases=between_phases, log=log)
+    with tempfile.TemporaryDirectory(prefix="qformats-rotated-") as rot_dir:
+        rotated = None
+        if rotate is not None:  # before calibration: the rotated model is the one calibrated
+            from converters.pipelines.rotate import rotate_checkpoint
+
+            rotated = rotate_checkpoint(src, Path(rot_dir) / "rotated", rotate, seed=rotate_seed)
+            log(f"rotated {src}: SpinQuant R1 + R2, {rotate}")
+        model, hf_config, tok = load_causal_lm(src if rotated is None else Path(rot_dir) / "rotated")
+        # the model holds its parameters now; the rotated copy goes (its tokenizer files are src's)
+    tokenize = None if tok is None else (lambda text: tok.encode(text).ids)
+    samples = load_calibration(calibration, tokenize, seq_len=seq_len, max_tokens=calibration_tokens, seed=seed,
+                               vocab_size=model.config.vocab_size)
+    log(f"loaded {src} ({model.config.model_type}, {model.config.num_layers} layers) in "
+        f"{time.perf_counter() - t0:.1f} s; {len(samples)} calibration samples, "
+        f"{sum(len(s) for s in samples)} tokens from {calibration}")
+    info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq, propagate=propagate,
+                             transform=transform, kv_cache=kv_cache, between_phases=between_phases, log=log)
+    names = {n: ("/".join(str(p) for p in slot.path), slot.transpose)
+             for n, slot in hf_tensor_names(model.config).items()}
+    names.update(kv_scale_name_map(model))
+    ignore = [] if model.lm_head is None else ["lm_head"]
+    src_path = Path(src)
+    with tempfile.TemporaryDirectory() as extra:
+        copy_from = src_path if src_path.is_dir() else None
+        if copy_from is None and tok is not None:  # a GGUF file: its tokenizer as transformers' GGUF loading saves it
+            import json
+
+            from converters.formats.gguf_convert import open_gguf
+
+            for name, content in open_gguf(src_path).tokenizer_files().items():
+                text = content if isinstance(content, str) else json.dumps(content, indent=2, ensure_ascii=False)
+                (Path(extra) / name).write_text(text, encoding="utf-8")
+            copy_from = Path(extra)
+        save_compressed(model, dst, names, config=dict(hf_config), copy_from=copy_from, overwrite=overwrite,
+                        ignore=ignore, kv_cache_scheme=kv_cache,
+                        transform_config=None if rotated is None else rotated.transform_config)
+    seconds = time.perf_counter() - t0
+    log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")
+    return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}
+
+
+def _streamable(src: Path) -> bool:
+    """A dense (not compressed-tensors) HF checkpoint directory: calibrated streaming, one layer resident."""
+    from converters.formats.safetensors_io import read_json
+
+    if not (src.is_dir() and (src / "config.json").is_file()):
+        return False
+    cfg = read_json(src / "config.json")
+    return isinstance(cfg, dict) and "quantization_config" not in cfg
+
+
+def _stream_plan(ck, scheme, slots, per_layer, outside):
+    """The output tensors of `_quantize_streamed`, in the order it writes them (layer by layer: each layer's
+    tensors in `per_layer` order, its seven projections packed, the rest float32; then the tensors `outside` the
+    layers), so the writer puts each one straight to disk (`ShardedWriter`'s planned mode) instead of holding
+    every packed layer until the end. None (the writer then keeps a shard in memory) for schemes with static
+    input scales, whose extra tensors this plan does not list."""
+    import numpy as np
+
+    from converters.pipelines.quantize_checkpoint import packed_specs
+    from converters.formats.shard_writer import TensorSpec
+    from qformats.models.sequential import PROJECTIONS
+    from qformats.nn import resolve_scheme
+
+    ss = resolve_scheme(scheme)
+    a = ss.input_activations
+    if a is not None and a.dynamic is not True:
+        return None
+    plan, cache = [], {}
+    for names in per_layer.values():
+        for n in names:
+            slot = slots[n]
+            if slot.path[-1] == "kernel" and "/".join(str(p) for p in slot.path[3:-1]) in PROJECTIONS:
+                plan += packed_specs(ss, n.rsplit(".", 1)[0], tuple(ck.info(n).shape), np.float32, cache)
+            else:
+                plan.append(TensorSpec(n, np.dtype(np.float32), tuple(ck.info(n).shape)))
+    plan += [TensorSpec(n, np.dtype(np.float32), tuple(ck.info(n).shape)) for n in outside]
+    return plan
+
+
+def _release(module) -> None:
+    """Drops a module's arrays (each Variable holds a scalar placeholder afterwards): a layer that was written out."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    for _, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Variable):
+            var.set_value(jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_search: str, gptq, propagate: str,
+                       transform, seq_len: int, calibration_tokens: int, seed, overwrite: bool, t0: float,
+                       between_phases: Optional[Callable[[], object]], log: Callable[[str], None]) -> dict:
+    """`quantize_calibrated_lm` for a dense checkpoint directory, streamed: the model is built abstract
+    (shapes only), each decoder layer's tensors are read from the memory-mapped checkpoint just before its
+    calibration (`calibrate_decoder`'s load_layer) and its packed result goes to the checkpoint writer right
+    after (store_layer), its arrays then dropped; the embeddings of the calibration tokens are gathered from
+    the map. The dense model is never resident: peak memory is one layer (plus the packed layers waiting in the
+    writer's shard and the calibration activations). Same tensors, values and checks as loading it whole."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from converters.evaluation.calibration_data import load_calibration
+    from converters.pipelines.causal_lm import load_tokenizer
+    from converters.formats.compressed_tensors.write import CompressedWriter
+    from converters.formats.safetensors_io import open_checkpoint, read_json
+    from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names, inv_freq
+    from qformats.models.sequential import calibrate_decoder
+    from qformats.nn import export_quantized
+
+    hf_config = read_json(src / "config.json")
+    try:
+        cfg = DecoderConfig.from_hf(hf_config)
+    except ModelError as e:
+        raise CheckpointError(f"{src / 'config.json'}: {e}") from None
+    model = nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    tok = load_tokenizer(src)
+    samples = load_calibration(calibration, None if tok is None else (lambda text, t=tok: t.encode(text).ids),
+                               seq_len=seq_len, max_tokens=calibration_tokens, seed=seed, vocab_size=cfg.vocab_size)
+    del tok  # the tokenizer's tables (~50 MiB) are not needed while calibrating
+    slots = hf_tensor_names(cfg)
+
+    def var(root, path):
+        for p in path[:-1]:
+            root = root[p] if isinstance(p, int) else getattr(root, p)
+        return getattr(root, path[-1])
+
+    with open_checkpoint(src) as ck:
+        # every check of a whole load (decoder.load_hf_tensors), before any work
+        names = set(ck.keys())
+        missing = sorted(n for n in slots if n not in names)
+        unexpected, bad = [], []
+        for n in sorted(names - set(slots)):
+            if n == "lm_head.weight" and cfg.tie_word_embeddings:
+                if not np.array_equal(ck.get(n), ck.get("model.embed_tokens.weight")):
+                    bad.append(f"{n} (tied to model.embed_tokens.weight, but the values differ)")
+            elif n.endswith("rotary_emb.inv_freq"):
+                if not np.array_equal(np.asarray(ck.get(n), np.float32), inv_freq(cfg)):
+                    bad.append(f"{n} (differs from the config's RoPE inverse frequencies)")
+            else:
+                unexpected.append(n)
+        for n, slot in slots.items():
+            if n in names:
+                want = tuple(var(model, slot.path).get_value().shape)
+                want = want[::-1] if slot.transpose else want
+                if tuple(ck.info(n).shape) != want:
+                    bad.append(f"{n} (shape {tuple(ck.info(n).shape)}, expected {want})")
+        ck.drop_pages()
+        if missing or unexpected or bad:
+            problems = [f"{len(x)} {what}: {', '.join(x[:6])}" + (" ..." if len(x) > 6 else "")
+                        for x, what in ((missing, "missing"), (unexpected, "unexpected"), (bad, "wrong")) if x]
+            raise CheckpointError(f"{src}: expected the tensors of a {cfg.model_type} decoder; " + "; ".join(problems))
+        log(f"streaming {src} ({cfg.model_type}, {cfg.num_layers} layers) in {time.perf_counter() - t0:.1f} s; "
+            f"{len(samples)} calibration samples, {sum(len(s) for s in samples)} tokens from {calibration}")
+        per_layer = {i: [n for n in slots if slots[n].path[:3] == ("model", "layers", i)]
+                     for i in range(cfg.num_layers)}
+        # embeddings, final norm, an untied lm_head: written last, as the checkpoint has them
+        outside = [n for n, slot in slots.items() if slot.path[:2] != ("model", "layers")]
+        plan = _stream_plan(ck, scheme, slots, per_layer, outside)
+        with CompressedWriter(dst, overwrite=overwrite, plan=plan, sources=(src,)) as w:
+            def load_layer(i, layer):
+                for n in per_layer[i]:
+                    slot = slots[n]
+                    v = var(layer, slot.path[3:])
+                    a = ck.get(n)
+                    v.set_value(jnp.asarray(a.T if slot.transpose else a, dtype=jnp.float32))
+                ck.drop_pages()
+
+            def store_layer(i, layer):
+                packed = export_quantized(layer)  # projection path relative to the layer -> QArray, scales
+                for n in per_layer[i]:
+                    slot = slots[n]
+                    rel = "/".join(str(p) for p in slot.path[3:-1])
+                    if rel in packed and slot.path[-1] == "kernel":
+                        mod = n.rsplit(".", 1)[0]
+                        w.add_qarray(mod, packed[rel]["weight"], packed[rel]["schemes"])
+                        for local in ("input_scale", "input_global_scale"):
+                            if local in packed[rel]:
+                                w.add_dense(f"{mod}.{local}", np.asarray(packed[rel][local]))
+                    else:
+                        a = np.asarray(var(layer, slot.path[3:]).get_value())
+                        w.add_dense(n, a.T if slot.transpose else a)
+                _release(layer)
+
+            def embed(ids):
+                rows = np.asarray(ck.get("model.embed_tokens.weight")[np.asarray(ids)], np.float32)
+                ck.drop_pages()
+                return rows
+
+            info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq,
+                                     propagate=propagate, transform=transform, embed=embed, load_layer=load_layer,
+                                     store_layer=store_layer, between_phases=between_phases, log=log)
+            for n in outside:
+                w.add_dense(n, np.asarray(ck.get(n), np.float32))
+            w.finish(dict(hf_config), ignore=[] if cfg.tie_word_embeddings else ["lm_head"], copy_from=src)
+    seconds = time.perf_counter() - t0
+    log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")
+    return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}

@@ -1,0 +1,529 @@
+"""Causal-LM checkpoints (dense HF safetensors, compressed-tensors, GGUF) into the Flax decoder `qformats.models.decoder`.
+
+`load_causal_lm(src)` builds the model's structure without materialising random weights
+(`nnx.eval_shape`), then fills every parameter from the checkpoint one tensor at a time:
+
+- a dense HF directory (model.safetensors, or shards + model.safetensors.index.json): the memory-mapped
+  tensors go through `decoder.load_hf_tensors` (HF names, Linear weights transposed to Flax kernels);
+- a compressed-tensors directory (config.json with a compressed-tensors `quantization_config`, any format
+  `converters.formats.compressed_tensors.read` reads): `converters.pipelines.flax_io.load_compressed` swaps every quantized projection for a
+  packed `qformats.nn.QLinear` holding the checkpoint's codes and scales as they are (nothing dequantized);
+  the rest (embedding, norms, dense layers such as lm_head) is filled dense;
+- a `.gguf` file: `converters.formats.gguf_convert.open_gguf`, each tensor dequantized by gguf on its way in (the
+  result equals loading `convert_gguf`'s output, without writing it).
+
+With `mesh=` the same checkpoints load onto a jax Mesh: a directory shard by shard (every parameter a global
+jax.Array laid out by sharding rules, each device's slice read from the memory map straight to it,
+`converters.pipelines.mesh_load`; quantized weights decoded by the same `converters.formats.compressed_tensors.read.decode_weight`), a `.gguf`
+file on one device and then laid out (`qformats.sharding.shard_model`).
+
+A parameter the checkpoint does not fill, a tensor the model has no place for, or a shape that differs is an
+error; nothing is left at an initial value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from qformats.errors import CheckpointError, ModelError
+
+__all__ = ["kv_scale_name_map", "kv_scale_names", "load_causal_lm", "load_tokenizer", "read_kv_scales",
+           "save_causal_lm"]
+
+
+class _LazyTensor:
+    """An array read on demand: `.shape` from the header, `__array__` loads (np.shape and jnp.asarray use these)."""
+
+    def __init__(self, shape: tuple[int, ...], load: Callable[[], np.ndarray]):
+        self.shape = tuple(shape)
+        self.ndim = len(self.shape)
+        self._load = load
+
+    def __array__(self, dtype=None, copy=None):
+        a = self._load()
+        return a if dtype is None else a.astype(dtype)
+
+
+class _LazyTensors(Mapping):
+    """HF name -> `_LazyTensor` over a checkpoint, so the loader holds one tensor's data at a time."""
+
+    def __init__(self, names: list[str], shape: Callable[[str], tuple[int, ...]], get: Callable[[str], np.ndarray]):
+        self._names = list(names)
+        self._set = set(self._names)
+        self._shape, self._get = shape, get
+
+    def __getitem__(self, name: str) -> _LazyTensor:
+        if name not in self._set:
+            raise KeyError(name)
+        return _LazyTensor(self._shape(name), lambda: self._get(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._set
+
+
+def _abstract_model(hf_config: Mapping[str, Any], dtype, param_dtype, where: str):
+    from flax import nnx
+
+    from qformats.models import decoder
+
+    try:
+        cfg = decoder.DecoderConfig.from_hf(hf_config)
+    except ModelError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    model = nnx.eval_shape(lambda: decoder.CausalLM(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    return model, cfg
+
+
+def _check_filled(model, where: str) -> None:
+    """Every parameter holds an array (none left as the abstract placeholder of eval_shape)."""
+    import jax
+    from flax import nnx
+
+    empty = []
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Variable) and isinstance(var.get_value(), jax.ShapeDtypeStruct):
+            empty.append("/".join(str(p) for p in path))
+    if empty:
+        raise CheckpointError(f"{where}: expected every parameter of the model in the checkpoint, found "
+                              f"{len(empty)} not filled: {', '.join(empty[:6])}" + (" ..." if len(empty) > 6 else ""))
+
+
+def _flax_name_map(cfg) -> dict[str, tuple[str, bool]]:
+    """HF tensor name -> (Flax variable path, transposed), for converters.pipelines.flax_io."""
+    from qformats.models import decoder
+
+    return {name: ("/".join(str(p) for p in slot.path), slot.transpose)
+            for name, slot in decoder.hf_tensor_names(cfg).items()}
+
+
+def load_tokenizer(src: str | os.PathLike):
+    """The `tokenizers.Tokenizer` of a checkpoint directory (its tokenizer.json) or of a .gguf file (built as
+    `converters.formats.gguf_convert` writes it); None when the directory has no tokenizer.json.
+
+    Raises CheckpointError when there is a tokenizer but the `tokenizers` package is not installed.
+    """
+    p = Path(src)
+    if p.is_file() and p.suffix == ".gguf":
+        from converters.formats.gguf_convert import open_gguf
+
+        return _gguf_tokenizer(open_gguf(p))
+    f = p / "tokenizer.json"
+    if not f.is_file():
+        return None
+    return _tokenizer_from_str(f.read_text(encoding="utf-8"), f)
+
+
+def _gguf_tokenizer(g):
+    return _tokenizer_from_str(json.dumps(g.tokenizer_files()["tokenizer.json"], ensure_ascii=False), g.path)
+
+
+def _tokenizer_from_str(text: str, where: Path):
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise CheckpointError(f"{where}: reading its tokenizer needs the 'tokenizers' package; found it not "
+                              f"installed (pip install tokenizers), or pass tokenizer=False") from None
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type for a bad file
+        raise CheckpointError(f"{where}: expected a tokenizers tokenizer.json, found {e}") from None
+
+
+def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, tokenizer: bool = True, mesh=None,
+                   rules=None, stats=None):
+    """Loads a llama / mistral / qwen2 / qwen3 causal LM as `qformats.models.decoder.CausalLM`, on one device or
+    onto a mesh.
+
+    Args:
+      src: a dense HF checkpoint directory (single file or sharded), a compressed-tensors checkpoint
+        directory, or a `.gguf` file.
+      dtype: compute dtype of the model (default float32). param_dtype: dtype of the dense parameters
+        (default: `dtype`); packed layers keep the checkpoint's codes and scales.
+      tokenizer: also return the checkpoint's tokenizer (`load_tokenizer`).
+      mesh: None (default): one device. A `jax.sharding.Mesh` (in a multi-process run, `jax.distributed`, the
+        global mesh): every parameter is a global jax.Array laid out by `rules` (packed weights: the layout of
+        the float weight they stand for), built from each device's slice of the stored tensor, read from the
+        memory map straight to that device (`converters.pipelines.mesh_load`); a process reads only its own devices'
+        slices. Compressed layouts whose values span slices (asymmetric pack-quantized zero points, the
+        pre-0.18 int32 layout for 3/5/6/7 bits, int-quantized codes under 8 bits, activation-ordered g_idx) and
+        online rotations are CheckpointErrors there: load them on one device and `qformats.sharding.shard_model`.
+        A `.gguf` file is read whole on one device, then laid out by `shard_model`.
+      rules: with `mesh`, a `qformats.sharding.ShardingRules`; default `decoder.tensor_parallel_rules(config,
+        axis)` for a 1-D mesh of axis `axis` (ModelError for a mesh of several axes without rules).
+      stats: with `mesh` and a directory, a `converters.pipelines.mesh_load.ReadStats` to fill with the bytes this process
+        read.
+
+    Returns:
+      (model, hf_config, tokenizer or None): hf_config is the config.json dict (for a GGUF file, the one
+      `convert_gguf` writes), with the token ids (`eos_token_id`, ...).
+
+    Raises:
+      CheckpointError: unreadable or unsupported checkpoint, missing / unexpected / misshapen tensors.
+      ModelError: with `mesh`, a parameter the mesh cannot split (naming it).
+    """
+    import jax.numpy as jnp
+
+    from converters.formats.compressed_tensors.read import is_quantized
+    from converters.formats.safetensors_io import open_checkpoint, read_json
+    from qformats.models import decoder
+
+    dtype = jnp.float32 if dtype is None else dtype
+    param_dtype = dtype if param_dtype is None else param_dtype
+    p = Path(src)
+    where = str(p)
+    tok = None
+    if p.is_file() and p.suffix == ".gguf":
+        from converters.formats.gguf_convert import open_gguf
+
+        g = open_gguf(p)
+        tok = _gguf_tokenizer(g) if tokenizer else None  # before the weights: a bad tokenizer fails fast
+        hf_config = dict(g.config)
+        model, cfg = _abstract_model(hf_config, dtype, param_dtype, where)
+        try:
+            decoder.load_hf_tensors(model, _LazyTensors(g.keys(), g.shape, g.get))
+        except ModelError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        _check_filled(model, where)
+        if mesh is not None:
+            from qformats.sharding import shard_model
+
+            model = shard_model(model, mesh, _mesh_rules(cfg, mesh, rules))
+        return model, hf_config, tok
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: expected a checkpoint directory or a .gguf file, found "
+                              f"{'no such path' if not p.exists() else 'another kind of file'}")
+    hf_config = read_json(p / "config.json")
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{p / 'config.json'}: expected a JSON object, found {type(hf_config).__name__}")
+    model, cfg = _abstract_model(hf_config, dtype, param_dtype, str(p / "config.json"))
+    if mesh is not None:
+        _load_on_mesh(p, hf_config, model, cfg, param_dtype, mesh, _mesh_rules(cfg, mesh, rules), stats)
+    elif is_quantized(hf_config):
+        from converters.formats.compressed_tensors.transforms import applying_online_transforms
+
+        with applying_online_transforms():  # _load_compressed installs them
+            _load_compressed(p, model, cfg)
+    else:
+        with open_checkpoint(p) as ck:
+            try:
+                decoder.load_hf_tensors(model, _LazyTensors(ck.keys(), lambda n: ck.info(n).shape, ck.get))
+            except ModelError as e:
+                raise CheckpointError(f"{where}: {e}") from None
+    tok = load_tokenizer(p) if tokenizer else None
+    _check_filled(model, where)
+    return model, hf_config, tok
+
+
+def _mesh_rules(cfg, mesh, rules):
+    """`rules`, or the decoder's Megatron layout over the one axis of `mesh`."""
+    from qformats.models import decoder
+
+    if rules is not None:
+        return rules
+    if len(mesh.axis_names) != 1:
+        raise ModelError(f"load_causal_lm: a mesh of axes {mesh.axis_names} needs explicit rules")
+    return decoder.tensor_parallel_rules(cfg, mesh.axis_names[0])
+
+
+def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stats) -> None:
+    """Fills the abstract `model` from checkpoint directory `p` onto `mesh`, every parameter placed slice by slice
+    (`converters.pipelines.mesh_load.place`): dense tensors from their stored rows / columns, quantized modules as decoded
+    by `converters.formats.compressed_tensors.read.decode_weight` (`place_weight`), static KV-cache scales replicated."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from converters.formats.compressed_tensors.config import parse_quantization_config
+    from converters.formats.compressed_tensors.read import decode_weight, is_quantized, plan_modules
+    from converters.pipelines.mesh_load import SliceSource, dense_reader, equal_by_rows, place, place_weight
+    from converters.formats.safetensors_io import open_checkpoint
+    from qformats.models import decoder
+    from qformats.nn import load_quantized
+    from qformats.sharding import spec_for
+
+    slots = decoder.hf_tensor_names(cfg)
+    qc = parse_quantization_config(hf_config["quantization_config"], str(p / "config.json")) \
+        if is_quantized(hf_config) else None
+    with open_checkpoint(p) as ck:
+        src = SliceSource(ck, stats)
+        quantized: dict[str, dict[str, Any]] = {}
+        schemes: dict[str, Any] = {}
+        consumed = set()
+        for m in plan_modules(ck, qc) if qc is not None else ():
+            if m.group is None:
+                continue
+            slot = slots.get(f"{m.name}.weight")
+            if slot is None or not slot.transpose:
+                raise CheckpointError(f"{p}: module {m.name!r} holds quantized tensors but the model has no Linear "
+                                      f"there")
+            fpath = "/".join(str(x) for x in slot.path[:-1])
+            w = decode_weight(ck, m, qc, src)
+            entry: dict[str, Any] = {"weight": place_weight(w, mesh, rules, fpath, stats)}
+            for local in ("input_scale", "input_global_scale"):
+                if local in m.tensors:
+                    entry[local] = np.asarray(src.read(m.tensors[local]))
+            bias = f"{m.name}.bias"
+            if bias in ck:
+                bpath = "/".join(str(x) for x in slots[bias].path)
+                shape = tuple(ck.info(bias).shape)
+                entry["bias"] = place(shape, param_dtype, NamedSharding(mesh, spec_for(bpath, shape, mesh, rules)),
+                                      dense_reader(src, bias, False), stats)
+            consumed.update(n for local, n in m.tensors.items()
+                            if local.startswith("weight") or local in ("input_scale", "input_global_scale", "bias"))
+            quantized[fpath] = entry
+            schemes[fpath] = m.group.input_activations
+        kv = qc.kv_cache if qc is not None else None
+        kv_scales = None
+        if kv is not None:
+            kv_scales = read_kv_scales(ck, cfg, kv, str(p))
+            if kv_scales is not None:
+                consumed.update(kv_scale_names(cfg))
+        packed = {f"{m.replace('/', '.')}.weight" for m in quantized}
+        dense = {n: s for n, s in slots.items() if n not in packed and n not in consumed}
+        missing = [n for n in dense if n not in ck]
+        extra = [n for n in ck.keys() if n not in dense and n not in consumed]
+        checks = [n for n in extra if n.endswith(".rotary_emb.inv_freq")
+                  or (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+        extra = [n for n in extra if n not in checks]
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} missing: {', '.join(missing[:8])}")
+        if extra:
+            problems.append(f"{len(extra)} unexpected: {', '.join(extra[:8])}")
+        variables = {n: _slot_variable(model, slot) for n, slot in dense.items()}
+        for n, slot in dense.items():
+            if n in ck:
+                want = tuple(variables[n].get_value().shape)
+                got = tuple(ck.info(n).shape)
+                if (got[::-1] if slot.transpose else got) != want:
+                    problems.append(f"{n} {got} (expected {want[::-1] if slot.transpose else want})")
+        for n in checks:
+            if n == "lm_head.weight":
+                if "model.embed_tokens.weight" in ck and not equal_by_rows(ck, n, "model.embed_tokens.weight"):
+                    problems.append("lm_head.weight differs from model.embed_tokens.weight but the config ties them")
+            elif not np.allclose(np.asarray(ck.get(n), np.float32), decoder.inv_freq(cfg), rtol=1e-6, atol=0):
+                problems.append(f"{n} does not equal the inverse frequencies of the config's rope")
+        if problems:
+            raise CheckpointError(f"{p}: " + "; ".join(problems))
+        placed = []
+        for n, slot in dense.items():
+            v = variables[n]
+            a = v.get_value()
+            sharding = NamedSharding(mesh, spec_for("/".join(str(x) for x in slot.path), a.shape, mesh, rules))
+            placed.append((v, place(a.shape, a.dtype, sharding, dense_reader(src, n, slot.transpose), stats)))
+    try:
+        load_quantized(model, quantized, schemes)
+    except ModelError as e:
+        raise CheckpointError(f"{p}: {e}") from None
+    for v, a in placed:
+        v.set_value(a)
+    if kv is not None:
+        # KV-cache scales are replicated on every device, per-head ones included: kv_heads floats per layer, read
+        # by attention wherever its heads live (the cache buffers themselves split by KV heads, set_sharding)
+        rep = NamedSharding(mesh, PartitionSpec())
+        scales = None if kv_scales is None else [tuple(jax.device_put(jnp.asarray(x), rep) for x in pair)
+                                                 for pair in kv_scales]
+        _enable_kv_cache(p, model, kv, scales)
+
+
+def _slot_variable(model, slot):
+    """The nnx.Variable of a `decoder.hf_tensor_names` slot."""
+    var = model
+    for part in slot.path:
+        var = var[part] if isinstance(part, int) else getattr(var, part)
+    return var
+
+
+def kv_scale_names(cfg) -> list[str]:
+    """compressed-tensors' names of the static KV-cache scales of a decoder config: model.layers.{i}.self_attn.
+    k_scale / v_scale for every layer."""
+    return [f"model.layers.{i}.self_attn.{n}_scale" for i in range(cfg.num_layers) for n in "kv"]
+
+
+def _load_compressed(path: Path, model, cfg) -> None:
+    """Fills `model` from a compressed-tensors checkpoint: quantized projections become packed QLinear layers;
+    a `kv_cache_scheme` quantizes the model's KV cache (static `k_scale` / `v_scale` read from each attention
+    module, as compressed-tensors names them)."""
+    from converters.formats.compressed_tensors.config import parse_quantization_config
+    from converters.pipelines.flax_io import load_compressed
+    from qformats.models import decoder
+
+    table = _flax_name_map(cfg)
+    ignore: tuple[str, ...] = ()
+    if cfg.tie_word_embeddings:
+        # A tied model saved with its (redundant) lm_head: accepted only when it equals the embedding.
+        ignore = ("lm_head.weight",)
+    qc = parse_quantization_config(_read_config(path)["quantization_config"], str(path / "config.json"))
+    kv = qc.kv_cache
+    if kv is not None and not kv.dynamic:
+        ignore += tuple(kv_scale_names(cfg))
+    rotations = _online_rotations(path, cfg, qc)
+    ignore += tuple(rotations[1])
+    try:
+        load_compressed(path, model, table, ignore=ignore)
+    except ModelError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    if cfg.tie_word_embeddings:
+        _check_tied_lm_head(path)
+    if kv is not None:
+        _load_kv_scales(path, model, cfg, kv)
+    for r in rotations[0]:
+        try:
+            m = decoder.HadamardRotation(*r.fast) if r.fast is not None else r.weight.astype(np.float32)
+            decoder.set_rotation(model, r.module, r.location, m)
+        except ModelError as e:
+            raise CheckpointError(f"{path}: transform_config group {r.group!r}: {e}") from None
+
+
+def _online_rotations(path: Path, cfg, qc):
+    """(rotations, consumed tensor names) of the checkpoint's transform_config (`converters.formats.compressed_tensors.transforms`)."""
+    from converters.formats.safetensors_io import open_checkpoint
+    from converters.formats.compressed_tensors.transforms import online_rotations, parse_transform_config
+
+    groups = parse_transform_config(qc.raw.get("transform_config"), f"{path / 'config.json'}: transform_config")
+    if not groups:
+        return [], []
+    d, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    linear = {"self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+              "self_attn.o_proj": (d, q), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f)}
+    modules, shapes = {}, {}  # HF module -> class; Linear -> (out_features, in_features), from the config
+    for i in range(cfg.num_layers):
+        modules[f"model.layers.{i}.self_attn"] = "Attention"
+        for rel, shape in linear.items():
+            modules[f"model.layers.{i}.{rel}"] = "Linear"
+            shapes[f"model.layers.{i}.{rel}"] = shape
+    if not cfg.tie_word_embeddings:
+        modules["lm_head"] = "Linear"
+        shapes["lm_head"] = (cfg.vocab_size, d)
+    with open_checkpoint(path) as ck:
+        tensors = _LazyTensors(ck.keys(), lambda n: ck.info(n).shape, ck.get)
+        return online_rotations(groups, tensors, modules, str(path), shapes)
+
+
+def _check_tied_lm_head(path: Path) -> None:
+    """A tied model saved with its (redundant) lm_head.weight: accepted only when it equals the embedding."""
+    from converters.formats.safetensors_io import open_checkpoint
+
+    with open_checkpoint(path) as ck:
+        if "lm_head.weight" in ck:
+            emb = np.asarray(ck.get("model.embed_tokens.weight"))
+            if not np.array_equal(np.asarray(ck.get("lm_head.weight")), emb):
+                raise CheckpointError(f"{path}: lm_head.weight differs from model.embed_tokens.weight but the "
+                                      f"config ties them (tie_word_embeddings)")
+
+
+def _read_config(path: Path) -> dict:
+    from converters.formats.safe_files import read_json
+
+    return read_json(path / "config.json", path)
+
+
+def read_kv_scales(ck, cfg, kv, where: str) -> list | None:
+    """The static k_scale / v_scale of every layer of an open checkpoint `ck` (`converters.formats.safetensors_io`),
+    as compressed-tensors stores them under each attention module: float tensors of shape [1] (or a scalar) per
+    tensor, [kv_heads, 1, 1] per head. Returns [(k_scale, v_scale)] float32 per layer (shapes
+    `kv.scale_shape(kv_heads)`), or None for a dynamic scheme (which stores none).
+
+    Raises:
+      CheckpointError: a missing scale, or one of another dtype or shape (all named).
+    """
+    if kv.dynamic:
+        return None
+    want = kv.scale_shape(cfg.num_kv_heads)
+    scales, problems = [], []
+    for i in range(cfg.num_layers):
+        pair = []
+        for n in ("k", "v"):
+            name = f"model.layers.{i}.self_attn.{n}_scale"
+            if name not in ck:
+                problems.append(f"{name} missing")
+                continue
+            info = ck.info(name)
+            shape = tuple(info.shape)
+            if info.dtype not in ("F32", "BF16", "F16") or shape not in (want, () if want == (1,) else want):
+                problems.append(f"{name} {info.dtype} {list(shape)} (expected a float tensor of shape {list(want)})")
+                continue
+            pair.append(np.asarray(ck.get(name), np.float32).reshape(want))
+        scales.append(tuple(pair))
+    if problems:
+        raise CheckpointError(f"{where}: kv_cache_scheme {kv.strategy} (static) needs k_scale / v_scale under every "
+                              f"attention module: {'; '.join(problems[:6])}" + (" ..." if len(problems) > 6 else ""))
+    return scales
+
+
+def _load_kv_scales(path: Path, model, cfg, kv) -> None:
+    """Static k_scale / v_scale of every layer (`read_kv_scales`) -> `decoder.enable_kv_cache_quantization`; a
+    dynamic scheme takes none."""
+    from converters.formats.safetensors_io import open_checkpoint
+
+    with open_checkpoint(path) as ck:
+        scales = read_kv_scales(ck, cfg, kv, str(path))
+    _enable_kv_cache(path, model, kv, scales)
+
+
+def _enable_kv_cache(path: Path, model, kv, scales) -> None:
+    """`decoder.enable_kv_cache_quantization(model, kv, scales)`, its ModelError a CheckpointError naming `path`."""
+    from qformats.models import decoder
+
+    try:
+        decoder.enable_kv_cache_quantization(model, kv, scales)
+    except ModelError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def kv_scale_name_map(model) -> dict[str, tuple[str, bool]]:
+    """compressed-tensors name -> (Flax variable path, transposed) of the static KV-cache scales of a
+    `decoder.CausalLM` ("model.layers.{i}.self_attn.k_scale" / "v_scale"; {} without a static KV-cache scheme),
+    for `converters.pipelines.flax_io.save_compressed`'s name map."""
+    from qformats.models import decoder
+
+    kv = decoder.kv_cache_scheme(model)
+    if kv is None or kv.dynamic:
+        return {}
+    return {n: (decoder.module_path(n), False) for n in kv_scale_names(model.config)}
+
+
+def save_causal_lm(model, dst: str | os.PathLike, hf_config: Mapping[str, Any], *, copy_from=None,
+                   max_shard_size: str = "5GB", overwrite: bool = False, ignore=(), rotated=None) -> Path:
+    """Write a `decoder.CausalLM` (dense, packed `QLinear` projections, and a quantized KV cache) as a
+    compressed-tensors checkpoint: `converters.pipelines.flax_io.save_compressed` under HF names, plus, with KV-cache
+    quantization, `model.layers.{i}.self_attn.k_scale` / `v_scale` (static scales, in the model's dtype, shapes
+    [1] or [kv_heads, 1, 1]) and `quantization_config.kv_cache_scheme`; `ignore`: quantization_config.ignore.
+    config.json is `hf_config` with the model's own `tie_word_embeddings` (False after a rotation untied lm_head).
+
+    `rotated`: the `qformats.rotation.Rotated` record of the rotation applied to the model
+    (`qformats.models.decoder.rotate_decoder`, called before `quantize_model`): its transform_config is recorded and
+    its online matrices (R3 / R4) written. A model carrying online rotations without that record is refused
+    (ModelError), since the checkpoint would silently lose them. Returns the path written."""
+    from flax import nnx
+
+    from converters.pipelines.flax_io import save_compressed
+    from qformats.models import decoder
+
+    online = [p for p, m in nnx.iter_modules(model) if getattr(m, "rotations", None)]
+    if online and (rotated is None or not rotated.online):
+        where = "/".join(map(str, online[0]))
+        raise ModelError(f"save_causal_lm: {where} (and {len(online) - 1} more module(s)) carries online rotations; "
+                         f"pass rotated= (the record rotate_decoder returned) so that transform_config and the "
+                         f"online matrices are written, or the saved checkpoint would run without them")
+    table = _flax_name_map(model.config)
+    table.update(kv_scale_name_map(model))
+    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    config["tie_word_embeddings"] = bool(model.config.tie_word_embeddings)
+    out = save_compressed(model, dst, table, config=config, copy_from=copy_from, max_shard_size=max_shard_size,
+                          overwrite=overwrite, ignore=ignore, kv_cache_scheme=decoder.kv_cache_scheme(model),
+                          transform_config=None if rotated is None else rotated.transform_config,
+                          extra_tensors=None if rotated is None else rotated.online)
+    return Path(out)

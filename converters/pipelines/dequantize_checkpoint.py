@@ -1,0 +1,65 @@
+"""compressed-tensors checkpoint -> dense HF safetensors checkpoint (Linear weights dequantized), streaming."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional, TextIO
+
+import jax.numpy as jnp
+import numpy as np
+
+from converters.formats.compressed_tensors.read import QUANT_PARAM_NAMES, dense_weight, iter_modules, open_compressed
+from converters.formats.compressed_tensors.write import config_with
+from converters.formats.shard_writer import ShardedWriter
+from qformats.errors import CheckpointError
+from qformats.qarray import QArray
+
+__all__ = ["DTYPES", "dequantize_checkpoint"]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dequantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", dtype: Optional[str] = "float32",
+                          max_shard_size: "int | str" = "5GB", overwrite: bool = False,
+                          progress: "bool | TextIO" = False, exact: bool = False) -> int:
+    """Write a dense checkpoint at `dst`: each quantized module's `weight` = `ct_read.dense_weight(q, dtype, exact)`
+    in torch layout `[out, in]` -- by default the values transformers loads into a `dtype` model
+    (compressed-tensors' decompression, then a cast to `dtype`; dtype None: the dtype that decompression
+    gives); exact=True: the float32 product rounded once to `dtype`. Its quantization parameters
+    (weight_scale, input_scale, ...) dropped; every other tensor and file copied; config.json without
+    `quantization_config` (and `torch_dtype` set to `dtype`). Returns the number of weights dequantized."""
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"dtype: expected one of {sorted(DTYPES)}, found {dtype!r}")
+    src, dst = Path(src), Path(dst)
+    ck, cfg, qc = open_compressed(src)
+    stream = sys.stderr if progress is True else (progress or None)
+    n = 0
+    try:
+        with ShardedWriter(dst, max_shard_size, overwrite=overwrite, sources=(src,)) as w:
+            for mod in iter_modules(ck, qc):
+                prefix = f"{mod.name}." if mod.name else ""
+                quantized = isinstance(mod.tensors.get("weight"), QArray)
+                for local, arr in mod.tensors.items():
+                    if isinstance(arr, QArray):
+                        dense = dense_weight(arr, DTYPES[dtype] if dtype else None, exact=exact)
+                        w.add(prefix + local, np.ascontiguousarray(np.asarray(dense).T))
+                        n += 1
+                        if stream is not None:
+                            stream.write(f"\rdequantized {n} weights")
+                            stream.flush()
+                    elif quantized and local in QUANT_PARAM_NAMES:
+                        continue
+                    else:
+                        w.add(prefix + local, arr)
+            cfg = config_with(cfg, None)
+            if dtype is not None:
+                cfg["torch_dtype"] = dtype
+            w.add_json("config.json", cfg)
+            w.copy_extra_files(src if src.is_dir() else src.parent)
+    finally:
+        ck.close()
+    if stream is not None:
+        stream.write(f"\rdequantized {n} weights -> {dst}\n")
+    return n

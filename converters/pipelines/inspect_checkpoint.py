@@ -1,0 +1,84 @@
+"""Per-tensor summary of a checkpoint (compressed-tensors or dense): module, format, scheme, shape, bytes, ratio."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from converters.formats.compressed_tensors.read import iter_modules, open_compressed
+from qformats.qarray import QArray
+
+__all__ = ["Row", "format_table", "inspect_checkpoint"]
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass
+class Row:
+    name: str  # the module for a quantized weight, the tensor name otherwise
+    format: str
+    scheme: str
+    shape: tuple
+    stored_bytes: int
+    dense_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.dense_bytes / max(self.stored_bytes, 1)
+
+
+def inspect_checkpoint(path: "str | os.PathLike") -> List[Row]:
+    """One row per quantized weight (all its tensors counted, shape in torch layout [out, in]) and per
+    other tensor. A quantized weight's dense size counts the model's `torch_dtype` (else the QArray dtype)."""
+    ck, cfg, qc = open_compressed(Path(path))
+    tdt: Optional[str] = cfg.get("torch_dtype") or cfg.get("dtype") if isinstance(cfg, dict) else None
+    rows: List[Row] = []
+    try:
+        for mod in iter_modules(ck, qc):
+            prefix = f"{mod.name}." if mod.name else ""
+            q = mod.tensors.get("weight")
+            if isinstance(q, QArray):
+                wparts = [n for n in ck.keys() if n.startswith(prefix) and "." not in n[len(prefix):]
+                          and n[len(prefix):].startswith("weight")]
+                stored = sum(ck.info(n).nbytes for n in wparts)
+                item = _ITEMSIZE.get(tdt, q.dtype.itemsize) if isinstance(tdt, str) else q.dtype.itemsize
+                rows.append(Row(mod.name, mod.format or "", q.scheme.describe(), tuple(q.tshape), stored,
+                                int(np.prod(q.shape)) * item))
+            for local, arr in mod.tensors.items():
+                if isinstance(arr, QArray):
+                    continue
+                info = ck.info(prefix + local)
+                rows.append(Row(prefix + local, "dense", info.dtype, tuple(info.shape), info.nbytes, info.nbytes))
+    finally:
+        ck.close()
+    return rows
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)  # pragma: no cover
+
+
+def format_table(rows: List[Row]) -> str:
+    head = ("tensor / module", "format", "scheme", "shape", "bytes", "ratio")
+    body = [(r.name, r.format, r.scheme, "x".join(map(str, r.shape)) or "scalar", _fmt(r.stored_bytes),
+             f"{r.ratio:.2f}") for r in rows]
+    stored = sum(r.stored_bytes for r in rows)
+    dense = sum(r.dense_bytes for r in rows)
+    nq = sum(1 for r in rows if r.format != "dense")
+    body.append(("TOTAL", f"{nq} quantized", f"{len(rows) - nq} dense", "", _fmt(stored),
+                 f"{dense / max(stored, 1):.2f}"))
+    widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(head, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(b, widths)) for b in body[:-1]]
+    lines.append("  ".join("-" * w for w in widths))
+    lines.append("  ".join(str(c).ljust(w) for c, w in zip(body[-1], widths)))
+    return "\n".join(lines)

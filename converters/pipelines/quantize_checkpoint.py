@@ -1,0 +1,460 @@
+"""Whole-checkpoint quantization: a dense HF safetensors checkpoint -> a compressed-tensors checkpoint, streaming.
+
+Which tensors are quantized (no torch model, so module classes are inferred from names and shapes):
+  - a "Linear" weight is a 2-D floating `<module>.weight` whose module path has no component containing
+    "embed" or "norm" (case-insensitive): BERT's query/key/value/dense, LLaMA's q/k/v/o/gate/up/down_proj
+    and lm_head are Linear; word/position embeddings and LayerNorm/RMSNorm are not;
+  - an "Embedding" target selects 2-D `*.weight`s with "embed" in a path component;
+  - a `re:` target is a regex matched (re.match, as compressed-tensors does) against the module path, and
+    selects that module's 2-D floating weight whatever its name;
+  - `ignore` entries are exact module paths, `re:` regexes, or a last path component ("lm_head" also
+    ignores "model.lm_head"). An ignore entry or target that matches nothing gives a warning.
+NVFP4 (tensor_group) global scales of vLLM's fused projections are shared as llm-compressor's oneshot does
+(its fused weight observers): the siblings of `qformats.fused.FUSED_GROUPS` (q/k/v_proj, gate/up_proj,
+q_a_proj/kv_a_proj_with_mqa, w1/w3) take the smallest of their global scales, i.e. 448*6/amax over the group
+(`qformats.fused.shared_global_scale`; fuse_global_scales). A group only partly quantized gets a warning.
+
+Never silent: where llm-compressor 0.14 refuses a layer (GROUP / TENSOR_GROUP weights whose group size does not
+divide the columns: `qformats.nn.rules.group_indivisible`, its rule, plus columns < group size, which
+compressed-tensors' quantize refuses), `quantize_checkpoint` raises one CheckpointError naming every such layer,
+its shape and the ways out (ignore them, a `:gN` group size that divides them, or `skip_indivisible=True`, which
+leaves exactly those dense, adds them to `ignore` and lists them in the summary). An empty target weight is an
+error too. BLOCK weights with a partial last block are quantized (scales by ceiling division).
+
+Streaming: the output tensor list is planned from the header alone (shapes and dtypes of every compressed
+tensor), so each shard's header is written first and each tensor goes to disk as soon as it is produced
+(`converters.formats.shard_writer.ShardedWriter` with a plan); one tensor is read (memory-mapped), quantized, written
+and dropped before the next, and the source pages are released (MADV_DONTNEED) as we go. Peak memory is about the largest tensor
+times a small constant, whatever the model or shard size. Same-shape weights reuse one jit-compiled quantize
+(qformats.quantize is jitted on shape, dtype and scheme).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, TextIO
+
+import numpy as np
+
+from converters.formats.compressed_tensors.config import format_for
+from converters.formats.compressed_tensors.write import CompressedWriter, qarray_to_tensors
+from converters.formats.safetensors_io import open_checkpoint, parse_size, read_json
+from converters.formats.shard_writer import TensorSpec
+from qformats.errors import CheckpointError, QFormatsError
+from qformats.formats import IntFormat
+from qformats.fused import group_amax, shared_global_scale, sibling_groups
+from qformats.grouping import expected_shapes
+from qformats.kv_cache import kv_cache_name, parse_kv_cache
+from qformats.nn.rules import group_indivisible
+from qformats.presets import parse_scheme
+from qformats.qarray import QArray
+from qformats.quantize import quantize
+from qformats.schemes import SchemeSet
+
+__all__ = ["QuantizeSummary", "is_linear_weight", "packed_specs", "quantize_checkpoint", "select_modules"]
+
+_FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+def _components(module: str) -> List[str]:
+    return [p.lower() for p in module.split(".")] if module else []
+
+
+def is_linear_weight(module: str, shape, dtype: str) -> bool:
+    """The rule for "Linear": 2-D floating weight, no path component containing 'embed' or 'norm'."""
+    return len(shape) == 2 and dtype in _FLOAT_DTYPES and not any(
+        "embed" in c or "norm" in c for c in _components(module))
+
+
+def _matches_target(module: str, shape, dtype: str, target: str) -> bool:
+    if len(shape) != 2 or dtype not in _FLOAT_DTYPES:
+        return False
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    if target == "Linear":
+        return is_linear_weight(module, shape, dtype)
+    if target == "Embedding":
+        return any("embed" in c for c in _components(module))
+    return target == module
+
+
+def _ignored(module: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return module == pattern or module.endswith("." + pattern)
+
+
+def select_modules(infos: Dict[str, Any], targets: Sequence[str], ignore: Sequence[str]):
+    """(quantize, ignored_linears, unused_ignore, unused_targets) over tensor name -> TensorInfo."""
+    chosen, ignored = [], []
+    used_t, used_i = set(), set()
+    for name in sorted(infos):
+        mod, _, local = name.rpartition(".")
+        if local != "weight":
+            continue
+        info = infos[name]
+        hit = [t for t in targets if _matches_target(mod, info.shape, info.dtype, t)]
+        if not hit:
+            continue
+        used_t.update(hit)
+        ig = [p for p in ignore if _ignored(mod, p)]
+        if ig:
+            used_i.update(ig)
+            ignored.append(mod)
+        else:
+            chosen.append(mod)
+    return chosen, ignored, [p for p in ignore if p not in used_i], [t for t in targets if t not in used_t]
+
+
+@dataclasses.dataclass
+class QuantizeSummary:
+    src: str
+    dst: str
+    scheme: str
+    quantized: int
+    dense_tensors: int
+    src_bytes: int
+    dst_bytes: int
+    quantized_dense_bytes: int
+    quantized_stored_bytes: int
+    seconds: float
+    skipped: List[str] = dataclasses.field(default_factory=list)  # left dense by skip_indivisible
+
+    @property
+    def ratio(self) -> float:
+        return self.src_bytes / max(self.dst_bytes, 1)
+
+    def text(self) -> str:
+        return (f"quantized {self.quantized} weights with {self.scheme} ({self.dense_tensors} other tensors kept): "
+                f"{_fmt(self.src_bytes)} -> {_fmt(self.dst_bytes)} (x{self.ratio:.2f}; quantized weights "
+                f"{_fmt(self.quantized_dense_bytes)} -> {_fmt(self.quantized_stored_bytes)}, "
+                f"x{self.quantized_dense_bytes / max(self.quantized_stored_bytes, 1):.2f}) in {self.seconds:.1f}s "
+                f"-> {self.dst}" + (f"\nleft dense by --skip-indivisible ({len(self.skipped)}; their columns are not a "
+                                     f"multiple of the group size): {', '.join(self.skipped)}" if self.skipped else ""))
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n}"  # pragma: no cover
+
+
+class _Progress:
+    """A one-line text progress bar on stderr: tensors done / total and bytes read."""
+
+    def __init__(self, total_tensors: int, total_bytes: int, stream: Optional[TextIO], width: int = 30):
+        self.n, self.b = 0, 0
+        self.tn, self.tb = total_tensors, total_bytes
+        self.stream = stream
+        self.width = width
+        self.t0 = time.monotonic()
+        self._last = 0.0
+
+    def update(self, nbytes: int, force: bool = False) -> None:
+        self.n += 1
+        self.b += nbytes
+        if self.stream is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < 0.1 and self.n < self.tn:
+            return
+        self._last = now
+        frac = self.b / self.tb if self.tb else 1.0
+        fill = int(round(frac * self.width))
+        rate = self.b / max(now - self.t0, 1e-9)
+        self.stream.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {self.n}/{self.tn} tensors "
+                          f"{_fmt(self.b)}/{_fmt(self.tb)} {_fmt(rate)}/s")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _fit_error(scheme, shape) -> Optional[str]:
+    """Why a torch-layout [out, in] weight cannot take `scheme` (None when it can)."""
+    if 0 in shape:
+        return "empty tensor"
+    return group_indivisible(shape[-1], scheme)
+
+
+def _zero_qarray(scheme, shape, dtype) -> QArray:
+    """A QArray of zeros with the parts (shapes, dtypes) that quantize gives a [out, in] weight along axis 1."""
+    exp = expected_shapes(scheme, shape, 1)
+    f = scheme.format
+    cdt = np.int8 if isinstance(f, IntFormat) and f.bits == 8 and f.signed else np.uint8
+    sdt = {"input": dtype, "e8m0": np.uint8, "fp8_e4m3fn": _ml("float8_e4m3fn"), "float32": np.float32,
+           "bfloat16": _ml("bfloat16"), "float16": np.float16}[scheme.scale_format]
+    z = lambda part, dt: None if exp[part] is None else np.zeros(exp[part], dt)  # noqa: E731
+    return QArray(z("codes", cdt), z("scale", sdt), z("zero_point", np.int8), z("global_scale", np.float32),
+                  scheme=scheme, shape=shape, dtype=dtype, axis=1)
+
+
+def _ml(name: str):
+    import ml_dtypes
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def _misfits(ck, infos, chosen: List[str], ss: SchemeSet) -> Dict[str, str]:
+    """module -> why its weight cannot take the scheme, for every chosen module that cannot (`_fit_error`)."""
+    out = {}
+    for mod in chosen:
+        name = f"{mod}.weight" if mod else "weight"
+        why = _fit_error(ss.weights, infos[name].shape)
+        if why is not None:
+            out[mod] = f"{mod} (weight {list(infos[name].shape)} in {Path(ck.file_of(name)).name}): {why}"
+    return out
+
+
+def packed_specs(ss: SchemeSet, module: str, shape, dtype, cache: Optional[Dict[Any, List[Any]]] = None
+                 ) -> List[TensorSpec]:
+    """The tensors (names, dtypes, shapes, in `CompressedWriter.add_qarray`'s order) that module `module`'s
+    [out, in] weight of `dtype` takes once quantized with `ss`: what a planned writer needs before the values.
+    `cache` (optional dict) keeps the parts per (shape, dtype) between calls."""
+    cache = {} if cache is None else cache
+    key = (tuple(shape), np.dtype(dtype))
+    if key not in cache:
+        q0 = _zero_qarray(ss.weights, tuple(shape), np.dtype(dtype))
+        fmt = format_for(ss.weights, ss.input_activations)
+        cache[key] = [(k, a.dtype, a.shape) for k, a in qarray_to_tensors(q0, fmt, f"{module}.weight").items()]
+    return [TensorSpec(f"{module}.{k}" if module else k, dt, sh) for k, dt, sh in cache[key]]
+
+
+def _plan(infos, chosen_set, ss: SchemeSet) -> List[TensorSpec]:
+    """The output tensors, in write order, from the source header alone (every chosen module fits the scheme)."""
+    plan: List[TensorSpec] = []
+    cache: Dict[Any, List[Any]] = {}
+    for name in sorted(infos):
+        mod, _, local = name.rpartition(".")
+        info = infos[name]
+        if local == "weight" and mod in chosen_set:
+            plan.extend(packed_specs(ss, mod, info.shape, info.numpy_dtype, cache))
+        else:
+            plan.append(TensorSpec(name, info.numpy_dtype, info.shape))
+    return plan
+
+
+def _fused_global_scales(ck, infos, chosen: List[str], ss: SchemeSet) -> Dict[str, Any]:
+    """module -> the shared NVFP4 global scale of its fused group (`qformats.fused`: the sibling rule and the
+    scale), for groups whose members are all chosen; a group only partly chosen gets a warning."""
+    w = ss.weights
+    if w.strategy != "tensor_group":
+        return {}
+    chosen_set = set(chosen)
+    linears = [n.rpartition(".")[0] for n, i in infos.items()
+               if n.endswith(".weight") and is_linear_weight(n.rpartition(".")[0], i.shape, i.dtype)]
+    out: Dict[str, Any] = {}
+    for mods in sibling_groups(sorted(set(linears) | chosen_set), sep="."):
+        parent = mods[0].rpartition(".")[0]
+        names = ", ".join(m.rpartition(".")[2] for m in mods)
+        inside = [m for m in mods if m in chosen_set]
+        if len(inside) != len(mods):
+            if inside:
+                warnings.warn(f"{parent}: {names} are fused siblings (vLLM runs them as one matmul, with one NVFP4 "
+                              f"global scale) but only {', '.join(inside)} take {ss.name}; their global scales are "
+                              f"not shared", stacklevel=3)
+            continue
+        dtypes = [infos[m + ".weight"].dtype for m in mods]
+        if len(set(dtypes)) != 1:
+            warnings.warn(f"{parent}: {names} hold different dtypes ({', '.join(dtypes)}); their NVFP4 global "
+                          f"scales are not shared (vLLM fuses them into one matmul)", stacklevel=3)
+            continue
+        amax = max(float(group_amax([ck.get(m + ".weight")])) for m in mods)  # one weight in memory at a time
+        ck.drop_pages()
+        g = shared_global_scale(amax, w, infos[mods[0] + ".weight"].numpy_dtype)
+        out.update((m, g) for m in mods)
+    return out
+
+
+def _as_scheme_set(scheme: "str | SchemeSet") -> SchemeSet:
+    if isinstance(scheme, SchemeSet):
+        return scheme
+    try:
+        return parse_scheme(scheme)
+    except QFormatsError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", scheme: "str | SchemeSet",
+                        ignore: Sequence[str] = ("lm_head",), targets: Sequence[str] = ("Linear",),
+                        max_shard_size: "int | str" = "5GB", overwrite: bool = False,
+                        progress: "bool | TextIO" = True, fuse_global_scales: bool = True,
+                        skip_indivisible: bool = False, rotate: Optional[str] = None, rotate_seed: int = 0,
+                        rotations: Sequence[str] = ("R1", "R2"), transform: Any = None,
+                        kv_cache: Any = None) -> QuantizeSummary:
+    """Quantize the Linear weights of the dense safetensors checkpoint `src` into a compressed-tensors
+    checkpoint at `dst` (see the module docstring for the selection rule).
+
+    Args:
+      scheme: a scheme string (`qformats.presets.parse_scheme`: a preset name such as "W4A16", "NVFP4A16" or
+        our FPx ones, with ":gN" for weight groups of N, ":w" for weights only) or a SchemeSet. Weights are quantized data-free (min-max); static activation scales
+        (FP8, NVFP4 input) need calibration and are not written.
+      ignore / targets: see the module docstring. max_shard_size: e.g. "5GB", "500MiB".
+      overwrite: replace an existing dst (atomically) instead of refusing.
+      progress: True for a progress bar on stderr, False for none, or a text stream.
+      fuse_global_scales: share NVFP4 global scales across fused siblings (see the module docstring).
+      skip_indivisible: leave the targeted weights whose columns the scheme's groups do not divide dense (added
+        to `ignore`, listed in the summary's `skipped`) instead of refusing them.
+      rotate: "hadamard" or "random-hadamard": SpinQuant's `rotations` (default R1 + R2, fused into the weights)
+        of that kind with random signs from `rotate_seed`, applied to a dense copy of `src` in a temporary
+        directory before quantizing (`converters.pipelines.rotate.rotate_checkpoint`; lm_head untied), and recorded in
+        quantization_config.transform_config as llm-compressor's SpinQuantModifier records them.
+      transform: a `converters.pipelines.rotate.Rotated` whose rotations `src` already carries (what rotate_checkpoint
+        returned for it): its transform_config is recorded and its online tensors written (dense).
+      kv_cache: a dynamic FP8 KV-cache scheme ("fp8:dynamic" or a `qformats.kv_cache.KVCacheScheme`), recorded as
+        quantization_config.kv_cache_scheme (no tensors: scales are computed as the cache is written). Static
+        ("fp8", "fp8:head") scales are calibrated from data: `converters.pipelines.calibrate.quantize_calibrated_lm`.
+    Returns a QuantizeSummary (its `.text()` is printed at the end when progress is on).
+
+    Raises:
+      CheckpointError: unknown scheme, a non-dense SRC, an existing DST, no targeted weight, or targeted
+        weights that do not fit the scheme (all of them named, with the ways out; see the module docstring).
+    """
+    if rotate is not None:
+        import tempfile
+
+        from converters.pipelines.rotate import rotate_checkpoint
+
+        if transform is not None:
+            raise CheckpointError("quantize_checkpoint: pass rotate or transform, not both")
+        if Path(dst).exists() and not overwrite:  # before the rotation work
+            raise CheckpointError(f"{dst}: expected a new path for the checkpoint, found it exists "
+                                  f"(pass overwrite=True / --overwrite to replace it)")
+        _as_scheme_set(scheme)
+        with tempfile.TemporaryDirectory(prefix="qformats-rotated-") as tmp:
+            rotated = Path(tmp) / "rotated"
+            rec = rotate_checkpoint(src, rotated, rotate, seed=rotate_seed, rotations=rotations)
+            try:
+                summary = quantize_checkpoint(rotated, dst, scheme, ignore=ignore, targets=targets,
+                                              max_shard_size=max_shard_size, overwrite=overwrite, progress=progress,
+                                              fuse_global_scales=fuse_global_scales,
+                                              skip_indivisible=skip_indivisible, transform=rec, kv_cache=kv_cache)
+            except CheckpointError as e:
+                raise CheckpointError(f"{src} rotated ({rotate}, {'+'.join(rec.rotations)}): "
+                                      f"{str(e).replace(str(rotated), 'the rotated copy')}") from None
+        summary.src = str(src)
+        return summary
+    t0 = time.monotonic()
+    ss = _as_scheme_set(scheme)
+    if ss.weights is None:
+        raise CheckpointError(f"scheme {ss.name!r} quantizes no weights")
+    if isinstance(kv_cache, str):
+        try:
+            kv_cache = parse_kv_cache(kv_cache)
+        except QFormatsError as e:
+            raise CheckpointError(str(e)) from None
+    if kv_cache is not None and not kv_cache.dynamic:
+        raise CheckpointError(f"KV-cache scheme {kv_cache_name(kv_cache)!r} has static k_scale / v_scale, which need "
+                              f"calibration data (a data-free quantize has no keys or values to measure): calibrate "
+                              f"(qformats quantize SRC DST --calibrate FILE, converters.pipelines.calibrate."
+                              f"quantize_calibrated_lm) or use the dynamic 'fp8:dynamic'")
+    for role, act in (("input", ss.input_activations), ("output", ss.output_activations)):
+        if act is not None and act.dynamic is not True:
+            raise CheckpointError(f"scheme {ss.name!r} has static {role} activation scales, which need calibration "
+                                  f"data (a data-free quantize cannot write {role}_scale); use a weight-only or "
+                                  f"dynamic-activation scheme such as FP8_DYNAMIC, W4A16, NVFP4A16, MXFP4A16")
+    for t in targets:
+        if not isinstance(t, str):
+            raise CheckpointError(f"targets: expected strings, found {t!r}")
+    src = Path(src)
+    dst = Path(dst)
+    parse_size(max_shard_size)
+    stream = sys.stderr if progress is True else (progress or None)
+    src_dir = src if src.is_dir() else src.parent
+    cfg_path = src_dir / "config.json"
+    base_cfg = read_json(cfg_path, src_dir) if os.path.lexists(cfg_path) else {}
+    if not isinstance(base_cfg, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object, found {type(base_cfg).__name__}")
+    if base_cfg.get("quantization_config"):
+        raise CheckpointError(f"{cfg_path}: expected a dense checkpoint, found a quantization_config "
+                              f"(quant_method {base_cfg['quantization_config'].get('quant_method')!r})")
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"{dst}: expected a new path for the checkpoint, found it exists "
+                              f"(pass overwrite=True / --overwrite to replace it)")
+    with open_checkpoint(src) as ck:
+        infos = {n: ck.info(n) for n in ck.keys()}
+        chosen, ignored, unused_ignore, unused_targets = select_modules(infos, list(targets), list(ignore))
+        if base_cfg.get("tie_word_embeddings") and not any(n.rpartition(".")[0] == "lm_head" for n in infos):
+            # A tied lm_head is a Linear module in torch with no tensor of its own here: compressed-tensors
+            # would target it on load unless `ignore` names it, as llm-compressor writes it.
+            if not any(_ignored("lm_head", p) for p in ignore):
+                raise CheckpointError(f"{src}: lm_head is tied to the embedding (tie_word_embeddings), so it has no "
+                                      f"weight of its own to quantize; add 'lm_head' to ignore")
+            ignored = ignored + ["lm_head"]
+            unused_ignore = [p for p in unused_ignore if not _ignored("lm_head", p)]
+        for p in unused_ignore if tuple(ignore) != ("lm_head",) else ():  # the default may match nothing
+            warnings.warn(f"{src}: ignore entry {p!r} matches no targeted module", stacklevel=2)
+        for t in unused_targets:
+            warnings.warn(f"{src}: target {t!r} matches no weight", stacklevel=2)
+        if not chosen:
+            raise CheckpointError(f"{src}: no weight matches targets {list(targets)} (minus ignore "
+                                  f"{list(ignore)}); nothing to quantize")
+        misfits = _misfits(ck, infos, chosen, ss)
+        empty = [m for m, why in misfits.items() if why.endswith("empty tensor")]
+        if empty or (misfits and not skip_indivisible):
+            bad = empty or list(misfits)
+            raise CheckpointError(
+                f"{src}: {len(bad)} of the {len(chosen)} targeted weights do not fit scheme {ss.name!r} "
+                f"({ss.weights.describe()}; GROUP / TENSOR_GROUP weights need columns % group_size == 0, as "
+                f"llm-compressor 0.14 and compressed-tensors require):\n"
+                + "\n".join(f"  - {misfits[m]}" for m in bad)
+                + ("\nWays out: leave them dense with --ignore (ignore=[...]); a group size that divides their "
+                   "columns (e.g. --scheme W4A16:g64 or :g32); or --skip-indivisible (skip_indivisible=True), "
+                   "which keeps exactly these dense and lists them in the summary." if not empty else
+                   "\nLeave them out with --ignore (ignore=[...])."))
+        skipped = sorted(misfits)
+        chosen = [m for m in chosen if m not in misfits]
+        if not chosen:
+            raise CheckpointError(f"{src}: none of the targeted weights fits scheme {ss.name!r} ({len(skipped)} "
+                                  f"skipped: {', '.join(skipped[:6])}{' ...' if len(skipped) > 6 else ''}); "
+                                  f"nothing written")
+        chosen_set = set(chosen)
+        shared_g = _fused_global_scales(ck, infos, chosen, ss) if fuse_global_scales else {}
+        src_bytes = sum(i.nbytes for i in infos.values())
+        prog = _Progress(len(infos), src_bytes, stream)
+        qdense = qstored = 0
+        nq = 0
+        plan = _plan(infos, chosen_set, ss)
+        online = {} if transform is None else dict(transform.online)
+        clash = sorted(set(online) & set(infos))
+        if clash:
+            raise CheckpointError(f"{src}: already holds transform tensors {clash[:4]}")
+        plan += [TensorSpec(n, np.asarray(a).dtype, np.shape(a)) for n, a in sorted(online.items())]
+        with CompressedWriter(dst, max_shard_size, overwrite=overwrite, plan=plan, sources=(src,)) as w:
+            for name in sorted(infos):
+                mod, _, local = name.rpartition(".")
+                info = infos[name]
+                if local == "weight" and mod in chosen_set:
+                    q = quantize(ck.get(name), ss.weights, axis=-1, global_scale=shared_g.get(mod))
+                    w.add_qarray(mod, q, ss)
+                    qdense += info.nbytes
+                    qstored += q.nbytes
+                    nq += 1
+                    del q
+                else:
+                    w.add_dense(name, ck.get(name))
+                ck.drop_pages()
+                prog.update(info.nbytes)
+            for n, a in sorted(online.items()):  # online rotations (transform_config), float64 as compressed-tensors
+                w.add_dense(n, a)
+            prog.close()
+            w.finish(base_cfg, ignore=sorted(ignored + skipped), targets=list(targets), copy_from=src_dir,
+                     transform_config=None if transform is None else transform.transform_config,
+                     kv_cache_scheme=kv_cache)
+    dst_bytes = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
+    summary = QuantizeSummary(str(src), str(dst), ss.name, nq, len(infos) - nq, src_bytes, dst_bytes, qdense,
+                              qstored, time.monotonic() - t0, skipped)
+    if stream is not None:
+        stream.write(summary.text() + "\n")
+        stream.flush()
+    return summary
+

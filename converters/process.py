@@ -1,0 +1,88 @@
+"""Process tuning for long calibration runs: glibc's malloc settings and XLA:CPU's compile flags.
+
+These change how this process allocates and compiles, never what it computes (checkpoints written with and without
+them are byte-identical). Library functions do not apply them; the `qformats` CLI wraps its calibration call in
+`lean_calibration()`, and a script may do the same. The memory they save is measured in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from typing import Callable, Iterator
+
+__all__ = ["lean_malloc", "trim_malloc", "lean_compile", "lean_calibration"]
+
+_CODEGEN_SPLIT = "--xla_cpu_parallel_codegen_split_count"
+
+
+def lean_malloc(mmap_threshold: int = 1 << 20, arena_max: int = 2) -> bool:
+    """Makes glibc's malloc hand large blocks back to the system as soon as they are freed, for this process.
+
+    XLA:CPU allocates every run's activations and temporary buffers with malloc. By default glibc raises its mmap
+    threshold up to 32 MiB after such blocks are freed, so they are then carved from the heap and kept there, and
+    each XLA worker thread gets its own arena that keeps its own: the resident set climbs above what is live.
+    Here: blocks >= `mmap_threshold` bytes are mapped and unmapped on each use (mallopt M_MMAP_THRESHOLD, which
+    also stops the threshold's growth), free memory at the heap top above it is returned (M_TRIM_THRESHOLD), and
+    at most `arena_max` arenas are made from now on (M_ARENA_MAX). Not undone: it holds for the whole process.
+
+    Returns True when every option was accepted; False (and changes nothing) where the C library has no mallopt
+    (not glibc).
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # glibc's <malloc.h> parameter numbers
+    return bool(mallopt(m_mmap_threshold, mmap_threshold) and mallopt(m_trim_threshold, mmap_threshold)
+                and mallopt(m_arena_max, arena_max))
+
+
+def trim_malloc() -> bool:
+    """Hands the free pages of every malloc arena back to the system now (glibc's `malloc_trim(0)`).
+
+    XLA's compilations (LLVM) and runs leave many small freed blocks scattered through the heap and through each
+    worker thread's arena; glibc returns only the free top of the main heap by itself. Called between the phases
+    of a layer's calibration (the `between_phases` callback of `quantize_calibrated_lm`), it keeps the resident
+    set near what is live. Returns False where there is no malloc_trim (not glibc)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
+@contextlib.contextmanager
+def lean_compile() -> Iterator[None]:
+    """While the block runs, XLA_FLAGS asks XLA:CPU to compile each module as one piece
+    (`--xla_cpu_parallel_codegen_split_count=1`, unless XLA_FLAGS already sets that flag); restored after.
+
+    XLA reads the flags when JAX's CPU backend starts, so this takes effect only in a process whose first JAX
+    computation happens inside the block (the `qformats` CLI, a fresh script); elsewhere nothing changes.
+    Parallel code generation compiles the pieces of a module at once, and their LLVM temporaries add up; one
+    piece at a time lowers the peak. Also usable as a decorator: `@lean_compile()`."""
+    before = os.environ.get("XLA_FLAGS")
+    if _CODEGEN_SPLIT not in (before or ""):
+        os.environ["XLA_FLAGS"] = f"{before} {_CODEGEN_SPLIT}=1" if before else f"{_CODEGEN_SPLIT}=1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = before
+
+
+@contextlib.contextmanager
+def lean_calibration() -> Iterator[Callable[[], bool]]:
+    """The process tuning of a calibration run: `lean_malloc()` (for the whole process) and `lean_compile()` while
+    the block runs; yields `trim_malloc`, the `between_phases` callback to hand to `quantize_calibrated_lm`.
+
+        with lean_calibration() as between_phases:
+            quantize_calibrated_lm(src, dst, scheme, calibration, between_phases=between_phases)
+    """
+    lean_malloc()
+    with lean_compile():
+        yield trim_malloc

@@ -1,0 +1,262 @@
+"""converters.pipelines.causal_lm: dense / sharded / compressed-tensors / GGUF causal LMs load into the Flax decoder and
+give transformers' logits (and greedy tokens) on the same checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from converters.pipelines.causal_lm import load_causal_lm  # noqa: E402
+from converters.formats.gguf_convert import convert_gguf, open_gguf  # noqa: E402
+from converters.pipelines.quantize_checkpoint import quantize_checkpoint  # noqa: E402
+from converters.formats.safetensors_io import open_checkpoint, save_file  # noqa: E402
+from qformats.errors import CheckpointError  # noqa: E402
+from qformats.nn import QLinear  # noqa: E402
+
+# float32 on both sides: the only difference is the order of accumulation in the matmuls and softmax.
+DENSE_ATOL = 2e-5
+# compressed-tensors checkpoints, against transformers + compressed-tensors on the same directory:
+#   W4A16, FP8_DYNAMIC: transformers runs the compressed model (run_compressed, the default), with the same
+#     dequantized float32 weights and, for FP8_DYNAMIC, the same dynamic per-token fp8 input quantization as
+#     our packed layers: accumulation order only.
+#   NVFP4A16: transformers' compressed forward fails on CPU in float32 (its decompressed weight is bfloat16),
+#     so the reference dequantizes at load; compressed-tensors rounds each NVFP4 weight to bfloat16 once
+#     (see test_nvfp4_parity) where we keep float32, a relative 2^-9 per weight.
+PACKED = {"W4A16": (False, DENSE_ATOL), "FP8_DYNAMIC": (False, DENSE_ATOL), "NVFP4A16": (True, 1e-2)}
+
+TINY = {
+    "llama": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=384, max_position_embeddings=128, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False),
+    "qwen3": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=384, max_position_embeddings=128,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=384, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False),
+}
+IDS = np.random.default_rng(0).integers(0, 384, size=(2, 11)).astype(np.int64)
+
+
+def _save_tiny(kind: str, out: Path, **save_kwargs) -> Path:
+    torch.manual_seed({"llama": 0, "qwen3": 1, "qwen2": 2}[kind])
+    cfg = transformers.AutoConfig.for_model(kind, **TINY[kind])
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32).eval()
+    with torch.no_grad():  # non-trivial norm weights and biases, so a mix-up shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out, **save_kwargs)
+    return out
+
+
+def _torch_logits(path, dequantize: bool = False) -> np.ndarray:
+    kwargs = {}
+    if dequantize:  # decompress at load into dense weights, then run a plain model
+        kwargs["quantization_config"] = transformers.CompressedTensorsConfig(run_compressed=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(IDS)).logits.float().numpy()
+
+
+def _our_logits(model) -> np.ndarray:
+    logits, _ = model(jnp.asarray(IDS, jnp.int32))
+    return np.asarray(logits)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: _save_tiny(kind, root / kind) for kind in TINY}
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_dense_logits_equal_transformers(tiny_dirs, kind):
+    model, hf_config, tok = load_causal_lm(tiny_dirs[kind])
+    assert hf_config["model_type"] == kind and tok is None
+    diff = np.abs(_our_logits(model) - _torch_logits(tiny_dirs[kind])).max()
+    assert diff <= DENSE_ATOL, diff
+
+
+def test_sharded_checkpoint_loads_the_same(tiny_dirs, tmp_path):
+    sharded = _save_tiny("llama", tmp_path / "sharded", max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    a, _, _ = load_causal_lm(sharded)
+    b, _, _ = load_causal_lm(tiny_dirs["llama"])
+    np.testing.assert_array_equal(_our_logits(a), _our_logits(b))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("scheme", ["W4A16", "FP8_DYNAMIC", "NVFP4A16"])
+def test_compressed_tensors_logits_equal_transformers(tiny_dirs, tmp_path, kind, scheme):
+    dst = tmp_path / f"{kind}-{scheme}"
+    quantize_checkpoint(tiny_dirs[kind], dst, scheme, progress=False)
+    model, hf_config, _ = load_causal_lm(dst)
+    assert hf_config["quantization_config"]["quant_method"] == "compressed-tensors"
+    packed = [m for _, m in nnx.iter_modules(model) if isinstance(m, QLinear)]
+    assert len(packed) == 7 * TINY[kind]["num_hidden_layers"]  # every projection packed, lm_head dense
+    assert model.lm_head is None or not isinstance(model.lm_head, QLinear)
+    ours = _our_logits(model)
+    dequantize, atol = PACKED[scheme]
+    diff = np.abs(ours - _torch_logits(dst, dequantize)).max()
+    assert diff <= atol, diff
+    # the quantization is visible: the dense model's logits are far outside that tolerance
+    dense, _, _ = load_causal_lm(tiny_dirs[kind], tokenizer=False)
+    assert np.abs(ours - _our_logits(dense)).max() > 5 * atol
+
+
+def test_tied_checkpoint_loads_in_transformers_unchanged(tiny_dirs, tmp_path):
+    dst = tmp_path / "qwen3-W4A16"
+    quantize_checkpoint(tiny_dirs["qwen3"], dst, "W4A16", progress=False)
+    _torch_logits(dst)
+
+
+def test_tied_compressed_checkpoint_with_a_different_lm_head_is_an_error(tiny_dirs, tmp_path):
+    """A tied model's compressed checkpoint may carry lm_head.weight only as a copy of the embedding."""
+    dst = tmp_path / "qwen3-W4A16"
+    quantize_checkpoint(tiny_dirs["qwen3"], dst, "W4A16", progress=False)
+    with open_checkpoint(dst) as ck:
+        emb = np.array(ck.get("model.embed_tokens.weight"))
+    same = _rewrite(dst, tmp_path / "same", lambda t: t.__setitem__("lm_head.weight", emb.copy()))
+    load_causal_lm(same, tokenizer=False)  # an equal copy is accepted
+    bad = _rewrite(dst, tmp_path / "bad", lambda t: t.__setitem__("lm_head.weight", emb + 1))
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        load_causal_lm(bad, tokenizer=False)
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    with open_checkpoint(src) as ck:
+        tensors = {n: np.array(ck.get(n)) for n in ck.keys()}
+    edit(tensors)
+    (dst / "model.safetensors").unlink()
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def test_missing_tensor_is_an_error(tiny_dirs, tmp_path):
+    bad = _rewrite(tiny_dirs["llama"], tmp_path / "bad", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match="model.layers.1.mlp.up_proj.weight"):
+        load_causal_lm(bad)
+
+
+def test_unexpected_tensor_is_an_error(tiny_dirs, tmp_path):
+    bad = _rewrite(tiny_dirs["llama"], tmp_path / "bad",
+                   lambda t: t.__setitem__("model.layers.0.extra.weight", np.zeros((2, 2), np.float32)))
+    with pytest.raises(CheckpointError, match="model.layers.0.extra.weight"):
+        load_causal_lm(bad)
+
+
+def test_misshapen_tensor_is_an_error(tiny_dirs, tmp_path):
+    bad = _rewrite(tiny_dirs["llama"], tmp_path / "bad",
+                   lambda t: t.__setitem__("model.norm.weight", np.ones((127,), np.float32)))
+    with pytest.raises(CheckpointError, match="model.norm.weight"):
+        load_causal_lm(bad)
+
+
+def test_unsupported_model_type_is_an_error(tiny_dirs, tmp_path):
+    bad = tmp_path / "gpt2"
+    shutil.copytree(tiny_dirs["llama"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="gpt2"):
+        load_causal_lm(bad)
+
+
+def test_not_a_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no such path"):
+        load_causal_lm(tmp_path / "nothing")
+
+
+# ------------------------------------------------------------------------------------- GGUF files
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_tiny_gguf_logits_equal_transformers(tmp_path, arch):
+    """A .gguf loads in memory as its converted checkpoint loads in transformers (qwen3 with head_dim =
+    hidden / heads, which transformers' own GGUF path would take as 128)."""
+    gguf = pytest.importorskip("gguf")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # test_gguf_convert's helper
+    from test_gguf_convert import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, hidden=128, heads=4, kv_heads=2, inter=256,
+                           weight_type=gguf.GGMLQuantizationType.Q8_0)
+    model, hf_config, tok = load_causal_lm(path)
+    assert hf_config == open_gguf(path).config and tok is not None
+    ids = np.array([tok.encode("the fox and the fox").ids] * 2)
+    dense = convert_gguf(path, tmp_path / "dense")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = ref(torch.from_numpy(ids)).logits.numpy()
+    ours, _ = model(jnp.asarray(ids, jnp.int32))
+    assert np.abs(np.asarray(ours) - theirs).max() <= DENSE_ATOL * np.abs(theirs).max()
+
+
+# ------------------------------------------------------------------------------------- SmolLM2 (GGUF)
+
+PROMPT = "The capital of France is"
+# 30 layers in float32 against torch's float32: accumulation order only (measured 1.7e-4; logits reach |x| ~ 30).
+SMOLLM2_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dense):
+    pytest.importorskip("gguf")
+    from converters.evaluation.embedded import smollm2_gguf
+
+    path = smollm2_gguf()
+    model, hf_config, tok = load_causal_lm(path)  # ours: straight from the .gguf file
+    # The torch reference: transformers' LlamaForCausalLM on the GGUF tensors as convert_gguf writes them
+    # (the session's converted SmolLM2: equal, bit for bit, to transformers' own GGUF loading, test_gguf_convert).
+    assert json.loads((smollm2_dense / "config.json").read_text()) == hf_config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dense, dtype=torch.float32).eval()
+    assert ref.lm_head.weight.data_ptr() == ref.model.embed_tokens.weight.data_ptr()  # tied
+    return model, tok, ref
+
+
+def test_smollm2_gguf_logits_equal_transformers(smollm2):
+    model, tok, ref = smollm2
+    ids = np.array([tok.encode(PROMPT).ids])
+    with torch.no_grad():
+        theirs = ref(torch.from_numpy(ids)).logits.numpy()
+    ours, _ = model(jnp.asarray(ids, jnp.int32))
+    diff = np.abs(np.asarray(ours) - theirs).max()
+    assert diff <= SMOLLM2_ATOL, diff
+
+
+def test_smollm2_gguf_greedy_tokens_equal_transformers(smollm2):
+    from qformats.models.generate import generate
+
+    model, tok, ref = smollm2
+    ids = tok.encode(PROMPT).ids
+    ours = np.asarray(generate(model, jnp.asarray([ids], jnp.int32), 32))[0].tolist()
+    theirs, past, step = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(32):  # greedy with the KV cache, no end-of-sequence stop
+            out = ref(step, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            step = out.logits[:, -1].argmax(-1, keepdim=True)
+            theirs.append(int(step))
+    assert ours == theirs, (tok.decode(ours), tok.decode(theirs))
