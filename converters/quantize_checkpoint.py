@@ -15,7 +15,7 @@ q_a_proj/kv_a_proj_with_mqa, w1/w3) take the smallest of their global scales, i.
 (`qformats.fused.shared_global_scale`; fuse_global_scales). A group only partly quantized gets a warning.
 
 Never silent: where llm-compressor 0.14 refuses a layer (GROUP / TENSOR_GROUP weights whose group size does not
-divide the columns: `qformats.nn.rules.group_indivisible`, its rule, plus columns < group size, which
+divide the columns: `qformats.plan.group_indivisible`, its rule, plus columns < group size, which
 compressed-tensors' quantize refuses), `quantize_checkpoint` raises one CheckpointError naming every such layer,
 its shape and the ways out (ignore them, a `:gN` group size that divides them, or `skip_indivisible=True`, which
 leaves exactly those dense, adds them to `ignore` and lists them in the summary). An empty target weight is an
@@ -51,7 +51,7 @@ from qformats.formats import IntFormat
 from qformats.fused import group_amax, shared_global_scale, sibling_groups
 from qformats.grouping import expected_shapes
 from qformats.kv_cache import kv_cache_name, parse_kv_cache
-from qformats.nn.rules import group_indivisible
+from qformats.plan import group_indivisible
 from qformats.presets import parse_scheme
 from qformats.qarray import QArray
 from qformats.quantize import quantize

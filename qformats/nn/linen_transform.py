@@ -29,8 +29,9 @@ from qformats.errors import ModelError
 from qformats.nn.linen import as_shape
 from qformats.nn.projection import (check_einsum_acts, einsum_layout, einsum_matrix, norm_axes, packed_einsum,
                                     packed_linear, packed_linear_general)
-from qformats.nn.rules import check_fit, compile_rules, select
 from qformats.nn.weight_search import RTN, quantize_weight, search_name
+from qformats.matching import Matcher
+from qformats.plan import Candidate, check_fit, plan_quantization, warn_unused_rules
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
 
@@ -155,7 +156,7 @@ def _kernel_nodes(tree, prefix=()):
             yield from _kernel_nodes(sub, prefix + (name,))
 
 
-def _plan(root, compiled, layouts) -> Dict[str, Tuple[WeightLayout, Tuple[int, ...], SchemeSet]]:
+def _plan(root, matcher, layouts) -> Dict[str, Tuple[WeightLayout, Tuple[int, ...], SchemeSet]]:
     """Select and validate every kernel a rule quantizes → {path: (layout, stacked axes, schemes)}."""
     items = []
     for p, node in _kernel_nodes(root):
@@ -163,8 +164,14 @@ def _plan(root, compiled, layouts) -> Dict[str, Tuple[WeightLayout, Tuple[int, .
         if isinstance(node["kernel"], QArray) or (layouts is not None and path not in layouts):
             continue  # already packed, or not a Dense / DenseGeneral / Einsum kernel
         items.append((path, node["kernel"]))
+    chosen = plan_quantization([Candidate(path) for path, _ in items], matcher)
+    warn_unused_rules(chosen, stacklevel=4)
+    schemes = chosen.schemes()
     plan = {}
-    for path, kernel, ss in select(compiled, items):
+    for path, kernel in items:
+        if path not in schemes:
+            continue
+        ss = schemes[path]
         if isinstance(kernel, nn.meta.AxisMetadata):
             raise ModelError(f"{path}: the kernel is boxed ({type(kernel).__name__}); unbox the params "
                              "(flax.linen.meta.unbox) before quantizing")
@@ -201,9 +208,8 @@ LINEN_SEARCHES = (RTN, "mse")
 
 def _quantize(params: Mapping, rules: Sequence, weight_search, layouts):
     weight_search = search_name(weight_search, LINEN_SEARCHES)
-    compiled = compile_rules(rules)
     root = _root(params)
-    plan = _plan(root, compiled, layouts)
+    plan = _plan(root, Matcher.from_rules(rules), layouts)
 
     def rebuild(tree, prefix=()):
         out = {}
@@ -344,7 +350,7 @@ def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example
     cannot when that axis happens to have the per-layer shape's sizes (e.g. axis 1 with L == K).
     DenseGeneral `batch_dims` and block scales (FP8_BLOCK) on stacked kernels are refused.
     """
-    compile_rules(rules)  # a bad rule is reported before the model is run
+    Matcher.from_rules(rules)  # a bad rule is reported before the model is run
     layouts = record_layouts(module, params, *example_args, **example_kwargs) if (example_args or example_kwargs) \
         else None
     qparams, plan = _quantize(params, rules, weight_search, layouts)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import qformats as qf
-from converters import patterns
+from qformats import matching as patterns
 from converters.ct_read import read_compressed
 from converters.ct_write import write_compressed
 from converters.dequantize_checkpoint import dequantize_checkpoint
