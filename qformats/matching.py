@@ -182,24 +182,32 @@ class Selector:
     label: str
     test: Callable[[str, str], bool]
     scheme: Optional[SchemeSet]
+    role: str = "rule"   # "rule" | "target" | "ignore"
+    entry: object = None  # the rule, target or ignore entry as given
 
 
 class Matcher:
     """An ordered list of `Selector`s; the first that matches a module decides its scheme.
 
     `match(path, kind)` -> (index of the deciding selector or None, its scheme). `used` records which
-    selectors decided something, so `unused()` can name the ones that matched nothing."""
+    selectors decided something (with `count_all`, which matched something), so `unused()` can name the ones
+    that matched nothing: a rule shadowed by an earlier one is unused; a compressed-tensors target is used
+    whenever it matches, even a module an ignore entry then leaves dense."""
 
-    def __init__(self, selectors: Sequence[Selector]):
+    def __init__(self, selectors: Sequence[Selector], count_all: bool = False):
         self.selectors: Tuple[Selector, ...] = tuple(selectors)
+        self.count_all = count_all
         self.used: set = set()
 
     def match(self, path: str, kind: str = "Linear") -> Tuple[Optional[int], Optional[SchemeSet]]:
+        first = None
         for i, s in enumerate(self.selectors):
-            if s.test(path, kind):
+            if (first is None or self.count_all) and s.test(path, kind):
                 self.used.add(i)
-                return i, s.scheme
-        return None, None
+                first = i if first is None else first
+                if not self.count_all:
+                    break
+        return (None, None) if first is None else (first, self.selectors[first].scheme)
 
     def unused(self) -> List[Selector]:
         """The selectors that have decided no module so far."""
@@ -226,25 +234,35 @@ class Matcher:
                 raise ModelError(f"{where}: {e}") from e
             if ss is not None and ss.weights is None:
                 raise ModelError(f"{where}: scheme {ss.name!r} quantizes no weights")
-            out.append(Selector(f"rule #{i} {r.pattern!r}", lambda path, kind, fn=fn: fn(path), ss))
+            out.append(Selector(f"rule #{i} {r.pattern!r}", lambda path, kind, fn=fn: fn(path), ss, "rule", r))
         return cls(out)
 
     @classmethod
     def from_targets(cls, scheme: Optional[SchemeSet], targets: Sequence[str] = ("Linear",),
                      ignore: Sequence[str] = (), *, sep: str = ".", where: str = "quantization_config",
                      error: Type[QFormatsError] = CheckpointError) -> "Matcher":
-        """A compressed-tensors config group: `ignore` entries first (scheme None), then `targets` (`scheme`).
+        """A compressed-tensors config group: a module is quantized with `scheme` when a target matches it and
+        no ignore entry does (compressed-tensors' rule); an ignore entry decides (scheme None) only modules a
+        target matches, so an ignore entry that names no targeted module is reported unused.
 
         A target is `re:P` (re.match(P, path), as compressed-tensors matches), a module class name
         ("Linear", "Embedding": compared with the module's kind) or an exact module path. An ignore entry is
         `re:P`, an exact path, or a last part of the path ("lm_head" also ignores "model.lm_head")."""
-        sels = []
-        for what, entries, ss in (("ignore", ignore, None), ("target", targets, scheme)):
+        tests = {}
+        for what, entries in (("target", targets), ("ignore", ignore)):
+            tests[what] = []
             for i, t in enumerate(entries):
                 if not isinstance(t, str):
                     raise error(f"{where}: {what} entries: expected strings, found {t!r}")
-                sels.append(Selector(f"{what} {t!r}", _entry_test(t, what, sep, f"{where}: {what}[{i}]", error), ss))
-        return cls(sels)
+                tests[what].append((t, _entry_test(t, what, sep, f"{where}: {what}[{i}]", error)))
+
+        def targeted(path: str, kind: str) -> bool:
+            return any(fn(path, kind) for _, fn in tests["target"])
+
+        sels = [Selector(f"ignore {t!r}", lambda path, kind, fn=fn: fn(path, kind) and targeted(path, kind), None,
+                         "ignore", t) for t, fn in tests["ignore"]]
+        sels += [Selector(f"target {t!r}", fn, scheme, "target", t) for t, fn in tests["target"]]
+        return cls(sels, count_all=True)
 
 
 def _entry_test(entry: str, what: str, sep: str, where: str, error) -> Callable[[str, str], bool]:

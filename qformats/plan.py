@@ -8,7 +8,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
 from qformats.errors import ModelError, QFormatsError
 from qformats.fused import sibling_groups
-from qformats.matching import Matcher
+from qformats.matching import Matcher, Selector
 from qformats.schemes import QuantScheme, SchemeSet
 
 __all__ = ["Candidate", "Decision", "Plan", "check_fit", "check_fits", "group_indivisible", "misfits",
@@ -31,11 +31,13 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """What the plan does with one candidate: `scheme` (None: left dense) and `why`, in words."""
+    """What the plan does with one candidate: `scheme` (None: left dense), `why` in words, and the `selector`
+    that decided (None when nothing matched)."""
 
     candidate: Candidate
     scheme: Optional[SchemeSet]
     why: str
+    selector: Optional[Selector] = None
 
     @property
     def path(self) -> str:
@@ -44,10 +46,10 @@ class Decision:
 
 @dataclasses.dataclass
 class Plan:
-    """Every candidate's decision, in candidate order, and the matcher entries that decided nothing."""
+    """Every candidate's decision, in candidate order, and the matcher's selectors that matched nothing."""
 
     decisions: List[Decision]
-    unused: List[str]
+    unused: List[Selector]
 
     @property
     def quantized(self) -> List[Decision]:
@@ -56,6 +58,11 @@ class Plan:
     @property
     def dense(self) -> List[Decision]:
         return [d for d in self.decisions if d.scheme is None]
+
+    def leave_dense(self, why: Dict[str, str]) -> "Plan":
+        """A copy in which the candidates named in `why` (path -> reason) stay dense for that reason."""
+        return Plan([Decision(d.candidate, None, why[d.path], d.selector) if d.path in why else d
+                     for d in self.decisions], self.unused)
 
     def schemes(self) -> Dict[str, SchemeSet]:
         """path -> scheme set of every quantized candidate."""
@@ -96,7 +103,7 @@ class Plan:
             lines.append(_wrap(f"kind taken from names and shapes (2-D, no 'embed' / 'norm' in the path): "
                                f"{len(guessed)}: ", guessed, width))
         for u in self.unused:
-            lines.append(f"{u} matched nothing")
+            lines.append(f"{u.label} matched nothing")
         return "\n".join(lines)
 
 
@@ -123,17 +130,17 @@ def plan_quantization(candidates: Iterable[Candidate], matcher: Matcher, *, unma
         if i is None:
             decisions.append(Decision(c, None, unmatched))
         elif ss is None:
-            decisions.append(Decision(c, None, f"{matcher.selectors[i].label} says so"))
+            decisions.append(Decision(c, None, f"{matcher.selectors[i].label} says so", matcher.selectors[i]))
         else:
-            decisions.append(Decision(c, ss, matcher.selectors[i].label))
-    return Plan(decisions, [s.label for s in matcher.unused()])
+            decisions.append(Decision(c, ss, matcher.selectors[i].label, matcher.selectors[i]))
+    return Plan(decisions, matcher.unused())
 
 
 def warn_unused_rules(plan: Plan, what: str = "Linear / LinearGeneral / Einsum module (or Dense, in linen)",
                       stacklevel: int = 3) -> None:
     """A warning per rule of `plan` that matched no module (`what` names the modules rules apply to)."""
-    for label in plan.unused:
-        warnings.warn(f"qformats.nn: {label} matched no {what}", stacklevel=stacklevel + 1)
+    for sel in plan.unused:
+        warnings.warn(f"qformats.nn: {sel.label} matched no {what}", stacklevel=stacklevel + 1)
 
 
 def group_indivisible(columns: int, scheme: Optional[QuantScheme]) -> Optional[str]:
