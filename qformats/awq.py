@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from qformats.errors import ModelError
-from qformats.nn import resolve_scheme
+from qformats.matching import resolve_scheme
 from qformats.quantize import dequantize, quantize
 from qformats.schemes import QuantScheme
 

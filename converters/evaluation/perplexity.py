@@ -117,7 +117,7 @@ def _indivisible_paths(model, rules, ss) -> List[str]:
 
     from flax import nnx
 
-    from qformats.nn.rules import group_indivisible
+    from qformats.plan import group_indivisible
 
     out = []
     for path, m in nnx.iter_modules(model):

@@ -15,7 +15,7 @@ q_a_proj/kv_a_proj_with_mqa, w1/w3) take the smallest of their global scales, i.
 (`qformats.fused.shared_global_scale`; fuse_global_scales). A group only partly quantized gets a warning.
 
 Never silent: where llm-compressor 0.14 refuses a layer (GROUP / TENSOR_GROUP weights whose group size does not
-divide the columns: `qformats.nn.rules.group_indivisible`, its rule, plus columns < group size, which
+divide the columns: `qformats.plan.group_indivisible`, its rule, plus columns < group size, which
 compressed-tensors' quantize refuses), `quantize_checkpoint` raises one CheckpointError naming every such layer,
 its shape and the ways out (ignore them, a `:gN` group size that divides them, or `skip_indivisible=True`, which
 leaves exactly those dense, adds them to `ignore` and lists them in the summary). An empty target weight is an
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
 import time
 import warnings
@@ -48,16 +47,17 @@ from converters.formats.safetensors_io import open_checkpoint, parse_size, read_
 from converters.formats.shard_writer import TensorSpec
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
-from qformats.fused import group_amax, shared_global_scale, sibling_groups
+from qformats.fused import group_amax, shared_global_scale
 from qformats.grouping import expected_shapes
 from qformats.kv_cache import kv_cache_name, parse_kv_cache
-from qformats.nn.rules import group_indivisible
+from qformats.matching import Matcher
+from qformats.plan import Candidate, Plan, group_indivisible, plan_quantization
 from qformats.presets import parse_scheme
 from qformats.qarray import QArray
 from qformats.quantize import quantize
 from qformats.schemes import SchemeSet
 
-__all__ = ["QuantizeSummary", "is_linear_weight", "packed_specs", "quantize_checkpoint", "select_modules"]
+__all__ = ["QuantizeSummary", "checkpoint_plan", "module_kind", "packed_specs", "quantize_checkpoint"]
 
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -66,50 +66,27 @@ def _components(module: str) -> List[str]:
     return [p.lower() for p in module.split(".")] if module else []
 
 
-def is_linear_weight(module: str, shape, dtype: str) -> bool:
-    """The rule for "Linear": 2-D floating weight, no path component containing 'embed' or 'norm'."""
-    return len(shape) == 2 and dtype in _FLOAT_DTYPES and not any(
-        "embed" in c or "norm" in c for c in _components(module))
+def module_kind(module: str) -> str:
+    """The module class of a 2-D floating `<module>.weight` told from its name (no torch model here):
+    "Embedding" when a path component contains 'embed', "Norm" when one contains 'norm', else "Linear"."""
+    comps = _components(module)
+    if any("embed" in c for c in comps):
+        return "Embedding"
+    return "Norm" if any("norm" in c for c in comps) else "Linear"
 
 
-def _matches_target(module: str, shape, dtype: str, target: str) -> bool:
-    if len(shape) != 2 or dtype not in _FLOAT_DTYPES:
-        return False
-    if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
-    if target == "Linear":
-        return is_linear_weight(module, shape, dtype)
-    if target == "Embedding":
-        return any("embed" in c for c in _components(module))
-    return target == module
-
-
-def _ignored(module: str, pattern: str) -> bool:
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], module) is not None
-    return module == pattern or module.endswith("." + pattern)
-
-
-def select_modules(infos: Dict[str, Any], targets: Sequence[str], ignore: Sequence[str]):
-    """(quantize, ignored_linears, unused_ignore, unused_targets) over tensor name -> TensorInfo."""
-    chosen, ignored = [], []
-    used_t, used_i = set(), set()
+def checkpoint_plan(infos: Dict[str, Any], scheme: Optional[SchemeSet], targets: Sequence[str],
+                    ignore: Sequence[str]) -> Plan:
+    """The plan (`qformats.plan`) over every 2-D floating `<module>.weight` of a checkpoint (tensor name ->
+    TensorInfo), with compressed-tensors' targets and ignore (`qformats.matching.Matcher.from_targets`); the
+    module kinds come from `module_kind` (the name heuristic, which the plan's summary states)."""
+    cands = []
     for name in sorted(infos):
         mod, _, local = name.rpartition(".")
-        if local != "weight":
-            continue
         info = infos[name]
-        hit = [t for t in targets if _matches_target(mod, info.shape, info.dtype, t)]
-        if not hit:
-            continue
-        used_t.update(hit)
-        ig = [p for p in ignore if _ignored(mod, p)]
-        if ig:
-            used_i.update(ig)
-            ignored.append(mod)
-        else:
-            chosen.append(mod)
-    return chosen, ignored, [p for p in ignore if p not in used_i], [t for t in targets if t not in used_t]
+        if local == "weight" and len(info.shape) == 2 and info.dtype in _FLOAT_DTYPES:
+            cands.append(Candidate(mod, int(info.shape[1]), module_kind(mod), "name heuristic"))
+    return plan_quantization(cands, Matcher.from_targets(scheme, targets, ignore), unmatched="not targeted")
 
 
 @dataclasses.dataclass
@@ -243,26 +220,26 @@ def _plan(infos, chosen_set, ss: SchemeSet) -> List[TensorSpec]:
     return plan
 
 
-def _fused_global_scales(ck, infos, chosen: List[str], ss: SchemeSet) -> Dict[str, Any]:
-    """module -> the shared NVFP4 global scale of its fused group (`qformats.fused`: the sibling rule and the
-    scale), for groups whose members are all chosen; a group only partly chosen gets a warning."""
+def _fused_global_scales(ck, infos, plan: Plan, ss: SchemeSet) -> Dict[str, Any]:
+    """module -> the shared NVFP4 global scale of its fused group (`qformats.plan.Plan.fused_groups`, the scale
+    of `qformats.fused`), for groups whose members are all quantized; a group only partly quantized gets a
+    warning."""
     w = ss.weights
     if w.strategy != "tensor_group":
         return {}
-    chosen_set = set(chosen)
-    linears = [n.rpartition(".")[0] for n, i in infos.items()
-               if n.endswith(".weight") and is_linear_weight(n.rpartition(".")[0], i.shape, i.dtype)]
-    out: Dict[str, Any] = {}
-    for mods in sibling_groups(sorted(set(linears) | chosen_set), sep="."):
+    chosen_set = set(plan.schemes())
+    shared, partial = plan.fused_groups(".")
+    for mods in partial:
         parent = mods[0].rpartition(".")[0]
         names = ", ".join(m.rpartition(".")[2] for m in mods)
         inside = [m for m in mods if m in chosen_set]
-        if len(inside) != len(mods):
-            if inside:
-                warnings.warn(f"{parent}: {names} are fused siblings (vLLM runs them as one matmul, with one NVFP4 "
-                              f"global scale) but only {', '.join(inside)} take {ss.name}; their global scales are "
-                              f"not shared", stacklevel=3)
-            continue
+        warnings.warn(f"{parent}: {names} are fused siblings (vLLM runs them as one matmul, with one NVFP4 "
+                      f"global scale) but only {', '.join(inside)} take {ss.name}; their global scales are "
+                      f"not shared", stacklevel=3)
+    out: Dict[str, Any] = {}
+    for mods in shared:
+        parent = mods[0].rpartition(".")[0]
+        names = ", ".join(m.rpartition(".")[2] for m in mods)
         dtypes = [infos[m + ".weight"].dtype for m in mods]
         if len(set(dtypes)) != 1:
             warnings.warn(f"{parent}: {names} hold different dtypes ({', '.join(dtypes)}); their NVFP4 global "
@@ -382,15 +359,21 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                               f"(pass overwrite=True / --overwrite to replace it)")
     with open_checkpoint(src) as ck:
         infos = {n: ck.info(n) for n in ck.keys()}
-        chosen, ignored, unused_ignore, unused_targets = select_modules(infos, list(targets), list(ignore))
+        plan = checkpoint_plan(infos, ss, list(targets), list(ignore))
+        chosen = [d.path for d in plan.quantized]
+        ignored = [d.path for d in plan.dense if d.selector is not None]
+        unused_ignore = [s.entry for s in plan.unused if s.role == "ignore"]
+        unused_targets = [s.entry for s in plan.unused if s.role == "target"]
         if base_cfg.get("tie_word_embeddings") and not any(n.rpartition(".")[0] == "lm_head" for n in infos):
             # A tied lm_head is a Linear module in torch with no tensor of its own here: compressed-tensors
             # would target it on load unless `ignore` names it, as llm-compressor writes it.
-            if not any(_ignored("lm_head", p) for p in ignore):
+            tied = Matcher.from_targets(ss, ["lm_head"], list(ignore))
+            if tied.match("lm_head")[1] is not None:
                 raise CheckpointError(f"{src}: lm_head is tied to the embedding (tie_word_embeddings), so it has no "
                                       f"weight of its own to quantize; add 'lm_head' to ignore")
             ignored = ignored + ["lm_head"]
-            unused_ignore = [p for p in unused_ignore if not _ignored("lm_head", p)]
+            covered = {s.entry for s in tied.selectors if s.role == "ignore"} - {s.entry for s in tied.unused()}
+            unused_ignore = [p for p in unused_ignore if p not in covered]
         for p in unused_ignore if tuple(ignore) != ("lm_head",) else ():  # the default may match nothing
             warnings.warn(f"{src}: ignore entry {p!r} matches no targeted module", stacklevel=2)
         for t in unused_targets:
@@ -412,13 +395,14 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                    "which keeps exactly these dense and lists them in the summary." if not empty else
                    "\nLeave them out with --ignore (ignore=[...])."))
         skipped = sorted(misfits)
+        plan = plan.leave_dense({m: "columns not a multiple of the group size: --skip-indivisible" for m in misfits})
         chosen = [m for m in chosen if m not in misfits]
         if not chosen:
             raise CheckpointError(f"{src}: none of the targeted weights fits scheme {ss.name!r} ({len(skipped)} "
                                   f"skipped: {', '.join(skipped[:6])}{' ...' if len(skipped) > 6 else ''}); "
                                   f"nothing written")
         chosen_set = set(chosen)
-        shared_g = _fused_global_scales(ck, infos, chosen, ss) if fuse_global_scales else {}
+        shared_g = _fused_global_scales(ck, infos, plan, ss) if fuse_global_scales else {}
         src_bytes = sum(i.nbytes for i in infos.values())
         prog = _Progress(len(infos), src_bytes, stream)
         qdense = qstored = 0

@@ -47,8 +47,9 @@ from qformats.fused import group_amax, shared_global_scale, sibling_groups
 from qformats.gptq import DAMPENING_FRAC, gptq_quantize, gptq_quantize_shared
 from qformats.kv_cache import KVCacheScheme, amax_of, scale_from_amax
 from qformats.models.decoder import CausalLM, attention_mask, enable_kv_cache_quantization, inv_freq, rope_tables
-from qformats.nn import CalibStat, QLinear, resolve_scheme
-from qformats.nn.rules import check_fits
+from qformats.matching import resolve_scheme
+from qformats.nn import CalibStat, QLinear
+from qformats.plan import check_fits
 from qformats.nn.weight_search import RTN, output_error, search_name
 from qformats.observers import get_observer, mse_quantize
 from qformats.quantize import quantize

@@ -18,7 +18,7 @@ Linen::
 
 Modules: `projection` (the layer math as pure functions of arrays, shared by NNX and linen), `nnx_layers`
 (QLinear, QLinearGeneral, QEinsum and their variable types), `weight_search` (WEIGHT_SEARCHES, quantize_weight),
-`rules` (Rule, validation), `graph` (find / replace modules in an NNX graph), `nnx_transform` (quantize_model,
+`graph` (find / replace modules in an NNX graph), `nnx_transform` (quantize_model,
 convert, prepare_kernels), `linen` (QDense, QDenseGeneral, linen.QEinsum), `linen_transform` (quantize_linen),
 `checkpoint` (load_quantized / export_quantized: pure glue for checkpoint readers and writers), `sizes`
 (param_bytes). Observers and the MSE search are pure functions in `qformats.observers`; GPTQ is `qformats.gptq`.
@@ -27,7 +27,7 @@ convert, prepare_kernels), `linen` (QDense, QDenseGeneral, linen.QEinsum), `line
 from qformats.nn.nnx_layers import (CalibStat, KernelCache, PackedParam, QEinsum, QLinear, QLinearGeneral,
                                     QuantizedMatmul, QuantStat)
 from qformats.nn.weight_search import WEIGHT_SEARCHES, quantize_weight
-from qformats.nn.rules import Rule, resolve_scheme
+from qformats.matching import Rule, resolve_scheme
 from qformats.nn.nnx_transform import convert, prepare_kernels, quantize_model, quantized_layers
 from qformats.nn.sizes import param_bytes
 from qformats.nn.linen import QDense, QDenseGeneral

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from qformats.errors import ModelError, SchemeError
 from qformats.nn.projection import (check_einsum_acts, einsum_bias_shape, einsum_layout, einsum_matrix, norm_axes,
                                     packed_einsum, packed_linear, packed_linear_general)
-from qformats.nn.rules import check_fit, resolve_scheme
+from qformats.matching import resolve_scheme
+from qformats.plan import check_fit
 from qformats.quantize import quantize
 from qformats.schemes import QuantScheme, SchemeSet
 

@@ -31,8 +31,9 @@ from qformats.errors import ModelError
 from qformats.nn.linen import as_shape
 from qformats.nn.projection import (check_einsum_acts, einsum_layout, einsum_matrix, norm_axes, packed_einsum,
                                     packed_linear, packed_linear_general)
-from qformats.nn.rules import check_fit, compile_rules, match, select
 from qformats.nn.weight_search import RTN, quantize_weight, search_name
+from qformats.matching import Matcher
+from qformats.plan import Candidate, check_fit, plan_quantization, warn_unused_rules
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
 
@@ -193,7 +194,7 @@ def _kernel_nodes(tree, prefix=()):
             yield from _kernel_nodes(sub, prefix + (name,))
 
 
-def _plan(root, compiled, layouts) -> Dict[str, Tuple[WeightLayout, Tuple[int, ...], SchemeSet]]:
+def _plan(root, matcher, layouts) -> Dict[str, Tuple[WeightLayout, Tuple[int, ...], SchemeSet]]:
     """Select and validate every kernel a rule quantizes → {path: (layout, stacked axes, schemes)}."""
     items = []
     for p, node in _kernel_nodes(root):
@@ -201,8 +202,14 @@ def _plan(root, compiled, layouts) -> Dict[str, Tuple[WeightLayout, Tuple[int, .
         if isinstance(node["kernel"], QArray) or (layouts is not None and path not in layouts):
             continue  # already packed, or not a Dense / DenseGeneral / Einsum kernel
         items.append((path, node["kernel"]))
+    chosen = plan_quantization([Candidate(path) for path, _ in items], matcher)
+    warn_unused_rules(chosen, stacklevel=4)
+    schemes = chosen.schemes()
     plan = {}
-    for path, kernel, ss in select(compiled, items):
+    for path, kernel in items:
+        if path not in schemes:
+            continue
+        ss = schemes[path]
         if isinstance(kernel, nn.meta.AxisMetadata):
             raise ModelError(f"{path}: the kernel is boxed ({type(kernel).__name__}); unbox the params "
                              "(flax.linen.meta.unbox) before quantizing")
@@ -239,9 +246,8 @@ LINEN_SEARCHES = (RTN, "mse")
 
 def _quantize(params: Mapping, rules: Sequence, weight_search, layouts):
     weight_search = search_name(weight_search, LINEN_SEARCHES)
-    compiled = compile_rules(rules)
     root = _root(params)
-    plan = _plan(root, compiled, layouts)
+    plan = _plan(root, Matcher.from_rules(rules), layouts)
 
     def rebuild(tree, prefix=()):
         out = {}
@@ -375,7 +381,7 @@ def _call_layout(mod, path: str, kernel: QArray, args, kwargs) -> WeightLayout:
     return layout
 
 
-def _check_reached(module: nn.Module, root: Mapping, compiled, layouts: Mapping[str, WeightLayout]) -> None:
+def _check_reached(module: nn.Module, root: Mapping, matcher: Matcher, layouts: Mapping[str, WeightLayout]) -> None:
     """Say loudly when discovery reached fewer layers than the params suggest, never quantize nothing quietly.
 
     No Dense / DenseGeneral / Einsum call recorded while a rule quantizes something and the params hold arrays:
@@ -385,13 +391,13 @@ def _check_reached(module: nn.Module, root: Mapping, compiled, layouts: Mapping[
     selected = []
     for p, node in _kernel_nodes(root):
         path = "/".join(p)
-        if path not in layouts and not isinstance(node["kernel"], QArray) and match(compiled, path)[1] is not None:
+        if path not in layouts and not isinstance(node["kernel"], QArray) and matcher.match(path)[1] is not None:
             selected.append(path)
     names = [f"{p}/kernel" if p else "kernel" for p in selected]
     shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
     if not layouts:
         n_arrays = len(jax.tree.leaves(root))
-        if n_arrays and any(ss is not None for _, _, ss in compiled):
+        if n_arrays and any(s.scheme is not None for s in matcher.selectors):
             kernels = sum(1 for _ in _kernel_nodes(root))
             raise ModelError(
                 f"{type(module).__name__}: module.apply on the example inputs reached no Dense / DenseGeneral / "
@@ -433,11 +439,11 @@ def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example
     cannot when that axis happens to have the per-layer shape's sizes (e.g. axis 1 with L == K).
     DenseGeneral `batch_dims` and block scales (FP8_BLOCK) on stacked kernels are refused.
     """
-    compiled = compile_rules(rules)  # a bad rule is reported before the model is run
+    matcher = Matcher.from_rules(rules)  # a bad rule is reported before the model is run
     layouts = record_layouts(module, params, *example_args, **example_kwargs) if (example_args or example_kwargs) \
         else None
     if layouts is not None:
-        _check_reached(module, _root(params), compiled, layouts)
+        _check_reached(module, _root(params), matcher, layouts)
     qparams, plan = _quantize(params, rules, weight_search, layouts)
     schemes = {p: ss for p, (_, _, ss) in plan.items()}
     return QuantizedLinen(module, schemes, {p: lay for p, (lay, _, _) in plan.items()}), qparams

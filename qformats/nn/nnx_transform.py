@@ -19,8 +19,9 @@ from qformats.nn.graph import module_references, replace_child
 from qformats.nn.nnx_layers import QUANTIZED, QuantizedMatmul
 from qformats.nn.projection import check_einsum_acts, einsum_last_axis_error, einsum_layout
 from qformats.nn.weight_search import NEEDS_HESSIAN, RTN, quantize_weight, search_name
-from qformats.nn.rules import check_fits, compile_rules, select
+from qformats.matching import Matcher
 from qformats.observers import get_observer
+from qformats.plan import Candidate, check_fits, plan_quantization, warn_unused_rules
 from qformats.quantize import quantize
 
 
@@ -90,7 +91,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     if mode not in ("ptq", "qat"):
         raise ModelError(f"quantize_model: mode must be 'ptq' or 'qat', got {mode!r}")
     weight_search = search_name(weight_search, where="quantize_model: weight_search")
-    compiled = compile_rules(rules)
+    matcher = Matcher.from_rules(rules)
     calibrating = calibration_data is not None
     hessian = weight_search in NEEDS_HESSIAN
     if hessian and not (calibrating and mode == "ptq"):
@@ -99,8 +100,11 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     plan: List[Tuple[str, nnx.Linear, list, Any]] = []
     full_moments = {}
     refs = [(path, (lin, parents)) for path, lin, parents in module_references(model, tuple(QUANTIZED)).values()]
-    selected = [(path, lp, ss, _contracted_size(path, lp[0], ss, calibrating))
-                for path, lp, ss in select(compiled, refs)]
+    chosen = plan_quantization([Candidate(path) for path, _ in refs], matcher)
+    warn_unused_rules(chosen)
+    schemes = chosen.schemes()
+    selected = [(path, lp, schemes[path], _contracted_size(path, lp[0], schemes[path], calibrating))
+                for path, lp in refs if path in schemes]
     check_fits([(path, k, ss) for path, _, ss, k in selected], static_acts=calibrating)  # every misfit in one error
     for path, (lin, parents), ss, k in selected:
         # full E[x x^T] only where a weight search uses it: K <= 4096, <= 256 MiB per (stacked) layer

@@ -73,7 +73,7 @@ def test_non_string_is_a_scheme_error():
 
 def test_eval_and_rules_use_the_parser():
     from converters.evaluation.embedding_fidelity import resolve
-    from qformats.nn.rules import resolve_scheme
+    from qformats.matching import resolve_scheme
 
     want = parse_scheme("W4A16:g64:w")
     assert resolve("W4A16:g64:w") == want and resolve_scheme("W4A16:g64:w") == want

@@ -35,7 +35,7 @@ import json
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from converters.formats.compressed_tensors.patterns import compile_pattern, pattern_matches
+from qformats.matching import compile_pattern, pattern_matches
 from converters.formats.compressed_tensors.transforms import check_transform_config, parse_transform_config
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import FloatFormat, IntFormat, get_format

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from converters.formats.compressed_tensors.patterns import compile_pattern, pattern_matches
+from qformats.matching import compile_pattern, pattern_matches
 from qformats.errors import CheckpointError, QFormatsError
 
 __all__ = ["TRANSFORM_TYPES", "LOCATIONS", "OnlineRotation", "TransformGroup", "applying_online_transforms",

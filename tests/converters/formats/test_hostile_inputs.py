@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import qformats as qf
-from converters.formats.compressed_tensors import patterns
+from qformats import matching as patterns
 from converters.formats.compressed_tensors.read import read_compressed
 from converters.formats.compressed_tensors.write import write_compressed
 from converters.pipelines.dequantize_checkpoint import dequantize_checkpoint

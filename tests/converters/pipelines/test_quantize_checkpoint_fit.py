@@ -14,7 +14,7 @@ import pytest
 from converters.pipelines.quantize_checkpoint import quantize_checkpoint
 from converters.formats.safetensors_io import SafetensorsFile, save_file
 from qformats.errors import CheckpointError
-from qformats.nn.rules import group_indivisible
+from qformats.plan import group_indivisible
 from qformats.presets import parse_scheme
 
 RNG = np.random.default_rng(11)

@@ -1,4 +1,4 @@
-"""quantize_model's fit check (qformats.nn.rules.check_fits): every layer whose in_features a scheme's groups do not
+"""quantize_model's fit check (qformats.plan.check_fits): every layer whose in_features a scheme's groups do not
 divide is named in one ModelError, and the model is left untouched."""
 
 from __future__ import annotations
