@@ -90,8 +90,8 @@ def part_a(a, work: Path) -> list:
     """Small random llama: scales, smoothed weights and codes, ours vs theirs."""
     from converters.causal_lm import load_causal_lm
     from converters.safetensors_io import open_checkpoint
-    from qformats.awq import awq_transform, candidate_scales, grid, weight_means
-    from qformats.models.sequential import calibrate_decoder
+    from qformats.algorithms.awq import candidate_scales, grid, weight_means
+    from qformats.models.decoder_calibration import awq_transform, calibrate_decoder
     from qformats.nn import quantized_layers, resolve_scheme
 
     group = 32

@@ -134,7 +134,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     from qformats import quantize
-    from qformats.gptq import gptq_quantize
+    from qformats.algorithms.gptq import gptq_quantize
 
     names = [c for c in CASES if not a.cases or c in a.cases.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]

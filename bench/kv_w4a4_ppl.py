@@ -119,7 +119,7 @@ def ours(src: Path, row: str, ids, windows, work: Path) -> dict:
     from converters.causal_lm import load_causal_lm, save_causal_lm
     from converters.perplexity import perplexity
     from qformats.kv_cache import parse_kv_cache
-    from qformats.models.sequential import calibrate_decoder
+    from qformats.models.decoder_calibration import calibrate_decoder
     from qformats.nn import param_bytes
 
     base, _, kv = row.partition("+")

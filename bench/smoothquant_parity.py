@@ -72,7 +72,7 @@ def main():
     from converters.causal_lm import load_causal_lm
     from converters.safetensors_io import open_checkpoint
     from qformats.models.decoder import attention_mask, inv_freq, rope_tables
-    from qformats.smoothquant import smoothquant_transform
+    from qformats.models.decoder_calibration import smoothquant_transform
 
     work = Path(tempfile.mkdtemp(prefix="qformats-sq-"))
     save_outlier_llama(work / "src", kv_heads=2)

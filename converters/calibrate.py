@@ -31,9 +31,9 @@ from typing import Callable, Optional, Sequence
 from converters import embedded
 from converters.evaluate import resolve
 from qformats.errors import CheckpointError, ModelError
-from qformats.gptq import DAMPENING_FRAC
+from qformats.algorithms.gptq import DAMPENING_FRAC
 from qformats.nn import Rule, quantize_model, quantized_layers
-from qformats.nn.weight_search import RTN, WEIGHT_SEARCHES
+from qformats.algorithms.weight_search import RTN, WEIGHT_SEARCHES
 
 __all__ = ["DEFAULT_WEIGHT_SEARCH", "DEFAULT_LM_WEIGHT_SEARCH", "lean_compile", "lean_malloc", "quantize_calibrated",
            "quantize_calibrated_lm", "trim_malloc"]
@@ -191,7 +191,8 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     from converters.flax_io import save_compressed
     from qformats.kv_cache import parse_kv_cache
     from qformats.models.decoder import hf_tensor_names
-    from qformats.models.sequential import GPTQOptions, calibrate_decoder
+    from qformats.algorithms.gptq import GPTQOptions
+    from qformats.models.decoder_calibration import calibrate_decoder
 
     if Path(dst).exists() and not overwrite:  # fail before the calibration work, not after
         raise CheckpointError(f"{dst}: already exists (pass overwrite=True / --overwrite to replace it)")
@@ -208,11 +209,11 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     gptq = GPTQOptions(block_size=block_size, dampening_frac=dampening_frac, actorder=actorder)
     transform = None
     if awq:
-        from qformats.awq import awq_transform
+        from qformats.models.decoder_calibration import awq_transform
 
         transform = awq_transform(scheme, n_grid=awq_n_grid, duo_scaling=awq_duo_scaling)
     if smooth is not None:
-        from qformats.smoothquant import smoothquant_transform
+        from qformats.models.decoder_calibration import smoothquant_transform
 
         transform = smoothquant_transform(smooth)
     t0 = time.perf_counter()
@@ -324,7 +325,7 @@ def _stream_plan(ck, scheme, slots, per_layer, outside):
 
     from converters.quantize_checkpoint import packed_specs
     from converters.shard_writer import TensorSpec
-    from qformats.models.sequential import PROJECTIONS
+    from qformats.models.decoder_calibration import PROJECTIONS
     from qformats.nn import resolve_scheme
 
     ss = resolve_scheme(scheme)
@@ -372,7 +373,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
     from converters.ct_write import CompressedWriter
     from converters.safetensors_io import open_checkpoint, read_json
     from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names, inv_freq
-    from qformats.models.sequential import calibrate_decoder
+    from qformats.models.decoder_calibration import calibrate_decoder
     from qformats.nn import export_quantized
 
     hf_config = read_json(src / "config.json")

@@ -46,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> _Parser:
     from qformats.kv_cache import KV_CACHE_CHOICES
-    from qformats.nn.weight_search import WEIGHT_SEARCHES
+    from qformats.algorithms.weight_search import WEIGHT_SEARCHES
     p = _Parser(prog="qformats", description="Quantize, dequantize and inspect compressed-tensors checkpoints; "
                                             "convert GGUF causal LMs, generate with them and measure perplexity.")
     sub = p.add_subparsers(dest="cmd", metavar="{quantize,dequantize,inspect,eval,convert,generate}",
@@ -228,7 +228,7 @@ def _quantize_calibrated_lm(a) -> int:
 
 def _check_dampening(a, search: str) -> None:
     """--dampening only where a GPTQ search runs: it would otherwise be ignored."""
-    from qformats.nn.weight_search import NEEDS_HESSIAN
+    from qformats.algorithms.weight_search import NEEDS_HESSIAN
     if a.dampening is not None and search not in NEEDS_HESSIAN:
         raise _Usage(f"qformats quantize: error: --dampening is GPTQ's, and the weight search is {search!r}: use "
                      f"--weight-search {' or '.join(NEEDS_HESSIAN)}, or drop --dampening")

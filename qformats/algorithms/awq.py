@@ -1,14 +1,8 @@
-"""AWQ (Lin et al., 2023): activation-aware per-channel weight scales chosen by a grid search, folded into the layer.
+"""AWQ (Lin et al., 2023): activation-aware per-channel weight scales chosen by a grid search, as pure functions.
 
-For each mapping (smooth module, balance projections reading its output, parent module whose output is compared)
-of a decoder layer, with llm-compressor 0.14's arithmetic (`AWQModifier`, modifiers/transform/awq):
-
-    MAPPINGS (the decoder family: llm-compressor's default_mappings)
-      input_layernorm          -> q_proj, k_proj, v_proj     parent self_attn
-      v_proj                   -> o_proj                     parent o_proj   (skipped when v_proj's outputs != o_proj's
-                                                                              inputs, as under GQA: its exact rule)
-      post_attention_layernorm -> gate_proj, up_proj         parent mlp
-      up_proj                  -> down_proj                  parent down_proj
+For one mapping (smooth module, balance projections reading its output, parent module whose output is compared;
+the decoder family's mappings and the model glue are `qformats.models.decoder_calibration`), with llm-compressor
+0.14's arithmetic (`AWQModifier`, modifiers/transform/awq):
 
     x_mean_j = mean over calibration tokens of |X_tj|      (X: the balance projections' input, float32)
     w_mean_j = sum_p sum_o |W_p[o, j]| / (amax of W_p[o, j]'s quantization chunk + 1e-6) / sum_p N_p   (float64;
@@ -31,51 +25,27 @@ weight's. The chosen s is folded so the float model's function is unchanged:
                                                                       b_smooth <- b_smooth / s (a linear one)
 
 so the result is an ordinary float checkpoint whose projections then go through the weight search (RTN by
-default, GPTQ, ...). arXiv:2306.00978. Tensor-group (NVFP4) weights take a global scale per projection here (as
-`qformats.models.sequential` quantizes them), where llm-compressor shares it among q/k/v and gate/up.
+default, GPTQ, ...). arXiv:2306.00978. Tensor-group (NVFP4) weights take a global scale per projection here,
+where llm-compressor shares it among q/k/v and gate/up.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from qformats.errors import ModelError
-from qformats.nn import resolve_scheme
 from qformats.quantize import dequantize, quantize
 from qformats.schemes import QuantScheme
 
-__all__ = ["MAPPINGS", "Mapping", "grid", "weight_means", "activation_means", "candidate_scales",
-           "fake_quantize_scaled", "awq_transform"]
+__all__ = ["grid", "weight_means", "activation_means", "candidate_scales", "fake_quantize_scaled", "ScaleSearch",
+           "search_scales", "scale_rows", "unscale_cols", "unscale"]
 
-
-class Mapping(tuple):
-    """(smooth, balances, parent): paths relative to a decoder layer ("self_attn/v_proj", "input_layernorm")."""
-
-    __slots__ = ()
-
-    def __new__(cls, smooth: str, balances: Tuple[str, ...], parent: str):
-        return super().__new__(cls, (smooth, tuple(balances), parent))
-
-    smooth = property(lambda self: self[0])
-    balances = property(lambda self: self[1])
-    parent = property(lambda self: self[2])
-
-
-MAPPINGS: Tuple[Mapping, ...] = (
-    Mapping("input_layernorm", ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj"), "self_attn"),
-    Mapping("self_attn/v_proj", ("self_attn/o_proj",), "self_attn/o_proj"),
-    Mapping("post_attention_layernorm", ("mlp/gate_proj", "mlp/up_proj"), "mlp"),
-    Mapping("mlp/up_proj", ("mlp/down_proj",), "mlp/down_proj"),
-)
-"""llm-compressor 0.14's AWQ default_mappings for the decoder family; the parent is the balance projections'
-lowest common ancestor (the projection itself when there is one)."""
 
 SCALE_FLOOR = 1e-4
 WEIGHT_EPS = 1e-6
@@ -217,165 +187,54 @@ def fake_quantize_scaled(kernel, s, scheme: QuantScheme):
     return _in_dtype(_unscale_rows, _fake_quantize(ws, scheme), s)
 
 
-def _get(layer, rel: str):
-    m = layer
-    for part in rel.split("/"):
-        m = getattr(m, part)
-    return m
+def scale_rows(kernel, s):
+    """W diag(s) for a Flax kernel [K, N]: row j times s_j, in s's dtype, rounded to the kernel's (the fold into
+    the balance projections)."""
+    return _in_dtype(_scale_rows, kernel, np.asarray(s))
 
 
-def _set(layer, rel: str, new) -> None:
-    *head, last = rel.split("/")
-    setattr(_get(layer, "/".join(head)) if head else layer, last, new)
+def unscale_cols(kernel, s):
+    """W diag(s)^-1 for a Flax kernel [K, N]: column j divided by s_j, in s's dtype, rounded to the kernel's (the
+    fold into a linear smooth module)."""
+    return _in_dtype(_unscale_cols, kernel, np.asarray(s))
 
 
-class _Tap(nnx.Module):
-    """Passes its input to the wrapped module and hands it to `sink` (used inside one trace only)."""
-
-    def __init__(self, inner, rel: str, sink: dict):
-        self.inner = inner
-        self.rel = rel
-        self.sink = nnx.data(sink)
-
-    def __call__(self, x):
-        self.sink[self.rel] = x
-        return self.inner(x)
+def unscale(v, s):
+    """v / s elementwise (a norm's weight or a linear smooth module's bias), in s's dtype, rounded to v's."""
+    return _in_dtype(_unscale, v, np.asarray(s))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
-def _capture(graphdef, state, x, cos, sin, mask, taps):
-    layer = nnx.merge(graphdef, state)
-    seen: dict = {}
-    for rel in taps:
-        _set(layer, rel, _Tap(_get(layer, rel), rel, seen))
-    layer(x, cos, sin, mask)
-    return {rel: seen[rel] for rel in taps}
+class ScaleSearch(NamedTuple):
+    """The result of `search_scales`: the chosen scales, their grid point (ratio, duo), the loss at every grid
+    point in order, the loss at the first point and the best loss."""
+
+    scales: np.ndarray
+    ratio: float
+    duo: bool
+    errors: List[float]
+    initial_error: float
+    best_error: float
 
 
-def _run_parent(layer, parent: str, x, cos, sin, mask):
-    y = _get(layer, parent)(x, cos, sin, mask) if parent == "self_attn" else _get(layer, parent)(x)
-    return y[0] if isinstance(y, tuple) else y
+def search_scales(x_mean, w_mean, kernels: Sequence, scheme: QuantScheme, points: Sequence[Tuple[float, bool]],
+                  loss: Callable[[tuple], float], where: str = "AWQ", parent: str = "the parent") -> ScaleSearch:
+    """AWQ's grid search (module docstring): for each grid point (ratio, duo) of `points` (`grid`), in order,
 
+        s = candidate_scales(x_mean, w_mean, ratio, duo),   err = loss(Q(W_p diag(s)) diag(s)^-1 for each kernel)
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "parent"))
-def _parent_out(graphdef, state, x, cos, sin, mask, parent):
-    return _run_parent(nnx.merge(graphdef, state), parent, x, cos, sin, mask)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "parent", "balances"))
-def _parent_sse(graphdef, state, kernels, x, cos, sin, mask, ref, valid, parent, balances):
-    layer = nnx.merge(graphdef, state)
-    for rel, k in zip(balances, kernels):
-        _get(layer, rel).kernel.set_value(k)
-    d = (_run_parent(layer, parent, x, cos, sin, mask) - ref).astype(jnp.float32)
-    return jnp.sum(jnp.where(valid[..., None], d * d, 0.0))
-
-
-def _kernel(lin):
-    return lin.kernel.get_value()
-
-
-def _resolve(layer, index: int) -> List[Mapping]:
-    """The mappings that apply to this layer: v_proj -> o_proj is dropped when v_proj's output size differs from
-    o_proj's input size (llm-compressor's `_check_layers_are_compatible`)."""
-    where = f"model/layers/{index}"
-    for mod in ("self_attn", "mlp"):
-        if getattr(_get(layer, mod), "rotations", None) is not None:
-            raise ModelError(f"{where}/{mod}: AWQ cannot scale projections that carry online rotations")
-    out = []
-    for m in MAPPINGS:
-        for rel in (m.smooth,) + m.balances:
-            try:
-                mod = _get(layer, rel)
-            except AttributeError:
-                raise ModelError(f"{where}/{rel}: AWQ mapping {m.smooth} -> {', '.join(m.balances)} needs this "
-                                 "module; the layer has none") from None
-            if rel.endswith("_proj"):
-                if type(mod) is not nnx.Linear:
-                    raise ModelError(f"{where}/{rel}: AWQ scales a float nnx.Linear, found {type(mod).__name__}")
-            elif not hasattr(mod, "weight") or mod.weight.get_value().ndim != 1:
-                raise ModelError(f"{where}/{rel}: AWQ divides a norm's 1-D weight by its scales, found "
-                                 f"{type(mod).__name__}")
-        if m.smooth == "self_attn/v_proj":
-            if _kernel(_get(layer, m.smooth)).shape[1] != _kernel(_get(layer, m.balances[0])).shape[0]:
-                continue
-        out.append(m)
-    return out
-
-
-def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: DuoScaling = True,
-                  record: Optional[list] = None) -> Callable:
-    """A `qformats.models.sequential.calibrate_decoder` transform: per decoder layer, one float pass over the
-    calibration batches records each mapping's input (module docstring), then, mapping by mapping, the grid search
-    picks the scales s that minimise the parent's output error under the weight scheme's fake quantization, and
-    s is folded into the smooth module (norm weight / s, or a linear's rows / s) and the balance projections
-    (columns * s).
-
-    Args:
-      scheme: the weight scheme of the projections (a preset string such as "W4A16:g64", a SchemeSet or a
-        QuantScheme), the one `calibrate_decoder` then quantizes with.
-      n_grid, duo_scaling: llm-compressor's AWQModifier options (`grid`).
-      record: optional list; one dict per applied mapping is appended ({"layer", "smooth", "balances", "ratio",
-        "duo", "scales", "x_mean", "errors" (the loss at each grid point), "initial_error", "best_error"}).
-
-    Raises:
-      ModelError: a scheme without weights, duo scaling with per-tensor weights (llm-compressor refuses it), bad
-        grid options; per layer (naming it): a missing or non-float module, online rotations, no finite loss.
-    """
-    ss = resolve_scheme(scheme)
-    if ss is None or ss.weights is None:
-        raise ModelError(f"AWQ: scheme {scheme!r} quantizes no weights; AWQ scales need a weight scheme")
-    ws = ss.weights
-    points = grid(n_grid, duo_scaling)
-    if duo_scaling is not False and ws.strategy == "tensor":
-        raise ModelError(f"AWQ: duo_scaling needs per-channel, group or block weight scales, but {ss.name} has one "
-                         "scale per tensor; pass duo_scaling=False")
-
-    def transform(layer, index: int, xs, valid, layer_inputs) -> None:
-        mappings = _resolve(layer, index)
-        taps = tuple(dict.fromkeys(m.balances[0] for m in mappings))
-        graphdef, state = nnx.split(layer)
-        extras = [layer_inputs(x.shape[1]) for x in xs]
-        seen = [_capture(graphdef, state, x, *e, taps) for x, e in zip(xs, extras)]
-        tokens = int(sum(int(np.sum(np.asarray(v))) for v in valid))
-        for m in mappings:
-            where = f"model/layers/{index}/{m.smooth}"
-            inputs = [s[m.balances[0]] for s in seen]
-            x_mean = activation_means(inputs, valid)
-            lins = [_get(layer, rel) for rel in m.balances]
-            origs = [_kernel(lin) for lin in lins]
-            w_mean = weight_means(origs, ws, where) if duo_scaling is not False else None
-            graphdef, state = nnx.split(layer)
-            refs = [_parent_out(graphdef, state, x, *e, m.parent) for x, e in zip(inputs, extras)]
-            count = tokens * int(refs[0].shape[-1])
-            best, best_err, best_point, first, errors = None, math.inf, None, None, []
-            for ratio, duo in points:
-                s = candidate_scales(x_mean, w_mean, ratio, duo)
-                ks = tuple(fake_quantize_scaled(k, s, ws) for k in origs)
-                sse = sum(float(_parent_sse(graphdef, state, ks, x, *e, r, v, m.parent, m.balances))
-                          for x, e, r, v in zip(inputs, extras, refs, valid))
-                err = sse / count
-                errors.append(err)
-                if first is None:
-                    first = err
-                if err < best_err:
-                    best, best_err, best_point = s, err, (ratio, duo)
-            if best is None:
-                raise ModelError(f"{where}: AWQ found no finite loss on the grid (NaN or inf in the outputs of "
-                                 f"{m.parent} under the scaled weights)")
-            for lin, k in zip(lins, origs):
-                lin.kernel.set_value(_in_dtype(_scale_rows, k, best))
-            sm = _get(layer, m.smooth)
-            if isinstance(sm, nnx.Linear):
-                sm.kernel.set_value(_in_dtype(_unscale_cols, _kernel(sm), best))
-                if sm.bias is not None:
-                    sm.bias.set_value(_in_dtype(_unscale, sm.bias.get_value(), best))
-            else:
-                sm.weight.set_value(_in_dtype(_unscale, sm.weight.get_value(), best))
-            if record is not None:
-                record.append({"layer": index, "smooth": m.smooth, "balances": m.balances, "ratio": best_point[0],
-                               "duo": best_point[1], "scales": np.asarray(best), "x_mean": x_mean, "errors": errors,
-                               "initial_error": first,
-                               "best_error": best_err})
-
-    return transform
+    (`fake_quantize_scaled` of each Flax kernel [K, N_p] in `kernels` under the weight `scheme`); `loss` maps those
+    kernels to the parent's mean squared output error. The first point with the smallest finite error wins
+    (strict <). Raises ModelError naming `where` and `parent` when no point gives a finite error."""
+    best, best_err, best_point, first, errors = None, math.inf, None, None, []
+    for ratio, duo in points:
+        s = candidate_scales(x_mean, w_mean, ratio, duo)
+        err = loss(tuple(fake_quantize_scaled(k, s, scheme) for k in kernels))
+        errors.append(err)
+        if first is None:
+            first = err
+        if err < best_err:
+            best, best_err, best_point = s, err, (ratio, duo)
+    if best is None:
+        raise ModelError(f"{where}: AWQ found no finite loss on the grid (NaN or inf in the outputs of {parent} "
+                         "under the scaled weights)")
+    return ScaleSearch(best, best_point[0], best_point[1], errors, first, best_err)

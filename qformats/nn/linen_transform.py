@@ -30,7 +30,7 @@ from qformats.nn.linen import as_shape
 from qformats.nn.projection import (check_einsum_acts, einsum_layout, einsum_matrix, norm_axes, packed_einsum,
                                     packed_linear, packed_linear_general)
 from qformats.nn.rules import check_fit, compile_rules, select
-from qformats.nn.weight_search import RTN, quantize_weight, search_name
+from qformats.algorithms.weight_search import RTN, quantize_weight, search_name
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
 

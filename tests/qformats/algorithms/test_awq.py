@@ -1,5 +1,6 @@
-"""qformats.awq: the AWQ fold leaves the float model's outputs unchanged (float rounding only), the grid search picks
-what a direct reimplementation of llm-compressor's formulas picks, and AWQ lowers the W4 output error."""
+"""qformats.algorithms.awq and its decoder adapter: the AWQ fold leaves the float model's outputs unchanged (float
+rounding only), the grid search picks what a direct reimplementation of llm-compressor's formulas picks, and AWQ
+lowers the W4 output error."""
 
 import math
 
@@ -8,11 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qformats.awq import (MAPPINGS, activation_means, awq_transform, candidate_scales, fake_quantize_scaled, grid,
-                          weight_means)
+from qformats.algorithms.awq import activation_means, candidate_scales, fake_quantize_scaled, grid, weight_means
 from qformats.errors import ModelError
 from qformats.models.decoder import CausalLM, DecoderConfig, attention_mask, inv_freq, rope_tables
-from qformats.models.sequential import calibrate_decoder
+from qformats.models.decoder_calibration import AWQ_MAPPINGS, awq_transform, calibrate_decoder
 from qformats.nn import resolve_scheme
 from qformats.quantize import dequantize, quantize
 from qformats.schemes import QuantScheme
@@ -104,7 +104,7 @@ def test_fold_leaves_float_outputs_unchanged():
     rec = []
     before = np.asarray(m.model.layers[0].input_layernorm.weight.get_value())
     awq_transform(SCHEME, n_grid=8, record=rec)(m.model.layers[0], 0, xs, valid, li)
-    assert [r["smooth"] for r in rec] == [mp.smooth for mp in MAPPINGS]
+    assert [r["smooth"] for r in rec] == [mp.smooth for mp in AWQ_MAPPINGS]
     after = np.asarray(m.model.layers[0].input_layernorm.weight.get_value())
     assert np.max(np.abs(after / before - 1)) > 0.05  # scales were folded
     # float32 rounding of the rescaled weights only (outputs of magnitude ~4)
@@ -154,7 +154,7 @@ def _direct_search(layer, x, cos, sin, mask, mp, ws, points, x_mean):
 
 @pytest.mark.parametrize("mapping", [0, 2])
 def test_grid_search_matches_direct_formulas(mapping):
-    mp = MAPPINGS[mapping]
+    mp = AWQ_MAPPINGS[mapping]
     ws = resolve_scheme(SCHEME).weights
     points = grid(8, True)
     ids = _ids(2)

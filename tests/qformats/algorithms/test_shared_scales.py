@@ -1,4 +1,4 @@
-"""qformats.fused: which modules are fused siblings, and the NVFP4 global scale they share."""
+"""qformats.algorithms.shared_scales: which modules are fused siblings, and the NVFP4 global scale they share."""
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -7,7 +7,7 @@ import pytest
 
 from qformats import presets, quantize
 from qformats.errors import SchemeError
-from qformats.fused import FUSED_GROUPS, group_amax, shared_global_scale, sibling_groups
+from qformats.algorithms.shared_scales import FUSED_GROUPS, group_amax, shared_global_scale, sibling_groups
 
 NVFP4 = presets["NVFP4A16"].weights
 

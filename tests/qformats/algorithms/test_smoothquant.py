@@ -1,5 +1,6 @@
-"""qformats.smoothquant: llm-compressor's SmoothQuant scales folded into the decoder's norms leave the float model's
-outputs unchanged (float rounding only) and flatten the activation ranges the projections see."""
+"""qformats.algorithms.smoothquant and its decoder adapter: llm-compressor's SmoothQuant scales folded into the
+decoder's norms leave the float model's outputs unchanged (float rounding only) and flatten the activation ranges
+the projections see."""
 
 import dataclasses
 
@@ -10,8 +11,8 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.models.decoder import CausalLM, DecoderConfig
-from qformats.models.sequential import calibrate_decoder
-from qformats.smoothquant import smoothing_scales, smoothquant_transform
+from qformats.algorithms.smoothquant import smoothing_scales
+from qformats.models.decoder_calibration import calibrate_decoder, smoothquant_transform
 
 CFG = DecoderConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=16)
