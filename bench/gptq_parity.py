@@ -1,4 +1,4 @@
-"""GPTQ parity: qformats.gptq.gptq_quantize against llm-compressor's `quantize_weight`, same W, X, H.
+"""GPTQ parity: qformats.algorithms.gptq.gptq_quantize against llm-compressor's `quantize_weight`, same W, X, H.
 
 Two processes exchange .npz files in a temporary directory: this script, run with the project's venv,
 draws W ([K, N], Flax layout), calibration inputs X and H = X^T X / T, then runs itself under the

@@ -14,7 +14,7 @@ sides, in one batch (llm-compressor's batch_size = all samples: no padding, whos
 count). Evaluation: bench/llm_ppl.py's protocol (pydoc_data.topics,
 non-overlapping windows of 512 tokens, the first --max-windows, each run alone, float32).
 
-Ours: `qformats.models.sequential.calibrate_decoder(weight_search="rtn", propagate="float", kv_cache=...)` on
+Ours: `qformats.models.decoder_calibration.calibrate_decoder(weight_search="rtn", propagate="float", kv_cache=...)` on
 those samples (llm-compressor's QuantizationModifier order: every pass in float, input ranges of each projection
 and KV ranges observed on the float model; fused q/k/v and gate/up NVFP4 weight global scales shared), written
 with `converters.causal_lm.save_causal_lm`, reloaded with `load_causal_lm` and evaluated with

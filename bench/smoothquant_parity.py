@@ -1,8 +1,8 @@
-"""SmoothQuant parity: `qformats.smoothquant` against llm-compressor 0.14's SmoothQuantModifier on the same model and tokens.
+"""SmoothQuant parity: `qformats.algorithms.smoothquant` against llm-compressor 0.14's SmoothQuantModifier on the same model and tokens.
 
 A small random llama (transformers, float32, a few outlier channels in its norms) is saved once; llm-compressor
 runs `oneshot` with `SmoothQuantModifier(smoothing_strength=alpha)` alone (no quantization) and saves the smoothed
-dense model; here the same tokens go through `qformats.smoothquant.smoothquant_transform` layer by layer on the
+dense model; here the same tokens go through `qformats.models.decoder_calibration.smoothquant_transform` layer by layer on the
 float model. Reported per smoothed tensor (norm weights, q/k/v/gate/up kernels): the largest relative difference.
 
     python bench/smoothquant_parity.py [--alpha 0.5] [--llmc-python /work/lcvenv/bin/python]

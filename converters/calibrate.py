@@ -10,7 +10,7 @@ checkpoint like an RTN one).
 
 Causal LMs (llama / mistral / qwen2 / qwen3: `quantize_calibrated_lm`): the checkpoint is loaded into the Flax
 decoder (`converters.causal_lm`), calibrated layer by layer on samples from a text / jsonl / .npy file
-(`converters.calibration_data`, `qformats.models.sequential`), optionally after SmoothQuant or AWQ scales are
+(`converters.calibration_data`, `qformats.models.decoder_calibration`), optionally after SmoothQuant or AWQ scales are
 folded into each layer, and written with `converters.flax_io.save_compressed` (lm_head left dense and listed
 in `ignore`, as llm-compressor's recipes do).
 
@@ -159,13 +159,14 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         .npy array of token ids (`converters.calibration_data.load_calibration`).
       weight_search: "rtn", "mse", "gptq" or "mse+gptq"; default "gptq", or "rtn" with `awq` (llm-compressor's
         AWQ recipe: AWQModifier then round-to-nearest QuantizationModifier).
-      awq: AWQ scales (`qformats.awq`, llm-compressor 0.14's AWQModifier arithmetic) folded into each layer before
-        its weight search; `awq_n_grid`, `awq_duo_scaling`: its n_grid and duo_scaling. Not combinable with `smooth`
-        (both fold per-channel scales into the same norms; llm-compressor does not combine them).
-      smooth: SmoothQuant migration strength alpha in [0, 1] (`qformats.smoothquant`), or None.
+      awq: AWQ scales (`qformats.algorithms.awq`, llm-compressor 0.14's AWQModifier arithmetic) folded into each
+        layer before its weight search; `awq_n_grid`, `awq_duo_scaling`: its n_grid and duo_scaling. Not
+        combinable with `smooth` (both fold per-channel scales into the same norms; llm-compressor does not
+        combine them).
+      smooth: SmoothQuant migration strength alpha in [0, 1] (`qformats.algorithms.smoothquant`), or None.
       calibration_tokens, seq_len, seed: the token budget, the longest sample, the sample order's seed.
       dampening_frac, block_size, actorder: GPTQ's options (llm-compressor 0.14's names and defaults).
-      propagate: "quantized" or "float" (`qformats.models.sequential`); default "quantized", except with
+      propagate: "quantized" or "float" (`qformats.models.decoder_calibration`); default "quantized", except with
         round-to-nearest weights: "float", as llm-compressor runs such a recipe (its pipeline keeps quantization
         disabled and RTN leaves the weights float until the checkpoint is written, so layer i+1 sees float outputs:
         what the static activation ranges of W4A4 / W8A8 and the KV-cache scales are calibrated on).

@@ -10,8 +10,8 @@ Which tensors are quantized (no torch model, so module classes are inferred from
   - `ignore` entries are exact module paths, `re:` regexes, or a last path component ("lm_head" also
     ignores "model.lm_head"). An ignore entry or target that matches nothing gives a warning.
 NVFP4 (tensor_group) global scales of vLLM's fused projections are shared as llm-compressor's oneshot does
-(its fused weight observers): the siblings of `qformats.algorithms.shared_scales.FUSED_GROUPS` (q/k/v_proj, gate/up_proj,
-q_a_proj/kv_a_proj_with_mqa, w1/w3) take the smallest of their global scales, i.e. 448*6/amax over the group
+(its fused weight observers): the siblings of `qformats.algorithms.shared_scales.FUSED_GROUPS` (q/k/v_proj,
+gate/up_proj, q_a_proj/kv_a_proj_with_mqa, w1/w3) take the smallest of their global scales, i.e. 448*6/amax over the group
 (`shared_scales.shared_global_scale`; fuse_global_scales). A group only partly quantized gets a warning.
 
 Never silent: where llm-compressor 0.14 refuses a layer (GROUP / TENSOR_GROUP weights whose group size does not

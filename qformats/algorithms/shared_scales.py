@@ -14,7 +14,7 @@ from qformats.quantize import quantize
 from qformats.schemes import QuantScheme
 
 __all__ = ["FUSED_GROUPS", "sibling_groups", "selected_groups", "group_amax", "shared_global_scale",
-           "shared_global_scales"]
+           "shared_global_scales", "fused_global_scales"]
 
 #: Sibling modules (last path components under one parent) that vLLM fuses into one matmul, as llm-compressor
 #: 0.14 lists them (`llmcompressor.observers.helpers.FUSED_LAYER_NAMES`): under TENSOR_GROUP weights (NVFP4)
@@ -140,3 +140,13 @@ def shared_global_scales(groups: Iterable[Sequence[str]], load: Callable[[str], 
         shared = shared_global_scale(amax, scheme, dtype)
         out.update((p, shared) for p in g)
     return out
+
+
+def fused_global_scales(kernels: Mapping[str, Any], scheme: QuantScheme, sep: str = "/") -> Dict[str, jax.Array]:
+    """path -> the global scale its fused group shares, for weights that are all at hand (`kernels`: path -> weight,
+    e.g. one decoder layer's projections): the groups of `sibling_groups` among the paths, each sharing
+    `shared_global_scale` of its `group_amax`. {} unless `scheme` is TENSOR_GROUP (NVFP4)."""
+    if scheme.strategy != "tensor_group":
+        return {}
+    groups = selected_groups(list(kernels), kernels, sep=sep)
+    return shared_global_scales(groups, kernels.__getitem__, {p: (scheme, kernels[p].dtype, ()) for p in kernels})

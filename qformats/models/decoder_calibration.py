@@ -48,7 +48,7 @@ from flax import nnx
 from qformats.algorithms import awq, smoothquant
 from qformats.algorithms.gptq import GPTQOptions
 from qformats.algorithms.sequential import Batches, input_groups, make_batches
-from qformats.algorithms.shared_scales import selected_groups, shared_global_scales
+from qformats.algorithms.shared_scales import fused_global_scales
 from qformats.algorithms.weight_search import RTN, quantize_group, search_name
 from qformats.errors import ModelError
 from qformats.kv_cache import KVCacheScheme, amax_of, scale_from_amax
@@ -58,8 +58,8 @@ from qformats.nn.rules import check_fits
 from qformats.observers import get_observer
 from qformats.schemes import SchemeSet
 
-__all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder",
-           "fused_global_scales", "awq_transform", "smoothquant_transform"]
+__all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder", "awq_transform",
+           "smoothquant_transform"]
 
 PROJECTIONS = ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self_attn/o_proj",
                "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
@@ -81,13 +81,16 @@ class _Masked(nnx.Module):
 
 
 def _get(layer, rel: str):
-    a, b = rel.split("/")
-    return getattr(getattr(layer, a), b)
+    """The submodule at `rel` ("self_attn/q_proj", "input_layernorm"), a path relative to the layer."""
+    m = layer
+    for part in rel.split("/"):
+        m = getattr(m, part)
+    return m
 
 
 def _set(layer, rel: str, new) -> None:
-    a, b = rel.split("/")
-    setattr(getattr(layer, a), b, new)
+    *head, last = rel.split("/")
+    setattr(_get(layer, "/".join(head)) if head else layer, last, new)
 
 
 @functools.partial(nnx.jit, static_argnames=("keep_output",))
@@ -134,16 +137,6 @@ def _propagate(layer, xs, layer_inputs) -> None:
     finally:
         for rel, schemes in saved.items():
             _get(layer, rel).schemes = schemes
-
-
-def fused_global_scales(kernels: Dict[str, jax.Array], scheme) -> Dict[str, jax.Array]:
-    """projection (path relative to the layer) -> the NVFP4 (tensor_group) weight global scale its fused group
-    shares (`qformats.algorithms.shared_scales`: q/k/v_proj, gate/up_proj; g = 448 * 6 / max over the group of
-    max |W|, as llm-compressor 0.14's fused weight observers give it). {} for other strategies."""
-    if scheme.strategy != "tensor_group":
-        return {}
-    groups = selected_groups(list(kernels), kernels, sep="/")
-    return shared_global_scales(groups, kernels.__getitem__, {r: (scheme, kernels[r].dtype, ()) for r in kernels})
 
 
 @nnx.jit
@@ -349,18 +342,6 @@ lowest common ancestor (the projection itself when there is one). v_proj -> o_pr
 differ from o_proj's inputs, as under GQA (llm-compressor's exact rule)."""
 
 
-def _path_get(layer, rel: str):
-    m = layer
-    for part in rel.split("/"):
-        m = getattr(m, part)
-    return m
-
-
-def _path_set(layer, rel: str, new) -> None:
-    *head, last = rel.split("/")
-    setattr(_path_get(layer, "/".join(head)) if head else layer, last, new)
-
-
 class _Tap(nnx.Module):
     """Passes its input to the wrapped module and hands it to `sink` (used inside one trace only)."""
 
@@ -379,13 +360,13 @@ def _capture(graphdef, state, x, cos, sin, mask, taps):
     layer = nnx.merge(graphdef, state)
     seen: dict = {}
     for rel in taps:
-        _path_set(layer, rel, _Tap(_path_get(layer, rel), rel, seen))
+        _set(layer, rel, _Tap(_get(layer, rel), rel, seen))
     layer(x, cos, sin, mask)
     return {rel: seen[rel] for rel in taps}
 
 
 def _run_parent(layer, parent: str, x, cos, sin, mask):
-    y = _path_get(layer, parent)(x, cos, sin, mask) if parent == "self_attn" else _path_get(layer, parent)(x)
+    y = _get(layer, parent)(x, cos, sin, mask) if parent == "self_attn" else _get(layer, parent)(x)
     return y[0] if isinstance(y, tuple) else y
 
 
@@ -398,7 +379,7 @@ def _parent_out(graphdef, state, x, cos, sin, mask, parent):
 def _parent_sse(graphdef, state, kernels, x, cos, sin, mask, ref, valid, parent, balances):
     layer = nnx.merge(graphdef, state)
     for rel, k in zip(balances, kernels):
-        _path_get(layer, rel).kernel.set_value(k)
+        _get(layer, rel).kernel.set_value(k)
     d = (_run_parent(layer, parent, x, cos, sin, mask) - ref).astype(jnp.float32)
     return jnp.sum(jnp.where(valid[..., None], d * d, 0.0))
 
@@ -412,13 +393,13 @@ def _awq_mappings(layer, index: int) -> List[AWQMapping]:
     o_proj's input size (llm-compressor's `_check_layers_are_compatible`)."""
     where = f"model/layers/{index}"
     for mod in ("self_attn", "mlp"):
-        if getattr(_path_get(layer, mod), "rotations", None) is not None:
+        if getattr(_get(layer, mod), "rotations", None) is not None:
             raise ModelError(f"{where}/{mod}: AWQ cannot scale projections that carry online rotations")
     out = []
     for m in AWQ_MAPPINGS:
         for rel in (m.smooth,) + m.balances:
             try:
-                mod = _path_get(layer, rel)
+                mod = _get(layer, rel)
             except AttributeError:
                 raise ModelError(f"{where}/{rel}: AWQ mapping {m.smooth} -> {', '.join(m.balances)} needs this "
                                  "module; the layer has none") from None
@@ -429,7 +410,7 @@ def _awq_mappings(layer, index: int) -> List[AWQMapping]:
                 raise ModelError(f"{where}/{rel}: AWQ divides a norm's 1-D weight by its scales, found "
                                  f"{type(mod).__name__}")
         if m.smooth == "self_attn/v_proj":
-            if _kernel(_path_get(layer, m.smooth)).shape[1] != _kernel(_path_get(layer, m.balances[0])).shape[0]:
+            if _kernel(_get(layer, m.smooth)).shape[1] != _kernel(_get(layer, m.balances[0])).shape[0]:
                 continue
         out.append(m)
     return out
@@ -474,7 +455,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
             where = f"model/layers/{index}/{m.smooth}"
             inputs = [s[m.balances[0]] for s in seen]
             x_mean = awq.activation_means(inputs, valid)
-            lins = [_path_get(layer, rel) for rel in m.balances]
+            lins = [_get(layer, rel) for rel in m.balances]
             origs = [_kernel(lin) for lin in lins]
             w_mean = awq.weight_means(origs, ws, where) if duo_scaling is not False else None
             graphdef, state = nnx.split(layer)
@@ -490,7 +471,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
             best = found.scales
             for lin, k in zip(lins, origs):
                 lin.kernel.set_value(awq.scale_rows(k, best))
-            sm = _path_get(layer, m.smooth)
+            sm = _get(layer, m.smooth)
             if isinstance(sm, nnx.Linear):
                 sm.kernel.set_value(awq.unscale_cols(_kernel(sm), best))
                 if sm.bias is not None:

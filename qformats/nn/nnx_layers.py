@@ -9,7 +9,7 @@ flattened. This module adds what NNX needs around them: the variable types, the 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,12 @@ class KernelCache(nnx.Cache):
 
 def _param(kernel):
     return PackedParam(kernel) if isinstance(kernel, QArray) else nnx.Param(kernel)
+
+
+def _pack(kernel, schemes: SchemeSet, pack: Optional[Callable]) -> QArray:
+    """The packed weight of a float [..., K, N] kernel: `pack(kernel)` when given (the caller's weight search), else
+    round-to-nearest along K."""
+    return quantize_weight(kernel, schemes, RTN) if pack is None else pack(kernel)
 
 
 def _ste(x, y):
@@ -167,11 +173,14 @@ class QuantizedMatmul(nnx.Module):
             self.weight_method = weight_method
             self.cache_kernel_layout()
 
-    def convert(self, weight_search: Optional[str] = RTN) -> None:
-        """QAT → PTQ in place: pack the float weight by `weight_search` ("rtn": the same quantization the QAT
-        forward pass used)."""
+    def convert(self, weight: Optional[QArray] = None) -> None:
+        """QAT → PTQ in place with the packed `weight` (a QArray of the float [K, N] kernel, chosen by the caller,
+        e.g. `qformats.nn.convert` by its weight search); default round-to-nearest, the same quantization the QAT
+        forward pass used."""
         if self.mode == "qat":
-            self.kernel = PackedParam(quantize_weight(self.kernel.get_value(), self.schemes, weight_search))
+            if weight is None:
+                weight = quantize_weight(self.kernel.get_value(), self.schemes, RTN)
+            self.kernel = PackedParam(weight)
             self.mode = "ptq"
             self.cache_kernel_layout()
 
@@ -265,13 +274,14 @@ class QLinear(QuantizedMatmul):
 
     @classmethod
     def from_module(cls, linear: nnx.Linear, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = RTN, observer: Optional[Observer] = None,
+                    pack: Optional[Callable] = None, observer: Optional[Observer] = None,
                     full_moments: bool = False) -> "QLinear":
-        """The quantized counterpart of `linear` (which is left untouched)."""
+        """The quantized counterpart of `linear` (which is left untouched). In "ptq" mode the [K, N] kernel is
+        packed by `pack(kernel) -> QArray` (the caller's weight search; default round-to-nearest)."""
         kernel = linear.kernel.get_value()
         bias = None if linear.bias is None else linear.bias.get_value()
         if mode == "ptq":
-            kernel = quantize_weight(kernel, schemes, weight_search)
+            kernel = _pack(kernel, schemes, pack)
         return cls(kernel, bias, schemes, mode=mode, dtype=linear.dtype, path=path, observer=observer,
                    full_moments=full_moments)
 
@@ -296,7 +306,7 @@ class QLinearGeneral(QuantizedMatmul):
 
     @classmethod
     def from_module(cls, lg: nnx.LinearGeneral, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = RTN, observer: Optional[Observer] = None,
+                    pack: Optional[Callable] = None, observer: Optional[Observer] = None,
                     full_moments: bool = False):
         if lg.batch_axis:
             raise ModelError(f"{path}: LinearGeneral with batch_axis {dict(lg.batch_axis)} is not supported")
@@ -307,7 +317,7 @@ class QLinearGeneral(QuantizedMatmul):
         kernel = kernel.reshape(k, n)
         bias = None if lg.bias is None else lg.bias.get_value()
         if mode == "ptq":
-            kernel = quantize_weight(kernel, schemes, weight_search)
+            kernel = _pack(kernel, schemes, pack)
         return cls(kernel, bias, schemes, in_features=lg.in_features, out_features=lg.out_features, axis=lg.axis,
                    mode=mode, dtype=lg.dtype, path=path, observer=observer, full_moments=full_moments)
 
@@ -339,14 +349,14 @@ class QEinsum(QuantizedMatmul):
 
     @classmethod
     def from_module(cls, e: nnx.Einsum, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = RTN, observer: Optional[Observer] = None,
+                    pack: Optional[Callable] = None, observer: Optional[Observer] = None,
                     full_moments: bool = False):
         kernel = e.kernel.get_value()
         perm, k, _ = einsum_layout(e.einsum_str, kernel.shape)
         kernel = einsum_matrix(kernel, perm, k)
         bias = None if e.bias is None else e.bias.get_value()
         if mode == "ptq":
-            kernel = quantize_weight(kernel, schemes, weight_search)
+            kernel = _pack(kernel, schemes, pack)
         return cls(kernel, bias, schemes, einsum_str=e.einsum_str, kernel_shape=e.kernel_shape,
                    mode=mode, dtype=e.dtype, path=path, observer=observer, full_moments=full_moments)
 

@@ -169,7 +169,8 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             new.set_weight(_pack_under(new.kernel.get_value(), ss.weights, shared[path]))
             new.weight_method = RTN
         else:
-            new = cls.from_module(lin, ss, mode=mode, path=path, weight_search=weight_search)
+            new = cls.from_module(lin, ss, mode=mode, path=path,
+                                  pack=lambda k, ss=ss: quantize_weight(k, ss, weight_search))
             if mode == "ptq":
                 new.weight_method = weight_search
         for parent, key in parents:
@@ -333,8 +334,8 @@ def convert(model: nnx.Module, *, weight_search: Optional[str] = RTN) -> nnx.Mod
     where the packed layer dequantizes (weight-only schemes, MX, NVFP4, ...); W8A8 / FP8 layers multiply codes
     (`qformats.scaled_dot`) and agree with the QAT forward pass to float rounding."""
     for _, m in nnx.iter_modules(model):
-        if isinstance(m, QuantizedMatmul):
-            m.convert(weight_search)
+        if isinstance(m, QuantizedMatmul) and m.mode == "qat":
+            m.convert(quantize_weight(m.kernel.get_value(), m.schemes, weight_search))
     return model
 
 

@@ -1,5 +1,5 @@
-"""qformats.models.decoder_calibration: layer-by-layer calibration of the decoder equals quantize_model where the two must
-agree, GPTQ lowers each layer's output error against round-to-nearest, padding changes nothing."""
+"""qformats.models.decoder_calibration: layer-by-layer calibration of the decoder equals quantize_model where the
+two must agree, GPTQ lowers each layer's output error against round-to-nearest, padding changes nothing."""
 
 import dataclasses
 
