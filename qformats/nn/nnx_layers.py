@@ -285,8 +285,6 @@ class QLinear(QuantizedMatmul):
         return cls(kernel, bias, schemes, mode=mode, dtype=linear.dtype, path=path, observer=observer,
                    full_moments=full_moments)
 
-    from_linear = from_module
-
     def __call__(self, x):
         if self.mode == "ptq":
             return packed_linear(x, self.kernel.get_value(), _value(self.bias), self.schemes,
