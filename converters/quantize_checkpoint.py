@@ -11,8 +11,8 @@ Which tensors are quantized (no torch model, so module classes are inferred from
     ignores "model.lm_head"). An ignore entry or target that matches nothing gives a warning.
 NVFP4 (tensor_group) global scales of vLLM's fused projections are shared as llm-compressor's oneshot does
 (its fused weight observers): the siblings of `qformats.algorithms.shared_scales.FUSED_GROUPS` (q/k/v_proj,
-gate/up_proj, q_a_proj/kv_a_proj_with_mqa, w1/w3) take the smallest of their global scales, i.e. 448*6/amax over the group
-(`shared_scales.shared_global_scale`; fuse_global_scales). A group only partly quantized gets a warning.
+gate/up_proj, q_a_proj/kv_a_proj_with_mqa, w1/w3) take the smallest of their global scales, i.e. 448*6/amax over
+the group (`shared_scales.shared_global_scale`; fuse_global_scales). A group only partly quantized gets a warning.
 
 Never silent: where llm-compressor 0.14 refuses a layer (GROUP / TENSOR_GROUP weights whose group size does not
 divide the columns: `qformats.nn.rules.group_indivisible`, its rule, plus columns < group size, which
@@ -46,9 +46,9 @@ from converters.ct_config import format_for
 from converters.ct_write import CompressedWriter, qarray_to_tensors
 from converters.safetensors_io import open_checkpoint, parse_size, read_json
 from converters.shard_writer import TensorSpec
+from qformats.algorithms.shared_scales import selected_groups, shared_global_scales
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
-from qformats.algorithms.shared_scales import selected_groups, shared_global_scales
 from qformats.grouping import expected_shapes
 from qformats.kv_cache import kv_cache_name, parse_kv_cache
 from qformats.nn.rules import group_indivisible

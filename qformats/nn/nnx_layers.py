@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qformats.dispatch import prepare_weight
 from qformats.algorithms.weight_search import RTN, quantize_weight
+from qformats.dispatch import prepare_weight
 from qformats.errors import ModelError
 from qformats.nn.projection import (add_bias, add_einsum_bias, check_einsum_acts, dot, einsum_apply, einsum_layout,
                                     einsum_matrix, fake_quantize_weight, on_codes, packed_einsum, packed_linear,

@@ -58,8 +58,8 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         H = E[x x^T] per layer: `weight_search="mse"` weights its per-group error with diag(H) and keeps
         the searched weights only where tr(dW^T H dW) beats round-to-nearest; "gptq" runs GPTQ with H. If
         a batch fails, the original modules are put back and the error propagates.
-      weight_search: one of `WEIGHT_SEARCHES` (`qformats.algorithms.weight_search`): "rtn" (round-to-nearest; None is
-        accepted as its alias), "mse" (per-group clipping search, `observers.mse_quantize`), "gptq" (GPTQ,
+      weight_search: one of `WEIGHT_SEARCHES` (`qformats.algorithms.weight_search`): "rtn" (round-to-nearest;
+        None is accepted as its alias), "mse" (per-group clipping search, `observers.mse_quantize`), "gptq" (GPTQ,
         `qformats.algorithms.gptq.gptq_quantize`: llm-compressor's algorithm, columns in `actorder`; needs
         calibration_data) or "mse+gptq" (GPTQ on the MSE search's scales).
       actorder: GPTQ's column order: "static" (default, llm-compressor's GPTQModifier default: descending
