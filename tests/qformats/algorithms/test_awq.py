@@ -1,50 +1,18 @@
-"""qformats.algorithms.awq and its decoder adapter: the AWQ fold leaves the float model's outputs unchanged (float
-rounding only), the grid search picks what a direct reimplementation of llm-compressor's formulas picks, and AWQ
-lowers the W4 output error."""
+"""qformats.algorithms.awq: the grid, the weight and activation means, the candidate scales and the scaled fake
+quantization follow llm-compressor 0.14's formulas."""
 
 import math
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from qformats.algorithms.awq import activation_means, candidate_scales, fake_quantize_scaled, grid, weight_means
 from qformats.errors import ModelError
-from qformats.models.decoder import CausalLM, DecoderConfig, attention_mask, inv_freq, rope_tables
-from qformats.models.decoder_calibration import AWQ_MAPPINGS, awq_transform, calibrate_decoder
-from qformats.nn import resolve_scheme
+from qformats.presets import parse_scheme
 from qformats.quantize import dequantize, quantize
-from qformats.schemes import QuantScheme
 
-# num_kv_heads == num_heads: v_proj's outputs equal o_proj's inputs, so all four mappings apply
-CFG = DecoderConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_heads=4, num_kv_heads=4, head_dim=16)
-GQA = DecoderConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1,
-                    num_heads=4, num_kv_heads=2, head_dim=16)
 SCHEME = "W4A16:g16"
-
-
-def _model(cfg=CFG, seed=0):
-    m = CausalLM(cfg, rngs=nnx.Rngs(seed))
-    rng = np.random.default_rng(seed)
-    for layer in m.model.layers:  # outlier channels in the norms, as in real LMs
-        w = (1 + 0.1 * rng.standard_normal(cfg.hidden_size)).astype(np.float32)
-        w[rng.permutation(cfg.hidden_size)[:3]] *= 15.0
-        layer.input_layernorm.weight.set_value(jnp.asarray(w))
-        layer.post_attention_layernorm.weight.set_value(jnp.asarray(w[::-1].copy()))
-    return m
-
-
-def _inputs(m, ids):
-    t = ids.shape[1]
-    pos = jnp.arange(t)
-    cos, sin = rope_tables(pos, inv_freq(m.config))
-    return [m.model.embed_tokens(ids)], [jnp.ones(ids.shape, bool)], (lambda _: (cos, sin, attention_mask(pos, t, None)))
-
-
-def _ids(seed, shape=(4, 16)):
-    return jnp.asarray(np.random.default_rng(seed).integers(0, 128, shape).astype(np.int32))
 
 
 def test_grid_points():
@@ -60,7 +28,7 @@ def test_grid_points():
 
 
 def test_weight_means_and_scales_formula():
-    ws = resolve_scheme("W4A16:g2").weights
+    ws = parse_scheme("W4A16:g2").weights
     w = np.asarray([[1.0, -2.0, 0.5, 0.25], [4.0, 0.0, -1.0, 3.0]], np.float32)  # torch layout [N=2, K=4]
     # chunks of 2 along K: |w| / (chunk amax + 1e-6), then the mean over the rows
     e = np.asarray([[1 / (2 + 1e-6), 2 / (2 + 1e-6), 0.5 / (0.5 + 1e-6), 0.25 / (0.5 + 1e-6)],
@@ -86,7 +54,7 @@ def test_activation_means_ignore_padding():
 
 
 def test_fake_quantize_scaled_is_q_of_ws_over_s():
-    ws = resolve_scheme(SCHEME).weights
+    ws = parse_scheme(SCHEME).weights
     k = jnp.asarray(np.random.default_rng(0).standard_normal((32, 8)).astype(np.float32))
     s = candidate_scales(np.random.default_rng(1).uniform(0.1, 3, 32).astype(np.float32),
                          weight_means([k], ws), 0.4, True)
@@ -94,117 +62,3 @@ def test_fake_quantize_scaled_is_q_of_ws_over_s():
     q = np.asarray(dequantize(quantize(jnp.asarray(scaled), ws, 0)))
     np.testing.assert_array_equal(np.asarray(fake_quantize_scaled(k, s, ws)),
                                   (q.astype(np.float64) / s[:, None]).astype(np.float32))
-
-
-def test_fold_leaves_float_outputs_unchanged():
-    m = _model()
-    ids = _ids(1)
-    ref = m(ids)[0]
-    xs, valid, li = _inputs(m, ids)
-    rec = []
-    before = np.asarray(m.model.layers[0].input_layernorm.weight.get_value())
-    awq_transform(SCHEME, n_grid=8, record=rec)(m.model.layers[0], 0, xs, valid, li)
-    assert [r["smooth"] for r in rec] == [mp.smooth for mp in AWQ_MAPPINGS]
-    after = np.asarray(m.model.layers[0].input_layernorm.weight.get_value())
-    assert np.max(np.abs(after / before - 1)) > 0.05  # scales were folded
-    # float32 rounding of the rescaled weights only (outputs of magnitude ~4)
-    np.testing.assert_allclose(np.asarray(m(ids)[0]), np.asarray(ref), atol=2e-5, rtol=0)
-
-
-def _direct_search(layer, x, cos, sin, mask, mp, ws, points, x_mean):
-    """The grid search written directly from llm-compressor's formulas, on one batch of real tokens."""
-    def get(rel):
-        mod = layer
-        for p in rel.split("/"):
-            mod = getattr(mod, p)
-        return mod
-
-    a = layer.input_layernorm(x)
-    if mp.smooth == "input_layernorm":
-        inp = a
-        run = lambda: layer.self_attn(inp, cos, sin, mask)[0]  # noqa: E731
-    else:
-        h = x + layer.self_attn(a, cos, sin, mask)[0]
-        inp = layer.post_attention_layernorm(h)
-        run = lambda: layer.mlp(inp)  # noqa: E731
-    # x_mean as the transform recorded it (its formula: test_activation_means_ignore_padding): a 1-ulp difference
-    # (another summation order, or inputs computed outside jit) flips a few 4-bit codes and moves a loss by ~1%
-    xm = x_mean
-    origs = [np.asarray(get(b).kernel.get_value()) for b in mp.balances]
-    wt = [np.abs(k.T).reshape(-1, ws.group_size) for k in origs]
-    wt = [(c / (c.max(axis=1, keepdims=True) + np.float32(1e-6))).reshape(k.T.shape) for c, k in zip(wt, origs)]
-    wm = sum(c.sum(axis=0, dtype=np.float64) for c in wt) / sum(c.shape[0] for c in wt)
-    fp = np.asarray(run())
-    errs = []
-    for r, duo in points:
-        if duo:
-            s = np.maximum(np.power(xm, np.float32(r)).astype(np.float64) / (wm ** (1 - r) + 1e-4), 1e-4)
-        else:
-            s = np.maximum(np.power(xm, np.float32(r)), np.float32(1e-4))
-        s = s / np.sqrt(s.max() * s.min())
-        for b, k in zip(mp.balances, origs):
-            sk = (k.astype(np.float64) * s[:, None]).astype(np.float32)
-            q = np.asarray(dequantize(quantize(jnp.asarray(sk), ws, 0)))
-            get(b).kernel.set_value(jnp.asarray((q.astype(np.float64) / s[:, None]).astype(np.float32)))
-        errs.append(float(np.mean((np.asarray(run()) - fp) ** 2)))
-    for b, k in zip(mp.balances, origs):
-        get(b).kernel.set_value(jnp.asarray(k))
-    return errs
-
-
-@pytest.mark.parametrize("mapping", [0, 2])
-def test_grid_search_matches_direct_formulas(mapping):
-    mp = AWQ_MAPPINGS[mapping]
-    ws = resolve_scheme(SCHEME).weights
-    points = grid(8, True)
-    ids = _ids(2)
-    m = _model(seed=3)
-    layer = m.model.layers[0]
-    xs, valid, li = _inputs(m, ids)
-    cos, sin, mask = li(ids.shape[1])
-    rec = []
-    awq_transform(SCHEME, n_grid=8, record=rec)(_model(seed=3).model.layers[0], 0, xs, valid, li)
-    r = next(r for r in rec if r["smooth"] == mp.smooth)
-    errs = _direct_search(layer, xs[0], cos, sin, mask, mp, ws, points, r["x_mean"])
-    best = int(np.argmin(errs))
-    assert sorted(errs)[1] > errs[best] * (1 + 1e-4)  # a clear winner: the choice is not decided by rounding
-    assert (r["ratio"], r["duo"]) == points[best]
-    assert math.isclose(r["initial_error"], errs[0], rel_tol=1e-4)
-    assert math.isclose(r["best_error"], errs[best], rel_tol=1e-4)
-
-
-def test_gqa_skips_v_to_o():
-    m = _model(GQA)
-    ids = _ids(4)
-    xs, valid, li = _inputs(m, ids)
-    rec = []
-    awq_transform(SCHEME, n_grid=4, record=rec)(m.model.layers[0], 0, xs, valid, li)
-    assert [r["smooth"] for r in rec] == ["input_layernorm", "post_attention_layernorm", "mlp/up_proj"]
-
-
-def test_awq_lowers_w4_output_error():
-    samples = list(np.asarray(_ids(5, (8, 16))))
-    ids = jnp.stack(samples)
-    ref = _model()(ids)[0]
-    errs = {}
-    for awq in (False, True):
-        m = _model()
-        tf = awq_transform(SCHEME, n_grid=8) if awq else None
-        calibrate_decoder(m, samples, SCHEME, weight_search="rtn", propagate="float", transform=tf)
-        errs[awq] = float(jnp.mean((m(ids)[0] - ref) ** 2))
-    assert errs[True] < 0.95 * errs[False], errs  # measured 0.91x on this random model
-
-
-def test_bad_input():
-    with pytest.raises(ModelError, match="per tensor"):
-        awq_transform(QuantScheme(format="int8", strategy="tensor"))
-    with pytest.raises(ModelError, match="no weights"):
-        awq_transform(None)
-    m = _model()
-    layer = m.model.layers[0]
-    layer.mlp.up_proj = nnx.Linear(64, 128, use_bias=False, rngs=nnx.Rngs(0))
-    del layer.post_attention_layernorm
-    ids = _ids(6)
-    xs, valid, li = _inputs(m, ids)
-    with pytest.raises(ModelError, match="model/layers/0/post_attention_layernorm"):
-        awq_transform(SCHEME)(layer, 0, xs, valid, li)
