@@ -1,9 +1,9 @@
-"""AWQ parity: `qformats.awq` against llm-compressor 0.14's AWQModifier (+ round-to-nearest QuantizationModifier).
+"""AWQ parity: `qformats.algorithms.awq` against llm-compressor 0.14's AWQModifier (+ round-to-nearest QuantizationModifier).
 
 (a) A small random llama (transformers, float32, outlier channels in its norms, num_kv_heads = num_heads so all four
 mappings apply), 8x64 random token ids on both sides. llm-compressor runs `oneshot` with [AWQModifier(n_grid=20,
 duo_scaling=True), QuantizationModifier(W4A16 group)] and its smoothed float weights are dumped; here the same ids
-go through `qformats.awq.awq_transform` inside `calibrate_decoder` (rtn, float propagation, as their pipeline runs
+go through `qformats.models.decoder.calibration.awq_transform` inside `calibrate_decoder` (rtn, float propagation, as their pipeline runs
 this recipe; AWQ's pinning of cached batches, which a CPU-only torch cannot do, is skipped: it moves no value).
 Reported per mapping: our grid point, theirs (the grid point whose scales are nearest to the scales
 their weights imply), the max relative difference of the scales; per smoothed tensor: the max relative
@@ -90,8 +90,8 @@ def part_a(a, work: Path) -> list:
     """Small random llama: scales, smoothed weights and codes, ours vs theirs."""
     from converters.pipelines.causal_lm import load_causal_lm
     from converters.formats.safetensors_io import open_checkpoint
-    from qformats.awq import awq_transform, candidate_scales, grid, weight_means
-    from qformats.models.sequential import calibrate_decoder
+    from qformats.algorithms.awq import candidate_scales, grid, weight_means
+    from qformats.models.decoder.calibration import awq_transform, calibrate_decoder
     from qformats.nn import quantized_layers, resolve_scheme
 
     group = 32

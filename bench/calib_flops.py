@@ -77,7 +77,7 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     from converters.evaluation.embedded import smollm2_gguf
     from converters.formats.gguf_convert import convert_gguf
-    from qformats.models.sequential import make_batches
+    from qformats.algorithms.sequential import make_batches
 
     src = Path(a.src) if a.src else work / "smollm2-f32"
     if not src.exists():

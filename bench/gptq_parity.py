@@ -1,4 +1,4 @@
-"""GPTQ parity: qformats.gptq.gptq_quantize against llm-compressor's `quantize_weight`, same W, X, H.
+"""GPTQ parity: qformats.algorithms.gptq.gptq_quantize against llm-compressor's `quantize_weight`, same W, X, H.
 
 Two processes exchange .npz files in a temporary directory: this script, run with the project's venv,
 draws W ([K, N], Flax layout), calibration inputs X and H = X^T X / T, then runs itself under the
@@ -134,7 +134,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     from qformats import quantize
-    from qformats.gptq import gptq_quantize
+    from qformats.algorithms.gptq import gptq_quantize
 
     names = [c for c in CASES if not a.cases or c in a.cases.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]

@@ -98,7 +98,7 @@ def compare(src: Path, row: str, ids, windows, theirs: dict, arrays) -> list:
     from converters.evaluation.perplexity import perplexity
     from qformats.kv_cache import dequantize_kv, fake_quantize_kv, parse_kv_cache, quantize_kv
     from qformats.models.decoder import enable_kv_cache_quantization, kv_cache_scheme
-    from qformats.models.sequential import calibrate_decoder
+    from qformats.models.decoder.calibration import calibrate_decoder
 
     base, _, kv = row.partition("+")
     model, _, _ = load_causal_lm(src, tokenizer=False)

@@ -14,7 +14,7 @@ sides, in one batch (llm-compressor's batch_size = all samples: no padding, whos
 count). Evaluation: bench/llm_ppl.py's protocol (pydoc_data.topics,
 non-overlapping windows of 512 tokens, the first --max-windows, each run alone, float32).
 
-Ours: `qformats.models.sequential.calibrate_decoder(weight_search="rtn", propagate="float", kv_cache=...)` on
+Ours: `qformats.models.decoder.calibration.calibrate_decoder(weight_search="rtn", propagate="float", kv_cache=...)` on
 those samples (llm-compressor's QuantizationModifier order: every pass in float, input ranges of each projection
 and KV ranges observed on the float model; fused q/k/v and gate/up NVFP4 weight global scales shared), written
 with `converters.pipelines.causal_lm.save_causal_lm`, reloaded with `load_causal_lm` and evaluated with
@@ -119,7 +119,7 @@ def ours(src: Path, row: str, ids, windows, work: Path) -> dict:
     from converters.pipelines.causal_lm import load_causal_lm, save_causal_lm
     from converters.evaluation.perplexity import perplexity
     from qformats.kv_cache import parse_kv_cache
-    from qformats.models.sequential import calibrate_decoder
+    from qformats.models.decoder.calibration import calibrate_decoder
     from qformats.nn import param_bytes
 
     base, _, kv = row.partition("+")

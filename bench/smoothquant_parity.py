@@ -1,8 +1,8 @@
-"""SmoothQuant parity: `qformats.smoothquant` against llm-compressor 0.14's SmoothQuantModifier on the same model and tokens.
+"""SmoothQuant parity: `qformats.algorithms.smoothquant` against llm-compressor 0.14's SmoothQuantModifier on the same model and tokens.
 
 A small random llama (transformers, float32, a few outlier channels in its norms) is saved once; llm-compressor
 runs `oneshot` with `SmoothQuantModifier(smoothing_strength=alpha)` alone (no quantization) and saves the smoothed
-dense model; here the same tokens go through `qformats.smoothquant.smoothquant_transform` layer by layer on the
+dense model; here the same tokens go through `qformats.models.decoder.calibration.smoothquant_transform` layer by layer on the
 float model. Reported per smoothed tensor (norm weights, q/k/v/gate/up kernels): the largest relative difference.
 
     python bench/smoothquant_parity.py [--alpha 0.5] [--llmc-python /work/lcvenv/bin/python]
@@ -72,7 +72,7 @@ def main():
     from converters.pipelines.causal_lm import load_causal_lm
     from converters.formats.safetensors_io import open_checkpoint
     from qformats.models.decoder import attention_mask, inv_freq, rope_tables
-    from qformats.smoothquant import smoothquant_transform
+    from qformats.models.decoder.calibration import smoothquant_transform
 
     work = Path(tempfile.mkdtemp(prefix="qformats-sq-"))
     save_outlier_llama(work / "src", kv_heads=2)

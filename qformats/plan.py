@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
 from qformats.errors import ModelError, QFormatsError
-from qformats.fused import sibling_groups
+from qformats.algorithms.shared_scales import selected_groups
 from qformats.matching import Matcher, Selector
 from qformats.schemes import QuantScheme, SchemeSet
 
@@ -68,21 +68,13 @@ class Plan:
         """path -> scheme set of every quantized candidate."""
         return {d.path: d.scheme for d in self.quantized}
 
-    def fused_groups(self, sep: str) -> Tuple[List[Tuple[str, ...]], List[Tuple[str, ...]]]:
-        """(shared, partial): the fused sibling groups (`qformats.fused.sibling_groups` over every candidate)
-        whose members all take one TENSOR_GROUP (NVFP4) weight scheme — they share one global scale — and the
-        groups only some of whose members do (they cannot share: callers warn or refuse)."""
-        tg = {d.path: d.scheme.weights for d in self.quantized if d.scheme.weights.strategy == "tensor_group"}
-        shared, partial = [], []
-        for g in sibling_groups([d.path for d in self.decisions], sep=sep):
-            inside = [p for p in g if p in tg]
-            if not inside:
-                continue
-            if len(inside) == len(g) and len({tg[p] for p in g}) == 1:
-                shared.append(g)
-            else:
-                partial.append(g)
-        return shared, partial
+    def fused_groups(self, sep: str, partial: Optional[Callable[[Tuple[str, ...], List[str]], None]] = None
+                     ) -> List[Tuple[str, ...]]:
+        """The fused sibling groups among the candidates (`qformats.algorithms.shared_scales.selected_groups`)
+        whose members all take a TENSOR_GROUP (NVFP4) weight scheme: they share one global scale. A group only
+        some of whose members do goes to `partial(group, those members)` (callers warn or refuse)."""
+        tg = [d.path for d in self.quantized if d.scheme.weights.strategy == "tensor_group"]
+        return selected_groups([d.path for d in self.decisions], tg, sep=sep, partial=partial)
 
     def summary(self, width: int = 100) -> str:
         """Lines a person reads: how many weights take each scheme, each group of dense ones with the reason,

@@ -14,7 +14,7 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub) -> None:
     """Registers the subcommand and its arguments on the `qformats` subparsers."""
     from qformats.kv_cache import KV_CACHE_CHOICES
-    from qformats.nn.weight_search import WEIGHT_SEARCHES
+    from qformats.algorithms.weight_search import WEIGHT_SEARCHES
     q = sub.add_parser("quantize", help="dense HF safetensors checkpoint -> compressed-tensors checkpoint")
     q.add_argument("paths", nargs="+", metavar="[SRC] DST",
                    help="source checkpoint (default: the embedded all-MiniLM-L6-v2) and destination directory")
@@ -130,7 +130,7 @@ def _quantize_calibrated_lm(a) -> int:
 
 def _check_dampening(a, search: str) -> None:
     """--dampening only where a GPTQ search runs: it would otherwise be ignored."""
-    from qformats.nn.weight_search import NEEDS_HESSIAN
+    from qformats.algorithms.weight_search import NEEDS_HESSIAN
     if a.dampening is not None and search not in NEEDS_HESSIAN:
         raise Usage(f"qformats quantize: error: --dampening is GPTQ's, and the weight search is {search!r}: use "
                     f"--weight-search {' or '.join(NEEDS_HESSIAN)}, or drop --dampening")

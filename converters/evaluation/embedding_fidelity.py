@@ -31,7 +31,7 @@ from qformats.presets import parse_scheme
 from qformats.errors import QFormatsError
 from qformats.models import minilm
 from qformats.nn import QLinear, Rule, quantize_model
-from qformats.nn.weight_search import RTN, WEIGHT_SEARCHES
+from qformats.algorithms.weight_search import RTN, WEIGHT_SEARCHES
 
 __all__ = ["DEFAULT_SCHEMES", "SEARCHES", "resolve", "linear_weight_bytes", "cosines", "evaluate_one", "evaluate",
            "evaluate_checkpoint", "format_table", "build_parser", "main"]

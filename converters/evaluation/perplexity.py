@@ -16,7 +16,8 @@ string (`qformats.presets.parse_scheme`, e.g. "W4A16:g64") quantizes a dense SRC
 `qformats.nn.quantize_model` over the decoder's projections, lm_head left dense
 (`qformats.models.decoder.quantization_rules`, llm-compressor's `ignore=["lm_head"]`), NVFP4 global scales shared
 across the fused siblings q/k/v_proj and gate/up_proj as llm-compressor's oneshot and `qformats quantize` share them
-(`quantize_model`'s fuse_global_scales, `qformats.fused`); on an already-quantized SRC a preset is a CheckpointError.
+(`quantize_model`'s fuse_global_scales, `qformats.algorithms.shared_scales`); on an already-quantized SRC a preset
+is a CheckpointError.
 """
 
 from __future__ import annotations

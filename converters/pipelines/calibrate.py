@@ -10,7 +10,7 @@ checkpoint like an RTN one).
 
 Causal LMs (llama / mistral / qwen2 / qwen3: `quantize_calibrated_lm`): the checkpoint is loaded into the Flax
 decoder (`converters.pipelines.causal_lm`), calibrated layer by layer on samples from a text / jsonl / .npy file
-(`converters.evaluation.calibration_data`, `qformats.models.sequential`), optionally after SmoothQuant or AWQ scales are
+(`converters.evaluation.calibration_data`, `qformats.models.decoder.calibration`), optionally after SmoothQuant or AWQ scales are
 folded into each layer, and written with `converters.pipelines.flax_io.save_compressed` (lm_head left dense and listed
 in `ignore`, as llm-compressor's recipes do).
 
@@ -30,9 +30,9 @@ from converters.evaluation import embedded
 from converters.evaluation.embedding_fidelity import resolve
 from converters.formats.safe_files import check_destination
 from qformats.errors import CheckpointError, ModelError
-from qformats.gptq import DAMPENING_FRAC
+from qformats.algorithms.gptq import DAMPENING_FRAC
 from qformats.nn import Rule, quantize_model, quantized_layers
-from qformats.nn.weight_search import RTN, WEIGHT_SEARCHES
+from qformats.algorithms.weight_search import RTN, WEIGHT_SEARCHES
 
 __all__ = ["DEFAULT_WEIGHT_SEARCH", "DEFAULT_LM_WEIGHT_SEARCH", "quantize_calibrated", "quantize_calibrated_lm"]
 
@@ -129,13 +129,14 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         .npy array of token ids (`converters.evaluation.calibration_data.load_calibration`).
       weight_search: "rtn", "mse", "gptq" or "mse+gptq"; default "gptq", or "rtn" with `awq` (llm-compressor's
         AWQ recipe: AWQModifier then round-to-nearest QuantizationModifier).
-      awq: AWQ scales (`qformats.awq`, llm-compressor 0.14's AWQModifier arithmetic) folded into each layer before
-        its weight search; `awq_n_grid`, `awq_duo_scaling`: its n_grid and duo_scaling. Not combinable with `smooth`
-        (both fold per-channel scales into the same norms; llm-compressor does not combine them).
-      smooth: SmoothQuant migration strength alpha in [0, 1] (`qformats.smoothquant`), or None.
+      awq: AWQ scales (`qformats.algorithms.awq`, llm-compressor 0.14's AWQModifier arithmetic) folded into each
+        layer before its weight search; `awq_n_grid`, `awq_duo_scaling`: its n_grid and duo_scaling. Not
+        combinable with `smooth` (both fold per-channel scales into the same norms; llm-compressor does not
+        combine them).
+      smooth: SmoothQuant migration strength alpha in [0, 1] (`qformats.algorithms.smoothquant`), or None.
       calibration_tokens, seq_len, seed: the token budget, the longest sample, the sample order's seed.
       dampening_frac, block_size, actorder: GPTQ's options (llm-compressor 0.14's names and defaults).
-      propagate: "quantized" or "float" (`qformats.models.sequential`); default "quantized", except with
+      propagate: "quantized" or "float" (`qformats.models.decoder.calibration`); default "quantized", except with
         round-to-nearest weights: "float", as llm-compressor runs such a recipe (its pipeline keeps quantization
         disabled and RTN leaves the weights float until the checkpoint is written, so layer i+1 sees float outputs:
         what the static activation ranges of W4A4 / W8A8 and the KV-cache scales are calibrated on).
@@ -146,7 +147,7 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         signs from `rotate_seed`) fused into a dense copy of `src` (a directory) before loading, so calibration sees the
         rotated model; recorded as quantization_config.transform_config.
       between_phases: called with no arguments between the phases of each layer's calibration
-        (`qformats.models.sequential.calibrate_decoder`'s), e.g. `converters.process.trim_malloc`; the process
+        (`qformats.models.decoder.calibration.calibrate_decoder`'s), e.g. `converters.process.trim_malloc`; the process
         tuning of the `qformats` CLI is `converters.process.lean_calibration`, which this function does not apply.
 
     Raises:
@@ -160,7 +161,8 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     from converters.pipelines.flax_io import save_compressed
     from qformats.kv_cache import parse_kv_cache
     from qformats.models.decoder import hf_tensor_names
-    from qformats.models.sequential import GPTQOptions, calibrate_decoder
+    from qformats.algorithms.gptq import GPTQOptions
+    from qformats.models.decoder.calibration import calibrate_decoder
 
     check_destination(dst, (src,))  # fail before the calibration work, not after (the writer checks again)
     if Path(dst).exists() and not overwrite:  # fail before the calibration work, not after
@@ -178,11 +180,11 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     gptq = GPTQOptions(block_size=block_size, dampening_frac=dampening_frac, actorder=actorder)
     transform = None
     if awq:
-        from qformats.awq import awq_transform
+        from qformats.models.decoder.calibration import awq_transform
 
         transform = awq_transform(scheme, n_grid=awq_n_grid, duo_scaling=awq_duo_scaling)
     if smooth is not None:
-        from qformats.smoothquant import smoothquant_transform
+        from qformats.models.decoder.calibration import smoothquant_transform
 
         transform = smoothquant_transform(smooth)
     t0 = time.perf_counter()
@@ -252,7 +254,7 @@ def _stream_plan(ck, scheme, slots, per_layer, outside):
 
     from converters.pipelines.quantize_checkpoint import packed_specs
     from converters.formats.shard_writer import TensorSpec
-    from qformats.models.sequential import PROJECTIONS
+    from qformats.models.decoder.calibration import PROJECTIONS
     from qformats.nn import resolve_scheme
 
     ss = resolve_scheme(scheme)
@@ -300,7 +302,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
     from converters.formats.compressed_tensors.write import CompressedWriter
     from converters.formats.safetensors_io import open_checkpoint, read_json
     from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names, inv_freq
-    from qformats.models.sequential import calibrate_decoder
+    from qformats.models.decoder.calibration import calibrate_decoder
     from qformats.nn import export_quantized
 
     hf_config = read_json(src / "config.json")

@@ -10,9 +10,9 @@ Which tensors are quantized (no torch model, so module classes are inferred from
   - `ignore` entries are exact module paths, `re:` regexes, or a last path component ("lm_head" also
     ignores "model.lm_head"). An ignore entry or target that matches nothing gives a warning.
 NVFP4 (tensor_group) global scales of vLLM's fused projections are shared as llm-compressor's oneshot does
-(its fused weight observers): the siblings of `qformats.fused.FUSED_GROUPS` (q/k/v_proj, gate/up_proj,
-q_a_proj/kv_a_proj_with_mqa, w1/w3) take the smallest of their global scales, i.e. 448*6/amax over the group
-(`qformats.fused.shared_global_scale`; fuse_global_scales). A group only partly quantized gets a warning.
+(its fused weight observers): the siblings of `qformats.algorithms.shared_scales.FUSED_GROUPS` (q/k/v_proj,
+gate/up_proj, q_a_proj/kv_a_proj_with_mqa, w1/w3) take the smallest of their global scales, i.e. 448*6/amax over
+the group (`shared_scales.shared_global_scale`; fuse_global_scales). A group only partly quantized gets a warning.
 
 Never silent: where llm-compressor 0.14 refuses a layer (GROUP / TENSOR_GROUP weights whose group size does not
 divide the columns: `qformats.plan.group_indivisible`, its rule, plus columns < group size, which
@@ -45,9 +45,9 @@ from converters.formats.compressed_tensors.config import format_for
 from converters.formats.compressed_tensors.write import CompressedWriter, qarray_to_tensors
 from converters.formats.safetensors_io import open_checkpoint, parse_size, read_json
 from converters.formats.shard_writer import TensorSpec
+from qformats.algorithms.shared_scales import shared_global_scales
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
-from qformats.fused import group_amax, shared_global_scale
 from qformats.grouping import expected_shapes
 from qformats.kv_cache import kv_cache_name, parse_kv_cache
 from qformats.matching import Matcher
@@ -222,33 +222,34 @@ def _plan(infos, chosen_set, ss: SchemeSet) -> List[TensorSpec]:
 
 def _fused_global_scales(ck, infos, plan: Plan, ss: SchemeSet) -> Dict[str, Any]:
     """module -> the shared NVFP4 global scale of its fused group (`qformats.plan.Plan.fused_groups`, the scale
-    of `qformats.fused`), for groups whose members are all quantized; a group only partly quantized gets a
-    warning."""
+    of `qformats.algorithms.shared_scales`), for groups whose members are all quantized; a group only partly
+    quantized gets a warning."""
     w = ss.weights
     if w.strategy != "tensor_group":
         return {}
-    chosen_set = set(plan.schemes())
-    shared, partial = plan.fused_groups(".")
-    for mods in partial:
-        parent = mods[0].rpartition(".")[0]
-        names = ", ".join(m.rpartition(".")[2] for m in mods)
-        inside = [m for m in mods if m in chosen_set]
+    def where(mods):
+        return mods[0].rpartition(".")[0], ", ".join(m.rpartition(".")[2] for m in mods)
+
+    def partial(mods, inside):
+        parent, names = where(mods)
         warnings.warn(f"{parent}: {names} are fused siblings (vLLM runs them as one matmul, with one NVFP4 "
                       f"global scale) but only {', '.join(inside)} take {ss.name}; their global scales are "
-                      f"not shared", stacklevel=3)
-    out: Dict[str, Any] = {}
-    for mods in shared:
-        parent = mods[0].rpartition(".")[0]
-        names = ", ".join(m.rpartition(".")[2] for m in mods)
+                      f"not shared", stacklevel=6)
+
+    def mismatch(mods):
+        parent, names = where(mods)
         dtypes = [infos[m + ".weight"].dtype for m in mods]
-        if len(set(dtypes)) != 1:
-            warnings.warn(f"{parent}: {names} hold different dtypes ({', '.join(dtypes)}); their NVFP4 global "
-                          f"scales are not shared (vLLM fuses them into one matmul)", stacklevel=3)
-            continue
-        amax = max(float(group_amax([ck.get(m + ".weight")])) for m in mods)  # one weight in memory at a time
+        warnings.warn(f"{parent}: {names} hold different dtypes ({', '.join(dtypes)}); their NVFP4 global "
+                      f"scales are not shared (vLLM fuses them into one matmul)", stacklevel=5)
+
+    def load(m):  # one weight in memory at a time: the previous member's pages go first
         ck.drop_pages()
-        g = shared_global_scale(amax, w, infos[mods[0] + ".weight"].numpy_dtype)
-        out.update((m, g) for m in mods)
+        return ck.get(m + ".weight")
+
+    groups = plan.fused_groups(".", partial=partial)
+    out = shared_global_scales(groups, load, {m: (w, infos[m + ".weight"].numpy_dtype, ()) for g in groups
+                                              for m in g}, mismatch=mismatch)
+    ck.drop_pages()
     return out
 
 

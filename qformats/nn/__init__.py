@@ -17,16 +17,15 @@ Linen::
     y = qmodule.apply(qparams, x)
 
 Modules: `projection` (the layer math as pure functions of arrays, shared by NNX and linen), `nnx_layers`
-(QLinear, QLinearGeneral, QEinsum and their variable types), `weight_search` (WEIGHT_SEARCHES, quantize_weight),
-`graph` (find / replace modules in an NNX graph), `nnx_transform` (quantize_model,
-convert, prepare_kernels), `linen` (QDense, QDenseGeneral, linen.QEinsum), `linen_transform` (quantize_linen),
+(QLinear, QLinearGeneral, QEinsum and their variable types: they hold statistics and packed weights), `graph` (find / replace modules in an NNX graph), `nnx_transform` (quantize_model, convert,
+prepare_kernels), `linen` (QDense, QDenseGeneral, linen.QEinsum), `linen_transform` (quantize_linen),
 `checkpoint` (load_quantized / export_quantized: pure glue for checkpoint readers and writers), `sizes`
-(param_bytes). Observers and the MSE search are pure functions in `qformats.observers`; GPTQ is `qformats.gptq`.
+(param_bytes). Observers and the MSE search are pure functions in `qformats.observers`; the weight searches
+(WEIGHT_SEARCHES, quantize_weight), GPTQ and the shared NVFP4 global scales are in `qformats.algorithms`.
 """
 
 from qformats.nn.nnx_layers import (CalibStat, KernelCache, PackedParam, QEinsum, QLinear, QLinearGeneral,
                                     QuantizedMatmul, QuantStat)
-from qformats.nn.weight_search import WEIGHT_SEARCHES, quantize_weight
 from qformats.matching import Rule, resolve_scheme
 from qformats.nn.nnx_transform import convert, prepare_kernels, quantize_model, quantized_layers
 from qformats.nn.sizes import param_bytes
@@ -35,8 +34,8 @@ from qformats.nn.linen_transform import QuantizedLinen, WeightLayout, quantize_l
 from qformats.nn.checkpoint import export_quantized, load_quantized
 
 __all__ = ["QLinear", "QLinearGeneral", "QEinsum", "QuantizedMatmul", "QuantStat", "CalibStat", "KernelCache",
-           "PackedParam", "Rule", "WEIGHT_SEARCHES",
-           "quantize_model", "convert", "prepare_kernels", "quantized_layers", "quantize_weight", "resolve_scheme",
+           "PackedParam", "Rule",
+           "quantize_model", "convert", "prepare_kernels", "quantized_layers", "resolve_scheme",
            "param_bytes",
            "QDense", "QDenseGeneral", "QuantizedLinen", "WeightLayout", "quantize_linen", "quantize_params",
            "record_layouts", "load_quantized", "export_quantized"]

@@ -31,7 +31,7 @@ from qformats.errors import ModelError
 from qformats.nn.linen import as_shape
 from qformats.nn.projection import (check_einsum_acts, einsum_layout, einsum_matrix, norm_axes, packed_einsum,
                                     packed_linear, packed_linear_general)
-from qformats.nn.weight_search import RTN, quantize_weight, search_name
+from qformats.algorithms.weight_search import RTN, quantize_weight, search_name
 from qformats.matching import Matcher
 from qformats.plan import Candidate, check_fit, plan_quantization, warn_unused_rules
 from qformats.qarray import QArray

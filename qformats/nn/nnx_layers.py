@@ -9,19 +9,18 @@ flattened. This module adds what NNX needs around them: the variable types, the 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qformats.algorithms.weight_search import RTN, quantize_weight
 from qformats.dispatch import prepare_weight
 from qformats.errors import ModelError
-from qformats.gptq import DAMPENING_FRAC
 from qformats.nn.projection import (add_bias, add_einsum_bias, check_einsum_acts, dot, einsum_apply, einsum_layout,
                                     einsum_matrix, fake_quantize_weight, on_codes, packed_einsum, packed_linear,
                                     packed_linear_general, quantize_acts, to_rows)
-from qformats.nn.weight_search import RTN, output_error_array, quantize_weight, search_name
 from qformats.observers import Observer, static_scale
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
@@ -51,6 +50,12 @@ class KernelCache(nnx.Cache):
 
 def _param(kernel):
     return PackedParam(kernel) if isinstance(kernel, QArray) else nnx.Param(kernel)
+
+
+def _pack(kernel, schemes: SchemeSet, pack: Optional[Callable]) -> QArray:
+    """The packed weight of a float [..., K, N] kernel: `pack(kernel)` when given (the caller's weight search), else
+    round-to-nearest along K."""
+    return quantize_weight(kernel, schemes, RTN) if pack is None else pack(kernel)
 
 
 def _ste(x, y):
@@ -127,52 +132,36 @@ class QuantizedMatmul(nnx.Module):
         self.cache_kernel_layout()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def finalize(self, mode: str = "ptq", weight_search: Optional[str] = RTN,
-                 actorder: Optional[str] = "static", dampening_frac: float = DAMPENING_FRAC) -> None:
-        """End calibration: static activation scales from the observer, then the weight for `mode` (packed
-        by `weight_search`, one of `WEIGHT_SEARCHES`; None is an alias of "rtn").
+    @property
+    def input_moments(self):
+        """(moments, count) recorded while calibrating: the sum over the layer's input tokens of x x^T
+        ([..., K, K], with full_moments) or of x * x ([..., K]), and the number of tokens (leading axes: stacked
+        layers). What the weight searches (`qformats.algorithms.weight_search.calibrated_weight`) take."""
+        if self.mode != "calibrate":
+            raise ModelError(f"{self.path}: input moments are recorded in calibrate mode, mode is {self.mode!r}")
+        return self.calib_sq.get_value()
 
-        With weight_search="mse" the per-group clipping search weights errors by E[x_k^2] measured on
-        the calibration batches; "gptq" / "mse+gptq" run GPTQ with H = E[x x^T] (full moments needed).
-        When the layer tracked full moments the result is kept only if the layer's output error on
-        the batches, tr(dW^T H dW), is below round-to-nearest's (a layer that saw no input keeps RTN).
-        `actorder`, `dampening_frac`: GPTQ's (`quantize_weight`).
-        Layers stacked for `nnx.scan` are finalized layer by layer (vmapped over the stacking axes).
-        """
+    def finalize(self, mode: str = "ptq", weight: Optional[QArray] = None, weight_method: str = RTN) -> None:
+        """End calibration: static activation scales from the observer, the calibration statistics dropped, and
+        for `mode` "ptq" the packed `weight` (a QArray of the layer's [K, N] kernel, chosen by the caller from
+        `input_moments`, e.g. by `qformats.algorithms.weight_search.calibrated_weight`; `weight_method` records
+        how); "qat" keeps the float kernel. Layers stacked for `nnx.scan` take their scales layer by layer
+        (vmapped over the stacking axes)."""
         if self.mode != "calibrate":
             raise ModelError(f"{self.path}: finalize() is for a calibrating layer, mode is {self.mode!r}")
-        weight_search = search_name(weight_search, where=f"{self.path}: weight_search")
+        if mode == "ptq" and (not isinstance(weight, QArray) or tuple(weight.shape) != (self.k_dim, self.n_dim)):
+            raise ModelError(f"{self.path}: finalize('ptq') takes the packed [{self.k_dim}, {self.n_dim}] weight "
+                             f"(a QArray), got {getattr(weight, 'shape', type(weight).__name__)}")
         a = self.schemes.input_activations
-        static_acts = a is not None and a.dynamic is not True
-        w = self.kernel.get_value()
-        sdt = w.dtype if w.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
-        observer, schemes = self.observer, self.schemes
-
-        def one(w, amax_state, total, n):
-            s = g = None
-            if static_acts:
-                s, g = static_scale(observer.result(amax_state), a, sdt)
-            if mode != "ptq":
-                return s, g, None, None
-            seen = n > 0
-            h = total / jnp.maximum(n, 1.0)
-            diag = jnp.diagonal(h) if h.ndim == 2 else h
-            if weight_search == RTN:
-                return s, g, quantize_weight(w, schemes, RTN), None
-            q = quantize_weight(w, schemes, weight_search, importance=jnp.where(seen, diag, 1.0),
-                                h=h if h.ndim == 2 else None, actorder=actorder, dampening_frac=dampening_frac)
-            if h.ndim == 2:  # keep round-to-nearest where the search does not lower tr(dW^T H dW)
-                rtn = quantize_weight(w, schemes, RTN)
-                keep = seen & (output_error_array(q, w, h) < output_error_array(rtn, w, h))
-                q = jax.tree.map(lambda u, v: jnp.where(keep, u, v), q, rtn)
-                return s, g, q, keep
-            return s, g, q, None
-
-        fn = one
-        for _ in self.stacked:
-            fn = jax.vmap(fn)
-        total, n = self.calib_sq.get_value()
-        s, g, q, kept = fn(w, self.calib_amax.get_value(), total, n)
+        s = g = None
+        if a is not None and a.dynamic is not True:
+            w = self.kernel.get_value()
+            sdt = w.dtype if w.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+            observer = self.observer
+            fn = lambda state: static_scale(observer.result(state), a, sdt)  # noqa: E731
+            for _ in self.stacked:
+                fn = jax.vmap(fn)
+            s, g = fn(self.calib_amax.get_value())
         self.input_scale = None if s is None else QuantStat(s)
         self.input_global_scale = None if g is None else QuantStat(g)
         self.calib_amax = None
@@ -180,16 +169,18 @@ class QuantizedMatmul(nnx.Module):
         self.observer = None
         self.mode = mode
         if mode == "ptq":
-            self.kernel = PackedParam(q)
-            searched = weight_search != RTN and (kept is None or bool(jnp.any(kept)))
-            self.weight_method = weight_search if searched else RTN
+            self.kernel = PackedParam(weight)
+            self.weight_method = weight_method
             self.cache_kernel_layout()
 
-    def convert(self, weight_search: Optional[str] = RTN) -> None:
-        """QAT → PTQ in place: pack the float weight by `weight_search` ("rtn": the same quantization the QAT
-        forward pass used)."""
+    def convert(self, weight: Optional[QArray] = None) -> None:
+        """QAT → PTQ in place with the packed `weight` (a QArray of the float [K, N] kernel, chosen by the caller,
+        e.g. `qformats.nn.convert` by its weight search); default round-to-nearest, the same quantization the QAT
+        forward pass used."""
         if self.mode == "qat":
-            self.kernel = PackedParam(quantize_weight(self.kernel.get_value(), self.schemes, weight_search))
+            if weight is None:
+                weight = quantize_weight(self.kernel.get_value(), self.schemes, RTN)
+            self.kernel = PackedParam(weight)
             self.mode = "ptq"
             self.cache_kernel_layout()
 
@@ -283,17 +274,16 @@ class QLinear(QuantizedMatmul):
 
     @classmethod
     def from_module(cls, linear: nnx.Linear, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = RTN, observer: Optional[Observer] = None,
+                    pack: Optional[Callable] = None, observer: Optional[Observer] = None,
                     full_moments: bool = False) -> "QLinear":
-        """The quantized counterpart of `linear` (which is left untouched)."""
+        """The quantized counterpart of `linear` (which is left untouched). In "ptq" mode the [K, N] kernel is
+        packed by `pack(kernel) -> QArray` (the caller's weight search; default round-to-nearest)."""
         kernel = linear.kernel.get_value()
         bias = None if linear.bias is None else linear.bias.get_value()
         if mode == "ptq":
-            kernel = quantize_weight(kernel, schemes, weight_search)
+            kernel = _pack(kernel, schemes, pack)
         return cls(kernel, bias, schemes, mode=mode, dtype=linear.dtype, path=path, observer=observer,
                    full_moments=full_moments)
-
-    from_linear = from_module
 
     def __call__(self, x):
         if self.mode == "ptq":
@@ -314,7 +304,7 @@ class QLinearGeneral(QuantizedMatmul):
 
     @classmethod
     def from_module(cls, lg: nnx.LinearGeneral, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = RTN, observer: Optional[Observer] = None,
+                    pack: Optional[Callable] = None, observer: Optional[Observer] = None,
                     full_moments: bool = False):
         if lg.batch_axis:
             raise ModelError(f"{path}: LinearGeneral with batch_axis {dict(lg.batch_axis)} is not supported")
@@ -325,7 +315,7 @@ class QLinearGeneral(QuantizedMatmul):
         kernel = kernel.reshape(k, n)
         bias = None if lg.bias is None else lg.bias.get_value()
         if mode == "ptq":
-            kernel = quantize_weight(kernel, schemes, weight_search)
+            kernel = _pack(kernel, schemes, pack)
         return cls(kernel, bias, schemes, in_features=lg.in_features, out_features=lg.out_features, axis=lg.axis,
                    mode=mode, dtype=lg.dtype, path=path, observer=observer, full_moments=full_moments)
 
@@ -357,14 +347,14 @@ class QEinsum(QuantizedMatmul):
 
     @classmethod
     def from_module(cls, e: nnx.Einsum, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
-                    weight_search: Optional[str] = RTN, observer: Optional[Observer] = None,
+                    pack: Optional[Callable] = None, observer: Optional[Observer] = None,
                     full_moments: bool = False):
         kernel = e.kernel.get_value()
         perm, k, _ = einsum_layout(e.einsum_str, kernel.shape)
         kernel = einsum_matrix(kernel, perm, k)
         bias = None if e.bias is None else e.bias.get_value()
         if mode == "ptq":
-            kernel = quantize_weight(kernel, schemes, weight_search)
+            kernel = _pack(kernel, schemes, pack)
         return cls(kernel, bias, schemes, einsum_str=e.einsum_str, kernel_shape=e.kernel_shape,
                    mode=mode, dtype=e.dtype, path=path, observer=observer, full_moments=full_moments)
 

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qformats.algorithms.gptq import DAMPENING_FRAC
+from qformats.algorithms.shared_scales import selected_groups, shared_global_scales
+from qformats.algorithms.weight_search import NEEDS_HESSIAN, RTN, calibrated_weight, quantize_weight, search_name
 from qformats.errors import ModelError
-from qformats.fused import group_amax, shared_global_scale, sibling_groups
-from qformats.gptq import DAMPENING_FRAC
 from qformats.nn.graph import module_references, replace_child
 from qformats.nn.nnx_layers import QUANTIZED, QuantizedMatmul
 from qformats.nn.projection import check_einsum_acts, einsum_last_axis_error, einsum_layout
-from qformats.nn.weight_search import NEEDS_HESSIAN, RTN, quantize_weight, search_name
 from qformats.matching import Matcher
 from qformats.observers import get_observer
 from qformats.plan import Candidate, check_fits, plan_quantization, warn_unused_rules
@@ -57,9 +57,9 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         H = E[x x^T] per layer: `weight_search="mse"` weights its per-group error with diag(H) and keeps
         the searched weights only where tr(dW^T H dW) beats round-to-nearest; "gptq" runs GPTQ with H. If
         a batch fails, the original modules are put back and the error propagates.
-      weight_search: one of `WEIGHT_SEARCHES` (`qformats.nn.weight_search`): "rtn" (round-to-nearest; None is
-        accepted as its alias), "mse" (per-group clipping search, `observers.mse_quantize`), "gptq" (GPTQ,
-        `qformats.gptq.gptq_quantize`: llm-compressor's algorithm, columns in `actorder`; needs
+      weight_search: one of `WEIGHT_SEARCHES` (`qformats.algorithms.weight_search`): "rtn" (round-to-nearest;
+        None is accepted as its alias), "mse" (per-group clipping search, `observers.mse_quantize`), "gptq" (GPTQ,
+        `qformats.algorithms.gptq.gptq_quantize`: llm-compressor's algorithm, columns in `actorder`; needs
         calibration_data) or "mse+gptq" (GPTQ on the MSE search's scales).
       actorder: GPTQ's column order: "static" (default, llm-compressor's GPTQModifier default: descending
         diag(H); output error 0.5-0.75x of column order in bench/gptq_parity.py) or None (column order).
@@ -73,10 +73,10 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
       fuse_global_scales: NVFP4 (TENSOR_GROUP) weights of fused siblings share one global scale, as
         llm-compressor's oneshot and `converters.pipelines.quantize_checkpoint` do (vLLM runs q/k/v_proj as one qkv_proj
         matmul, gate/up_proj as one gate_up_proj): every member of a group takes
-          g = 448 * 6 / max_i max |W_i|   (`qformats.fused.shared_global_scale`, the smallest member's g),
+          g = 448 * 6 / max_i max |W_i|   (`qformats.algorithms.shared_scales`: the smallest member's g),
         and its fp8 group scales and codes are computed under that g. True: the groups of
-        `qformats.fused.sibling_groups` over the model's module paths (same parent, names in
-        `qformats.fused.FUSED_GROUPS`; a group only partly quantized with one TENSOR_GROUP scheme is left
+        `shared_scales.sibling_groups` over the model's module paths (same parent, names in
+        `shared_scales.FUSED_GROUPS`; a group only partly quantized with one TENSOR_GROUP scheme is left
         unshared with a warning); a sequence of groups of module paths: exactly those (ModelError when a path
         is not a TENSOR_GROUP layer of this call); False: every layer its own. Sharing applies to
         round-to-nearest PTQ (with or without calibration data); in QAT mode or with a weight search the
@@ -158,7 +158,8 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             new.set_weight(_pack_under(new.kernel.get_value(), ss.weights, shared[path]))
             new.weight_method = RTN
         else:
-            new = cls.from_module(lin, ss, mode=mode, path=path, weight_search=weight_search)
+            new = cls.from_module(lin, ss, mode=mode, path=path,
+                                  pack=lambda k, ss=ss: quantize_weight(k, ss, weight_search))
             if mode == "ptq":
                 new.weight_method = weight_search
         for parent, key in parents:
@@ -185,8 +186,13 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             raise
         floats = [q.kernel.get_value() for q in swapped] if guard else []
         fused = [(q, q.kernel.get_value(), shared[p]) for (p, *_), q in zip(plan, swapped) if p in shared]
-        for q in swapped:
-            q.finalize(mode, weight_search=weight_search, actorder=actorder, dampening_frac=dampening_frac)
+        for q in swapped:  # the layers hold the statistics; the weight search decides the packed weight
+            packed, method = None, RTN
+            if mode == "ptq":
+                moments, count = q.input_moments
+                packed, method = calibrated_weight(q.kernel.get_value(), q.schemes, weight_search, moments, count,
+                                                   actorder=actorder, dampening_frac=dampening_frac)
+            q.finalize(mode, packed, method)
         for q, w, g in fused:  # round-to-nearest under the group's shared global scale
             q.set_weight(_pack_under(w, q.schemes.weights, g))
         if guard:
@@ -212,10 +218,10 @@ def _fused_global_scales(paths: Sequence[str], plan, fuse, mode: str, weight_sea
           if ss.weights is not None and ss.weights.strategy == "tensor_group"}
     explicit = fuse is not True
 
-    def refuse(msg):
+    def refuse(msg, depth=0):  # depth: frames between this function and refuse (the warning names the caller)
         if explicit:
             raise ModelError(f"quantize_model: fuse_global_scales: {msg}")
-        warnings.warn(f"qformats.nn: {msg}; their global scales are not shared", stacklevel=4)
+        warnings.warn(f"qformats.nn: {msg}; their global scales are not shared", stacklevel=4 + depth)
 
     groups: List[Tuple[str, ...]] = []
     if explicit:
@@ -237,31 +243,24 @@ def _fused_global_scales(paths: Sequence[str], plan, fuse, mode: str, weight_sea
             seen |= set(g)
             groups.append(g)
     elif tg:
-        for g in sibling_groups(paths, sep="/"):
-            inside = [p for p in g if p in tg]
-            if inside and len(inside) < len(g):
-                refuse(f"{', '.join(g)} are fused siblings (vLLM runs them as one matmul with one NVFP4 global "
-                       f"scale) but only {', '.join(inside)} take a tensor_group weight scheme")
-            elif inside:
-                groups.append(g)
-    out: Dict[str, Any] = {}
+        groups = selected_groups(paths, tg, sep="/", partial=lambda g, inside: refuse(
+            f"{', '.join(g)} are fused siblings (vLLM runs them as one matmul with one NVFP4 global "
+            f"scale) but only {', '.join(inside)} take a tensor_group weight scheme", depth=2))
     if groups and (mode != "ptq" or weight_search != RTN):
         refuse(f"{len(groups)} fused groups ({', '.join(groups[0])}{', ...' if len(groups) > 1 else ''}) with "
                f"mode={mode!r}, weight_search={weight_search!r}: only round-to-nearest PTQ shares global scales")
-        return out
-    for g in groups:
-        schemes = {tg[p][1] for p in g}
-        kernels = [tg[p][0].kernel.get_value() for p in g]
+        return {}
+
+    def member(p):
+        lin, scheme = tg[p]
+        k = lin.kernel.get_value()
         # layers stacked by nnx.vmap for nnx.scan: one g per stacked layer (only nnx.Linear stacks)
-        leads = {k.shape[:-2] if isinstance(tg[p][0], nnx.Linear) else () for p, k in zip(g, kernels)}
-        dtypes = {jnp.dtype(k.dtype) for k in kernels}
-        if len(schemes) != 1 or len(leads) != 1 or len(dtypes) != 1:
-            refuse(f"{', '.join(g)} are fused siblings with different weight schemes, stacking or dtypes")
-            continue
-        lead = next(iter(leads))
-        g_shared = shared_global_scale(group_amax(kernels, len(lead)), schemes.pop(), dtypes.pop())
-        out.update((p, g_shared) for p in g)
-    return out
+        return scheme, k.dtype, k.shape[:-2] if isinstance(lin, nnx.Linear) else ()
+
+    return shared_global_scales(groups, lambda p: tg[p][0].kernel.get_value(),
+                                {p: member(p) for g in groups for p in g},
+                                mismatch=lambda g: refuse(f"{', '.join(g)} are fused siblings with different weight "
+                                                          f"schemes, stacking or dtypes", depth=2))
 
 
 def _jitted(fn, jit: bool):
@@ -324,8 +323,8 @@ def convert(model: nnx.Module, *, weight_search: Optional[str] = RTN) -> nnx.Mod
     where the packed layer dequantizes (weight-only schemes, MX, NVFP4, ...); W8A8 / FP8 layers multiply codes
     (`qformats.scaled_dot`) and agree with the QAT forward pass to float rounding."""
     for _, m in nnx.iter_modules(model):
-        if isinstance(m, QuantizedMatmul):
-            m.convert(weight_search)
+        if isinstance(m, QuantizedMatmul) and m.mode == "qat":
+            m.convert(quantize_weight(m.kernel.get_value(), m.schemes, weight_search))
     return model
 
 

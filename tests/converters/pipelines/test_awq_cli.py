@@ -1,5 +1,5 @@
-"""AWQ through converters.pipelines.calibrate.quantize_calibrated_lm(awq=True) and `qformats quantize SRC DST --awq`: a
-tiny random llama checkpoint gets exactly the codes of qformats.awq + qformats.models.sequential in memory, the CLI
+"""AWQ through converters.pipelines.calibrate.quantize_calibrated_lm(awq=True) and `qformats quantize SRC DST --awq`: a tiny
+random llama checkpoint gets exactly the codes of qformats.models.decoder.calibration (AWQ) in memory, the CLI
 writes the same tensors as the API, and AWQ with SmoothQuant is refused."""
 
 import json
@@ -16,9 +16,8 @@ from converters.evaluation.calibration_data import load_calibration  # noqa: E40
 from converters.pipelines.causal_lm import load_causal_lm  # noqa: E402
 from converters.cli import main  # noqa: E402
 from converters.formats.safetensors_io import open_checkpoint  # noqa: E402
-from qformats.awq import awq_transform  # noqa: E402
 from qformats.errors import ModelError  # noqa: E402
-from qformats.models.sequential import calibrate_decoder  # noqa: E402
+from qformats.models.decoder.calibration import awq_transform, calibrate_decoder  # noqa: E402
 from qformats.nn import quantized_layers  # noqa: E402
 
 # num_key_value_heads == num_attention_heads: the v_proj -> o_proj mapping applies too

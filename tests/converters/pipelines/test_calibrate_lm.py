@@ -1,5 +1,5 @@
-"""converters.pipelines.calibrate.quantize_calibrated_lm: a tiny llama checkpoint calibrated layer by layer on a .npy
-token file gives a compressed-tensors checkpoint holding exactly the codes of qformats.models.sequential, loadable by
+"""converters.pipelines.calibrate.quantize_calibrated_lm: a tiny llama checkpoint calibrated layer by layer on a .npy token
+file gives a compressed-tensors checkpoint holding exactly the codes of qformats.models.decoder.calibration, loadable by
 the library (and its logits those of the in-memory model)."""
 
 import json
@@ -16,7 +16,7 @@ from converters.pipelines.calibrate import quantize_calibrated_lm  # noqa: E402
 from converters.evaluation.calibration_data import load_calibration  # noqa: E402
 from converters.pipelines.causal_lm import load_causal_lm  # noqa: E402
 from qformats.errors import CheckpointError, ModelError  # noqa: E402
-from qformats.models.sequential import calibrate_decoder  # noqa: E402
+from qformats.models.decoder.calibration import calibrate_decoder  # noqa: E402
 from qformats.nn import QLinear, quantized_layers  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

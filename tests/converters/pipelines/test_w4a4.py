@@ -19,7 +19,7 @@ from flax import nnx  # noqa: E402
 from converters.pipelines.calibrate import quantize_calibrated_lm  # noqa: E402
 from converters.pipelines.causal_lm import load_causal_lm  # noqa: E402
 from converters.formats.safetensors_io import open_checkpoint  # noqa: E402
-from qformats.models.sequential import PROJECTIONS, calibrate_decoder  # noqa: E402
+from qformats.models.decoder.calibration import PROJECTIONS, calibrate_decoder  # noqa: E402
 from qformats.observers import static_scale  # noqa: E402
 from qformats.presets import parse_scheme  # noqa: E402
 from qformats.quantize import dequantize  # noqa: E402

@@ -239,7 +239,7 @@ class One(nnx.Module):
 def test_gptq_layer_uses_the_calibration_moments(scheme, actorder):
     """quantize_model(weight_search="gptq") packs exactly gptq_quantize(W, scheme, E[x x^T]) of the inputs
     the layer saw, and lowers the output error below round-to-nearest's."""
-    from qformats.gptq import gptq_quantize
+    from qformats.algorithms.gptq import gptq_quantize
     rng = np.random.default_rng(0)
     mix = rng.normal(size=(256, 256)) / 16 + np.eye(256)  # correlated inputs: where GPTQ helps
     batches = [jnp.asarray(rng.normal(size=(64, 256)) @ mix, jnp.float32) for _ in range(3)]
@@ -514,7 +514,7 @@ def test_packed_model_trains_its_float_params_with_the_packed_filter():
 def test_gptq_dampening_reaches_the_layer():
     """quantize_model(dampening_frac=d) runs GPTQ with H += d * mean(diag H) * I: the codes are gptq_quantize's
     at that dampening, and differ from the default 0.01's."""
-    from qformats.gptq import gptq_quantize
+    from qformats.algorithms.gptq import gptq_quantize
     rng = np.random.default_rng(1)
     mix = rng.normal(size=(256, 256)) / 16 + np.eye(256)
     batch = jnp.asarray(rng.normal(size=(96, 256)) @ mix, jnp.float32)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from qformats import presets, quantize
 from qformats.errors import ModelError
-from qformats.fused import group_amax, shared_global_scale
+from qformats.algorithms.shared_scales import group_amax, shared_global_scale
 from qformats.nn import QLinear, Rule, quantize_model
 from qformats.presets import parse_scheme
 

@@ -1,5 +1,6 @@
-"""qformats.awq: the AWQ fold leaves the float model's outputs unchanged (float rounding only), the grid search picks
-what a direct reimplementation of llm-compressor's formulas picks, and AWQ lowers the W4 output error."""
+"""qformats.models.decoder.calibration's AWQ adapter: the fold leaves the float model's outputs unchanged (float
+rounding only), the grid search on the decoder picks what a direct reimplementation of llm-compressor's formulas
+picks, and AWQ lowers the W4 output error."""
 
 import math
 
@@ -8,11 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qformats.awq import (MAPPINGS, activation_means, awq_transform, candidate_scales, fake_quantize_scaled, grid,
-                          weight_means)
+from qformats.algorithms.awq import grid
 from qformats.errors import ModelError
 from qformats.models.decoder import CausalLM, DecoderConfig, attention_mask, inv_freq, rope_tables
-from qformats.models.sequential import calibrate_decoder
+from qformats.models.decoder.calibration import AWQ_MAPPINGS, awq_transform, calibrate_decoder
 from qformats.nn import resolve_scheme
 from qformats.quantize import dequantize, quantize
 from qformats.schemes import QuantScheme
@@ -47,55 +47,6 @@ def _ids(seed, shape=(4, 16)):
     return jnp.asarray(np.random.default_rng(seed).integers(0, 128, shape).astype(np.int32))
 
 
-def test_grid_points():
-    g = grid(20, True)
-    assert len(g) == 20 and g[0] == (0.0, False) and g[1] == (0.0, True) and g[-1] == (1.0, True)
-    assert all(d for _, d in g[1:]) and math.isclose(g[2][0], 1 / 18)
-    assert grid(5, False) == [(0.0, False), (0.25, False), (0.5, False), (0.75, False), (1.0, False)]
-    assert grid(6, "both") == [(0.0, False), (0.0, True), (0.5, False), (0.5, True), (1.0, False), (1.0, True)]
-    with pytest.raises(ModelError, match="duo_scaling"):
-        grid(20, "yes")
-    with pytest.raises(ModelError, match="n_grid"):
-        grid(2, True)
-
-
-def test_weight_means_and_scales_formula():
-    ws = resolve_scheme("W4A16:g2").weights
-    w = np.asarray([[1.0, -2.0, 0.5, 0.25], [4.0, 0.0, -1.0, 3.0]], np.float32)  # torch layout [N=2, K=4]
-    # chunks of 2 along K: |w| / (chunk amax + 1e-6), then the mean over the rows
-    e = np.asarray([[1 / (2 + 1e-6), 2 / (2 + 1e-6), 0.5 / (0.5 + 1e-6), 0.25 / (0.5 + 1e-6)],
-                    [4 / (4 + 1e-6), 0.0, 1 / (3 + 1e-6), 3 / (3 + 1e-6)]]).mean(axis=0)
-    wm = weight_means([jnp.asarray(w.T)], ws)
-    assert wm.dtype == np.float64
-    np.testing.assert_allclose(wm, e, rtol=1e-6)
-    x = np.asarray([0.5, 2.0, 8.0, 1.0], np.float32)
-    s = candidate_scales(x, wm, 0.5, True)
-    raw = np.maximum(np.sqrt(x).astype(np.float64) / (wm ** 0.5 + 1e-4), 1e-4)
-    np.testing.assert_array_equal(s, raw / np.sqrt(raw.max() * raw.min()))
-    assert candidate_scales(x, wm, 0.0, False).dtype == np.float32
-    np.testing.assert_array_equal(candidate_scales(x, wm, 0.0, False), np.ones(4, np.float32))
-    p = candidate_scales(x, None, 1.0, False)
-    np.testing.assert_allclose(p, x / np.sqrt(8.0 * 0.5), rtol=1e-6)
-
-
-def test_activation_means_ignore_padding():
-    x = jnp.asarray(np.arange(24, dtype=np.float32).reshape(2, 3, 4) - 10)
-    v = jnp.asarray([[True, True, False], [True, False, False]])
-    e = np.abs(np.asarray(x))[np.asarray(v)].mean(axis=0)
-    np.testing.assert_allclose(activation_means([x], [v]), e, rtol=1e-6)
-
-
-def test_fake_quantize_scaled_is_q_of_ws_over_s():
-    ws = resolve_scheme(SCHEME).weights
-    k = jnp.asarray(np.random.default_rng(0).standard_normal((32, 8)).astype(np.float32))
-    s = candidate_scales(np.random.default_rng(1).uniform(0.1, 3, 32).astype(np.float32),
-                         weight_means([k], ws), 0.4, True)
-    scaled = (np.asarray(k, np.float64) * s[:, None]).astype(np.float32)
-    q = np.asarray(dequantize(quantize(jnp.asarray(scaled), ws, 0)))
-    np.testing.assert_array_equal(np.asarray(fake_quantize_scaled(k, s, ws)),
-                                  (q.astype(np.float64) / s[:, None]).astype(np.float32))
-
-
 def test_fold_leaves_float_outputs_unchanged():
     m = _model()
     ids = _ids(1)
@@ -104,7 +55,7 @@ def test_fold_leaves_float_outputs_unchanged():
     rec = []
     before = np.asarray(m.model.layers[0].input_layernorm.weight.get_value())
     awq_transform(SCHEME, n_grid=8, record=rec)(m.model.layers[0], 0, xs, valid, li)
-    assert [r["smooth"] for r in rec] == [mp.smooth for mp in MAPPINGS]
+    assert [r["smooth"] for r in rec] == [mp.smooth for mp in AWQ_MAPPINGS]
     after = np.asarray(m.model.layers[0].input_layernorm.weight.get_value())
     assert np.max(np.abs(after / before - 1)) > 0.05  # scales were folded
     # float32 rounding of the rescaled weights only (outputs of magnitude ~4)
@@ -154,7 +105,7 @@ def _direct_search(layer, x, cos, sin, mask, mp, ws, points, x_mean):
 
 @pytest.mark.parametrize("mapping", [0, 2])
 def test_grid_search_matches_direct_formulas(mapping):
-    mp = MAPPINGS[mapping]
+    mp = AWQ_MAPPINGS[mapping]
     ws = resolve_scheme(SCHEME).weights
     points = grid(8, True)
     ids = _ids(2)

@@ -1,4 +1,4 @@
-"""qformats.fused: which modules are fused siblings, and the NVFP4 global scale they share."""
+"""qformats.algorithms.shared_scales: which modules are fused siblings, and the NVFP4 global scale they share."""
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from qformats import presets, quantize
+from qformats.algorithms.shared_scales import (FUSED_GROUPS, fused_global_scales, group_amax, selected_groups,
+                                               shared_global_scale, shared_global_scales, sibling_groups)
 from qformats.errors import SchemeError
-from qformats.fused import FUSED_GROUPS, group_amax, shared_global_scale, sibling_groups
 
 NVFP4 = presets["NVFP4A16"].weights
 
@@ -77,3 +78,34 @@ def test_errors():
         shared_global_scale(1.0, presets["W4A16"].weights, np.float32)
     with pytest.raises(SchemeError, match="at least one"):
         group_amax([])
+
+
+def test_selected_groups_and_their_shared_global_scales():
+    paths = ["l/q_proj", "l/k_proj", "l/v_proj", "l/o_proj", "m/gate_proj", "m/up_proj", "n/gate_proj", "n/up_proj"]
+    partial = []
+    groups = selected_groups(paths, ["l/q_proj", "l/k_proj", "l/v_proj", "m/gate_proj", "l/o_proj"], sep="/",
+                             partial=lambda g, inside: partial.append((g, inside)))
+    assert groups == [("l/q_proj", "l/k_proj", "l/v_proj")]
+    assert partial == [(("m/gate_proj", "m/up_proj"), ["m/gate_proj"])]  # n/: no member selected, no call
+    rng = np.random.default_rng(0)
+    ws = {p: (rng.standard_normal((32, 16)) * (i + 1)).astype(np.float32) for i, p in enumerate(paths)}
+    loaded = []
+    got = shared_global_scales(groups, lambda p: loaded.append(p) or ws[p],
+                               {p: (NVFP4, np.float32, ()) for p in groups[0]})
+    assert loaded == list(groups[0]) and set(got) == set(groups[0])
+    want = shared_global_scale(group_amax([ws[p] for p in groups[0]]), NVFP4, np.float32)
+    for p in groups[0]:
+        np.testing.assert_array_equal(np.asarray(got[p]), np.asarray(want))
+    by_layer = fused_global_scales({p: ws[p] for p in paths}, NVFP4)
+    assert set(by_layer) == {"l/q_proj", "l/k_proj", "l/v_proj", "m/gate_proj", "m/up_proj", "n/gate_proj",
+                             "n/up_proj"}
+    np.testing.assert_array_equal(np.asarray(by_layer["l/k_proj"]), np.asarray(want))
+    assert fused_global_scales(ws, presets["W4A16"].weights) == {}
+    # members that differ (here in dtype) share nothing: the caller is told
+    mismatched = []
+    assert shared_global_scales(groups, ws.__getitem__, {"l/q_proj": (NVFP4, np.float32, ()),
+                                                         "l/k_proj": (NVFP4, ml_dtypes.bfloat16, ()),
+                                                         "l/v_proj": (NVFP4, np.float32, ())},
+                                mismatch=mismatched.append) == {}
+    assert mismatched == [groups[0]]
+

@@ -1,4 +1,4 @@
-"""qformats.nn.weight_search: the one list of weight-search names, round-to-nearest, the output error."""
+"""qformats.algorithms.weight_search: the one list of weight-search names, round-to-nearest, the output error."""
 
 import jax
 import jax.numpy as jnp
@@ -7,10 +7,12 @@ import pytest
 from flax import nnx
 
 from qformats import dequantize, presets, quantize
+from qformats.algorithms.gptq import GPTQOptions, gptq_quantize
+from qformats.algorithms.weight_search import (NEEDS_HESSIAN, WEIGHT_SEARCHES, output_error, quantize_projection,
+                                               quantize_weight, search_name)
 from qformats.errors import ModelError
 from qformats.nn import Rule, quantize_linen, quantize_model
-from qformats.nn.weight_search import (NEEDS_HESSIAN, WEIGHT_SEARCHES, output_error, quantize_weight,
-                                       search_name)
+from qformats.presets import parse_scheme
 
 W = jax.random.normal(jax.random.key(0), (128, 32)) * 0.1
 
@@ -73,3 +75,17 @@ def test_output_error_is_the_trace_formula():
     want = np.trace(d.T @ h @ d)
     # float32 accumulation in the library against float64 here
     np.testing.assert_allclose(output_error(q, W, jnp.asarray(h, jnp.float32)), want, rtol=1e-4)
+
+
+def test_quantize_projection_options():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((256, 64)) * np.linspace(0.1, 3, 64), jnp.float32)
+    h = x.T @ x / 256
+    ss = parse_scheme("W4A16:g32")
+    for opts in (GPTQOptions(), GPTQOptions(block_size=16, dampening_frac=0.1, actorder=None)):
+        q, method = quantize_projection(w, ss, h, "gptq", opts, guard=False)
+        ref = gptq_quantize(w, ss.weights, h, block_size=opts.block_size, dampening_frac=opts.dampening_frac,
+                            actorder=opts.actorder)
+        np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(ref.codes))
+        assert method == "gptq"

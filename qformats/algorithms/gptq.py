@@ -10,6 +10,7 @@ Cholesky form of the inverse are its sections 3.3-3.4. The arithmetic here follo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -27,10 +28,21 @@ from qformats.quantize import check_input, quantize
 from qformats.scales import compute_scales
 from qformats.schemes import QuantScheme
 
-__all__ = ["DAMPENING_FRAC", "gptq_quantize", "gptq_quantize_shared", "gptq_hinv"]
+__all__ = ["DAMPENING_FRAC", "GPTQOptions", "gptq_quantize", "gptq_quantize_shared", "gptq_hinv"]
 
 DAMPENING_FRAC = 0.01
 """GPTQ's default relative dampening, H += 0.01 * mean(diag H) * I: llm-compressor 0.14's GPTQModifier default."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTQOptions:
+    """llm-compressor 0.14 GPTQModifier's options: `block_size` (columns per lazy batch), `dampening_frac`
+    (H += dampening_frac * mean(diag H) * I), `actorder` ("static", its alias "weight", or None: column order;
+    "group" was removed from llm-compressor and is refused by `gptq_quantize`)."""
+
+    block_size: int = 128
+    dampening_frac: float = DAMPENING_FRAC
+    actorder: Optional[str] = "static"
 
 
 _ACTORDERS = (None, "static", "weight")
@@ -125,7 +137,7 @@ def gptq_quantize_shared(ws: Sequence, scheme: QuantScheme, h, *, block_size: in
     shape, one sequential pass over the K columns instead of one per weight) and split again; each piece is
     re-quantized with its own scales as `gptq_quantize` does. The element operations are the same ones, so the
     codes equal the separate calls' (the lazy block update's matmul sums the same 128-term products per
-    element; tests/qformats/test_gptq.py checks equality).
+    element; tests/qformats/algorithms/test_gptq.py checks equality).
 
     Weights whose qparams carry different NVFP4 global scales cannot share the loop (the scale is one scalar
     there): they are quantized one by one.

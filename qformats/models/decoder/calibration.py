@@ -1,4 +1,8 @@
-"""Layer-by-layer (sequential) calibration of the decoder family: GPTQ / MSE weight searches one decoder layer at a time.
+"""Calibration of the decoder family: the layer-by-layer driver and the AWQ / SmoothQuant mappings onto its modules.
+
+The algorithms are pure functions in `qformats.algorithms` (weight searches, GPTQ, AWQ, SmoothQuant, shared
+NVFP4 global scales, calibration batches); this module knows the decoder's module names and runs them on a
+`CausalLM`, one decoder layer at a time.
 
 As llm-compressor's sequential pipeline does it, with the decoder layer as the unit:
 
@@ -28,106 +32,40 @@ attention: a real position never sees a padded one, so the real tokens' activati
 unpadded sample). Each layer's projections are built with paths relative to the layer, so every layer has
 the same graph and each (batch, length) shape compiles once for the whole model.
 
-Pure: takes a `CausalLM` and token arrays, quantizes it in place; no file I/O (converters.pipelines.calibrate drives it).
+Takes a `CausalLM` and token arrays, quantizes it in place; no file I/O (converters.pipelines.calibrate drives it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from qformats.algorithms import awq, smoothquant
+from qformats.algorithms.gptq import GPTQOptions
+from qformats.algorithms.sequential import Batches, input_groups, make_batches
+from qformats.algorithms.shared_scales import fused_global_scales
+from qformats.algorithms.weight_search import RTN, quantize_group, search_name
 from qformats.errors import ModelError
-from qformats.fused import group_amax, shared_global_scale, sibling_groups
-from qformats.gptq import DAMPENING_FRAC, gptq_quantize, gptq_quantize_shared
 from qformats.kv_cache import KVCacheScheme, amax_of, scale_from_amax
 from qformats.models.decoder import CausalLM, attention_mask, enable_kv_cache_quantization, inv_freq, rope_tables
 from qformats.matching import resolve_scheme
 from qformats.nn import CalibStat, QLinear
 from qformats.plan import check_fits
-from qformats.nn.weight_search import RTN, output_error, search_name
-from qformats.observers import get_observer, mse_quantize
-from qformats.quantize import quantize
+from qformats.observers import get_observer
 from qformats.schemes import SchemeSet
 
-__all__ = ["PROJECTIONS", "GPTQOptions", "Batches", "calibrate_decoder", "fused_global_scales", "make_batches",
-           "quantize_group", "quantize_projection"]
+__all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder", "awq_transform",
+           "smoothquant_transform"]
 
 PROJECTIONS = ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self_attn/o_proj",
                "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
 """The seven projections of a decoder layer, by path relative to the layer (HF's module names)."""
 PROPAGATE = ("quantized", "float")
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTQOptions:
-    """llm-compressor 0.14 GPTQModifier's options: `block_size` (columns per lazy batch), `dampening_frac`
-    (H += dampening_frac * mean(diag H) * I), `actorder` ("static", its alias "weight", or None: column order;
-    "group" was removed from llm-compressor and is refused by `qformats.gptq`)."""
-
-    block_size: int = 128
-    dampening_frac: float = DAMPENING_FRAC
-    actorder: Optional[str] = "static"
-
-
-@dataclasses.dataclass(frozen=True)
-class Batches:
-    """Calibration samples padded into batches: `ids[b]` [B, T_b] int32, `valid[b]` [B, T_b] bool (True = a real
-    token; real tokens come first in each row). `tokens` = the number of real tokens."""
-
-    ids: Tuple[np.ndarray, ...]
-    valid: Tuple[np.ndarray, ...]
-    tokens: int
-
-
-def make_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 8192, bucket: int = 32,
-                 max_padding: float = 0.0) -> Batches:
-    """Samples (1-D int token arrays) -> Batches: each sample right-padded (with id 0) to its bucket length
-    T = bucket * ceil(len / bucket); samples of one bucket batched B = max(1, tokens_per_batch // T) rows at a
-    time, in order, the last batch of a bucket filled with all-padding rows (so each bucket has one shape).
-
-    `max_padding` > 0 merges buckets, shortest first, into the next longer one while the padding of all the
-    batches stays <= max_padding * (real tokens): fewer shapes, so fewer compilations of the layer passes (each
-    distinct [B, T] compiles once), for a little padded compute (masked out of every statistic)."""
-    if not samples:
-        raise ModelError("calibration needs at least one sample")
-    if bucket < 1 or tokens_per_batch < 1:
-        raise ModelError(f"make_batches: bucket and tokens_per_batch must be >= 1, got {bucket}, {tokens_per_batch}")
-    groups: Dict[int, List[np.ndarray]] = {}
-    for i, s in enumerate(samples):
-        s = np.asarray(s)
-        if s.ndim != 1 or s.size == 0 or not np.issubdtype(s.dtype, np.integer):
-            raise ModelError(f"calibration sample {i}: expected a non-empty 1-D integer token array, got "
-                             f"{s.dtype} of shape {s.shape}")
-        groups.setdefault(bucket * -(-s.size // bucket), []).append(s)
-    if max_padding > 0:
-        real = sum(r.size for rows in groups.values() for r in rows)
-        pad = sum(t * len(rows) for t, rows in groups.items()) - real
-        lengths = sorted(groups)
-        for short, long in zip(lengths, lengths[1:]):
-            extra = (long - short) * len(groups[short])
-            if pad + extra <= max_padding * real:
-                pad += extra
-                groups[long] = groups.pop(short) + groups[long]
-    ids, valid = [], []
-    for t in sorted(groups):
-        rows = groups[t]
-        b = max(1, min(len(rows), tokens_per_batch // t))
-        for j in range(0, len(rows), b):
-            chunk = rows[j:j + b]
-            a = np.zeros((b, t), np.int32)
-            v = np.zeros((b, t), bool)
-            for r, s in enumerate(chunk):
-                a[r, :s.size] = s
-                v[r, :s.size] = True
-            ids.append(a)
-            valid.append(v)
-    return Batches(tuple(ids), tuple(valid), int(sum(np.asarray(s).size for s in samples)))
 
 
 class _Masked(nnx.Module):
@@ -144,13 +82,16 @@ class _Masked(nnx.Module):
 
 
 def _get(layer, rel: str):
-    a, b = rel.split("/")
-    return getattr(getattr(layer, a), b)
+    """The submodule at `rel` ("self_attn/q_proj", "input_layernorm"), a path relative to the layer."""
+    m = layer
+    for part in rel.split("/"):
+        m = getattr(m, part)
+    return m
 
 
 def _set(layer, rel: str, new) -> None:
-    a, b = rel.split("/")
-    setattr(getattr(layer, a), b, new)
+    *head, last = rel.split("/")
+    setattr(_get(layer, "/".join(head)) if head else layer, last, new)
 
 
 @functools.partial(nnx.jit, static_argnames=("keep_output",))
@@ -199,25 +140,11 @@ def _propagate(layer, xs, layer_inputs) -> None:
             _get(layer, rel).schemes = schemes
 
 
-def fused_global_scales(kernels: Dict[str, jax.Array], scheme) -> Dict[str, jax.Array]:
-    """projection (path relative to the layer) -> the NVFP4 (tensor_group) weight global scale its fused group
-    shares (`qformats.fused`: q/k/v_proj, gate/up_proj; g = 448 * 6 / max over the group of max |W|, as
-    llm-compressor 0.14's fused weight observers give it). {} for other strategies."""
-    if scheme.strategy != "tensor_group":
-        return {}
-    out = {}
-    for group in sibling_groups(list(kernels), sep="/"):
-        g = shared_global_scale(group_amax([kernels[r] for r in group]), scheme, kernels[group[0]].dtype)
-        out.update((r, g) for r in group)
-    return out
-
-
 @nnx.jit
 def _embed(model, ids):
     return model.model.embed_tokens(ids)
 
 
-_quantize_jit = jax.jit(quantize, static_argnames=("scheme", "axis"))
 _OBSERVERS: Dict = {}
 
 
@@ -227,74 +154,6 @@ def _observer(scheme):
     if scheme not in _OBSERVERS:
         _OBSERVERS[scheme] = get_observer("minmax", scheme)
     return _OBSERVERS[scheme]
-
-
-def quantize_projection(w, schemes: SchemeSet, h, weight_search: str, gptq: GPTQOptions = GPTQOptions(),
-                        guard: bool = True, global_scale=None):
-    """(QArray, method): the kernel `w` [K, N] quantized along K by `weight_search` for input moments `h` [K, K]:
-
-      "rtn": quantize(w); "mse": observers.mse_quantize with importance diag(H);
-      "gptq": gptq_quantize(w, H, block_size, dampening_frac, actorder) on round-to-nearest scales;
-      "mse+gptq": the same on the MSE search's scales.
-
-    `global_scale`: an NVFP4 weight global scale to use instead of w's own (a fused group's, `fused_global_scales`)
-    for "rtn" and "gptq"; the MSE searches keep w's own.
-
-    With `guard`, the search's result is kept only when its output error tr(dW^T H dW) is below
-    round-to-nearest's (method "rtn" otherwise), as `qformats.nn.quantize_model` does per layer.
-    """
-    ws = schemes.weights
-    rtn = _quantize_jit(w, ws, 0) if global_scale is None else _quantize_jit(w, ws, 0, global_scale=global_scale)
-    if weight_search == RTN or h is None:
-        return rtn, RTN
-    diag = jnp.diagonal(h)
-    if weight_search == "mse":
-        q = mse_quantize(w, ws, 0, importance=diag)
-    else:
-        qp = mse_quantize(w, ws, 0, importance=diag) if weight_search == "mse+gptq" else \
-            (None if global_scale is None else rtn)
-        q = gptq_quantize(w, ws, h, block_size=gptq.block_size, dampening_frac=gptq.dampening_frac,
-                          actorder=gptq.actorder, qparams=qp)
-    if guard and not output_error(q, w, h) < output_error(rtn, w, h):
-        return rtn, RTN
-    return q, weight_search
-
-
-def quantize_group(kernels: Dict[str, jax.Array], schemes: SchemeSet, h, weight_search: str,
-                   gptq: GPTQOptions = GPTQOptions(), guard: bool = True,
-                   global_scales: Optional[Dict[str, jax.Array]] = None) -> Dict[str, Tuple]:
-    """name -> (QArray, method) for projections that read the same input (one H, e.g. q/k/v or gate/up):
-    `quantize_projection` of each, except that the GPTQ searches run as one problem
-    (`qformats.gptq.gptq_quantize_shared`: the same codes, one column loop for the group)."""
-    global_scales = global_scales or {}
-    if weight_search not in ("gptq", "mse+gptq") or h is None or len(kernels) == 1:
-        return {r: quantize_projection(w, schemes, h, weight_search, gptq, guard, global_scales.get(r))
-                for r, w in kernels.items()}
-    ws = schemes.weights
-    rtn, qps = {}, []
-    diag = jnp.diagonal(h)
-    for r, w in kernels.items():
-        g = global_scales.get(r)
-        rtn[r] = _quantize_jit(w, ws, 0) if g is None else _quantize_jit(w, ws, 0, global_scale=g)
-        qps.append(mse_quantize(w, ws, 0, importance=diag) if weight_search == "mse+gptq" else
-                   (None if g is None else rtn[r]))
-    qs = gptq_quantize_shared(list(kernels.values()), ws, h, block_size=gptq.block_size,
-                              dampening_frac=gptq.dampening_frac, actorder=gptq.actorder, qparams=qps)
-    out = {}
-    for (r, w), q in zip(kernels.items(), qs):
-        if guard and not output_error(q, w, h) < output_error(rtn[r], w, h):
-            out[r] = (rtn[r], RTN)
-        else:
-            out[r] = (q, weight_search)
-    return out
-
-
-def _input_groups() -> List[Tuple[str, ...]]:
-    """The projections of a decoder layer grouped by the input they read: q/k/v (the input norm's output),
-    o_proj, gate/up (the post-attention norm's output), down_proj, in PROJECTIONS order of first member."""
-    fused = {g[0]: g for g in sibling_groups(PROJECTIONS, sep="/")}
-    member = {r for g in fused.values() for r in g}
-    return [fused.get(r, (r,)) for r in PROJECTIONS if r in fused or r not in member]
 
 
 def _layer_inputs(config, t: int, window):
@@ -316,13 +175,13 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
       model: a float `CausalLM` (its projections nnx.Linear; lm_head and embeddings stay dense).
       samples: calibration token arrays (a list of 1-D int arrays, e.g. `converters.evaluation.calibration_data`), or Batches.
       scheme: a scheme string ("W4A16:g64", ...) or SchemeSet for every projection.
-      weight_search: "rtn", "mse", "gptq" or "mse+gptq" (`quantize_projection`).
+      weight_search: "rtn", "mse", "gptq" or "mse+gptq" (`qformats.algorithms.weight_search.quantize_projection`).
       gptq: GPTQ's options (llm-compressor 0.14's defaults).
       propagate: "quantized" (layer i+1 calibrates on layer i's outputs with its quantized weights: llm-compressor's
         default) or "float" (on the float outputs: then the result equals `quantize_model` on the whole model).
       guard: keep round-to-nearest for a projection where the search does not lower tr(dW^T H dW).
       transform: optional `transform(layer, index, xs, valid, layer_inputs)` run on the float layer before its
-        calibration pass (e.g. `qformats.smoothquant.smoothquant_transform` folding scales into the layer): `xs`
+        calibration pass (e.g. `smoothquant_transform` folding scales into the layer): `xs`
         the layer's input batches [B, T, d], `valid` their [B, T] real-token masks, `layer_inputs(T) -> (cos,
         sin, mask)` the layer's other arguments.
       kv_cache: quantize the KV cache too (`qformats.kv_cache`): static scales k_scale = max|keys| / 448 (per
@@ -383,7 +242,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
     xs = [_embed(model, jnp.asarray(ids)) if embed is None else jnp.asarray(embed(ids)) for ids in batches.ids]
     valid = [jnp.asarray(v) for v in batches.valid]
     searched = 0
-    groups = _input_groups()
+    groups = input_groups(PROJECTIONS)
     kv_static = kv_cache is not None and not kv_cache.dynamic
     kv_scales = []
     for i, layer in enumerate(layers):
@@ -424,7 +283,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         results = {}
         for group in groups:
             first = _get(layer, group[0]).inner
-            total, _ = first.calib_sq.get_value()
+            total, _ = first.input_moments
             h = total / batches.tokens if total.ndim == 2 else None
             results.update(quantize_group({r: floats[r] for r in group}, ss, h, weight_search, gptq, guard, shared))
             for rel in group[1:]:  # the input range the first member observed is theirs too
@@ -436,8 +295,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             inner = _get(layer, rel).inner
             q, method = results[rel]
             if static:
-                inner.finalize("ptq", weight_search=RTN)  # static activation scales from the observer
-                inner.set_weight(q)
+                inner.finalize("ptq", q, method)  # static activation scales from the observer
             else:
                 bias = inner.bias
                 inner = QLinear(q, None if bias is None else bias.get_value(), ss, mode="ptq", dtype=inner.dtype,
@@ -458,3 +316,244 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         enable_kv_cache_quantization(model, kv_cache, kv_scales if kv_static else None)
     return {"layers": len(layers), "searched": searched, "projections": len(layers) * len(PROJECTIONS),
             "tokens": batches.tokens}
+
+
+# ---- AWQ on the decoder's modules --------------------------------------------------------------------------
+class AWQMapping(tuple):
+    """(smooth, balances, parent): paths relative to a decoder layer ("self_attn/v_proj", "input_layernorm")."""
+
+    __slots__ = ()
+
+    def __new__(cls, smooth: str, balances: Tuple[str, ...], parent: str):
+        return super().__new__(cls, (smooth, tuple(balances), parent))
+
+    smooth = property(lambda self: self[0])
+    balances = property(lambda self: self[1])
+    parent = property(lambda self: self[2])
+
+
+AWQ_MAPPINGS: Tuple[AWQMapping, ...] = (
+    AWQMapping("input_layernorm", ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj"), "self_attn"),
+    AWQMapping("self_attn/v_proj", ("self_attn/o_proj",), "self_attn/o_proj"),
+    AWQMapping("post_attention_layernorm", ("mlp/gate_proj", "mlp/up_proj"), "mlp"),
+    AWQMapping("mlp/up_proj", ("mlp/down_proj",), "mlp/down_proj"),
+)
+"""llm-compressor 0.14's AWQ default_mappings for the decoder family; the parent is the balance projections'
+lowest common ancestor (the projection itself when there is one). v_proj -> o_proj is skipped when v_proj's outputs
+differ from o_proj's inputs, as under GQA (llm-compressor's exact rule)."""
+
+
+class _Tap(nnx.Module):
+    """Passes its input to the wrapped module and hands it to `sink` (used inside one trace only)."""
+
+    def __init__(self, inner, rel: str, sink: dict):
+        self.inner = inner
+        self.rel = rel
+        self.sink = nnx.data(sink)
+
+    def __call__(self, x):
+        self.sink[self.rel] = x
+        return self.inner(x)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
+def _capture(graphdef, state, x, cos, sin, mask, taps):
+    layer = nnx.merge(graphdef, state)
+    seen: dict = {}
+    for rel in taps:
+        _set(layer, rel, _Tap(_get(layer, rel), rel, seen))
+    layer(x, cos, sin, mask)
+    return {rel: seen[rel] for rel in taps}
+
+
+def _run_parent(layer, parent: str, x, cos, sin, mask):
+    y = _get(layer, parent)(x, cos, sin, mask) if parent == "self_attn" else _get(layer, parent)(x)
+    return y[0] if isinstance(y, tuple) else y
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "parent"))
+def _parent_out(graphdef, state, x, cos, sin, mask, parent):
+    return _run_parent(nnx.merge(graphdef, state), parent, x, cos, sin, mask)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "parent", "balances"))
+def _parent_sse(graphdef, state, kernels, x, cos, sin, mask, ref, valid, parent, balances):
+    layer = nnx.merge(graphdef, state)
+    for rel, k in zip(balances, kernels):
+        _get(layer, rel).kernel.set_value(k)
+    d = (_run_parent(layer, parent, x, cos, sin, mask) - ref).astype(jnp.float32)
+    return jnp.sum(jnp.where(valid[..., None], d * d, 0.0))
+
+
+def _kernel(lin):
+    return lin.kernel.get_value()
+
+
+def _awq_mappings(layer, index: int) -> List[AWQMapping]:
+    """The mappings that apply to this layer: v_proj -> o_proj is dropped when v_proj's output size differs from
+    o_proj's input size (llm-compressor's `_check_layers_are_compatible`)."""
+    where = f"model/layers/{index}"
+    for mod in ("self_attn", "mlp"):
+        if getattr(_get(layer, mod), "rotations", None) is not None:
+            raise ModelError(f"{where}/{mod}: AWQ cannot scale projections that carry online rotations")
+    out = []
+    for m in AWQ_MAPPINGS:
+        for rel in (m.smooth,) + m.balances:
+            try:
+                mod = _get(layer, rel)
+            except AttributeError:
+                raise ModelError(f"{where}/{rel}: AWQ mapping {m.smooth} -> {', '.join(m.balances)} needs this "
+                                 "module; the layer has none") from None
+            if rel.endswith("_proj"):
+                if type(mod) is not nnx.Linear:
+                    raise ModelError(f"{where}/{rel}: AWQ scales a float nnx.Linear, found {type(mod).__name__}")
+            elif not hasattr(mod, "weight") or mod.weight.get_value().ndim != 1:
+                raise ModelError(f"{where}/{rel}: AWQ divides a norm's 1-D weight by its scales, found "
+                                 f"{type(mod).__name__}")
+        if m.smooth == "self_attn/v_proj":
+            if _kernel(_get(layer, m.smooth)).shape[1] != _kernel(_get(layer, m.balances[0])).shape[0]:
+                continue
+        out.append(m)
+    return out
+
+
+def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = True,
+                  record: Optional[list] = None) -> Callable:
+    """A `calibrate_decoder` transform: per decoder layer, one float pass over the calibration batches records each
+    mapping's input (`AWQ_MAPPINGS`), then, mapping by mapping, the grid search (`qformats.algorithms.awq`) picks
+    the scales s that minimise the parent's output error under the weight scheme's fake quantization, and s is
+    folded into the smooth module (norm weight / s, or a linear's rows / s) and the balance projections
+    (columns * s).
+
+    Args:
+      scheme: the weight scheme of the projections (a preset string such as "W4A16:g64", a SchemeSet or a
+        QuantScheme), the one `calibrate_decoder` then quantizes with.
+      n_grid, duo_scaling: llm-compressor's AWQModifier options (`qformats.algorithms.awq.grid`).
+      record: optional list; one dict per applied mapping is appended ({"layer", "smooth", "balances", "ratio",
+        "duo", "scales", "x_mean", "errors" (the loss at each grid point), "initial_error", "best_error"}).
+
+    Raises:
+      ModelError: a scheme without weights, duo scaling with per-tensor weights (llm-compressor refuses it), bad
+        grid options; per layer (naming it): a missing or non-float module, online rotations, no finite loss.
+    """
+    ss = resolve_scheme(scheme)
+    if ss is None or ss.weights is None:
+        raise ModelError(f"AWQ: scheme {scheme!r} quantizes no weights; AWQ scales need a weight scheme")
+    ws = ss.weights
+    points = awq.grid(n_grid, duo_scaling)
+    if duo_scaling is not False and ws.strategy == "tensor":
+        raise ModelError(f"AWQ: duo_scaling needs per-channel, group or block weight scales, but {ss.name} has one "
+                         "scale per tensor; pass duo_scaling=False")
+
+    def transform(layer, index: int, xs, valid, layer_inputs) -> None:
+        mappings = _awq_mappings(layer, index)
+        taps = tuple(dict.fromkeys(m.balances[0] for m in mappings))
+        graphdef, state = nnx.split(layer)
+        extras = [layer_inputs(x.shape[1]) for x in xs]
+        seen = [_capture(graphdef, state, x, *e, taps) for x, e in zip(xs, extras)]
+        tokens = int(sum(int(np.sum(np.asarray(v))) for v in valid))
+        for m in mappings:
+            where = f"model/layers/{index}/{m.smooth}"
+            inputs = [s[m.balances[0]] for s in seen]
+            x_mean = awq.activation_means(inputs, valid)
+            lins = [_get(layer, rel) for rel in m.balances]
+            origs = [_kernel(lin) for lin in lins]
+            w_mean = awq.weight_means(origs, ws, where) if duo_scaling is not False else None
+            graphdef, state = nnx.split(layer)
+            refs = [_parent_out(graphdef, state, x, *e, m.parent) for x, e in zip(inputs, extras)]
+            count = tokens * int(refs[0].shape[-1])
+
+            def loss(ks, m=m, graphdef=graphdef, state=state, inputs=inputs, refs=refs, count=count):
+                sse = sum(float(_parent_sse(graphdef, state, ks, x, *e, r, v, m.parent, m.balances))
+                          for x, e, r, v in zip(inputs, extras, refs, valid))
+                return sse / count
+
+            found = awq.search_scales(x_mean, w_mean, origs, ws, points, loss, where=where, parent=m.parent)
+            best = found.scales
+            for lin, k in zip(lins, origs):
+                lin.kernel.set_value(awq.scale_rows(k, best))
+            sm = _get(layer, m.smooth)
+            if isinstance(sm, nnx.Linear):
+                sm.kernel.set_value(awq.unscale_cols(_kernel(sm), best))
+                if sm.bias is not None:
+                    sm.bias.set_value(awq.unscale(sm.bias.get_value(), best))
+            else:
+                sm.weight.set_value(awq.unscale(sm.weight.get_value(), best))
+            if record is not None:
+                record.append({"layer": index, "smooth": m.smooth, "balances": m.balances, "ratio": found.ratio,
+                               "duo": found.duo, "scales": np.asarray(best), "x_mean": x_mean,
+                               "errors": found.errors, "initial_error": found.initial_error,
+                               "best_error": found.best_error})
+
+    return transform
+
+
+# ---- SmoothQuant on the decoder's modules ------------------------------------------------------------------
+SMOOTHQUANT_MAPPINGS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("input_layernorm", ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj")),
+    ("post_attention_layernorm", ("mlp/gate_proj", "mlp/up_proj")),
+)
+"""(norm, projections reading its output) of a decoder layer: llm-compressor's DEFAULT_SMOOTHQUANT_MAPPINGS."""
+
+
+class _RangeTap(nnx.Module):
+    """Wraps a norm: its output passes unchanged; the per-channel min and max over valid tokens are recorded."""
+
+    def __init__(self, inner, dim: int):
+        self.inner = inner
+        self.valid = nnx.Variable(jnp.ones((1, 1), bool))
+        self.lo = nnx.Variable(jnp.full((dim,), jnp.inf, jnp.float32))
+        self.hi = nnx.Variable(jnp.full((dim,), -jnp.inf, jnp.float32))
+
+    def __call__(self, x):
+        y = self.inner(x)
+        v = self.valid.get_value()[..., None]
+        yf = y.astype(jnp.float32)
+        self.lo.set_value(jnp.minimum(self.lo.get_value(), jnp.min(jnp.where(v, yf, jnp.inf), axis=(0, 1))))
+        self.hi.set_value(jnp.maximum(self.hi.get_value(), jnp.max(jnp.where(v, yf, -jnp.inf), axis=(0, 1))))
+        return y
+
+
+@nnx.jit
+def _range_pass(layer, x, valid, cos, sin, mask):
+    """Records the mapped norms' output ranges; returns nothing, so XLA drops what they do not need (the MLP)."""
+    for norm, _ in SMOOTHQUANT_MAPPINGS:
+        getattr(layer, norm).valid.set_value(valid)
+    layer(x, cos, sin, mask)
+
+
+def smoothquant_transform(alpha: float) -> Callable:
+    """A `calibrate_decoder` transform: per decoder layer, one float pass over the calibration batches records each
+    mapped norm's output range (`SMOOTHQUANT_MAPPINGS`), then the SmoothQuant factors
+    (`qformats.algorithms.smoothquant.smoothing_scales`) are folded into the norm and its projections (float
+    nnx.Linear kernels and the norm's weight: `smoothquant.fold_scales`)."""
+    alpha = smoothquant.check_alpha(alpha)
+
+    def transform(layer, index: int, xs, valid, layer_inputs) -> None:
+        norms = {}
+        for norm, _ in SMOOTHQUANT_MAPPINGS:
+            inner = getattr(layer, norm)
+            norms[norm] = inner
+            setattr(layer, norm, _RangeTap(inner, int(inner.weight.get_value().shape[0])))
+        try:
+            for x, v in zip(xs, valid):
+                _range_pass(layer, x, v, *layer_inputs(x.shape[1]))
+            ranges = {n: getattr(layer, n).hi.get_value() - getattr(layer, n).lo.get_value() for n in norms}
+        finally:
+            for n, inner in norms.items():
+                setattr(layer, n, inner)
+        for norm, projs in SMOOTHQUANT_MAPPINGS:
+            lins = [_get(layer, p) for p in projs]
+            for p, lin in zip(projs, lins):
+                if not isinstance(lin, nnx.Linear):
+                    raise ModelError(f"model/layers/{index}/{p}: SmoothQuant folds scales into a float nnx.Linear, "
+                                     f"found {type(lin).__name__}")
+            kernels = [lin.kernel.get_value() for lin in lins]
+            s = smoothquant.smoothing_scales(ranges[norm], kernels, alpha)
+            nw = norms[norm].weight
+            w, folded = smoothquant.fold_scales(nw.get_value(), kernels, s)
+            nw.set_value(w)
+            for lin, k in zip(lins, folded):
+                lin.kernel.set_value(k)
+
+    return transform

@@ -1,7 +1,6 @@
-"""qformats.smoothquant: llm-compressor's SmoothQuant scales folded into the decoder's norms leave the float model's
-outputs unchanged (float rounding only) and flatten the activation ranges the projections see."""
-
-import dataclasses
+"""qformats.models.decoder.calibration's SmoothQuant adapter: llm-compressor's SmoothQuant scales folded into the
+decoder's norms leave the float model's outputs unchanged (float rounding only) and flatten the activation ranges
+the projections see."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,20 +9,10 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.models.decoder import CausalLM, DecoderConfig
-from qformats.models.sequential import calibrate_decoder
-from qformats.smoothquant import smoothing_scales, smoothquant_transform
+from qformats.models.decoder.calibration import calibrate_decoder, smoothquant_transform
 
 CFG = DecoderConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=64, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=16)
-
-
-def test_scales_formula():
-    r = jnp.asarray([4.0, 1.0, 0.0, 9.0])
-    k1 = jnp.asarray([[1.0, -2.0], [0.5, 0.0], [0.0, 0.0], [0.0, 0.0]])
-    k2 = jnp.asarray([[-3.0], [0.25], [0.0], [0.0]])
-    s = np.asarray(smoothing_scales(r, [k1, k2], 0.5))
-    # w = 2 * [3, .5, 0, 0]; s = r^.5 / w^.5, r where w == 0, at least 1e-5
-    np.testing.assert_allclose(s, [2 / 6 ** 0.5, 1.0, 1e-5, 9.0], rtol=1e-6)
 
 
 def _outlier_model():

@@ -1,8 +1,9 @@
-"""Fused sibling projections (vLLM's qkv_proj, gate_up_proj, ...) and the NVFP4 global scale they share."""
+"""Shared global scales: the NVFP4 global scale that fused sibling projections (vLLM's qkv_proj, gate_up_proj) share."""
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Sequence, Tuple
+import warnings
+from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,8 @@ from qformats.errors import SchemeError
 from qformats.quantize import quantize
 from qformats.schemes import QuantScheme
 
-__all__ = ["FUSED_GROUPS", "sibling_groups", "group_amax", "shared_global_scale"]
+__all__ = ["FUSED_GROUPS", "sibling_groups", "selected_groups", "group_amax", "shared_global_scale",
+           "shared_global_scales", "fused_global_scales"]
 
 #: Sibling modules (last path components under one parent) that vLLM fuses into one matmul, as llm-compressor
 #: 0.14 lists them (`llmcompressor.observers.helpers.FUSED_LAYER_NAMES`): under TENSOR_GROUP weights (NVFP4)
@@ -43,6 +45,24 @@ def sibling_groups(paths: Iterable[str], sep: str = ".",
         for names in groups:
             if all(n in kids for n in names):
                 out.append(tuple(kids[n] for n in names))
+    return out
+
+
+def selected_groups(paths: Iterable[str], selected: Collection[str], sep: str = ".",
+                    groups: Sequence[Sequence[str]] = FUSED_GROUPS,
+                    partial: Optional[Callable[[Tuple[str, ...], List[str]], None]] = None) -> List[Tuple[str, ...]]:
+    """The fused groups among `paths` (`sibling_groups`) whose members are all in `selected` (the modules taking
+    one TENSOR_GROUP weight scheme). For a group only partly selected (some members, not all),
+    `partial(group, members_selected)` is called (the caller warns or refuses: vLLM fuses the whole group into one
+    matmul, with one global scale); a group with no selected member is dropped silently."""
+    selected = set(selected)
+    out = []
+    for g in sibling_groups(paths, sep=sep, groups=groups):
+        inside = [p for p in g if p in selected]
+        if len(inside) == len(g):
+            out.append(g)
+        elif inside and partial is not None:
+            partial(g, inside)
     return out
 
 
@@ -86,3 +106,47 @@ def shared_global_scale(amax, scheme: QuantScheme, dtype) -> jax.Array:
     for _ in range(np.ndim(amax)):
         fn = jax.vmap(fn)
     return fn(amax)
+
+
+def shared_global_scales(groups: Iterable[Sequence[str]], load: Callable[[str], Any],
+                         members: Mapping[str, Tuple[QuantScheme, Any, Tuple[int, ...]]],
+                         mismatch: Optional[Callable[[Tuple[str, ...]], None]] = None) -> Dict[str, jax.Array]:
+    """path -> the global scale its fused group shares, for every group of `groups`:
+
+        g = shared_global_scale(amax, scheme, dtype),   amax = max_i group_amax([load(p_i)], len(lead))
+
+    `members[p]` = (weight scheme, weight dtype, leading stacked dims) of each member p (a TENSOR_GROUP scheme);
+    `load(p)` gives p's weight, one member at a time (a checkpoint reader keeps one weight in memory). The max is
+    taken in the weights' dtype, so amax is exact whatever the order. A group whose members differ in scheme,
+    dtype or stacking shares nothing: `mismatch(group)` is called (default: a warning) and its members keep their
+    own global scales.
+    """
+    out: Dict[str, jax.Array] = {}
+    for g in groups:
+        g = tuple(g)
+        meta = {(members[p][0], np.dtype(members[p][1]), tuple(members[p][2])) for p in g}
+        if len(meta) != 1:
+            if mismatch is None:
+                warnings.warn(f"{', '.join(g)} are fused siblings with different weight schemes, dtypes or "
+                              "stacking; their global scales are not shared", stacklevel=2)
+            else:
+                mismatch(g)
+            continue
+        scheme, dtype, lead = meta.pop()
+        amax = None
+        for p in g:
+            a = group_amax([load(p)], len(lead))
+            amax = a if amax is None else jnp.maximum(amax, a)
+        shared = shared_global_scale(amax, scheme, dtype)
+        out.update((p, shared) for p in g)
+    return out
+
+
+def fused_global_scales(kernels: Mapping[str, Any], scheme: QuantScheme, sep: str = "/") -> Dict[str, jax.Array]:
+    """path -> the global scale its fused group shares, for weights that are all at hand (`kernels`: path -> weight,
+    e.g. one decoder layer's projections): the groups of `sibling_groups` among the paths, each sharing
+    `shared_global_scale` of its `group_amax`. {} unless `scheme` is TENSOR_GROUP (NVFP4)."""
+    if scheme.strategy != "tensor_group":
+        return {}
+    groups = selected_groups(list(kernels), kernels, sep=sep)
+    return shared_global_scales(groups, kernels.__getitem__, {p: (scheme, kernels[p].dtype, ()) for p in kernels})

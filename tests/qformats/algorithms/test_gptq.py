@@ -14,7 +14,7 @@ import pytest
 
 from qformats import QuantScheme, SchemeError, dequantize, presets, quantize
 from qformats.formats import FloatFormat
-from qformats.gptq import gptq_hinv, gptq_quantize, gptq_quantize_shared
+from qformats.algorithms.gptq import gptq_hinv, gptq_quantize, gptq_quantize_shared
 from qformats.observers import mse_quantize
 
 K, N = 128, 48

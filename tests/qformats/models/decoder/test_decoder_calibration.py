@@ -1,5 +1,5 @@
-"""qformats.models.sequential: layer-by-layer calibration of the decoder equals quantize_model where the two must
-agree, GPTQ lowers each layer's output error against round-to-nearest, padding changes nothing."""
+"""qformats.models.decoder.calibration: layer-by-layer calibration of the decoder equals quantize_model where the
+two must agree, GPTQ lowers each layer's output error against round-to-nearest, padding changes nothing."""
 
 import dataclasses
 
@@ -11,8 +11,7 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.models.decoder import CausalLM, DecoderConfig, quantization_rules
-from qformats.models.sequential import (PROJECTIONS, GPTQOptions, calibrate_decoder, make_batches,
-                                        quantize_projection)
+from qformats.models.decoder.calibration import PROJECTIONS, calibrate_decoder
 from qformats.nn import QLinear, quantize_model, quantized_layers
 from qformats.presets import parse_scheme
 from qformats.quantize import dequantize
@@ -39,23 +38,6 @@ def same_codes(a, b):
     for p in a:
         for x, y in zip(jax.tree.leaves(a[p]), jax.tree.leaves(b[p])):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=p)
-
-
-def test_make_batches_pads_by_bucket():
-    s = [np.arange(1, 4), np.arange(1, 40), np.arange(1, 6)]
-    b = make_batches(s, tokens_per_batch=64, bucket=8)
-    assert [a.shape for a in b.ids] == [(2, 8), (1, 40)]
-    assert b.tokens == 3 + 39 + 5
-    np.testing.assert_array_equal(b.ids[0][1, :5], np.arange(1, 6))
-    assert b.valid[0].sum() == 8 and not b.valid[0][0, 3:].any() and b.valid[1].sum() == 39
-    c = make_batches([np.arange(1, 4)] * 5, tokens_per_batch=16, bucket=8)  # 2 rows a batch, the last one padded
-    assert [a.shape for a in c.ids] == [(2, 8)] * 3 and c.valid[2].sum() == 3
-    # max_padding: buckets merge into longer ones while padding <= max_padding * real tokens (47 here)
-    assert [a.shape for a in make_batches(s, tokens_per_batch=64, bucket=8, max_padding=1.0).ids] == [(2, 8), (1, 40)]
-    m = make_batches(s, tokens_per_batch=64, bucket=8, max_padding=2.0)  # padding 9 + 2 * 32 = 73 <= 94
-    assert [a.shape for a in m.ids] == [(1, 40)] * 3 and m.tokens == 47
-    assert [int(v.sum()) for v in m.valid] == [3, 5, 39]
-    np.testing.assert_array_equal(m.ids[1][0, :5], np.arange(1, 6))
 
 
 def test_rtn_equals_quantize_model():
@@ -105,21 +87,6 @@ def test_gptq_beats_rtn_on_layer_outputs():
         if ws == "gptq":
             assert info["searched"] == info["projections"] == 14
     assert errs["gptq"] < 0.7 * errs["rtn"], errs
-
-
-def test_quantize_projection_options():
-    rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((256, 64)) * np.linspace(0.1, 3, 64), jnp.float32)
-    h = x.T @ x / 256
-    ss = parse_scheme("W4A16:g32")
-    from qformats.gptq import gptq_quantize
-    for opts in (GPTQOptions(), GPTQOptions(block_size=16, dampening_frac=0.1, actorder=None)):
-        q, method = quantize_projection(w, ss, h, "gptq", opts, guard=False)
-        ref = gptq_quantize(w, ss.weights, h, block_size=opts.block_size, dampening_frac=opts.dampening_frac,
-                            actorder=opts.actorder)
-        np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(ref.codes))
-        assert method == "gptq"
 
 
 def test_errors():

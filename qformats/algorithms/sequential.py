@@ -1,0 +1,82 @@
+"""Layer-by-layer (sequential) calibration, the pure pieces: calibration samples padded into batches, and the
+projections of a layer grouped by the input they read (one Hessian per group).
+
+The layer loop itself (calibration pass, weight search per input group, propagation pass) needs the model: for the
+decoder family it is `qformats.models.decoder.calibration.calibrate_decoder`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from qformats.algorithms.shared_scales import sibling_groups
+from qformats.errors import ModelError
+
+__all__ = ["Batches", "make_batches", "input_groups"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batches:
+    """Calibration samples padded into batches: `ids[b]` [B, T_b] int32, `valid[b]` [B, T_b] bool (True = a real
+    token; real tokens come first in each row). `tokens` = the number of real tokens."""
+
+    ids: Tuple[np.ndarray, ...]
+    valid: Tuple[np.ndarray, ...]
+    tokens: int
+
+
+def make_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 8192, bucket: int = 32,
+                 max_padding: float = 0.0) -> Batches:
+    """Samples (1-D int token arrays) -> Batches: each sample right-padded (with id 0) to its bucket length
+    T = bucket * ceil(len / bucket); samples of one bucket batched B = max(1, tokens_per_batch // T) rows at a
+    time, in order, the last batch of a bucket filled with all-padding rows (so each bucket has one shape).
+
+    `max_padding` > 0 merges buckets, shortest first, into the next longer one while the padding of all the
+    batches stays <= max_padding * (real tokens): fewer shapes, so fewer compilations of the layer passes (each
+    distinct [B, T] compiles once), for a little padded compute (masked out of every statistic)."""
+    if not samples:
+        raise ModelError("calibration needs at least one sample")
+    if bucket < 1 or tokens_per_batch < 1:
+        raise ModelError(f"make_batches: bucket and tokens_per_batch must be >= 1, got {bucket}, {tokens_per_batch}")
+    groups: Dict[int, List[np.ndarray]] = {}
+    for i, s in enumerate(samples):
+        s = np.asarray(s)
+        if s.ndim != 1 or s.size == 0 or not np.issubdtype(s.dtype, np.integer):
+            raise ModelError(f"calibration sample {i}: expected a non-empty 1-D integer token array, got "
+                             f"{s.dtype} of shape {s.shape}")
+        groups.setdefault(bucket * -(-s.size // bucket), []).append(s)
+    if max_padding > 0:
+        real = sum(r.size for rows in groups.values() for r in rows)
+        pad = sum(t * len(rows) for t, rows in groups.items()) - real
+        lengths = sorted(groups)
+        for short, long in zip(lengths, lengths[1:]):
+            extra = (long - short) * len(groups[short])
+            if pad + extra <= max_padding * real:
+                pad += extra
+                groups[long] = groups.pop(short) + groups[long]
+    ids, valid = [], []
+    for t in sorted(groups):
+        rows = groups[t]
+        b = max(1, min(len(rows), tokens_per_batch // t))
+        for j in range(0, len(rows), b):
+            chunk = rows[j:j + b]
+            a = np.zeros((b, t), np.int32)
+            v = np.zeros((b, t), bool)
+            for r, s in enumerate(chunk):
+                a[r, :s.size] = s
+                v[r, :s.size] = True
+            ids.append(a)
+            valid.append(v)
+    return Batches(tuple(ids), tuple(valid), int(sum(np.asarray(s).size for s in samples)))
+
+
+def input_groups(projections: Sequence[str], sep: str = "/") -> List[Tuple[str, ...]]:
+    """The projections (module paths) grouped by the input they read, in `projections` order of first member: each
+    fused sibling group (`shared_scales.sibling_groups`: q/k/v, gate/up read one norm's output) is one group, every
+    other projection its own (o_proj, down_proj)."""
+    fused = {g[0]: g for g in sibling_groups(projections, sep=sep)}
+    member = {r for g in fused.values() for r in g}
+    return [fused.get(r, (r,)) for r in projections if r in fused or r not in member]
