@@ -24,7 +24,7 @@ from converters.formats.safetensors_io import SINGLE_FILE, save_file
 from converters.formats.shard_writer import ShardedWriter
 from qformats.errors import CheckpointError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 W = (np.random.default_rng(0).standard_normal((32, 128)) * 0.1).astype(np.float32)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("gguf")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 
 _DRIVER = r"""
