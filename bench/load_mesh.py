@@ -150,7 +150,7 @@ def child(kind: str, src: Path, devices: int) -> dict:
         from converters.pipelines.causal_lm import load_causal_lm
         from converters.pipelines.mesh_load import ReadStats, tensor_parallel_setup
         from qformats.models.decoder import DecoderConfig
-        from qformats.sharding import param_bytes_per_device
+        from qformats.nn.sharding import param_bytes_per_device
 
         mesh = tensor_parallel_setup(devices) if kind == "sharded" else None
         jax.block_until_ready(jax.device_put(jnp.zeros(8), jax.devices()[0]))  # runtime started before baseline

@@ -222,8 +222,8 @@ class Matcher:
             rules = [rules]
         out = []
         for i, r in enumerate(rules):
-            if isinstance(r, tuple):
-                r = Rule(*r)
+            if isinstance(r, (tuple, str)):
+                r = Rule(*r) if isinstance(r, tuple) else Rule(r)
             if not isinstance(r, Rule):
                 raise ModelError(f"rule #{i}: expected a Rule(pattern, scheme), got {r!r}")
             where = f"rule #{i} {r.pattern!r}" if isinstance(r.pattern, str) else f"rule #{i}"
@@ -254,7 +254,8 @@ class Matcher:
             for i, t in enumerate(entries):
                 if not isinstance(t, str):
                     raise error(f"{where}: {what} entries: expected strings, found {t!r}")
-                tests[what].append((t, _entry_test(t, what, sep, f"{where}: {what}[{i}]", error)))
+                key = "targets" if what == "target" else "ignore"  # the config's keys
+                tests[what].append((t, _entry_test(t, what, sep, f"{where}: {key}[{i}]", error)))
 
         def targeted(path: str, kind: str) -> bool:
             return any(fn(path, kind) for _, fn in tests["target"])

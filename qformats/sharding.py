@@ -1,9 +1,10 @@
-"""Sharding on a jax Mesh: logical-axis rules as data, partition specs of a QArray's leaves, shard_model.
+"""Sharding on a jax Mesh: logical-axis rules as data, partition specs of a QArray's leaves (NNX models:
+`qformats.nn.sharding`).
 
 Sharding is data, as with Flax's partitioning metadata: a `ShardingRules` table names the logical axes of
 each parameter by a regex on its module path (e.g. `.*/mlp/(gate|up)_proj/kernel` -> ("embed", "mlp")), and
-maps logical axes to mesh axes (`("mlp", "tp")`, `("embed", None)`) through Flax's own
-`flax.linen.logical_to_mesh_axes`. The logical axes always describe the *logical* (float) parameter, so a
+maps logical axes to mesh axes (`("mlp", "tp")`, `("embed", None)`) by Flax's priority rule
+(`logical_spec`, as `flax.linen.logical_to_mesh_axes` maps them). The logical axes always describe the *logical* (float) parameter, so a
 packed `QArray` inherits the layout of the float weight it replaced: `qarray_specs` translates the
 logical spec into one spec per stored leaf.
 
@@ -39,8 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qformats.errors import ModelError
 from qformats.qarray import QArray
 
-__all__ = ["ShardingRules", "logical_spec", "spec_for", "qarray_specs", "qarray_shardings", "param_shardings",
-           "shard_model", "param_bytes_per_device", "mesh_axis_size"]
+__all__ = ["ShardingRules", "logical_spec", "spec_for", "qarray_specs", "qarray_shardings", "mesh_axis_size"]
 
 LogicalAxes = Tuple[Optional[str], ...]
 MeshAxes = Union[None, str, Tuple[str, ...]]
@@ -88,12 +88,33 @@ class ShardingRules:
         return dict(self.units).get(logical, 1) if logical is not None else 1
 
 
-def logical_spec(axes: Sequence[Optional[str]], rules: ShardingRules) -> PartitionSpec:
-    """The PartitionSpec of an array whose dimensions have logical names `axes`: each name mapped to its mesh
-    axis by `rules.mesh_axes` (`flax.linen.logical_to_mesh_axes`; an unlisted name -> None, replicated)."""
-    from flax.linen import logical_to_mesh_axes
+_UNASSIGNED = object()
 
-    return logical_to_mesh_axes(tuple(axes), rules.mesh_axes)
+
+def logical_spec(axes: Sequence[Optional[str]], rules: ShardingRules) -> PartitionSpec:
+    """The PartitionSpec of an array whose dimensions have logical names `axes`, by the rules `rules.mesh_axes`
+    ((logical name, mesh axes) pairs) in order: a rule gives its mesh axes to the dimension of that logical name
+    when the dimension has none yet and no other dimension holds any of those mesh axes; a dimension no rule
+    gives (or None) stays None, replicated. This is `flax.linen.logical_to_mesh_axes`'s priority rule.
+
+    Raises:
+      ModelError: a logical name given to two dimensions."""
+    names = tuple(axes)
+    dups = sorted({n for n in names if isinstance(n, str) and names.count(n) > 1})
+    if dups:
+        raise ModelError(f"logical axes {names}: {dups} name more than one dimension")
+    out = [_UNASSIGNED if isinstance(n, str) else n for n in names]
+
+    def used(entry):
+        return set() if entry is None or entry is _UNASSIGNED else ({entry} if isinstance(entry, str) else set(entry))
+
+    for logical, mesh in rules.mesh_axes:
+        if logical in names:
+            pos = names.index(logical)
+            taken = set().union(*(used(e) for e in out))
+            if out[pos] is _UNASSIGNED and not (used(mesh) & taken):
+                out[pos] = mesh
+    return PartitionSpec(*(None if e is _UNASSIGNED else e for e in out))
 
 
 def mesh_axis_size(mesh: Mesh, entry: MeshAxes) -> int:
@@ -184,65 +205,3 @@ def qarray_shardings(q: QArray, spec: PartitionSpec, mesh: Mesh, where: str = "Q
     """`qarray_specs` as NamedShardings on `mesh` (a QArray of shardings: `jax.device_put(q, this)` places q)."""
     p = qarray_specs(q, spec, mesh, where)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), p, is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def _variables(model):
-    from flax import nnx
-
-    for path, var in nnx.iter_graph(model):
-        if isinstance(var, nnx.Variable):
-            yield "/".join(str(p) for p in path), var
-
-
-def param_shardings(model, mesh: Mesh, rules: ShardingRules) -> Dict[str, object]:
-    """Variable path -> its sharding on `mesh`: a NamedSharding for an array, a QArray of NamedShardings for a
-    packed weight (the layout of the logical float weight, `qarray_shardings`). Variables holding None or
-    non-array values are left out."""
-    out: Dict[str, object] = {}
-    for path, var in _variables(model):
-        value = var.get_value()
-        if isinstance(value, QArray):
-            spec = spec_for(path, value.shape, mesh, rules)
-            out[path] = qarray_shardings(value, spec, mesh, path)
-        elif hasattr(value, "shape") and hasattr(value, "dtype"):
-            out[path] = NamedSharding(mesh, spec_for(path, value.shape, mesh, rules))
-    return out
-
-
-def shard_model(model, mesh: Mesh, rules: ShardingRules):
-    """Places every parameter (and other array variable) of an NNX `model` on `mesh` by `rules`, in place;
-    returns `model`.
-
-    Each variable is `jax.device_put` to its sharding (`param_shardings`): a float array to the NamedSharding
-    of its logical axes, a packed QArray leaf by leaf to the layout of the float weight it replaced. All
-    layouts are checked before anything moves (ModelError naming the parameter that the mesh cannot split).
-    A jit of the model then runs SPMD: XLA partitions the computation to follow the parameters.
-    Derived kernel-layout caches (`qformats.nn.KernelCache`) are rebuilt from the placed weights. A model with
-    a `set_sharding(mesh, rules)` method is told its layout (the decoder lays out its KV cache by it).
-    """
-    shardings = param_shardings(model, mesh, rules)
-    for path, var in _variables(model):
-        if path in shardings:
-            var.set_value(jax.device_put(var.get_value(), shardings[path]))
-    from flax import nnx
-
-    for _, node in nnx.iter_graph(model):
-        if hasattr(node, "cache_kernel_layout") and getattr(node, "kernel_cache", None) is not None:
-            node.cache_kernel_layout()
-    if callable(getattr(model, "set_sharding", None)):
-        model.set_sharding(mesh, rules)
-    return model
-
-
-def param_bytes_per_device(model) -> Dict[object, int]:
-    """Device -> bytes of the model's parameters (`nnx.Param`, packed QArray leaves included) stored on it: the
-    sum over every parameter leaf of the nbytes of its shard on that device."""
-    from flax import nnx
-
-    out: Dict[object, int] = {}
-    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
-        if not isinstance(leaf, jax.Array):
-            leaf = jax.numpy.asarray(leaf)
-        for sh in leaf.addressable_shards:
-            out[sh.device] = out.get(sh.device, 0) + int(np.prod(sh.data.shape)) * sh.data.dtype.itemsize
-    return out

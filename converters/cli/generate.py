@@ -63,7 +63,7 @@ def run(a) -> int:
         model, cfg, tok, skipped = load_for_scheme(a.src, a.scheme or "stored", skip_indivisible=a.skip_indivisible)
         if mesh is not None:  # quantized in memory on one device, then laid out on the mesh
             from qformats.models.decoder import tensor_parallel_rules
-            from qformats.sharding import shard_model
+            from qformats.nn.sharding import shard_model
             model = shard_model(model, mesh, tensor_parallel_rules(model.config, mesh.axis_names[0]))
     if skipped:
         print(f"qformats: left dense by --skip-indivisible: {', '.join(skipped)}", file=sys.stderr)
@@ -85,7 +85,7 @@ def run(a) -> int:
     text = tok.decode(tokens, skip_special_tokens=True)
     out = {"tokens": tokens, "text": text}
     if mesh is not None:
-        from qformats.sharding import param_bytes_per_device
+        from qformats.nn.sharding import param_bytes_per_device
         per = param_bytes_per_device(model)
         out["param_bytes_per_device"] = [int(per[d]) for d in mesh.devices.flat]
     print(json.dumps(out) if a.json else text)

@@ -15,7 +15,7 @@
 With `mesh=` the same checkpoints load onto a jax Mesh: a directory shard by shard (every parameter a global
 jax.Array laid out by sharding rules, each device's slice read from the memory map straight to it,
 `converters.pipelines.mesh_load`; quantized weights decoded by the same `converters.formats.compressed_tensors.read.decode_weight`), a `.gguf`
-file on one device and then laid out (`qformats.sharding.shard_model`).
+file on one device and then laid out (`qformats.nn.sharding.shard_model`).
 
 A parameter the checkpoint does not fill, a tensor the model has no place for, or a shape that differs is an
 error; nothing is left at an initial value.
@@ -158,7 +158,7 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         memory map straight to that device (`converters.pipelines.mesh_load`); a process reads only its own devices'
         slices. Compressed layouts whose values span slices (asymmetric pack-quantized zero points, the
         pre-0.18 int32 layout for 3/5/6/7 bits, int-quantized codes under 8 bits, activation-ordered g_idx) and
-        online rotations are CheckpointErrors there: load them on one device and `qformats.sharding.shard_model`.
+        online rotations are CheckpointErrors there: load them on one device and `qformats.nn.sharding.shard_model`.
         A `.gguf` file is read whole on one device, then laid out by `shard_model`.
       rules: with `mesh`, a `qformats.sharding.ShardingRules`; default `decoder.tensor_parallel_rules(config,
         axis)` for a 1-D mesh of axis `axis` (ModelError for a mesh of several axes without rules).
@@ -197,7 +197,7 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
             raise CheckpointError(f"{where}: {e}") from None
         _check_filled(model, where)
         if mesh is not None:
-            from qformats.sharding import shard_model
+            from qformats.nn.sharding import shard_model
 
             model = shard_model(model, mesh, _mesh_rules(cfg, mesh, rules))
         return model, hf_config, tok

@@ -131,7 +131,7 @@ def place_weight(w: StoredWeight, mesh, rules, fpath: str, stats: Optional[ReadS
     if w.whole_only is not None:
         raise CheckpointError(f"{w.where}: loading onto a mesh reads each shard straight from the file, which "
                               f"{w.whole_only} does not allow; load it with converters.pipelines.causal_lm.load_causal_lm "
-                              f"on one device, then qformats.sharding.shard_model")
+                              f"on one device, then qformats.nn.sharding.shard_model")
     leaves = [w.codes, w.scale, w.zero_point, w.global_scale]
     abstract = w.qarray(*(None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves))
     kpath = f"{fpath}/kernel"

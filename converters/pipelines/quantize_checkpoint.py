@@ -1,9 +1,10 @@
 """Whole-checkpoint quantization: a dense HF safetensors checkpoint -> a compressed-tensors checkpoint, streaming.
 
-Which tensors are quantized (no torch model, so module classes are inferred from names and shapes):
-  - a "Linear" weight is a 2-D floating `<module>.weight` whose module path has no component containing
-    "embed" or "norm" (case-insensitive): BERT's query/key/value/dense, LLaMA's q/k/v/o/gate/up/down_proj
-    and lm_head are Linear; word/position embeddings and LayerNorm/RMSNorm are not;
+Which tensors are quantized (the plan: `checkpoint_plan`, `qformats.plan`; no torch model is built):
+  - a "Linear" weight is a 2-D floating `<module>.weight` that the model definition names a Linear where
+    qformats defines the architecture (config.json's model_type: the decoder family, BERT;
+    `model_linear_modules`); otherwise one whose module path has no component containing "embed" or "norm"
+    (case-insensitive) — a name heuristic the summary reports with the count of weights it chose;
   - an "Embedding" target selects 2-D `*.weight`s with "embed" in a path component;
   - a `re:` target is a regex matched (re.match, as compressed-tensors does) against the module path, and
     selects that module's 2-D floating weight whatever its name;
@@ -57,7 +58,8 @@ from qformats.qarray import QArray
 from qformats.quantize import quantize
 from qformats.schemes import SchemeSet
 
-__all__ = ["QuantizeSummary", "checkpoint_plan", "module_kind", "packed_specs", "quantize_checkpoint"]
+__all__ = ["QuantizeSummary", "checkpoint_plan", "model_linear_modules", "module_kind", "packed_specs",
+           "quantize_checkpoint"]
 
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -75,17 +77,49 @@ def module_kind(module: str) -> str:
     return "Norm" if any("norm" in c for c in comps) else "Linear"
 
 
+def model_linear_modules(hf_config: Dict[str, Any]) -> "tuple[Optional[set], str]":
+    """(the module names that are Linear layers by the model definition, how that was decided) for an architecture
+    qformats defines (the decoder family: `qformats.models.decoder.params.hf_tensor_names`; BERT:
+    `qformats.models.minilm.torch_to_flax`, the tensors it transposes), or (None, why not) otherwise."""
+    mt = hf_config.get("model_type")
+    if mt == "bert":
+        from qformats.models.minilm import MiniLMConfig, torch_to_flax
+
+        try:
+            table = torch_to_flax(MiniLMConfig.from_dict(hf_config))
+        except QFormatsError as e:
+            return None, f"not a BERT qformats defines ({e})"
+        return {n[:-len(".weight")] for n, (_, t) in table.items() if t}, "the BERT model definition"
+    from qformats.models.decoder import SUPPORTED_MODEL_TYPES, DecoderConfig
+    from qformats.models.decoder.params import hf_tensor_names
+
+    if mt not in SUPPORTED_MODEL_TYPES:
+        return None, f"no model definition for model_type {mt!r}" if mt else "no model_type in config.json"
+    try:
+        cfg = DecoderConfig.from_hf(hf_config)
+    except QFormatsError as e:
+        return None, f"config.json does not describe a {mt} model qformats can build: {e}"
+    names = hf_tensor_names(cfg)
+    return {n[:-len(".weight")] for n, s in names.items() if s.transpose}, f"the {mt} model definition"
+
+
 def checkpoint_plan(infos: Dict[str, Any], scheme: Optional[SchemeSet], targets: Sequence[str],
-                    ignore: Sequence[str]) -> Plan:
+                    ignore: Sequence[str], linear: Optional[set] = None) -> Plan:
     """The plan (`qformats.plan`) over every 2-D floating `<module>.weight` of a checkpoint (tensor name ->
-    TensorInfo), with compressed-tensors' targets and ignore (`qformats.matching.Matcher.from_targets`); the
-    module kinds come from `module_kind` (the name heuristic, which the plan's summary states)."""
+    TensorInfo), with compressed-tensors' targets and ignore (`qformats.matching.Matcher.from_targets`).
+
+    A module's kind (what a "Linear" / "Embedding" target selects) comes from the model definition where
+    `linear` (`model_linear_modules`) names it a Linear; any other module's kind is told from its name
+    (`module_kind`) and marked so in the plan (`Candidate.how`), which the summary reports."""
     cands = []
     for name in sorted(infos):
         mod, _, local = name.rpartition(".")
         info = infos[name]
         if local == "weight" and len(info.shape) == 2 and info.dtype in _FLOAT_DTYPES:
-            cands.append(Candidate(mod, int(info.shape[1]), module_kind(mod), "name heuristic"))
+            if linear is not None and mod in linear:
+                cands.append(Candidate(mod, int(info.shape[1]), "Linear", "model"))
+            else:
+                cands.append(Candidate(mod, int(info.shape[1]), module_kind(mod), "name heuristic"))
     return plan_quantization(cands, Matcher.from_targets(scheme, targets, ignore), unmatched="not targeted")
 
 
@@ -102,6 +136,8 @@ class QuantizeSummary:
     quantized_stored_bytes: int
     seconds: float
     skipped: List[str] = dataclasses.field(default_factory=list)  # left dense by skip_indivisible
+    by_name: List[str] = dataclasses.field(default_factory=list)  # selected by a class target, kind told by name
+    kinds_from: str = ""  # where module kinds came from: a model definition, or why none applied
 
     @property
     def ratio(self) -> float:
@@ -113,7 +149,9 @@ class QuantizeSummary:
                 f"{_fmt(self.quantized_dense_bytes)} -> {_fmt(self.quantized_stored_bytes)}, "
                 f"x{self.quantized_dense_bytes / max(self.quantized_stored_bytes, 1):.2f}) in {self.seconds:.1f}s "
                 f"-> {self.dst}" + (f"\nleft dense by --skip-indivisible ({len(self.skipped)}; their columns are not a "
-                                     f"multiple of the group size): {', '.join(self.skipped)}" if self.skipped else ""))
+                                     f"multiple of the group size): {', '.join(self.skipped)}" if self.skipped else "")
+                + (f"\n{len(self.by_name)} of them taken as Linear by their names (2-D, no 'embed' / 'norm' in the "
+                   f"path; {self.kinds_from}): pass targets (--targets) to choose exactly" if self.by_name else ""))
 
 
 def _fmt(n: float) -> str:
@@ -360,11 +398,12 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                               f"(pass overwrite=True / --overwrite to replace it)")
     with open_checkpoint(src) as ck:
         infos = {n: ck.info(n) for n in ck.keys()}
-        plan = checkpoint_plan(infos, ss, list(targets), list(ignore))
-        chosen = [d.path for d in plan.quantized]
-        ignored = [d.path for d in plan.dense if d.selector is not None]
-        unused_ignore = [s.entry for s in plan.unused if s.role == "ignore"]
-        unused_targets = [s.entry for s in plan.unused if s.role == "target"]
+        linear, kinds_from = model_linear_modules(base_cfg)
+        qplan = checkpoint_plan(infos, ss, list(targets), list(ignore), linear)
+        chosen = [d.path for d in qplan.quantized]
+        ignored = [d.path for d in qplan.dense if d.selector is not None]
+        unused_ignore = [s.entry for s in qplan.unused if s.role == "ignore"]
+        unused_targets = [s.entry for s in qplan.unused if s.role == "target"]
         if base_cfg.get("tie_word_embeddings") and not any(n.rpartition(".")[0] == "lm_head" for n in infos):
             # A tied lm_head is a Linear module in torch with no tensor of its own here: compressed-tensors
             # would target it on load unless `ignore` names it, as llm-compressor writes it.
@@ -396,14 +435,14 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                    "which keeps exactly these dense and lists them in the summary." if not empty else
                    "\nLeave them out with --ignore (ignore=[...])."))
         skipped = sorted(misfits)
-        plan = plan.leave_dense({m: "columns not a multiple of the group size: --skip-indivisible" for m in misfits})
+        qplan = qplan.leave_dense({m: "columns not a multiple of the group size: --skip-indivisible" for m in misfits})
         chosen = [m for m in chosen if m not in misfits]
         if not chosen:
             raise CheckpointError(f"{src}: none of the targeted weights fits scheme {ss.name!r} ({len(skipped)} "
                                   f"skipped: {', '.join(skipped[:6])}{' ...' if len(skipped) > 6 else ''}); "
                                   f"nothing written")
         chosen_set = set(chosen)
-        shared_g = _fused_global_scales(ck, infos, plan, ss) if fuse_global_scales else {}
+        shared_g = _fused_global_scales(ck, infos, qplan, ss) if fuse_global_scales else {}
         src_bytes = sum(i.nbytes for i in infos.values())
         prog = _Progress(len(infos), src_bytes, stream)
         qdense = qstored = 0
@@ -437,7 +476,9 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                      kv_cache_scheme=kv_cache)
     dst_bytes = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
     summary = QuantizeSummary(str(src), str(dst), ss.name, nq, len(infos) - nq, src_bytes, dst_bytes, qdense,
-                              qstored, time.monotonic() - t0, skipped)
+                              qstored, time.monotonic() - t0, skipped,
+                              [d.path for d in qplan.quantized if d.candidate.how != "model"
+                               and d.selector.role == "target" and d.selector.entry[:1].isupper()], kinds_from)
     if stream is not None:
         stream.write(summary.text() + "\n")
         stream.flush()

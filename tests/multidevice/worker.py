@@ -81,7 +81,7 @@ def case_tp(n: int, workdir: str):
     from qformats.nn import quantize_model
     from qformats.presets import parse_scheme
     from qformats.qarray import QArray
-    from qformats.sharding import param_bytes_per_device, param_shardings, shard_model
+    from qformats.nn.sharding import param_bytes_per_device, param_shardings, shard_model
 
     mesh = tensor_parallel_setup(n)
     cfg = DecoderConfig.from_hf(CFG)
@@ -254,7 +254,7 @@ def case_smollm2(n: int, workdir: str):
     from qformats.models.generate import generate
     from qformats.nn import quantize_model
     from qformats.presets import parse_scheme
-    from qformats.sharding import param_bytes_per_device, shard_model
+    from qformats.nn.sharding import param_bytes_per_device, shard_model
 
     mesh = tensor_parallel_setup(n)
     res = {}

@@ -25,3 +25,15 @@ def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         qformats.nope  # noqa: B018
     assert "nn" in dir(qformats)
+
+
+def test_core_and_algorithms_import_no_flax():
+    """Every module of the numeric core and of qformats.algorithms imports without flax (nor qformats.nn /
+    qformats.models): the Flax integration lives in qformats.nn and qformats.models only."""
+    code = ("import pkgutil, sys, importlib, qformats, qformats.algorithms\n"
+            "names = [m.name for m in pkgutil.iter_modules(qformats.__path__, 'qformats.') if not m.ispkg]\n"
+            "names += [m.name for m in pkgutil.iter_modules(qformats.algorithms.__path__, 'qformats.algorithms.')]\n"
+            "for n in names: importlib.import_module(n)\n"
+            "print(len(names) > 20, sorted(m for m in sys.modules if m == 'flax' or m.startswith(('flax.', "
+            "'qformats.nn', 'qformats.models'))))\n")
+    assert _run(code) == "True []"

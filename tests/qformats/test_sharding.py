@@ -18,8 +18,8 @@ from qformats.nn import quantize_model
 from qformats.presets import parse_scheme
 from qformats.quantize import quantize
 from qformats.schemes import QuantScheme
-from qformats.sharding import (ShardingRules, logical_spec, param_bytes_per_device, param_shardings, qarray_specs,
-                               shard_model, spec_for)
+from qformats.sharding import ShardingRules, logical_spec, qarray_specs, spec_for
+from qformats.nn.sharding import param_bytes_per_device, param_shardings, shard_model
 
 MESH8 = AbstractMesh((8,), ("tp",))
 COL, ROW = P(None, "tp"), P("tp", None)  # a Flax kernel [K, N]: output channels / contraction axis split
@@ -137,3 +137,16 @@ def test_shard_model_on_one_device_keeps_outputs_and_places_every_param():
     np.testing.assert_array_equal(np.asarray(model(ids)[0]), np.asarray(ref))
     (dev, nbytes), = param_bytes_per_device(model).items()
     assert nbytes == sum(a.nbytes for a in leaves)
+
+
+@pytest.mark.parametrize("axes, rules", [
+    (("batch", "length", "heads", "features"), (("batch", "X"), ("features", "X"), ("heads", "Y"), ("batch", "Z"))),
+    (("embed", "mlp"), (("mlp", "tp"), ("embed", None))),
+    (("embed", None, "kv_heads"), (("kv_heads", ("tp", "dp")), ("embed", "dp"))),
+    ((None, "vocab"), (("vocab", "tp"), ("vocab", "dp"))),
+    (("a", "b"), ()),
+])
+def test_logical_spec_is_flax_priority_rule(axes, rules):
+    from flax.linen import logical_to_mesh_axes
+
+    assert logical_spec(axes, ShardingRules((), rules)) == logical_to_mesh_axes(axes, rules)

@@ -483,10 +483,10 @@ class CausalLM(nnx.Module):
         self.model = DecoderModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.lm_head = None if config.tie_word_embeddings else nnx.Linear(
             config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.sharding = None  # (mesh, ShardingRules) once placed by qformats.sharding.shard_model
+        self.sharding = None  # (mesh, ShardingRules) once placed by qformats.nn.sharding.shard_model
 
     def set_sharding(self, mesh, rules) -> None:
-        """Called by `qformats.sharding.shard_model`: the KV cache buffers `init_cache` makes are laid out on
+        """Called by `qformats.nn.sharding.shard_model`: the KV cache buffers `init_cache` makes are laid out on
         `mesh` by the logical axes `KV_CACHE_AXES` (split by KV heads under `tensor_parallel_rules`)."""
         self.sharding = (mesh, rules)
 
