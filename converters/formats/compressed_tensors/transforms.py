@@ -193,11 +193,14 @@ def _is_class_name(t: str) -> bool:
 
 
 def check_targets_present(groups: Sequence[TransformGroup], modules: Sequence[str], where: str) -> None:
-    """Each apply of every group must name at least one of the checkpoint's `modules` (the modules storing a
-    weight) -- by `re:` pattern or exact name; a class name ("Linear") stands for any of them -- else the rotation
-    it pairs with has nothing to cancel against: CheckpointError naming the group and its targets."""
+    """Each offline (fused) apply of every group must name at least one of the checkpoint's `modules` (the
+    modules storing a weight) -- by `re:` pattern or exact name; a class name ("Linear") stands for any of them --
+    else the rotation it pairs with has nothing to cancel against: CheckpointError naming the group and its
+    targets. (Online applies are matched against the model's modules by `online_rotations`.)"""
     for g in groups:
         for a in g.apply:
+            if a.location not in OFFLINE:
+                continue
             if any(_is_class_name(t) for t in a.targets) and modules:
                 continue
             if not any(_matches(a.targets, m, None) and not _matches(a.ignore, m, None) for m in modules):
