@@ -238,6 +238,8 @@ def online_rotations(groups: Sequence[TransformGroup], tensors: Mapping[str, Any
     """
     rotations: List[OnlineRotation] = []
     used: List[str] = []
+    stored = sorted({n.rpartition(".")[0] for n in tensors if n.rpartition(".")[2] in ("weight", "weight_packed")})
+    check_targets_present(groups, stored, where)  # the offline (fused) sides name stored modules
     for g in groups:
         for a in g.apply:
             if a.location in OFFLINE:

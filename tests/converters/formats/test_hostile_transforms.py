@@ -104,4 +104,14 @@ def test_online_rotation_on_a_module_the_decoder_cannot_rotate_is_refused():
     groups = parse_transform_config({"config_groups": {"had": {"type": "hadamard", "apply": [
         _args(["re:.*gate_proj$"], "input"), _args(["re:.*gate_proj$"], "weight_input", True)]}}})
     with pytest.raises(CheckpointError, match="online 'input' targets .*gate_proj.* name no module"):
-        online_rotations(groups, {}, modules, "ck")
+        online_rotations(groups, {"model.layers.0.mlp.gate_proj.weight": np.zeros((2, 2))}, modules, "ck")
+
+
+def test_loader_refuses_an_offline_side_naming_no_stored_module():
+    modules = {f"{DOWN}": "Linear"}
+    groups = parse_transform_config({"config_groups": {"had": {"type": "hadamard", "apply": [
+        _args(["re:.*embed_tokens$"], "weight_output"), _args(["re:.*down_proj$"], "weight_input", True)]}}})
+    with pytest.raises(CheckpointError, match="'weight_output' targets .*embed_tokens.* name no module"):
+        online_rotations(groups, {f"{DOWN}.weight": np.zeros((2, 2))}, modules, "ck")
+    assert online_rotations(groups, {f"{DOWN}.weight": np.zeros((2, 2)), "model.embed_tokens.weight": np.zeros((2, 2))},
+                            modules, "ck") == ([], [])
