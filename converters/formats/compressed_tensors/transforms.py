@@ -16,6 +16,13 @@ Every stored transform tensor must belong to an online location of a config grou
 every online (group, location, module) must have its tensor -- its own, or the one compressed-tensors shares
 across the group's modules of the same size and saves once as a tied weight (`_tied_base`); anything else -- an unknown type or location,
 `requires_grad`, a target the decoder cannot rotate -- is a CheckpointError. Nothing is skipped.
+
+Since a fused rotation leaves no trace in the weights, a reader can only take them as the model's when the
+config says the rotation is undone: every location of a group must be cancelled by another location of the same
+group (`_check_cancelled`: weight_output with an inverse weight_input as SpinQuant R1/R2, an online input/output
+with its opposite fused side as QuIP / R4, q_attn with k_cache as R3), and each offline side must name a module
+the checkpoint stores (`check_targets_present`). A lone group -- a Hadamard weight_input added to a checkpoint
+whose weights never carried it -- is a CheckpointError naming the group, in every reader.
 """
 
 from __future__ import annotations
