@@ -17,7 +17,8 @@ are used). ``seed=None`` keeps the file's order.
 Bounds (the file is untrusted): the budget is applied while reading -- a text file is read line by line and
 only each sample's length kept until the selection is known, a .npy array is memory-mapped and only the
 selected windows copied -- so memory follows the samples (at most MAX_SAMPLES) and the budget, not the
-file. A file is at most MAX_FILE_BYTES, a line MAX_LINE_BYTES, a JSON line nested at most MAX_JSON_DEPTH;
+file. A file is at most MAX_FILE_BYTES, a line MAX_LINE_BYTES, a JSON line nested at most MAX_JSON_DEPTH, a run
+without whitespace in a whole text file (`read_text_file`, the eval / MiniLM calibration text) MAX_WORD_CHARS;
 text is strict UTF-8 without lone surrogates; a .npy header is parsed as a plain literal (never evaluated)
 and its shape checked against the file size before mapping. Each limit is a CheckpointError naming it.
 """
@@ -37,7 +38,7 @@ from converters.formats.safe_files import open_regular
 from qformats.errors import CheckpointError, ModelError
 
 __all__ = ["load_calibration", "read_text_file", "select_samples", "DEFAULT_SEQ_LEN", "DEFAULT_TOKENS",
-           "MAX_FILE_BYTES", "MAX_LINE_BYTES", "MAX_SAMPLES", "MAX_JSON_DEPTH"]
+           "MAX_FILE_BYTES", "MAX_LINE_BYTES", "MAX_SAMPLES", "MAX_JSON_DEPTH", "MAX_WORD_CHARS", "longest_word_at"]
 
 DEFAULT_SEQ_LEN = 512
 DEFAULT_TOKENS = 65536
@@ -49,6 +50,9 @@ MAX_LINE_BYTES = 4 << 20
 MAX_SAMPLES = 1 << 24
 #: Deepest nesting of arrays / objects in a .jsonl line.
 MAX_JSON_DEPTH = 64
+#: Longest run of characters without whitespace in a text handed to a tokenizer whole (one "word": BPE over a
+#: multi-megabyte word takes minutes and gigabytes, and aborts the process once allocation fails).
+MAX_WORD_CHARS = 100_000
 _NPY_HEADER_BYTES = 1 << 16
 
 
@@ -124,11 +128,13 @@ def select_samples(samples: Sequence[np.ndarray], max_tokens: Optional[int], see
     return [samples[i][:n] for i, n in _select([len(s) for s in samples], max_tokens, seed)]
 
 
-def read_text_file(path: "str | os.PathLike", what: str = "a text file", max_bytes: int = MAX_FILE_BYTES) -> str:
+def read_text_file(path: "str | os.PathLike", what: str = "a text file", max_bytes: int = MAX_FILE_BYTES,
+                   max_word: int = MAX_WORD_CHARS) -> str:
     """The whole of UTF-8 text file `path` (universal newlines, as `Path.read_text`), at most `max_bytes`.
 
-    Raises CheckpointError naming the file: missing, not a regular file, larger than `max_bytes`, or not
-    UTF-8 (the byte offset given)."""
+    Raises CheckpointError naming the file: missing, not a regular file, larger than `max_bytes`, not UTF-8
+    (the byte offset given), or with a run of more than `max_word` characters without whitespace (the
+    character index given)."""
     p = Path(path)
     fd, st = open_regular(p, None, what)
     if st.st_size > max_bytes:
@@ -145,7 +151,18 @@ def read_text_file(path: "str | os.PathLike", what: str = "a text file", max_byt
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{p}: expected UTF-8 text, found an undecodable byte at offset {e.start}") from None
+    at = longest_word_at(text, max_word)
+    if at is not None:
+        raise CheckpointError(f"{p}: expected {what} with runs of at most {max_word} characters without whitespace "
+                              f"(MAX_WORD_CHARS), found a longer one at character {at}")
     return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def longest_word_at(text: str, max_word: int = MAX_WORD_CHARS) -> Optional[int]:
+    """The character index where `text` first has a run of more than `max_word` characters without whitespace
+    (`re`'s \\s), or None. Linear: a run is tried only from its first character."""
+    m = re.search(r"(?<!\S)\S{%d}" % (int(max_word) + 1), text)
+    return None if m is None else m.start()
 
 
 def _lines(p: Path) -> Iterator[tuple]:

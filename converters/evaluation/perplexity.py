@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -176,11 +177,24 @@ def load_for_scheme(src: "str | os.PathLike", scheme: str, *, dtype=None, tokeni
     return model, cfg, tok, skipped
 
 
+#: Characters handed to the tokenizer at once where the text can be cut without changing its ids (`_cuttable`).
+CHUNK_CHARS = 1 << 20
+
+
 def encode_text(tokenizer, text: str) -> List[int]:
     """The token ids of the whole text, without special tokens (`tokenizers.Tokenizer.encode`).
 
+    The ids are those of one `encode` of the whole text; where the tokenizer's normalizer and pre-tokenizer
+    make a lone space between two non-space characters a boundary no token crosses (`_cuttable`: byte-level
+    BPE with its split regex, whitespace splitting, Metaspace with split), the text is encoded in pieces of about
+    CHUNK_CHARS cut before such spaces, which gives the same ids with memory bounded by one piece.
+
     Raises ModelError for anything but a str of Unicode characters (a lone surrogate, e.g. from a JSON
-    `\\ud800` escape, is refused with its position)."""
+    `\\ud800` escape, is refused with its position), or for a run of more than MAX_WORD_CHARS characters
+    without whitespace (BPE over one such word takes minutes and gigabytes, and the tokenizer aborts the
+    process once allocation fails)."""
+    from converters.evaluation.calibration_data import MAX_WORD_CHARS, longest_word_at
+
     if not isinstance(text, str):
         raise ModelError(f"perplexity: expected the text as a str, found {type(text).__name__}")
     try:
@@ -188,7 +202,83 @@ def encode_text(tokenizer, text: str) -> List[int]:
     except UnicodeEncodeError as e:
         raise ModelError(f"perplexity: expected text of Unicode characters, found a lone surrogate "
                          f"U+{ord(text[e.start]):04X} at character {e.start}") from None
-    return list(tokenizer.encode(text, add_special_tokens=False).ids)
+    at = longest_word_at(text, MAX_WORD_CHARS)
+    if at is not None:
+        raise ModelError(f"perplexity: expected runs of at most {MAX_WORD_CHARS} characters without whitespace "
+                         f"(MAX_WORD_CHARS), found a longer one at character {at}")
+    if len(text) <= CHUNK_CHARS or not _cuttable(tokenizer):
+        return list(tokenizer.encode(text, add_special_tokens=False).ids)
+    ids: List[int] = []
+    for piece in _pieces(text, CHUNK_CHARS):
+        ids.extend(tokenizer.encode(piece, add_special_tokens=False).ids)
+    return ids
+
+
+_CHAR_NORMALIZERS = ("NFC", "NFD", "NFKC", "NFKD", "Lowercase")
+
+
+def _cuttable(tokenizer) -> bool:
+    """Whether encoding "A B" (A ending, B starting with a non-space character) as encode("A") + encode(" B")
+    gives the ids of encode("A B") for this `tokenizers.Tokenizer`: no normalizer, or only per-character ones
+    (Unicode normal forms, lowercase: a space is a starter that composes with nothing), and a pre-tokenizer that
+    starts a new piece at such a space -- ByteLevel with its GPT-2 regex and no added prefix space, a Split by a
+    regex (followed by ByteLevel without regex: Llama 3, Qwen2), Whitespace / WhitespaceSplit / BertPreTokenizer,
+    or Metaspace with split (which prepends nothing to a piece already starting with its replacement); and no
+    added token that holds whitespace or strips it."""
+    import json
+
+    try:
+        spec = json.loads(tokenizer.to_str())
+    except Exception:  # not a tokenizers.Tokenizer: encode whole
+        return False
+
+    def normalizer_ok(n) -> bool:
+        if n is None:
+            return True
+        if n.get("type") == "Sequence":
+            return all(normalizer_ok(x) for x in n.get("normalizers", []))
+        return n.get("type") in _CHAR_NORMALIZERS
+
+    def pre_ok(t, first: bool) -> bool:
+        kind = t.get("type")
+        if kind == "ByteLevel":
+            return not t.get("add_prefix_space", False) and (t.get("use_regex", True) or not first)
+        if kind == "Split":
+            return first and t.get("behavior") == "Isolated" and not t.get("invert", False)
+        if kind == "Metaspace":
+            return bool(t.get("split", True))
+        return kind in ("Whitespace", "WhitespaceSplit", "BertPreTokenizer")
+
+    pre = spec.get("pre_tokenizer")
+    if pre is None or not normalizer_ok(spec.get("normalizer")):
+        return False
+    for t in spec.get("added_tokens") or []:  # matched across the whole text before pre-tokenization
+        if t.get("lstrip") or t.get("rstrip") or any(c.isspace() for c in str(t.get("content", " "))):
+            return False
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    return bool(steps) and pre_ok(steps[0], True) and all(pre_ok(t, False) for t in steps[1:])
+
+
+_CUT = re.compile(r"(?<=\S) (?=\S)")
+
+
+def _pieces(text: str, size: int):
+    """`text` in consecutive pieces of at most about `size` characters, each after the first starting at a lone
+    space between two non-space characters (a piece runs on to the next such space when there is none within
+    `size`)."""
+    start, n = 0, len(text)
+    while n - start > size:
+        cut = text.rfind(" ", start + 1, start + size)
+        while cut > start and (text[cut - 1].isspace() or text[cut + 1].isspace()):
+            cut = text.rfind(" ", start + 1, cut)
+        if cut <= start:  # none within `size`: the first one after it
+            m = _CUT.search(text, start + size)
+            if m is None:
+                break
+            cut = m.start()
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def _hf_config(src: "str | os.PathLike") -> Dict:

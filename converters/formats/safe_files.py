@@ -105,11 +105,13 @@ def open_regular(path: "str | os.PathLike", root: "str | os.PathLike | None" = N
 
 
 def _reject_duplicates(pairs: List[Tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
+    out = dict(pairs)  # one C-level pass; the Python loop below only runs to name a duplicate
+    if len(out) != len(pairs):
+        seen: set = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
     return out
 
 

@@ -7,7 +7,7 @@ every element is stored little-endian, row-major.
 
 The reader validates the whole header before it maps any data (sizes, offsets inside the data
 section tiled exactly as safetensors requires: no gap, no overlap, no trailing byte; known dtypes; regular
-files only), then hands out read-only numpy views of the memory map, so a
+files only; at most MAX_METADATA_ENTRIES `__metadata__` entries, each checked in time linear in the header), then hands out read-only numpy views of the memory map, so a
 tensor, or a range of its rows, costs nothing until it is touched. Dtypes go through ml_dtypes
 (`F8_E4M3` -> `float8_e4m3fn`, `BF16` -> `bfloat16`, ...) because safetensors' own numpy loader
 rejects them. The sub-byte dtypes `F4`, `F6_E2M3`, `F6_E3M2` are packed densely little-endian (element
@@ -31,7 +31,7 @@ import re
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -63,6 +63,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors refuses headers above 100 MB; so do we, so that a corrupt length never makes us read GBs.
 MAX_HEADER_SIZE = 100_000_000
+#: `__metadata__` entries accepted (transformers writes one, {"format": "pt"}); more is a CheckpointError.
+MAX_METADATA_ENTRIES = 100_000
 _MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 _LITTLE_HOST = sys.byteorder == "little"
 
@@ -248,17 +250,18 @@ class SafetensorsFile:
         metadata = header.pop("__metadata__", None)
         if metadata is None:
             metadata = {}
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        if not isinstance(metadata, dict) or not set(map(type, metadata.values())) <= {str}:
             raise CheckpointError(f"{where}: __metadata__: expected an object of string values, found "
                                   f"{_brief(metadata)}")
-
-        for key, value in metadata.items():
-            _check_text(where, "__metadata__ key", key)
-            _check_text(where, "__metadata__ value", value)
+        if len(metadata) > MAX_METADATA_ENTRIES:
+            raise CheckpointError(f"{where}: __metadata__: expected at most {MAX_METADATA_ENTRIES} entries, found "
+                                  f"{len(metadata)}")
+        _check_texts(where, "__metadata__ key", metadata.keys())
+        _check_texts(where, "__metadata__ value", metadata.values())
+        _check_texts(where, "tensor name", header.keys())
 
         entries: dict[str, _Entry] = {}
         for name, spec in header.items():
-            _check_text(where, "tensor name", name)
             info, begin, end = self._check_entry(where, name, spec, data_size)
             entries[name] = _Entry(info, data_start + begin, end - begin)
 
@@ -451,6 +454,17 @@ class TensorSlice:
             i %= self.shape[0]
             return self._source.get(self._name, rows=slice(i, i + 1))[(0, *rest)]
         return self._source.get(self._name)[key]
+
+
+def _check_texts(where: str, what: str, texts: Iterable[str]) -> None:
+    """_check_text of every string of `texts`, in one encode of their concatenation (linear, at C speed); the
+    per-string pass only runs to name the offender."""
+    texts = list(texts)
+    try:
+        "".join(texts).encode("utf-8")
+    except UnicodeEncodeError:
+        for text in texts:
+            _check_text(where, what, text)
 
 
 def _check_text(where: str, what: str, text: str) -> None:

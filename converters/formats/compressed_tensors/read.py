@@ -61,6 +61,7 @@ from converters.formats.compressed_tensors.config import (FPX_FORMAT, ConfigGrou
                                                            parse_quantization_config)
 from converters.formats.safe_files import read_json
 from converters.formats.safetensors_io import Checkpoint, open_checkpoint
+from converters.formats.compressed_tensors.transforms import check_targets_present, parse_transform_config
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
 from qformats.packing import pack, packed_length_int32, unpack_int32
@@ -208,6 +209,15 @@ def open_compressed(path: "str | os.PathLike") -> Tuple[Checkpoint, Dict[str, An
         qc = parse_quantization_config(cfg["quantization_config"],
                                        str((path if path.is_dir() else path.parent) / "config.json"))
     ck = open_checkpoint(path)
+    if qc is not None and qc.raw.get("transform_config"):
+        try:  # offline rotations (the only ones accepted here) are fused: each must have its counterpart stored
+            where = f"{(path if path.is_dir() else path.parent) / 'config.json'}: transform_config"
+            check_targets_present(parse_transform_config(qc.raw["transform_config"], where),
+                                  sorted({split_name(n)[0] for n in ck.keys()
+                                          if split_name(n)[1] in ("weight", "weight_packed")}), where)
+        except BaseException:
+            ck.close()
+            raise
     return ck, cfg, qc
 
 

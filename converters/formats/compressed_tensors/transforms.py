@@ -16,6 +16,13 @@ Every stored transform tensor must belong to an online location of a config grou
 every online (group, location, module) must have its tensor -- its own, or the one compressed-tensors shares
 across the group's modules of the same size and saves once as a tied weight (`_tied_base`); anything else -- an unknown type or location,
 `requires_grad`, a target the decoder cannot rotate -- is a CheckpointError. Nothing is skipped.
+
+Since a fused rotation leaves no trace in the weights, a reader can only take them as the model's when the
+config says the rotation is undone: every location of a group must be cancelled by another location of the same
+group (`_check_cancelled`: weight_output with an inverse weight_input as SpinQuant R1/R2, an online input/output
+with its opposite fused side as QuIP / R4, q_attn with k_cache as R3), and each offline side must name a module
+the checkpoint stores (`check_targets_present`). A lone group -- a Hadamard weight_input added to a checkpoint
+whose weights never carried it -- is a CheckpointError naming the group, in every reader.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from qformats.matching import compile_pattern, pattern_matches
 from qformats.errors import CheckpointError, QFormatsError
 
 __all__ = ["TRANSFORM_TYPES", "LOCATIONS", "OnlineRotation", "TransformGroup", "applying_online_transforms",
-           "check_transform_config", "ct_hadamard_bases", "fast_form", "online_rotations", "parse_transform_config"]
+           "check_targets_present", "check_transform_config", "ct_hadamard_bases", "fast_form", "online_rotations", "parse_transform_config"]
 
 TRANSFORM_TYPES = ("hadamard", "random-hadamard", "random-matrix")
 ONLINE = ("input", "output", "q_attn", "k_cache")
@@ -158,8 +165,55 @@ def parse_transform_config(tc: Any, where: str = "quantization_config.transform_
             args.append(TransformArgs(_strings(a.get("targets"), f"{aat}.targets"), loc, inv,
                                       _strings(a.get("ignore") or [], f"{aat}.ignore")))
         prec = sc.get("precision")
+        _check_cancelled(str(name), args, at)
         out.append(TransformGroup(str(name), typ, tuple(args), rand, hd, None if prec is None else str(prec)))
     return out
+
+
+SUPPORTED = ("rotations cancelled within their group: offline weight_output + inverse weight_input pairs (fused into "
+             "the stored weights, as SpinQuant R1/R2), online input/output each with its opposite fused or online "
+             "side, q_attn with k_cache (online ones applied by converters.pipelines.causal_lm.load_causal_lm)")
+
+
+def _cancels(a: TransformArgs, b: TransformArgs) -> bool:
+    """Whether b undoes a within one group: q_attn with k_cache (same direction: q M (k M)^T = q k^T), or two
+    different Linear locations (input / output sides, online or fused) in opposite directions."""
+    attn = ("q_attn", "k_cache")
+    if a.location in attn or b.location in attn:
+        return {a.location, b.location} == set(attn) and a.inverse == b.inverse
+    return a.location != b.location and a.inverse != b.inverse
+
+
+def _check_cancelled(name: str, args: Sequence[TransformArgs], at: str) -> None:
+    """Every rotation of a group must be undone by another location of the same group; a lone one (e.g. a
+    weight_input Hadamard added to a checkpoint whose weights never carried it) means the stored weights are not
+    the model's, and no reader can tell whether it was fused: CheckpointError naming the group."""
+    for i, a in enumerate(args):
+        if not any(_cancels(a, b) for j, b in enumerate(args) if j != i):
+            raise _err(at, f"applies {a.location!r} (inverse={a.inverse}) to "
+                           f"{list(a.targets)} with nothing in the group to undo it, so the stored weights cannot be "
+                           f"read as the model's; supported: {SUPPORTED}")
+
+
+def _is_class_name(t: str) -> bool:
+    return not t.startswith("re:") and "." not in t and t[:1].isupper()
+
+
+def check_targets_present(groups: Sequence[TransformGroup], modules: Sequence[str], where: str) -> None:
+    """Each offline (fused) apply of every group must name at least one of the checkpoint's `modules` (the
+    modules storing a weight) -- by `re:` pattern or exact name; a class name ("Linear") stands for any of them --
+    else the rotation it pairs with has nothing to cancel against: CheckpointError naming the group and its
+    targets. (Online applies are matched against the model's modules by `online_rotations`.)"""
+    for g in groups:
+        for a in g.apply:
+            if a.location not in OFFLINE:
+                continue
+            if any(_is_class_name(t) for t in a.targets) and modules:
+                continue
+            if not any(_matches(a.targets, m, None) and not _matches(a.ignore, m, None) for m in modules):
+                raise CheckpointError(f"{where}: transform_config group {g.name!r}: {a.location!r} targets "
+                                      f"{list(a.targets)} name no module of the checkpoint, so the rotation of its "
+                                      f"other locations is not undone; supported: {SUPPORTED}")
 
 
 def _matches(targets: Sequence[str], module: str, cls: Optional[str]) -> bool:
@@ -191,17 +245,22 @@ def online_rotations(groups: Sequence[TransformGroup], tensors: Mapping[str, Any
     """
     rotations: List[OnlineRotation] = []
     used: List[str] = []
+    stored = sorted({n.rpartition(".")[0] for n in tensors if n.rpartition(".")[2] in ("weight", "weight_packed")})
+    check_targets_present(groups, stored, where)  # the offline (fused) sides name stored modules
     for g in groups:
         for a in g.apply:
             if a.location in OFFLINE:
                 continue  # fused into the stored weights by compressed-tensors before saving
+            matched = 0
             for mod, cls in modules.items():
                 if not _matches(a.targets, mod, cls) or _matches(a.ignore, mod, cls):
                     continue
-                if a.location in ("q_attn", "k_cache") and cls != "Attention":
-                    continue
-                if a.location in ("input", "output") and cls != "Linear":
-                    continue
+                want = "Attention" if a.location in ("q_attn", "k_cache") else "Linear"
+                if cls != want:
+                    raise CheckpointError(f"{where}: transform_config group {g.name!r} applies an online "
+                                          f"{a.location!r} rotation to {mod!r} ({cls}); the decoder applies "
+                                          f"{a.location!r} to {want} modules only")
+                matched += 1
                 base = f"{mod}.{g.name}_{a.location}"
                 wname = base + ".weight"
                 if wname not in tensors:
@@ -235,6 +294,10 @@ def online_rotations(groups: Sequence[TransformGroup], tensors: Mapping[str, Any
                         fast = fast_form(w, a.inverse)
                     w = (w.T if a.inverse else w) / np.sqrt(w.shape[0])
                 rotations.append(OnlineRotation(mod, a.location, w, g.name, fast))
+            if not matched:
+                raise CheckpointError(f"{where}: transform_config group {g.name!r}: online {a.location!r} targets "
+                                      f"{list(a.targets)} name no module of the model, so the rotation of its other "
+                                      f"locations is not undone; supported: {SUPPORTED}")
     stray = sorted(n for n in tensors if _is_transform_name(n, groups) and n not in used)
     if stray:
         raise CheckpointError(f"{where}: transform tensors no online transform_config location accounts for: "

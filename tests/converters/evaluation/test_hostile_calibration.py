@@ -173,7 +173,10 @@ def test_cli_reads_text_files_with_typed_errors(tmp_path, capsys):
     assert cli.main(["quantize", str(tmp_path / "out"), "--scheme", "W8A8", "--calibrate", str(bad)]) == 1
     err = capsys.readouterr().err
     assert f"qformats: error: {bad}: expected UTF-8 text" in err and "Traceback" not in err
-    assert cli.main(["eval", str(tmp_path), "--text", str(bad)]) == 1
+    src = tmp_path / "lm"  # a causal LM's SRC (the CLI checks it names one first); nothing of it is loaded
+    src.mkdir()
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    assert cli.main(["eval", str(src), "--text", str(bad)]) == 1
     err = capsys.readouterr().err
     assert f"qformats: error: {bad}: expected UTF-8 text" in err
 

@@ -25,7 +25,7 @@ from converters.formats.compressed_tensors.read import read_compressed
 from converters.formats.compressed_tensors.write import write_compressed
 from converters.pipelines.dequantize_checkpoint import dequantize_checkpoint
 from converters.formats.safe_files import MAX_JSON_BYTES, copy_extra_files, read_json
-from converters.formats.safetensors_io import SafetensorsFile, save_file
+from converters.formats.safetensors_io import MAX_METADATA_ENTRIES, SafetensorsFile, save_file
 from qformats.errors import CheckpointError
 
 RNG = np.random.default_rng(3)
@@ -201,6 +201,35 @@ def test_header_rules_match_safetensors(tmp_path, header, data, n, accepted):
     p = _file(tmp_path / "x.safetensors", header, data, n)
     assert _theirs_accepts(p) == accepted
     assert _ours_accepts(p) == accepted
+
+
+@pytest.mark.parametrize("n, accepted", [(MAX_METADATA_ENTRIES, True), (300_000, False)])
+def test_many_metadata_entries_read_or_refused_in_linear_time(tmp_path, n, accepted):
+    """A header with 300,000 `__metadata__` entries is refused (typed, naming the cap) in well under two seconds;
+    one at the cap opens as fast with its metadata intact; duplicates and lone surrogates are still named."""
+    meta = {f"key{i}": f"value{i}" for i in range(n)}
+    text = json.dumps({"__metadata__": meta, **T1}).encode()
+    p = _file(tmp_path / "m.safetensors", text + b" " * (-len(text) % 8), b"ab")
+    t0 = time.perf_counter()
+    with _deadline(10):
+        if accepted:
+            with SafetensorsFile(p) as f:
+                assert f.metadata == meta and f.keys() == ["a"]
+        else:
+            with pytest.raises(CheckpointError, match=f"__metadata__: expected at most {MAX_METADATA_ENTRIES} "
+                                                      f"entries, found {n}"):
+                SafetensorsFile(p)
+    assert time.perf_counter() - t0 < 2.0
+    if not accepted:
+        return
+    dup = text.replace(b'"key1": "value1"', b'"key2": "value1"')
+    p = _file(tmp_path / "d.safetensors", dup + b" " * (-len(dup) % 8), b"ab")
+    with pytest.raises(CheckpointError, match="duplicate key 'key2'"):
+        SafetensorsFile(p)
+    bad = text.replace(b'"key7": "value7"', b'"key7": "va\\ud800lue7"')
+    p = _file(tmp_path / "s.safetensors", bad + b" " * (-len(bad) % 8), b"ab")
+    with pytest.raises(CheckpointError, match="__metadata__ value .*lone surrogate"):
+        SafetensorsFile(p)
 
 
 def test_where_safetensors_rejects_we_reject(tmp_path):

@@ -171,11 +171,16 @@ def test_unsupported_transform_configs_are_typed_errors(tc, match):
 
 def test_online_rotations_are_refused_where_they_would_be_ignored(tmp_path):
     """Outside load_causal_lm (which applies them) a config with online rotations is refused; offline-only ones
-    (already fused into the weights) are read."""
+    that cancel within their group (already fused into the weights) are read; a lone offline one is refused."""
     tc = json.loads(json.dumps(quip_like("hadamard").model_dump(), default=str))
     qc = {**serialize_quantization_config([], []), "transform_config": tc}
     with pytest.raises(CheckpointError, match="online rotations .* must be applied at run time"):
         parse_quantization_config(qc)
     offline = {"config_groups": {"r": {"type": "hadamard", "apply": [
-        {"targets": ["Linear"], "location": "weight_input"}]}}}
+        {"targets": ["Linear"], "location": "weight_output"},
+        {"targets": ["Linear"], "location": "weight_input", "inverse": True}]}}}
     parse_quantization_config({**qc, "transform_config": offline})
+    lone = {"config_groups": {"r": {"type": "hadamard", "apply": [
+        {"targets": ["Linear"], "location": "weight_input"}]}}}
+    with pytest.raises(CheckpointError, match="nothing in the group to undo it"):
+        parse_quantization_config({**qc, "transform_config": lone})
