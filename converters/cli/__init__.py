@@ -31,7 +31,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from converters.cli.common import Parser, Usage
+from converters.cli.common import Parser, Usage, cli_spelling
 from qformats.errors import QFormatsError
 
 __all__ = ["main"]
@@ -47,6 +47,9 @@ def _command(name: str):
 def _parser() -> Parser:
     p = Parser(prog="qformats", description="Quantize, dequantize and inspect compressed-tensors checkpoints; "
                                            "convert GGUF causal LMs, generate with them and measure perplexity.")
+    from qformats import __version__
+    p.add_argument("--version", action="version", version=f"qformats {__version__}",
+                   help="print the version of qformats and exit")
     sub = p.add_subparsers(dest="cmd", metavar="{" + ",".join(COMMANDS) + "}", parser_class=Parser)
     for name in COMMANDS:
         _command(name).add_parser(sub)
@@ -69,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except SystemExit as e:  # --help of the causal-LM eval
             return int(e.code or 0)
         except (QFormatsError, OSError) as e:
-            print(f"qformats: error: {e}", file=sys.stderr)
+            print(f"qformats: error: {cli_spelling(str(e))}", file=sys.stderr)
             return 1
     try:
         a = _parser().parse_args(argv)
@@ -91,11 +94,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except Usage as e:
             print(str(e), file=sys.stderr)
             return 2
-        except QFormatsError as e:
-            print(f"qformats: error: {e}", file=sys.stderr)
-            return 1
-        except OSError as e:
-            print(f"qformats: error: {e}", file=sys.stderr)
+        except (QFormatsError, OSError) as e:
+            print(f"qformats: error: {cli_spelling(str(e))}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("qformats: interrupted", file=sys.stderr)

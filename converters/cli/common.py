@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import List
 
-__all__ = ["Usage", "Parser", "read_text", "parse_schemes"]
+__all__ = ["MAX_SHARD_SIZE_HELP", "Usage", "Parser", "cli_spelling", "read_text", "parse_schemes", "skipped_text"]
+
+MAX_SHARD_SIZE_HELP = ("largest safetensors file written (default 5GB; units B, KB/MB/GB = powers of 1000, KiB/MiB/GiB "
+                       "= powers of 1024); a bigger checkpoint is split into shards with a model.safetensors.index.json")
+
+# The library's errors name its Python arguments; on the command line the same way out is an option.
+_CLI_SPELLING = (
+    (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r"\bskip_indivisible=True\b"), "--skip-indivisible"),
+    (re.compile(r"\bignore=\[\.\.\.\]"), "--ignore PATTERN"),
+    (re.compile(r"\bscheme='([^']*)'"), r"--scheme \1"),
+    (re.compile(r",? or leave them dense with a rule \(Rule\(path, None\) before the quantizing rule\)"), ""),
+)
 
 
 class Usage(Exception):
@@ -18,6 +31,23 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise Usage(f"{self.prog}: error: {message}")
+
+
+def cli_spelling(message: str) -> str:
+    """A library error message as the command line says it: `overwrite=True` -> `--overwrite`,
+    `skip_indivisible=True` -> `--skip-indivisible`, `ignore=[...]` -> `--ignore PATTERN`, `scheme='X'` ->
+    `--scheme X`; a way out that only the Python API has (a `Rule`) is dropped."""
+    for pattern, cli in _CLI_SPELLING:
+        message = pattern.sub(cli, message)
+    return message
+
+
+def skipped_text(head: str, skipped: List[str], width: int = 100) -> str:
+    """"<head>left dense by --skip-indivisible (N): <paths>", layer numbers folded (`qformats.plan.paths_text`) and
+    wrapped to `width` (`qformats.plan.wrap_list`)."""
+    from qformats.plan import paths_text, wrap_list
+    sep = "/" if any("/" in p for p in skipped) else "."
+    return wrap_list(f"{head}left dense by --skip-indivisible ({len(skipped)}): ", paths_text(skipped, sep), width)
 
 
 def read_text(flag: str, name: str) -> str:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import List, Sequence
 
-from converters.cli.common import Parser, Usage, parse_schemes, read_text
+from converters.cli.common import Parser, Usage, parse_schemes, read_text, skipped_text
 
 __all__ = ["CAUSAL_LM", "SENTENCE_ENCODER", "add_parser", "model_kind", "perplexity_parser", "run"]
 
@@ -158,5 +158,5 @@ def _perplexity(a) -> int:
                   + (f"  (dense: {len(v['skipped'])} skipped)" if v.get("skipped") else ""))
     for k, v in r.items():
         if v.get("skipped"):
-            print(f"qformats: {k}: left dense by --skip-indivisible: {', '.join(v['skipped'])}", file=sys.stderr)
+            print(skipped_text(f"qformats: {k}: ", v["skipped"]), file=sys.stderr)
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from converters.cli.common import Usage, parse_schemes
+from converters.cli.common import Usage, parse_schemes, skipped_text
 
 __all__ = ["add_parser", "run"]
 
@@ -66,7 +66,7 @@ def run(a) -> int:
             from qformats.sharding import shard_model
             model = shard_model(model, mesh, tensor_parallel_rules(model.config, mesh.axis_names[0]))
     if skipped:
-        print(f"qformats: left dense by --skip-indivisible: {', '.join(skipped)}", file=sys.stderr)
+        print(skipped_text("qformats: ", skipped), file=sys.stderr)
     if tok is None:
         raise Usage(f"qformats generate: error: {a.src}: expected a tokenizer.json beside the checkpoint, found none")
     ids = tok.encode(a.prompt).ids

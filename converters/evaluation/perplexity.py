@@ -171,8 +171,8 @@ def load_for_scheme(src: "str | os.PathLike", scheme: str, *, dtype=None, tokeni
         try:
             quantize_model(model, rules, fuse_global_scales=True)
         except ModelError as e:
-            raise ModelError(f"{src}: {e}\nOr leave exactly those dense: skip_indivisible=True "
-                             f"(--skip-indivisible).") from None
+            raise ModelError(f"{src}: {e}".replace("Ways out: ", "Ways out: skip_indivisible=True leaves exactly "
+                                                   "those dense; ", 1)) from None
     return model, cfg, tok, skipped
 
 
