@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 
-from converters.cli.common import MAX_SHARD_SIZE_HELP, Usage
+from converters.cli.common import MAX_SHARD_SIZE_HELP, Usage, add_compile_cache_argument, enable_compile_cache
 
 __all__ = ["add_parser", "run"]
 
@@ -60,6 +60,8 @@ def add_parser(sub) -> None:
     q.add_argument("--max-shard-size", default="5GB", help=MAX_SHARD_SIZE_HELP + " (data-free only)")
     q.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     q.add_argument("--quiet", action="store_true", help="no progress bar (the summary is still printed)")
+    add_compile_cache_argument(q)
+    q._actions[-1].help = "with --calibrate: " + q._actions[-1].help
 
 
 def run(a) -> int:
@@ -77,6 +79,7 @@ def run(a) -> int:
     if a.awq and a.calibrate is None:
         raise Usage("qformats quantize: error: --awq needs --calibrate FILE (AWQ scales come from calibration data)")
     if a.calibrate is not None:
+        enable_compile_cache(not a.no_compile_cache)
         return _quantize_calibrated(a)
     if a.kv_cache is not None and a.kv_cache != "fp8:dynamic":
         raise Usage(f"qformats quantize: error: --kv-cache {a.kv_cache} has static k_scale / v_scale, calibrated from "

@@ -37,7 +37,7 @@ from converters.formats.safe_files import open_regular
 from qformats.errors import CheckpointError, ModelError
 
 __all__ = ["load_calibration", "read_text_file", "select_samples", "DEFAULT_SEQ_LEN", "DEFAULT_TOKENS",
-           "MAX_FILE_BYTES", "MAX_LINE_BYTES", "MAX_SAMPLES", "MAX_JSON_DEPTH"]
+           "MAX_FILE_BYTES", "MAX_LINE_BYTES", "MAX_SAMPLES", "MAX_JSON_DEPTH", "json_lines"]
 
 DEFAULT_SEQ_LEN = 512
 DEFAULT_TOKENS = 65536
@@ -148,10 +148,10 @@ def read_text_file(path: "str | os.PathLike", what: str = "a text file", max_byt
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def _lines(p: Path) -> Iterator[tuple]:
+def _lines(p: Path, what: str = "a calibration file") -> Iterator[tuple]:
     """(line number, text) of each line of `p` (universal newlines, the line break removed), streamed;
     CheckpointError for a line over MAX_LINE_BYTES or invalid UTF-8."""
-    fd, _ = open_regular(p, None, "a calibration file")
+    fd, _ = open_regular(p, None, what)
     with os.fdopen(fd, "rb") as f:
         n = 0
         while True:
@@ -177,14 +177,15 @@ def _lines(p: Path) -> Iterator[tuple]:
                 yield n, part
 
 
-def _texts(p: Path) -> Iterator[tuple]:
-    """(line number, sample text) of each non-blank line (.txt) or JSON line's "text" (.jsonl)."""
-    jsonl = p.suffix == ".jsonl"
-    for n, line in _lines(p):
+def json_lines(path: "str | os.PathLike", what: str = "a JSON lines file") -> Iterator[tuple]:
+    """(line number, parsed value) of each non-blank line of a JSON-lines file, streamed under this module's bounds:
+    a file of at most MAX_FILE_BYTES, lines of at most MAX_LINE_BYTES, JSON nested at most MAX_JSON_DEPTH deep,
+    strict UTF-8. CheckpointError naming the file (and line) otherwise."""
+    p = Path(path)
+    if p.is_file() and p.stat().st_size > MAX_FILE_BYTES:
+        raise CheckpointError(f"{p}: {what} of {p.stat().st_size} bytes exceeds {MAX_FILE_BYTES} (MAX_FILE_BYTES)")
+    for n, line in _lines(p, what):
         if not line.strip():
-            continue
-        if not jsonl:
-            yield n, line
             continue
         _check_depth(p, n, line)
         try:
@@ -194,6 +195,17 @@ def _texts(p: Path) -> Iterator[tuple]:
         except RecursionError:
             raise CheckpointError(f"{p}: line {n}: expected JSON nested at most {MAX_JSON_DEPTH} deep "
                                   f"(MAX_JSON_DEPTH), found deeper") from None
+        yield n, obj
+
+
+def _texts(p: Path) -> Iterator[tuple]:
+    """(line number, sample text) of each non-blank line (.txt) or JSON line's "text" (.jsonl)."""
+    if p.suffix != ".jsonl":
+        for n, line in _lines(p):
+            if line.strip():
+                yield n, line
+        return
+    for n, obj in json_lines(p, "a calibration file"):
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise CheckpointError(f"{p}: line {n}: expected a JSON object with a string field \"text\", found "
                                   f"{type(obj).__name__}" + (f" with keys {sorted(obj)[:5]}" if isinstance(obj, dict)
