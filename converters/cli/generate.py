@@ -89,7 +89,7 @@ def _load(a, mesh):
     return model, cfg, tok, skipped
 
 
-def _prompt_ids(a, tok, chat, prompt: str, where: str):
+def _prompt_ids(tok, chat, prompt: str, where: str):
     """The token ids of one prompt: as the tokenizer encodes it by default, or (with --chat) the rendered chat
     template, encoded without special tokens as transformers' apply_chat_template does."""
     if chat is not None:
@@ -147,7 +147,7 @@ def run(a) -> int:
         if end is not None and end not in eos:  # the template's end of turn ends the answer
             eos.append(end)
     where = "--prompt" if a.prompts is None else a.prompts
-    todo = [(_prompt_ids(a, tok, chat, p, where if a.prompts is None else f"{where}: request {i + 1}"), n)
+    todo = [(_prompt_ids(tok, chat, p, where if a.prompts is None else f"{where}: request {i + 1}"), n)
             for i, (p, n) in enumerate(requests)]
     for ids, n in todo:  # every request checked before any compute
         check_context(model, len(ids), n)

@@ -59,7 +59,8 @@ def render_chat(template: str, messages: List[Dict[str, str]], *, add_generation
     """The text of `messages` ([{"role", "content"}]) through the jinja `template`, as transformers'
     `apply_chat_template` renders it: an immutable sandboxed jinja2 environment (templates cannot touch
     Python objects' internals or mutate their arguments) with trim_blocks, lstrip_blocks and loop controls, a
-    `tojson` filter that keeps non-ASCII characters, and the `raise_exception` / `strftime_now` globals, `dict` and a `namespace` that refuses underscore attributes.
+    `tojson` filter that keeps non-ASCII characters, the `raise_exception` / `strftime_now` globals, `dict`, and a
+    `namespace` that refuses underscore attributes.
     `context` holds the special tokens (bos_token, ...). The result is tokenized without special tokens.
 
     Raises CheckpointError naming `where` for a template that does not parse or raises while rendering."""

@@ -354,7 +354,8 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
     if kv_cache is not None and not kv_cache.dynamic:
         raise CheckpointError(f"KV-cache scheme {kv_cache_name(kv_cache)!r} has static k_scale / v_scale, which need "
                               f"calibration data (a data-free quantize has no keys or values to measure): calibrate "
-                              f"(converters.pipelines.calibrate.quantize_calibrated_lm) or use the dynamic 'fp8:dynamic'")
+                              f"(converters.pipelines.calibrate.quantize_calibrated_lm) or use the dynamic "
+                              f"'fp8:dynamic'")
     for role, act in (("input", ss.input_activations), ("output", ss.output_activations)):
         if act is not None and act.dynamic is not True:
             raise CheckpointError(f"scheme {ss.name!r} has static {role} activation scales, which need calibration "

@@ -288,3 +288,17 @@ def test_help_names_the_cache_directory(capsys, monkeypatch, tmp_path):
     out = " ".join(capsys.readouterr().out.split())
     assert "--no-compile-cache" in out and str(tmp_path / "qformats" / "jax") in out.replace(" ", "")
     assert "not supported yet" in out  # --prompts runs requests one at a time, and says so
+
+
+def test_eval_takes_no_compile_cache_for_both_measures(monkeypatch, tmp_path, capsys):
+    """--no-compile-cache is the CLI's: the embedding-fidelity evaluation never sees it; the perplexity parser has
+    it."""
+    import converters.cli.eval as cli_eval
+    from converters.cli.eval import perplexity_parser
+    from converters.evaluation import embedding_fidelity
+    seen, asked = {}, []
+    monkeypatch.setattr(embedding_fidelity, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    monkeypatch.setattr(cli_eval, "enable_compile_cache", lambda enabled=True: asked.append(enabled))
+    assert main(["eval", "--json", "--no-compile-cache"]) == 0
+    assert seen["argv"] == ["--json"] and asked == [False]
+    assert perplexity_parser().parse_args(["x", "--text", "t", "--no-compile-cache"]).no_compile_cache
