@@ -88,10 +88,11 @@ def compile_cache_dir() -> Path:
     return Path(base) / "qformats" / "jax"
 
 
-def add_compile_cache_argument(p: argparse.ArgumentParser) -> None:
-    """--no-compile-cache on a subcommand that compiles (generate, eval, quantize --calibrate)."""
+def add_compile_cache_argument(p: argparse.ArgumentParser, when: str = "") -> None:
+    """--no-compile-cache on a subcommand that compiles (generate, eval, quantize --calibrate); `when` prefixes its
+    help ("with --calibrate: ")."""
     p.add_argument("--no-compile-cache", action="store_true",
-                   help=f"do not use JAX's persistent compilation cache (default: on, in {compile_cache_dir()} - "
+                   help=f"{when}do not use JAX's persistent compilation cache (default: on, in {compile_cache_dir()} - "
                         f"$XDG_CACHE_HOME/qformats/jax or ~/.cache/qformats/jax, or $QFORMATS_COMPILE_CACHE; "
                         f"QFORMATS_COMPILE_CACHE=0 turns it off; a cache the caller configured, "
                         f"JAX_COMPILATION_CACHE_DIR, is kept), so a second run of the same command does not "

@@ -60,8 +60,7 @@ def add_parser(sub) -> None:
     q.add_argument("--max-shard-size", default="5GB", help=MAX_SHARD_SIZE_HELP + " (data-free only)")
     q.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     q.add_argument("--quiet", action="store_true", help="no progress bar (the summary is still printed)")
-    add_compile_cache_argument(q)
-    q._actions[-1].help = "with --calibrate: " + q._actions[-1].help
+    add_compile_cache_argument(q, when="with --calibrate: ")
 
 
 def run(a) -> int:
