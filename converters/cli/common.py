@@ -22,6 +22,9 @@ _CLI_SPELLING = (
     (re.compile(r"\bignore=\[\.\.\.\]"), "--ignore PATTERN"),
     (re.compile(r"\bscheme='([^']*)'"), r"--scheme \1"),
     (re.compile(r"\bmax_new_tokens=([0-9]+)"), r"--max-new-tokens \1"),
+    (re.compile(r"\bseq_len=([0-9]+)"), r"--seq-len \1"),
+    (re.compile(r"\bbatch_size=([0-9]+)"), r"--batch-size \1"),
+    (re.compile(r"\ba smaller seq_len or batch_size\b"), "a smaller --seq-len or --batch-size"),
     (re.compile(r",? or leave them dense with a rule \(Rule\(path, None\) before the quantizing rule\)"), ""),
 )
 
@@ -40,7 +43,7 @@ class Parser(argparse.ArgumentParser):
 def cli_spelling(message: str) -> str:
     """A library error message as the command line says it: `overwrite=True` -> `--overwrite`,
     `skip_indivisible=True` -> `--skip-indivisible`, `ignore=[...]` -> `--ignore PATTERN`, `scheme='X'` ->
-    `--scheme X`, `max_new_tokens=N` -> `--max-new-tokens N`; a way out that only the Python API has (a `Rule`)
+    `--scheme X`, `max_new_tokens=N` / `seq_len=N` / `batch_size=N` -> `--max-new-tokens N` ...; a way out that only the Python API has (a `Rule`)
     is dropped."""
     for pattern, cli in _CLI_SPELLING:
         message = pattern.sub(cli, message)
