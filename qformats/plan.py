@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
@@ -11,8 +12,8 @@ from qformats.algorithms.shared_scales import selected_groups
 from qformats.matching import Matcher, Selector
 from qformats.schemes import QuantScheme, SchemeSet
 
-__all__ = ["Candidate", "Decision", "Plan", "check_fit", "check_fits", "group_indivisible", "misfits",
-           "plan_quantization", "warn_unused_rules"]
+__all__ = ["Candidate", "Decision", "Plan", "check_fit", "check_fits", "divisible_group_scheme", "group_indivisible",
+           "group_paths", "misfits", "natural_key", "paths_text", "plan_quantization", "warn_unused_rules", "wrap_list"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,17 +90,19 @@ class Plan:
         for d in self.dense:
             by_why.setdefault(d.why, []).append(d.path)
         for why, paths in by_why.items():
-            lines.append(_wrap(f"left dense ({why}): {len(paths)}: ", paths, width))
+            lines.append(wrap_list(f"left dense ({why}): {len(paths)}: ", paths, width))
         guessed = [d.path for d in self.decisions if d.candidate.how != "model"]
         if guessed:
-            lines.append(_wrap(f"kind taken from names and shapes (2-D, no 'embed' / 'norm' in the path): "
+            lines.append(wrap_list(f"kind taken from names and shapes (2-D, no 'embed' / 'norm' in the path): "
                                f"{len(guessed)}: ", guessed, width))
         for u in self.unused:
             lines.append(f"{u.label} matched nothing")
         return "\n".join(lines)
 
 
-def _wrap(head: str, items: Sequence[str], width: int) -> str:
+def wrap_list(head: str, items: Sequence[str], width: int = 100) -> str:
+    """`head` followed by `items` joined with ", ", broken into lines of at most `width` characters (an item
+    longer than that gets a line of its own); continuation lines are indented by four spaces."""
     out, line = [], head
     for i, it in enumerate(items):
         piece = it + (", " if i < len(items) - 1 else "")
@@ -109,6 +112,48 @@ def _wrap(head: str, items: Sequence[str], width: int) -> str:
         line += piece
     out.append(line.rstrip())
     return "\n".join(out)
+
+
+def natural_key(path: str) -> Tuple:
+    """A sort key that orders the digit runs of `path` as numbers: "layers.2" before "layers.10"."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", path) if p)
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """Sorted distinct ints as "0..29" or "0,2,5..9"."""
+    vs, parts, i = sorted(set(values)), [], 0
+    while i < len(vs):
+        j = i
+        while j + 1 < len(vs) and vs[j + 1] == vs[j] + 1:
+            j += 1
+        parts.append(str(vs[i]) if j == i else f"{vs[i]},{vs[j]}" if j == i + 1 else f"{vs[i]}..{vs[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def group_paths(paths: Sequence[str], sep: str = ".") -> List[Tuple[str, List[str]]]:
+    """(pattern, its paths) for the module paths that differ only in their numeric components, in natural order: the
+    numeric components (split on `sep`) that vary are written as "{0..29}" (ranges of their values; with several
+    numeric components each one's values are listed apart), the ones that do not stay as they are.
+    E.g. model.layers.0.mlp.up_proj ... model.layers.29.mlp.up_proj -> ("model.layers.{0..29}.mlp.up_proj",
+    [those 30 paths])."""
+    groups: Dict[Tuple[str, ...], List[str]] = {}
+    for p in sorted(dict.fromkeys(paths), key=natural_key):
+        groups.setdefault(tuple("#" if c.isdigit() else c for c in p.split(sep)), []).append(p)
+    out = []
+    for shape, members in groups.items():
+        nums = [tuple(int(c) for c in p.split(sep) if c.isdigit()) for p in members]
+        cols = list(zip(*nums)) if nums and nums[0] else []
+        it = iter(cols)
+        comps = []
+        for c in shape:
+            if c != "#":
+                comps.append(c)
+                continue
+            vals = next(it)
+            comps.append(str(vals[0]) if len(set(vals)) == 1 else "{" + _ranges(vals) + "}")
+        out.append((sep.join(comps), members))
+    return out
 
 
 def plan_quantization(candidates: Iterable[Candidate], matcher: Matcher, *, unmatched: str = "matched no rule"
@@ -165,20 +210,55 @@ def misfits(layers: Iterable[Tuple[str, int, SchemeSet]]) -> List[Tuple[str, int
     return bad
 
 
+def paths_text(paths: Sequence[str], sep: str = ".") -> List[str]:
+    """`paths` as `group_paths` patterns, each with its count when it stands for several: "model.layers.{0..29}.
+    self_attn.q_proj (30)" (for `wrap_list`)."""
+    return [p if len(m) == 1 else f"{p} ({len(m)})" for p, m in group_paths(paths, sep)]
+
+
 def check_fits(layers: Sequence[Tuple[str, int, SchemeSet]], *, static_acts: bool,
                error: Type[QFormatsError] = ModelError) -> None:
     """`check_fit` over (path, in_features, scheme set) for every selected layer, the group-size ones first and
-    all at once: `error` listing EVERY layer whose weight (or activation) groups do not divide its
-    in_features (`group_indivisible`), with its size and the ways out; then the other checks per layer."""
-    bad = [f"  {path}: {what} group size {s.group_size} of {ss.name} ({s.describe()}) does not divide "
-           f"in_features = {k} ({why})" for path, k, what, s, ss, why in misfits(layers)]
+    all at once: `error` with the ways out first, then EVERY layer whose weight (or activation) groups do not
+    divide its in_features (`group_indivisible`), layers that differ only in their numeric path components on
+    one line (`group_paths`); then the other checks per layer."""
+    bad = misfits(layers)
     if bad:
+        sep = "/" if any("/" in path for path, *_ in bad) else "."
+        by: Dict[Tuple, List[str]] = {}
+        for path, k, what, s, ss, why in bad:
+            by.setdefault((what, k, s.group_size, ss.name, s.describe(), why), []).append(path)
+        lines = []
+        for (what, k, g, name, desc, why), paths in by.items():
+            for pattern, members in group_paths(paths, sep):
+                n = len(members)
+                lines.append(f"  {pattern}{f' ({n} layers)' if n > 1 else ''}: {what} group size {g} of {name} "
+                             f"({desc}) does not divide in_features = {k} ({why})")
+        fit = divisible_group_scheme([(k, s, ss) for _, k, _, s, ss, _ in bad])
         raise error(f"{len(bad)} layer(s) do not fit their scheme's groups (GROUP / TENSOR_GROUP need "
-                    f"in_features % group_size == 0, as llm-compressor and compressed-tensors require):\n"
-                    + "\n".join(bad) + "\nWays out: leave them dense with a rule (Rule(path, None) before "
-                    "the quantizing rule), or pick a group size that divides in_features (e.g. 'W4A16:g64').")
+                    f"in_features % group_size == 0, as llm-compressor and compressed-tensors require).\n"
+                    f"Ways out: a group size that divides their in_features"
+                    + (f" (e.g. '{fit}')" if fit else "") + ", or leave them dense with a rule (Rule(path, None) "
+                    "before the quantizing rule). The layers:\n" + "\n".join(lines))
     for path, k, ss in layers:
         check_fit(path, k, ss, static_acts=static_acts, error=error)
+
+
+def divisible_group_scheme(bad: Sequence[Tuple[int, QuantScheme, SchemeSet]]) -> Optional[str]:
+    """For misfit layers (in_features, weight or activation scheme, scheme set), all of one scheme set: the scheme
+    string with the largest power-of-two group size below the scheme's that divides every in_features ("W4A16:g64"),
+    or None (several scheme sets, no such size, or a format whose group size is fixed: MX 32, NVFP4 16)."""
+    names = {ss.name for _, _, ss in bad}
+    sizes = {s.group_size for _, s, _ in bad}
+    if len(names) != 1 or len(sizes) != 1 or any(s.scale_format == "e8m0" or s.strategy == "tensor_group"
+                                                 for _, s, _ in bad):
+        return None
+    g0 = next(iter(sizes))
+    g = next((g for g in (256, 128, 64, 32, 16, 8) if g < g0 and all(k % g == 0 for k, _, _ in bad)), None)
+    if g is None:
+        return None
+    base, *suffixes = next(iter(names)).split(":")
+    return ":".join([base, f"g{g}"] + [x for x in suffixes if not re.fullmatch(r"[gG][0-9]+", x)])
 
 
 def check_fit(path: str, in_features: int, ss: SchemeSet, *, static_acts: bool,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Mapping
 from typing import Dict, Iterator
@@ -79,7 +80,9 @@ class Presets(Mapping):
     def __getitem__(self, name: str) -> SchemeSet:
         key = str(name).upper()
         if key not in self._t:
-            raise SchemeError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(self._t))}")
+            close = difflib.get_close_matches(key, list(self._t), n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(close[:-1]) + ' or ' if close[1:] else ''}{close[-1]}? " if close else ""
+            raise SchemeError(f"unknown preset {name!r}; {hint}valid presets: {', '.join(sorted(self._t))}")
         return self._t[key]
 
     def __iter__(self) -> Iterator[str]:

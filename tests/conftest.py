@@ -28,9 +28,17 @@ def jax_compilation_cache(tmp_path_factory):
     lowers to the same HLO. Executables loaded from the cache are the compiled ones (XLA serialises them), so
     what a test checks does not change; only the compile time of repeats goes.
 
-    Set QFORMATS_TEST_JAX_CACHE=0 to compile everything afresh."""
+    Set QFORMATS_TEST_JAX_CACHE=0 to compile everything afresh. Either way the CLI's own default cache
+    (~/.cache/qformats/jax, converters.cli.common.enable_compile_cache) stays untouched: it keeps a directory the
+    caller configured (this one), and QFORMATS_COMPILE_CACHE=0 turns it off."""
     if os.environ.get("QFORMATS_TEST_JAX_CACHE", "1") == "0":
+        saved = os.environ.get("QFORMATS_COMPILE_CACHE")
+        os.environ["QFORMATS_COMPILE_CACHE"] = "0"  # inherited by the CLI subprocesses too
         yield None
+        if saved is None:
+            os.environ.pop("QFORMATS_COMPILE_CACHE", None)
+        else:
+            os.environ["QFORMATS_COMPILE_CACHE"] = saved
         return
     import jax
 

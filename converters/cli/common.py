@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
-__all__ = ["Usage", "Parser", "read_text", "parse_schemes"]
+__all__ = ["MAX_SHARD_SIZE_HELP", "CompileWatch", "Usage", "Parser", "add_compile_cache_argument", "cli_spelling",
+           "compile_cache_dir", "enable_compile_cache", "read_text", "parse_schemes", "say", "size_text", "skipped_text"]
+
+MAX_SHARD_SIZE_HELP = ("largest safetensors file written (default 5GB; units B, KB/MB/GB = powers of 1000, "
+                       "KiB/MiB/GiB = powers of 1024); a bigger checkpoint is split into shards with a "
+                       "model.safetensors.index.json")
+
+# The library's errors name its Python arguments; on the command line the same way out is an option.
+_CLI_SPELLING = (
+    (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r"\bskip_indivisible=True\b"), "--skip-indivisible"),
+    (re.compile(r"\bignore=\[\.\.\.\]"), "--ignore PATTERN"),
+    (re.compile(r"\bscheme='([^']*)'"), r"--scheme \1"),
+    (re.compile(r"\bmax_new_tokens=([0-9]+)"), r"--max-new-tokens \1"),
+    (re.compile(r"\bseq_len=([0-9]+)"), r"--seq-len \1"),
+    (re.compile(r"\bbatch_size=([0-9]+)"), r"--batch-size \1"),
+    (re.compile(r"\ba smaller seq_len or batch_size\b"), "a smaller --seq-len or --batch-size"),
+    (re.compile(r",? or leave them dense with a rule \(Rule\(path, None\) before the quantizing rule\)"), ""),
+)
 
 
 class Usage(Exception):
@@ -18,6 +38,24 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise Usage(f"{self.prog}: error: {message}")
+
+
+def cli_spelling(message: str) -> str:
+    """A library error message as the command line says it: `overwrite=True` -> `--overwrite`,
+    `skip_indivisible=True` -> `--skip-indivisible`, `ignore=[...]` -> `--ignore PATTERN`, `scheme='X'` ->
+    `--scheme X`, `max_new_tokens=N` / `seq_len=N` / `batch_size=N` -> `--max-new-tokens N` ...; a way out that only the Python API has (a `Rule`)
+    is dropped."""
+    for pattern, cli in _CLI_SPELLING:
+        message = pattern.sub(cli, message)
+    return message
+
+
+def skipped_text(head: str, skipped: List[str], width: int = 100) -> str:
+    """"<head>left dense by --skip-indivisible (N): <paths>", layer numbers folded (`qformats.plan.paths_text`) and
+    wrapped to `width` (`qformats.plan.wrap_list`)."""
+    from qformats.plan import paths_text, wrap_list
+    sep = "/" if any("/" in p for p in skipped) else "."
+    return wrap_list(f"{head}left dense by --skip-indivisible ({len(skipped)}): ", paths_text(skipped, sep), width)
 
 
 def read_text(flag: str, name: str) -> str:
@@ -41,3 +79,101 @@ def parse_schemes(text: str) -> List[str]:
         if s.lower() not in ("stored", "dense"):
             parse_scheme(s)
     return out
+
+
+def compile_cache_dir() -> Path:
+    """Where the CLI keeps JAX's persistent compilation cache: $QFORMATS_COMPILE_CACHE when it names a directory,
+    else $XDG_CACHE_HOME/qformats/jax, else ~/.cache/qformats/jax."""
+    env = os.environ.get("QFORMATS_COMPILE_CACHE", "")
+    if env not in ("", "0", "1"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qformats" / "jax"
+
+
+def add_compile_cache_argument(p: argparse.ArgumentParser, when: str = "") -> None:
+    """--no-compile-cache on a subcommand that compiles (generate, eval, quantize --calibrate); `when` prefixes its
+    help ("with --calibrate: ")."""
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help=f"{when}do not use JAX's persistent compilation cache (default: on, in {compile_cache_dir()} - "
+                        f"$XDG_CACHE_HOME/qformats/jax or ~/.cache/qformats/jax, or $QFORMATS_COMPILE_CACHE; "
+                        f"QFORMATS_COMPILE_CACHE=0 turns it off; a cache the caller configured, "
+                        f"JAX_COMPILATION_CACHE_DIR, is kept), so a second run of the same command does not "
+                        f"compile again")
+
+
+def enable_compile_cache(enabled: bool = True) -> Optional[Path]:
+    """Turns on JAX's persistent compilation cache in `compile_cache_dir()` and returns the directory in use, or
+    None when it stays off. The caller's own setting wins: with JAX_COMPILATION_CACHE_DIR set or
+    jax.config.jax_compilation_cache_dir already set, that directory is kept (returned); with `enabled` False or
+    QFORMATS_COMPILE_CACHE=0 nothing changes. JAX caches only programs that took over
+    jax_persistent_cache_min_compile_time_secs (default 1 s) to compile."""
+    import jax
+
+    current = jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if current:
+        return Path(current)
+    if not enabled or os.environ.get("QFORMATS_COMPILE_CACHE") == "0":
+        return None
+    path = compile_cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only home: run without the cache rather than fail
+        import warnings
+        warnings.warn(f"compilation cache {path}: {e}; compiling without it")
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return path
+
+
+def say(message: str) -> None:
+    """One progress line on stderr ("qformats: ..."), flushed: the process says what it is doing, also with --json
+    (whose result alone goes to stdout)."""
+    import sys
+    print(f"qformats: {message}", file=sys.stderr, flush=True)
+
+
+def size_text(n: float) -> str:
+    """Bytes as a person reads them: "538.1 MB" (powers of 1000)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n}"  # pragma: no cover
+
+
+class CompileWatch:
+    """While active, counts JAX's persistent compilation cache look-ups (`jax.monitoring` events): `hits` programs
+    loaded from the cache, `misses` compiled afresh."""
+
+    _HIT, _MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+
+    def __init__(self):
+        self.hits = self.misses = 0
+
+    def _listen(self, event: str, **kwargs) -> None:
+        if event == self._HIT:
+            self.hits += 1
+        elif event == self._MISS:
+            self.misses += 1
+
+    def __enter__(self) -> "CompileWatch":
+        import jax.monitoring
+        jax.monitoring.register_event_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax.monitoring
+        jax.monitoring.unregister_event_listener(self._listen)
+
+    def text(self, cache: Optional[Path]) -> str:
+        """"persistent cache hit" / "miss" / "off" in words, for the compile line."""
+        if cache is None:
+            return "persistent compilation cache off"
+        if self.hits and not self.misses:
+            return f"persistent cache hit, {cache}"
+        if self.misses and not self.hits:
+            return f"persistent cache miss, {cache}"
+        if self.misses:
+            return f"persistent cache: {self.hits} of {self.hits + self.misses} programs loaded, {cache}"
+        return "in-process cache hit"

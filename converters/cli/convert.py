@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from converters.cli.common import MAX_SHARD_SIZE_HELP
+
 __all__ = ["add_parser", "run"]
 
 
@@ -11,11 +13,11 @@ def add_parser(sub) -> None:
     """Registers the subcommand and its arguments on the `qformats` subparsers."""
     c = sub.add_parser("convert", help="GGUF causal LM (llama, qwen2, qwen3) -> dense HF checkpoint "
                                        "(config.json, safetensors, tokenizer.json), as transformers reads the file")
-    c.add_argument("src", metavar="SRC.gguf")
-    c.add_argument("dst", metavar="DST")
+    c.add_argument("src", metavar="SRC.gguf", help="GGUF file of a llama / qwen2 / qwen3 causal LM")
+    c.add_argument("dst", metavar="DST", help="new directory for the HF checkpoint")
     c.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="tensor dtype (default float32: transformers' GGUF loader, bit for bit)")
-    c.add_argument("--max-shard-size", default="5GB")
+    c.add_argument("--max-shard-size", default="5GB", help=MAX_SHARD_SIZE_HELP)
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
 
 

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import List, Sequence
 
-from converters.cli.common import Parser, Usage, parse_schemes, read_text
+from converters.cli.common import (Parser, Usage, add_compile_cache_argument, enable_compile_cache, parse_schemes,
+                                  read_text, skipped_text)
 
 __all__ = ["CAUSAL_LM", "SENTENCE_ENCODER", "add_parser", "model_kind", "perplexity_parser", "run"]
 
@@ -53,6 +54,7 @@ def perplexity_parser() -> Parser:
                    help="leave dense the projections a scheme's group size does not divide (reported as 'skipped')")
     p.add_argument("--batch-size", type=int, default=4, help="windows per jit call (default 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object scheme -> {ppl, tokens, bytes}")
+    add_compile_cache_argument(p)
     return p
 
 
@@ -127,6 +129,9 @@ def run(rest: List[str]) -> int:
 
 def _fidelity(rest: List[str], help_too: bool) -> int:
     from converters.evaluation import embedding_fidelity
+    if not help_too and not ("-h" in rest or "--help" in rest):
+        enable_compile_cache("--no-compile-cache" not in rest)
+    rest = [x for x in rest if x != "--no-compile-cache"]  # the CLI's option, not the evaluation's
     try:
         rc = embedding_fidelity.main(rest)
     except SystemExit as e:  # its argparse: --help (0) or a usage error (2)
@@ -146,6 +151,7 @@ def _perplexity(a) -> int:
     schemes = parse_schemes(a.schemes)
     if a.seq_len < 2 or (a.max_windows is not None and a.max_windows < 1) or a.batch_size < 1:
         raise Usage("qformats eval: error: expected --seq-len >= 2, --max-windows >= 1, --batch-size >= 1")
+    enable_compile_cache(not a.no_compile_cache)
     log = None if a.json else (lambda m: print(m, file=sys.stderr))
     r = evaluate_text(a.src, text, schemes, seq_len=a.seq_len, max_windows=a.max_windows, batch_size=a.batch_size,
                       skip_indivisible=a.skip_indivisible, log=log)
@@ -158,5 +164,5 @@ def _perplexity(a) -> int:
                   + (f"  (dense: {len(v['skipped'])} skipped)" if v.get("skipped") else ""))
     for k, v in r.items():
         if v.get("skipped"):
-            print(f"qformats: {k}: left dense by --skip-indivisible: {', '.join(v['skipped'])}", file=sys.stderr)
+            print(skipped_text(f"qformats: {k}: ", v["skipped"]), file=sys.stderr)
     return 0

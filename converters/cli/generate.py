@@ -1,10 +1,12 @@
-"""`qformats generate SRC --prompt TEXT [...]`: jit-compiled text generation with a causal LM, on one device or N."""
+"""`qformats generate SRC --prompt TEXT | --prompts FILE.jsonl [...]`: jit-compiled text generation with a causal
+LM, on one device or N, saying on stderr what it does (loading, compiling, prefill, decode tokens/s), streaming with
+--stream, through the checkpoint's chat template with --chat."""
 
 from __future__ import annotations
 
 import sys
 
-from converters.cli.common import Usage, parse_schemes
+from converters.cli.common import Usage, add_compile_cache_argument, parse_schemes, say, size_text, skipped_text
 
 __all__ = ["add_parser", "run"]
 
@@ -12,11 +14,24 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub) -> None:
     """Registers the subcommand and its arguments on the `qformats` subparsers."""
     g = sub.add_parser("generate", help="generate text with a causal LM (dense or compressed-tensors checkpoint "
-                                        "directory, or .gguf), jit-compiled")
+                                        "directory, or .gguf), jit-compiled; progress and tokens/s on stderr")
     g.add_argument("src", metavar="SRC", help="dense HF or compressed-tensors checkpoint directory, or a .gguf file")
-    g.add_argument("--prompt", required=True, help="the prompt text (tokenized as the tokenizer does by default)")
+    g.add_argument("--prompt", default=None, help="the prompt text (tokenized as the tokenizer does by default; with "
+                                                  "--chat, the user message)")
+    g.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help='one request a line: {"prompt": TEXT} with an optional "max_new_tokens": N; prints one JSON '
+                        'line {"tokens", "text"} per request, in input order. Requests run one at a time (batches '
+                        'of prompts of different lengths are not supported yet); each new prompt length compiles '
+                        'once')
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32; fewer when an "
-                                                                  "end-of-sequence token comes first)")
+                                                                  "end-of-sequence token comes first); prompt + "
+                                                                  "new tokens must fit max_position_embeddings")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the checkpoint's chat template (chat_template.jinja, "
+                        "as `qformats convert` writes it, or tokenizer_config.json's chat_template), rendered "
+                        "with jinja2 in a sandbox as transformers renders it, with the generation prompt")
+    g.add_argument("--stream", action="store_true", help="print the text on stdout as the tokens are produced "
+                                                         "(not with --json or --prompts)")
     g.add_argument("--scheme", default=None, help="quantize a dense SRC round-to-nearest first (lm_head stays "
                                                   "dense), e.g. W4A16:g64; an error on a quantized SRC")
     g.add_argument("--skip-indivisible", action="store_true",
@@ -29,64 +44,182 @@ def add_parser(sub) -> None:
                    help="run on N devices, Megatron-style (q/k/v/gate/up split by output channels, o/down by "
                         "input channels, embeddings by vocabulary, KV cache by heads); on a CPU-only host N CPU "
                         "devices are made before JAX starts. A shape N cannot divide is an error naming the layer")
+    add_compile_cache_argument(g)
     g.add_argument("--json", action="store_true", help='print {"tokens": [new token ids], "text": ...} (with '
                                                        '--tensor-parallel also "param_bytes_per_device")')
 
 
-def run(a) -> int:
-    """Generates up to a.max_new_tokens after a.prompt (`qformats.models.generate.generate`: greedy, or sampled
-    with a.temperature / a.top_k / a.top_p and a.seed) and prints the text (or JSON); returns the exit status."""
-    import json
-
-    import jax
-    import numpy as np
-
-    from converters.evaluation.perplexity import load_for_scheme
-    from qformats.models.generate import generate
+def _check_usage(a) -> None:
+    if (a.prompt is None) == (a.prompts is None):
+        raise Usage("qformats generate: error: expected one of --prompt TEXT or --prompts FILE.jsonl")
     if a.max_new_tokens < 1:
         raise Usage("qformats generate: error: --max-new-tokens must be >= 1")
+    if a.stream and (a.json or a.prompts is not None):
+        raise Usage("qformats generate: error: --stream prints text as it comes; --json and --prompts print JSON "
+                    "when a request is done: give one of them")
     if a.scheme is not None:
         parse_schemes(a.scheme)
     elif a.skip_indivisible:
         raise Usage("qformats generate: error: --skip-indivisible needs --scheme")
-    mesh = None
-    if a.tensor_parallel is not None:
-        from converters.pipelines.mesh_load import tensor_parallel_setup
-        if a.tensor_parallel < 1:
-            raise Usage("qformats generate: error: --tensor-parallel must be >= 1")
-        mesh = tensor_parallel_setup(a.tensor_parallel)  # before any other JAX operation
+    if a.tensor_parallel is not None and a.tensor_parallel < 1:
+        raise Usage("qformats generate: error: --tensor-parallel must be >= 1")
+
+
+def _source_bytes(src: str) -> int:
+    """Bytes of the weights at `src`: its *.safetensors files, or the .gguf file."""
+    from pathlib import Path
+    p = Path(src)
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.glob("*.safetensors") if f.is_file())
+    return p.stat().st_size if p.is_file() else 0
+
+
+def _load(a, mesh):
+    """(model, hf config, tokenizer, skipped) of a.src, with a.scheme, on one device or `mesh`."""
+    from converters.evaluation.perplexity import load_for_scheme
     if mesh is not None and a.scheme is None:
         from converters.pipelines.causal_lm import load_causal_lm
         model, cfg, tok = load_causal_lm(a.src, mesh=mesh)  # each device's slice read straight from the file
-        skipped = []
+        return model, cfg, tok, []
+    model, cfg, tok, skipped = load_for_scheme(a.src, a.scheme or "stored", skip_indivisible=a.skip_indivisible)
+    if mesh is not None:  # quantized in memory on one device, then laid out on the mesh
+        from qformats.models.decoder import tensor_parallel_rules
+        from qformats.nn.sharding import shard_model
+        model = shard_model(model, mesh, tensor_parallel_rules(model.config, mesh.axis_names[0]))
+    return model, cfg, tok, skipped
+
+
+def _prompt_ids(tok, chat, prompt: str, where: str):
+    """The token ids of one prompt: as the tokenizer encodes it by default, or (with --chat) the rendered chat
+    template, encoded without special tokens as transformers' apply_chat_template does."""
+    if chat is not None:
+        from converters.pipelines.chat_template import render_chat
+        template, special, origin = chat
+        text = render_chat(template, [{"role": "user", "content": prompt}], where=origin, **special)
+        ids = tok.encode(text, add_special_tokens=False).ids
     else:
-        model, cfg, tok, skipped = load_for_scheme(a.src, a.scheme or "stored", skip_indivisible=a.skip_indivisible)
-        if mesh is not None:  # quantized in memory on one device, then laid out on the mesh
-            from qformats.models.decoder import tensor_parallel_rules
-            from qformats.nn.sharding import shard_model
-            model = shard_model(model, mesh, tensor_parallel_rules(model.config, mesh.axis_names[0]))
+        ids = tok.encode(prompt).ids
+    if not ids:
+        raise Usage(f"qformats generate: error: {where} gives no tokens")
+    return ids
+
+
+def run(a) -> int:
+    """Generates up to a.max_new_tokens after a.prompt, or after each request of a.prompts
+    (`qformats.models.generate.TokenStream`: greedy, or sampled with a.temperature / a.top_k / a.top_p and a.seed) and
+    prints the text (streamed with a.stream), or JSON; says on stderr what it does. Returns the exit status."""
+    import json
+    import time
+
+    import jax
+    import numpy as np
+
+    from converters.cli.common import CompileWatch, enable_compile_cache
+    from qformats.models.generate import TokenStream, check_context
+    _check_usage(a)
+    requests = [(a.prompt, a.max_new_tokens)] if a.prompts is None else read_requests(a.prompts, a.max_new_tokens)
+    mesh = None
+    if a.tensor_parallel is not None:
+        from converters.pipelines.mesh_load import tensor_parallel_setup
+        mesh = tensor_parallel_setup(a.tensor_parallel)  # before any other JAX operation
+    cache = enable_compile_cache(not a.no_compile_cache)
+    nbytes = _source_bytes(a.src)
+    say(f"loading {a.src} ({size_text(nbytes)}) ...")
+    t0 = time.perf_counter()
+    model, cfg, tok, skipped = _load(a, mesh)
+    dt = max(time.perf_counter() - t0, 1e-9)
+    say(f"loaded {size_text(nbytes)} in {dt:.1f} s ({size_text(nbytes / dt)}/s)")
     if skipped:
-        print(f"qformats: left dense by --skip-indivisible: {', '.join(skipped)}", file=sys.stderr)
+        print(skipped_text("qformats: ", skipped), file=sys.stderr)
     if tok is None:
         raise Usage(f"qformats generate: error: {a.src}: expected a tokenizer.json beside the checkpoint, found none")
-    ids = tok.encode(a.prompt).ids
-    if not ids:
-        raise Usage("qformats generate: error: --prompt gives no tokens")
     eos = cfg.get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else [e for e in (eos or []) if isinstance(e, int)]
+    chat = None
+    if a.chat:
+        from converters.pipelines.chat_template import load_chat_template
+        template, special, origin = load_chat_template(a.src)
+        if template is None:
+            raise Usage(f"qformats generate: error: --chat: {a.src} has no chat template (expected "
+                        f"chat_template.jinja or a chat_template in tokenizer_config.json)")
+        chat = (template, special, origin)
+        end = tok.token_to_id(special["eos_token"]) if "eos_token" in special else None
+        if end is not None and end not in eos:  # the template's end of turn ends the answer
+            eos.append(end)
+    where = "--prompt" if a.prompts is None else a.prompts
+    todo = [(_prompt_ids(tok, chat, p, where if a.prompts is None else f"{where}: request {i + 1}"), n)
+            for i, (p, n) in enumerate(requests)]
+    for ids, n in todo:  # every request checked before any compute
+        check_context(model, len(ids), n)
     key = jax.random.key(a.seed) if a.temperature > 0 else None
-    out = np.asarray(generate(model, np.asarray(ids, np.int32), a.max_new_tokens, key=key,
-                              temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, eos_id=eos or None))
-    tokens = [int(t) for t in out]
-    for i, t in enumerate(tokens):  # generate pads a finished row with eos: keep up to the first one
-        if t in eos:
-            tokens = tokens[: i + 1]
-            break
-    text = tok.decode(tokens, skip_special_tokens=True)
-    out = {"tokens": tokens, "text": text}
-    if mesh is not None:
-        from qformats.nn.sharding import param_bytes_per_device
-        per = param_bytes_per_device(model)
-        out["param_bytes_per_device"] = [int(per[d]) for d in mesh.devices.flat]
-    print(json.dumps(out) if a.json else text)
+    for ids, n in todo:
+        stream = TokenStream(model, np.asarray(ids, np.int32), n, key=key, temperature=a.temperature,
+                             top_k=a.top_k, top_p=a.top_p, eos_id=eos or None)
+        with CompileWatch() as watch:
+            stream.compile()
+        say(f"compiled in {stream.compile_seconds:.1f} s ({watch.text(cache)})")
+        tokens, printed = [], ""
+        for step, t in enumerate(stream):
+            if step == 0:
+                say(f"prefill: {len(ids)} tokens in {stream.prefill_seconds:.2f} s "
+                    f"({len(ids) / max(stream.prefill_seconds, 1e-9):.0f} tokens/s)")
+            tokens.append(int(t))
+            if a.stream:
+                printed = _print_new(tok.decode(tokens, skip_special_tokens=True), printed)
+            if int(t) in eos:
+                break
+        if len(tokens) > 1:
+            say(f"decode: {len(tokens) - 1} tokens in {stream.decode_seconds:.2f} s "
+                f"({(len(tokens) - 1) / max(stream.decode_seconds, 1e-9):.1f} tokens/s)")
+        text = tok.decode(tokens, skip_special_tokens=True)
+        if a.stream:
+            _print_new(text, printed, final=True)
+            print(flush=True)
+            continue
+        out = {"tokens": tokens, "text": text}
+        if mesh is not None and a.prompts is None:
+            from qformats.nn.sharding import param_bytes_per_device
+            per = param_bytes_per_device(model)
+            out["param_bytes_per_device"] = [int(per[d]) for d in mesh.devices.flat]
+        print(json.dumps(out) if a.json or a.prompts is not None else text, flush=True)
     return 0
+
+
+def _print_new(text: str, printed: str, final: bool = False) -> str:
+    """Prints the part of `text` past `printed` (what is already on stdout) and returns what is printed now. An
+    unfinished character (a token that ends inside a UTF-8 sequence decodes to U+FFFD) waits for the next token
+    unless `final`; a text that no longer starts with `printed` (a tokenizer that rewrites earlier text) waits."""
+    if not text.startswith(printed) or (text.endswith("\ufffd") and not final):
+        return printed
+    print(text[len(printed):], end="", flush=True)
+    return text
+
+
+def read_requests(path: str, default_max_new_tokens: int):
+    """[(prompt, max_new_tokens)] of a --prompts FILE.jsonl: one JSON object a line, {"prompt": str} with an
+    optional positive integer "max_new_tokens" (default `default_max_new_tokens`); blank lines skipped. Read under
+    the bounds of `converters.evaluation.calibration_data.json_lines` (file and line size, JSON depth). A Usage
+    error for a missing file; a CheckpointError naming the file and line for anything else."""
+    from pathlib import Path
+
+    from converters.evaluation.calibration_data import json_lines
+    from qformats.errors import CheckpointError
+    if not Path(path).is_file():
+        raise Usage(f"qformats generate: error: --prompts {path}: no such file")
+    out = []
+    for n, obj in json_lines(path, "a --prompts file"):
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise CheckpointError(f"{path}: line {n}: expected a JSON object with a string \"prompt\", found "
+                                  f"{type(obj).__name__}" + (f" with keys {sorted(obj)[:5]}" if isinstance(obj, dict)
+                                                              else ""))
+        extra = sorted(set(obj) - {"prompt", "max_new_tokens"})
+        if extra:
+            raise CheckpointError(f"{path}: line {n}: unknown keys {extra[:5]}; expected \"prompt\" and an optional "
+                                  f"\"max_new_tokens\"")
+        m = obj.get("max_new_tokens", default_max_new_tokens)
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise CheckpointError(f"{path}: line {n}: \"max_new_tokens\": expected a positive integer, found {m!r}")
+        out.append((obj["prompt"], m))
+    if not out:
+        raise CheckpointError(f"{path}: expected at least one request, found none")
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 
-from converters.cli.common import Usage
+from converters.cli.common import MAX_SHARD_SIZE_HELP, Usage, add_compile_cache_argument, enable_compile_cache
 
 __all__ = ["add_parser", "run"]
 
@@ -25,8 +25,10 @@ def add_parser(sub) -> None:
     q.add_argument("--targets", nargs="+", action="extend", default=None, metavar="TARGET",
                    help="Linear (default), Embedding, or re:regexes on module paths")
     q.add_argument("--calibrate", nargs="?", const="", default=None, metavar="FILE",
-                   help="calibrate on sentences (FILE: one a line; default: the shipped set) with the Flax MiniLM: "
-                        "static activation scales and a weight search (--weight-search); embedded model only")
+                   help="calibrate before quantizing. A causal LM (SRC DST): FILE of text, .jsonl or .npy token ids, "
+                        "run layer by layer (static activation and KV-cache scales, --weight-search, --awq or "
+                        "--smooth). The embedded all-MiniLM-L6-v2 (DST alone): FILE of sentences, one a line "
+                        "(default: the shipped set)")
     q.add_argument("--weight-search", choices=WEIGHT_SEARCHES, default=None,
                    help="with --calibrate: how the weights are chosen (default: mse+gptq, GPTQ on MSE-searched "
                         "scales: the best held-out fidelity measured, BENCHMARKS.md)")
@@ -55,9 +57,10 @@ def add_parser(sub) -> None:
     q.add_argument("--skip-indivisible", action="store_true",
                    help="leave dense the targeted weights whose columns the scheme's group size does not divide (the "
                         "summary lists them); without it they are an error naming every one")
-    q.add_argument("--max-shard-size", default="5GB")
+    q.add_argument("--max-shard-size", default="5GB", help=MAX_SHARD_SIZE_HELP + " (data-free only)")
     q.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     q.add_argument("--quiet", action="store_true", help="no progress bar (the summary is still printed)")
+    add_compile_cache_argument(q, when="with --calibrate: ")
 
 
 def run(a) -> int:
@@ -75,6 +78,7 @@ def run(a) -> int:
     if a.awq and a.calibrate is None:
         raise Usage("qformats quantize: error: --awq needs --calibrate FILE (AWQ scales come from calibration data)")
     if a.calibrate is not None:
+        enable_compile_cache(not a.no_compile_cache)
         return _quantize_calibrated(a)
     if a.kv_cache is not None and a.kv_cache != "fp8:dynamic":
         raise Usage(f"qformats quantize: error: --kv-cache {a.kv_cache} has static k_scale / v_scale, calibrated from "

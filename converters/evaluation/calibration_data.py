@@ -38,7 +38,8 @@ from converters.formats.safe_files import open_regular
 from qformats.errors import CheckpointError, ModelError
 
 __all__ = ["load_calibration", "read_text_file", "select_samples", "DEFAULT_SEQ_LEN", "DEFAULT_TOKENS",
-           "MAX_FILE_BYTES", "MAX_LINE_BYTES", "MAX_SAMPLES", "MAX_JSON_DEPTH", "MAX_WORD_CHARS", "longest_word_at"]
+           "MAX_FILE_BYTES", "MAX_LINE_BYTES", "MAX_SAMPLES", "MAX_JSON_DEPTH", "MAX_WORD_CHARS", "json_lines",
+           "longest_word_at"]
 
 DEFAULT_SEQ_LEN = 512
 DEFAULT_TOKENS = 65536
@@ -165,10 +166,10 @@ def longest_word_at(text: str, max_word: int = MAX_WORD_CHARS) -> Optional[int]:
     return None if m is None else m.start()
 
 
-def _lines(p: Path) -> Iterator[tuple]:
+def _lines(p: Path, what: str = "a calibration file") -> Iterator[tuple]:
     """(line number, text) of each line of `p` (universal newlines, the line break removed), streamed;
     CheckpointError for a line over MAX_LINE_BYTES or invalid UTF-8."""
-    fd, _ = open_regular(p, None, "a calibration file")
+    fd, _ = open_regular(p, None, what)
     with os.fdopen(fd, "rb") as f:
         n = 0
         while True:
@@ -194,14 +195,15 @@ def _lines(p: Path) -> Iterator[tuple]:
                 yield n, part
 
 
-def _texts(p: Path) -> Iterator[tuple]:
-    """(line number, sample text) of each non-blank line (.txt) or JSON line's "text" (.jsonl)."""
-    jsonl = p.suffix == ".jsonl"
-    for n, line in _lines(p):
+def json_lines(path: "str | os.PathLike", what: str = "a JSON lines file") -> Iterator[tuple]:
+    """(line number, parsed value) of each non-blank line of a JSON-lines file, streamed under this module's bounds:
+    a file of at most MAX_FILE_BYTES, lines of at most MAX_LINE_BYTES, JSON nested at most MAX_JSON_DEPTH deep,
+    strict UTF-8. CheckpointError naming the file (and line) otherwise."""
+    p = Path(path)
+    if p.is_file() and p.stat().st_size > MAX_FILE_BYTES:
+        raise CheckpointError(f"{p}: {what} of {p.stat().st_size} bytes exceeds {MAX_FILE_BYTES} (MAX_FILE_BYTES)")
+    for n, line in _lines(p, what):
         if not line.strip():
-            continue
-        if not jsonl:
-            yield n, line
             continue
         _check_depth(p, n, line)
         try:
@@ -211,6 +213,17 @@ def _texts(p: Path) -> Iterator[tuple]:
         except RecursionError:
             raise CheckpointError(f"{p}: line {n}: expected JSON nested at most {MAX_JSON_DEPTH} deep "
                                   f"(MAX_JSON_DEPTH), found deeper") from None
+        yield n, obj
+
+
+def _texts(p: Path) -> Iterator[tuple]:
+    """(line number, sample text) of each non-blank line (.txt) or JSON line's "text" (.jsonl)."""
+    if p.suffix != ".jsonl":
+        for n, line in _lines(p):
+            if line.strip():
+                yield n, line
+        return
+    for n, obj in json_lines(p, "a calibration file"):
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise CheckpointError(f"{p}: line {n}: expected a JSON object with a string field \"text\", found "
                                   f"{type(obj).__name__}" + (f" with keys {sorted(obj)[:5]}" if isinstance(obj, dict)

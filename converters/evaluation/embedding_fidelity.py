@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated weight searches for --calibrated: {', '.join(SEARCHES)} (default: mse,gptq)")
     p.add_argument("--calibration", metavar="FILE",
                    help="sentences to calibrate on for --calibrated (default: the evaluation sentences)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32, help="sentences per jit call (default 32)")
     return p
 
 

@@ -172,8 +172,8 @@ def load_for_scheme(src: "str | os.PathLike", scheme: str, *, dtype=None, tokeni
         try:
             quantize_model(model, rules, fuse_global_scales=True)
         except ModelError as e:
-            raise ModelError(f"{src}: {e}\nOr leave exactly those dense: skip_indivisible=True "
-                             f"(--skip-indivisible).") from None
+            raise ModelError(f"{src}: {e}".replace("Ways out: ", "Ways out: skip_indivisible=True leaves exactly "
+                                                   "those dense; ", 1)) from None
     return model, cfg, tok, skipped
 
 
@@ -297,7 +297,7 @@ def check_context(src: "str | os.PathLike", seq_len: int, cfg: Optional[Dict] = 
     naming `src` and the limit."""
     ctx = (_hf_config(src) if cfg is None else cfg).get("max_position_embeddings")
     if isinstance(ctx, int) and not isinstance(ctx, bool) and seq_len > ctx:
-        raise ModelError(f"{src}: --seq-len {seq_len}: expected at most the model's context, "
+        raise ModelError(f"{src}: seq_len={seq_len}: expected at most the model's context, "
                          f"max_position_embeddings = {ctx}")
 
 
@@ -322,10 +322,10 @@ def check_window(src: "str | os.PathLike", seq_len: int, batch_size: int, memory
             return
     need = batch_size * seq_len * (3 * 4 * vocab + 2 * 4 * heads * seq_len)
     if need > memory_bytes:
-        raise ModelError(f"{src}: --seq-len {seq_len} with --batch-size {batch_size}: expected windows whose "
+        raise ModelError(f"{src}: seq_len={seq_len} with batch_size={batch_size}: expected windows whose "
                          f"activations fit in memory ({memory_bytes / 2**30:.1f} GiB), found an estimated "
                          f"{need / 2**30:.1f} GiB (batch · L · (12 · vocab {vocab} + 8 · heads {heads} · L)); "
-                         f"use a smaller --seq-len or --batch-size")
+                         f"use a smaller seq_len or batch_size")
 
 
 def evaluate_text(src: "str | os.PathLike", text: str, schemes: Sequence[str] = (STORED,), *, seq_len: int = 512,

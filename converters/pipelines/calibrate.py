@@ -64,7 +64,7 @@ def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] 
     if ss is None:
         raise ModelError("scheme 'dense' quantizes nothing; pick a preset such as W4A16")
     if Path(dst).exists() and not overwrite:  # fail before the calibration work, not after
-        raise CheckpointError(f"{dst}: already exists (pass overwrite=True / --overwrite to replace it)")
+        raise CheckpointError(f"{dst}: already exists (pass overwrite=True to replace it)")
     sentences = list(sentences) if sentences is not None else embedded.default_sentences()
     if not sentences:
         raise ModelError("calibration needs at least one sentence")
@@ -166,7 +166,7 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
 
     check_destination(dst, (src,))  # fail before the calibration work, not after (the writer checks again)
     if Path(dst).exists() and not overwrite:  # fail before the calibration work, not after
-        raise CheckpointError(f"{dst}: already exists (pass overwrite=True / --overwrite to replace it)")
+        raise CheckpointError(f"{dst}: already exists (pass overwrite=True to replace it)")
     if awq and smooth is not None:
         raise ModelError("quantize_calibrated_lm: AWQ and SmoothQuant (smooth=ALPHA / --smooth) both fold per-channel "
                          "scales into the same norms and projections, and llm-compressor does not combine them: "

@@ -1,4 +1,5 @@
-"""Per-tensor summary of a checkpoint (compressed-tensors or dense): module, format, scheme, shape, bytes, ratio."""
+"""What a checkpoint holds: its quantization summary (format, scheme per config group, ignore list) and one row
+per tensor or quantized module (format, scheme, shape, bytes, ratio), in natural order (layers.2 before layers.10)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import List, Optional
 import numpy as np
 
 from converters.formats.compressed_tensors.read import iter_modules, open_compressed
+from qformats.plan import natural_key, paths_text, wrap_list
 from qformats.qarray import QArray
 
-__all__ = ["Row", "format_table", "inspect_checkpoint"]
+__all__ = ["Row", "format_table", "inspect_checkpoint", "quantization_summary"]
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -55,7 +57,33 @@ def inspect_checkpoint(path: "str | os.PathLike") -> List[Row]:
                 rows.append(Row(prefix + local, "dense", info.dtype, tuple(info.shape), info.nbytes, info.nbytes))
     finally:
         ck.close()
-    return rows
+    return sorted(rows, key=lambda r: natural_key(r.name))
+
+
+def quantization_summary(path: "str | os.PathLike", width: int = 100) -> str:
+    """Lines a person reads first: the checkpoint's quantization_config (format, compressed-tensors version, each
+    config group's targets and schemes, the ignore list with layer numbers folded, the KV-cache scheme, any
+    transform), or "dense" when it has none."""
+    ck, cfg, qc = open_compressed(Path(path))
+    ck.close()
+    if qc is None:
+        return "quantization: none (a dense checkpoint)"
+    version = ".".join(map(str, qc.version)) if qc.version else "not recorded"
+    lines = [f"quantization: compressed-tensors, format {qc.format} (version {version})"]
+    for g in qc.groups:
+        parts = [f"{role} {s.describe()}{'' if role == 'weights' else ' dynamic' if s.dynamic else ' static'}"
+                 for role, s in
+                 (("weights", g.weights), ("input activations", g.input_activations),
+                  ("output activations", g.output_activations)) if s is not None]
+        lines.append(wrap_list(f"  {g.name} ({g.format}): ", ["targets " + " ".join(g.targets)] + parts, width))
+    lines.append(wrap_list(f"  ignore ({len(qc.ignore)}): ", paths_text(qc.ignore) or ["none"], width))
+    if qc.kv_cache_scheme is not None:
+        from qformats.kv_cache import kv_cache_name
+        lines.append(f"  kv cache: {kv_cache_name(qc.kv_cache)}")
+    tc = qc.raw.get("transform_config") if isinstance(qc.raw, dict) else None
+    if isinstance(tc, dict) and tc.get("config_groups"):
+        lines.append(f"  transforms: {', '.join(map(str, tc['config_groups']))}")
+    return "\n".join(lines)
 
 
 def _fmt(n: float) -> str:
@@ -67,6 +95,7 @@ def _fmt(n: float) -> str:
 
 
 def format_table(rows: List[Row]) -> str:
+    """The rows as an aligned text table with a TOTAL line (bytes stored, quantized / dense counts, ratio)."""
     head = ("tensor / module", "format", "scheme", "shape", "bytes", "ratio")
     body = [(r.name, r.format, r.scheme, "x".join(map(str, r.shape)) or "scalar", _fmt(r.stored_bytes),
              f"{r.ratio:.2f}") for r in rows]

@@ -35,10 +35,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, TextIO
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 import numpy as np
 
@@ -52,7 +53,8 @@ from qformats.formats import IntFormat
 from qformats.grouping import expected_shapes
 from qformats.kv_cache import kv_cache_name, parse_kv_cache
 from qformats.matching import Matcher
-from qformats.plan import Candidate, Plan, group_indivisible, plan_quantization
+from qformats.plan import (Candidate, Plan, divisible_group_scheme, group_indivisible, group_paths,
+                           paths_text, plan_quantization, wrap_list)
 from qformats.presets import parse_scheme
 from qformats.qarray import QArray
 from qformats.quantize import quantize
@@ -148,10 +150,13 @@ class QuantizeSummary:
                 f"{_fmt(self.src_bytes)} -> {_fmt(self.dst_bytes)} (x{self.ratio:.2f}; quantized weights "
                 f"{_fmt(self.quantized_dense_bytes)} -> {_fmt(self.quantized_stored_bytes)}, "
                 f"x{self.quantized_dense_bytes / max(self.quantized_stored_bytes, 1):.2f}) in {self.seconds:.1f}s "
-                f"-> {self.dst}" + (f"\nleft dense by --skip-indivisible ({len(self.skipped)}; their columns are not a "
-                                     f"multiple of the group size): {', '.join(self.skipped)}" if self.skipped else "")
-                + (f"\n{len(self.by_name)} of them taken as Linear by their names (2-D, no 'embed' / 'norm' in the "
-                   f"path; {self.kinds_from}): pass targets (--targets) to choose exactly" if self.by_name else ""))
+                f"-> {self.dst}" + ("\n" + wrap_list(f"left dense by --skip-indivisible ({len(self.skipped)}; their "
+                                                     f"columns are not a multiple of the group size): ",
+                                                     paths_text(self.skipped)) if self.skipped else "")
+                + ("\n" + textwrap.fill(f"{len(self.by_name)} of them taken as Linear by their names (2-D, no "
+                                         f"'embed' / 'norm' in the path; {self.kinds_from}): pass targets "
+                                         f"(--targets) to choose exactly", 100, subsequent_indent="    ")
+                   if self.by_name else ""))
 
 
 def _fmt(n: float) -> str:
@@ -219,15 +224,34 @@ def _ml(name: str):
     return np.dtype(getattr(ml_dtypes, name))
 
 
-def _misfits(ck, infos, chosen: List[str], ss: SchemeSet) -> Dict[str, str]:
-    """module -> why its weight cannot take the scheme, for every chosen module that cannot (`_fit_error`)."""
+def _misfits(ck, infos, chosen: List[str], ss: SchemeSet) -> Dict[str, Tuple[tuple, str, str]]:
+    """module -> (its weight's shape, its file name, why it cannot take the scheme), for every chosen module that
+    cannot (`_fit_error`)."""
     out = {}
     for mod in chosen:
         name = f"{mod}.weight" if mod else "weight"
         why = _fit_error(ss.weights, infos[name].shape)
         if why is not None:
-            out[mod] = f"{mod} (weight {list(infos[name].shape)} in {Path(ck.file_of(name)).name}): {why}"
+            out[mod] = (tuple(infos[name].shape), Path(ck.file_of(name)).name, why)
     return out
+
+
+def _misfit_lines(misfits: Dict[str, Tuple[tuple, str, str]], mods: Sequence[str]) -> List[str]:
+    """One line per group of `mods` that share shape and reason and differ only in their layer numbers
+    (`qformats.plan.group_paths`): "  - model.layers.{0..29}.self_attn.q_proj (30 layers, weight [576, 576] in
+    model.safetensors): columns=576 not divisible by group_size=128"."""
+    by: Dict[Tuple[tuple, str], List[str]] = {}
+    for m in mods:
+        shape, _, why = misfits[m]
+        by.setdefault((shape, why), []).append(m)
+    lines = []
+    for (shape, why), group in by.items():
+        for pattern, members in group_paths(group, "."):
+            n = len(members)
+            files = sorted({misfits[m][1] for m in members})
+            where = ", ".join(files) if len(files) <= 2 else f"{len(files)} files"
+            lines.append(f"  - {pattern} ({f'{n} layers, ' if n > 1 else ''}weight {list(shape)} in {where}): {why}")
+    return lines
 
 
 def packed_specs(ss: SchemeSet, module: str, shape, dtype, cache: Optional[Dict[Any, List[Any]]] = None
@@ -344,7 +368,7 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
             raise CheckpointError("quantize_checkpoint: pass rotate or transform, not both")
         if Path(dst).exists() and not overwrite:  # before the rotation work
             raise CheckpointError(f"{dst}: expected a new path for the checkpoint, found it exists "
-                                  f"(pass overwrite=True / --overwrite to replace it)")
+                                  f"(pass overwrite=True to replace it)")
         _as_scheme_set(scheme)
         with tempfile.TemporaryDirectory(prefix="qformats-rotated-") as tmp:
             rotated = Path(tmp) / "rotated"
@@ -371,8 +395,8 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
     if kv_cache is not None and not kv_cache.dynamic:
         raise CheckpointError(f"KV-cache scheme {kv_cache_name(kv_cache)!r} has static k_scale / v_scale, which need "
                               f"calibration data (a data-free quantize has no keys or values to measure): calibrate "
-                              f"(qformats quantize SRC DST --calibrate FILE, converters.pipelines.calibrate."
-                              f"quantize_calibrated_lm) or use the dynamic 'fp8:dynamic'")
+                              f"(converters.pipelines.calibrate.quantize_calibrated_lm) or use the dynamic "
+                              f"'fp8:dynamic'")
     for role, act in (("input", ss.input_activations), ("output", ss.output_activations)):
         if act is not None and act.dynamic is not True:
             raise CheckpointError(f"scheme {ss.name!r} has static {role} activation scales, which need calibration "
@@ -395,7 +419,7 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                               f"(quant_method {base_cfg['quantization_config'].get('quant_method')!r})")
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst}: expected a new path for the checkpoint, found it exists "
-                              f"(pass overwrite=True / --overwrite to replace it)")
+                              f"(pass overwrite=True to replace it)")
     with open_checkpoint(src) as ck:
         infos = {n: ck.info(n) for n in ck.keys()}
         linear, kinds_from = model_linear_modules(base_cfg)
@@ -422,18 +446,19 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
             raise CheckpointError(f"{src}: no weight matches targets {list(targets)} (minus ignore "
                                   f"{list(ignore)}); nothing to quantize")
         misfits = _misfits(ck, infos, chosen, ss)
-        empty = [m for m, why in misfits.items() if why.endswith("empty tensor")]
+        empty = [m for m, (_, _, why) in misfits.items() if why == "empty tensor"]
         if empty or (misfits and not skip_indivisible):
             bad = empty or list(misfits)
+            fit = divisible_group_scheme([(misfits[m][0][-1], ss.weights, ss) for m in bad]) if not empty else None
             raise CheckpointError(
                 f"{src}: {len(bad)} of the {len(chosen)} targeted weights do not fit scheme {ss.name!r} "
                 f"({ss.weights.describe()}; GROUP / TENSOR_GROUP weights need columns % group_size == 0, as "
-                f"llm-compressor 0.14 and compressed-tensors require):\n"
-                + "\n".join(f"  - {misfits[m]}" for m in bad)
-                + ("\nWays out: leave them dense with --ignore (ignore=[...]); a group size that divides their "
-                   "columns (e.g. --scheme W4A16:g64 or :g32); or --skip-indivisible (skip_indivisible=True), "
-                   "which keeps exactly these dense and lists them in the summary." if not empty else
-                   "\nLeave them out with --ignore (ignore=[...])."))
+                f"llm-compressor 0.14 and compressed-tensors require).\n"
+                + ("Ways out: skip_indivisible=True keeps exactly these dense and lists them in the summary; a group "
+                   "size that divides their columns" + (f" (scheme={fit!r})" if fit else "") + "; or leave them "
+                   "dense with ignore=[...]. The weights:\n" if not empty else
+                   "Leave them out with ignore=[...]. The weights:\n")
+                + "\n".join(_misfit_lines(misfits, bad)))
         skipped = sorted(misfits)
         qplan = qplan.leave_dense({m: "columns not a multiple of the group size: --skip-indivisible" for m in misfits})
         chosen = [m for m in chosen if m not in misfits]

@@ -186,13 +186,13 @@ def test_seq_len_beyond_context_or_memory_refused_before_loading(tmp_path):
     src.mkdir()
     (src / "config.json").write_text(json.dumps({"max_position_embeddings": 64, "vocab_size": 49152,
                                                  "num_attention_heads": 9}))
-    with pytest.raises(ModelError, match=r"--seq-len 512: expected at most the model's context, "
+    with pytest.raises(ModelError, match=r"seq_len=512: expected at most the model's context, "
                                          r"max_position_embeddings = 64"):
         evaluate_text(src, "some text", seq_len=512)  # no weights there: refused before any load
     check_window(src, 64, 4)
     (src / "config.json").write_text(json.dumps({"max_position_embeddings": 200000, "vocab_size": 49152,
                                                  "num_attention_heads": 9}))
-    with pytest.raises(ModelError, match=r"--seq-len 100000 with --batch-size 4: expected windows whose activations "
+    with pytest.raises(ModelError, match=r"seq_len=100000 with batch_size=4: expected windows whose activations "
                                          r"fit in memory"):
         check_window(src, 100000, 4, memory_bytes=64 * 2**30)
 

@@ -47,8 +47,9 @@ def test_indivisible_layers_are_refused_all_named(smol_shaped, tmp_path):
     assert f"  - {K} (weight [8, 576] in model.safetensors): columns=576 not divisible by group_size=128" in msg
     assert f"  - {Q} (weight [16, 576] in model.safetensors): columns=576 not divisible by group_size=128" in msg
     assert DOWN not in msg
-    for way in ("--ignore", "W4A16:g64", "--skip-indivisible"):
-        assert way in msg
+    for way in ("ignore=[...]", "scheme='W4A16:g64'", "skip_indivisible=True"):  # the API's spelling, ways out first
+        assert way in msg and msg.index(way) < msg.index("  - ")
+    assert "--ignore" not in msg and "--skip-indivisible" not in msg
     assert not (tmp_path / "out").exists()
 
 

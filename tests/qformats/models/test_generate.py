@@ -119,3 +119,43 @@ def test_bfloat16_model_runs_in_bfloat16(model):
     assert got.dtype == jnp.float32
     # bfloat16 rounding (8-bit significand) of weights and activations through 2 layers; logits up to ~4
     assert float(jnp.abs(got - want).max()) < 0.15
+
+
+# ---- TokenStream: the same steps one at a time ---------------------------------------------------------------
+from qformats.models.generate import TokenStream, check_context  # noqa: E402
+
+
+def _streamed(model, prompt, n, **kw):
+    return np.stack(list(TokenStream(model, prompt, n, **kw)), axis=-1)
+
+
+def test_stream_yields_generates_tokens(model):
+    np.testing.assert_array_equal(_streamed(model, PROMPT, 12), np.asarray(generate(model, PROMPT, 12)))
+    np.testing.assert_array_equal(_streamed(model, PROMPT[0], 5), np.asarray(generate(model, PROMPT[0], 5)))
+    kw = dict(temperature=1.0, top_k=20, top_p=0.95, key=jax.random.key(3))
+    np.testing.assert_array_equal(_streamed(model, PROMPT, 12, **kw), np.asarray(generate(model, PROMPT, 12, **kw)))
+
+
+def test_stream_stops_when_every_row_is_finished(model):
+    greedy = np.asarray(generate(model, PROMPT, 12))
+    eos = [int(greedy[0, 2]), int(greedy[1, 4])]
+    want = np.asarray(generate(model, PROMPT, 12, eos_id=eos))
+    got = _streamed(model, PROMPT, 12, eos_id=eos)
+    last = max(int(np.argmax(np.isin(want[r], eos))) for r in range(2))
+    assert got.shape == (2, last + 1)  # no step after the last row's eos
+    np.testing.assert_array_equal(got, want[:, :last + 1])
+
+
+def test_stream_compiles_ahead_and_times_each_phase(model):
+    s = TokenStream(model, PROMPT, 4).compile()
+    assert s.compile_seconds > 0 and s.prefill_seconds == s.decode_seconds == 0
+    assert len(list(s)) == 4 and s.prefill_seconds > 0 and s.decode_seconds > 0
+
+
+def test_context_is_checked_before_compute(model):
+    check_context(model, 2040, 8)
+    with pytest.raises(ModelError, match=r"a prompt of 2041 tokens with max_new_tokens=8 needs 2049 positions, over "
+                                         r"the model's context of 2048 \(max_position_embeddings\)"):
+        check_context(model, 2041, 8)
+    with pytest.raises(ModelError, match="max_position_embeddings"):
+        TokenStream(model, np.zeros((1, 2047), np.int32), 2)
