@@ -36,7 +36,7 @@ from qformats.algorithms.weight_search import RTN, WEIGHT_SEARCHES
 
 __all__ = ["DEFAULT_WEIGHT_SEARCH", "DEFAULT_LM_WEIGHT_SEARCH", "quantize_calibrated", "quantize_calibrated_lm"]
 
-DEFAULT_WEIGHT_SEARCH = "mse+gptq"  # the best held-out fidelity measured (BENCHMARKS.md)
+DEFAULT_WEIGHT_SEARCH = "mse+gptq"  # the best held-out fidelity: BENCHMARKS.md, "Embedding fidelity (MiniLM held out)"
 DEFAULT_LM_WEIGHT_SEARCH = "gptq"  # llm-compressor's GPTQModifier (round-to-nearest scales, GPTQ codes)
 
 
