@@ -66,7 +66,7 @@ def test_qdot_shape_errors_name_shapes_and_scheme():
 
 
 def test_layer_without_a_kernel_has_no_cache():
-    nnx = pytest.importorskip("flax.nnx")
+    from flax import nnx
     from qformats.nn import Rule, prepare_kernels, quantize_model
     lin = nnx.Linear(128, 8, rngs=nnx.Rngs(0))
 

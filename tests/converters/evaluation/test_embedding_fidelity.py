@@ -16,7 +16,9 @@ pytest.importorskip("tokenizers")
 
 from converters.evaluation import embedded  # noqa: E402
 from converters.evaluation import embedding_fidelity as ev  # noqa: E402
+from converters.pipelines.quantize_checkpoint import quantize_checkpoint  # noqa: E402
 from qformats.models import minilm  # noqa: E402
+from qformats.nn import Rule, quantize_model  # noqa: E402
 
 # Mean cosine vs torch fp32 sentence-transformers on the shipped sentences, every Linear quantized
 # round-to-nearest, weights only. "ours" = measured with qformats; the same numbers come out of
@@ -125,9 +127,8 @@ def test_main_bad_input(argv, msg, capsys):
 
 
 def test_eval_of_a_compressed_tensors_checkpoint_equals_in_memory(tmp_path, monkeypatch, capsys, results, reference):
-    qc = pytest.importorskip("converters.pipelines.quantize_checkpoint")
     dst = tmp_path / "minilm-w4a16"
-    qc.quantize_checkpoint(str(embedded.model_dir()), str(dst), "W4A16", ignore=(), progress=False)
+    quantize_checkpoint(str(embedded.model_dir()), str(dst), "W4A16", ignore=(), progress=False)
     monkeypatch.setattr(embedded, "torch_reference_embeddings", lambda s, batch_size=32: reference)
     assert ev.main([str(dst), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -137,9 +138,6 @@ def test_eval_of_a_compressed_tensors_checkpoint_equals_in_memory(tmp_path, monk
 
 
 def test_save_then_load_checkpoint_roundtrips_static_scales(tmp_path, sentences):
-    pytest.importorskip("converters.formats.compressed_tensors.write")
-    from qformats.nn import Rule, quantize_model
-
     tok = embedded.Tokenizer()
     model = embedded.load_minilm()
     quantize_model(model, [Rule("pooler", "W4A16"), Rule(".*", "FP8")], calibration_data=[tok(sentences[:16])])
