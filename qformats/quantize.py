@@ -150,7 +150,3 @@ def _value_range(scheme: QuantScheme) -> Tuple[float, float]:
     assert isinstance(f, FloatFormat)
     return -f.max, f.max
 
-
-def quantized_like(q: QArray, x) -> QArray:
-    """Quantize x with q's static scales (same scheme, scale, zero point, global scale)."""
-    return quantize(x, q.scheme, q.axis, scale=q.scale, zero_point=q.zero_point, global_scale=q.global_scale)
