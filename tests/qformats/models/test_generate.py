@@ -11,6 +11,7 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names, load_hf_tensors, quantization_rules
+from qformats.models.decoder.params import resolve_path
 from qformats.models.generate import generate
 from qformats.nn import quantize_model
 
@@ -27,9 +28,7 @@ def random_model(cfg_dict=CONFIG, seed=0):
     rng = np.random.RandomState(seed)
     tensors = {}
     for name, slot in hf_tensor_names(cfg).items():
-        node = model
-        for p in slot.path:
-            node = node[p] if isinstance(p, int) else getattr(node, p)
+        node = resolve_path(model, slot.path)
         shape = node.get_value().shape[::-1] if slot.transpose else node.get_value().shape
         tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape) if name.endswith("norm.weight")
                          else 0.1 * rng.standard_normal(shape)).astype(np.float32)
