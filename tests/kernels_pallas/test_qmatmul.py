@@ -231,6 +231,7 @@ def test_registered_for_gpu_only_by_default(triton_only):
         qformats.set_kernels_enabled(True)
 
 
+@pytest.mark.slow
 def test_qdot_uses_the_kernel_when_forced_to_interpret(monkeypatch, triton_only):
     q = make_q("W4A16", 384, 200)  # cheap to compile: the nested jit below compiles at full optimization
     x = make_x((2, 384), jnp.bfloat16)

@@ -53,6 +53,7 @@ def results(sentences, reference):
     return ev.evaluate(CHECKED, sentences, reference=reference)
 
 
+@pytest.mark.slow
 def test_round_to_nearest_fidelity_matches_measured_table(results):
     assert results["dense"]["mean_cos"] > 0.99999
     for name in CHECKED[1:]:
@@ -62,6 +63,7 @@ def test_round_to_nearest_fidelity_matches_measured_table(results):
         assert results[name]["min_cos"] <= got
 
 
+@pytest.mark.slow
 def test_weight_bytes_are_the_packed_sizes(results):
     model = embedded.load_minilm()
     shapes = [m.kernel.get_value().shape for _, m in __import__("flax").nnx.iter_modules(model)
@@ -76,6 +78,7 @@ def test_weight_bytes_are_the_packed_sizes(results):
 # Calibrated on the first 32 sentences and evaluated on the other 32 (held out), mean cos RTN → calibrated:
 # W4A16 .94950 → .96486, NVFP4A16 .97604 → .98105, MXFP4A16 .96398 → .96751, FP6_E3M2 .99385 → .99483,
 # FP8_E4M3 .99849 → .99860, NVFP4 (W+A) .96609 → .97071: the gains do not come from seeing the test set.
+@pytest.mark.slow
 def test_calibrated_mse_search_beats_round_to_nearest(sentences, reference, results):
     tok = embedded.Tokenizer()
     calib = [tok(sentences[i:i + 32]) for i in range(0, len(sentences), 32)]
@@ -85,6 +88,7 @@ def test_calibrated_mse_search_beats_round_to_nearest(sentences, reference, resu
     assert r["bytes"] == results["W4A16"]["bytes"]
 
 
+@pytest.mark.slow
 def test_calibrated_gptq_beats_round_to_nearest(sentences, reference, results):
     tok = embedded.Tokenizer()
     calib = [tok(sentences[i:i + 32]) for i in range(0, len(sentences), 32)]
@@ -126,6 +130,7 @@ def test_main_bad_input(argv, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_of_a_compressed_tensors_checkpoint_equals_in_memory(tmp_path, monkeypatch, capsys, results, reference):
     dst = tmp_path / "minilm-w4a16"
     quantize_checkpoint(str(embedded.model_dir()), str(dst), "W4A16", ignore=(), progress=False)
@@ -137,6 +142,7 @@ def test_eval_of_a_compressed_tensors_checkpoint_equals_in_memory(tmp_path, monk
     assert ev.main([str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.slow
 def test_save_then_load_checkpoint_roundtrips_static_scales(tmp_path, sentences):
     tok = embedded.Tokenizer()
     model = embedded.load_minilm()
