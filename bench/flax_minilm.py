@@ -1,14 +1,14 @@
 """MiniLM (Flax NNX, real weights) jit forward latency and parameter bytes, dense vs qformats schemes (and qwix).
 
-Usage: python bench/flax_minilm.py [--batch 32] [--seq 128] [--repeat 5] [--schemes ...] [--no-qwix] [--append]
+Usage: python bench/flax_minilm.py [--batch 32] [--seq 128] [--repeat 5] [--schemes ...] [--no-qwix]
 
 For each scheme: `quantize_model` time, peak RSS growth while quantizing (sampled every 2 ms), growth
 of live JAX arrays after it (for qwix counting the original model the caller still holds: qwix returns
 a new model, ours swaps in place), parameter bytes (`nnx.state(model, nnx.Param)`), and the best-of-N
 latency of a jit forward pass on a [batch, seq] batch (all models timed round-robin).
 When qwix is installed the same model is quantized with `qwix.quantize_model(model, PtqProvider(...))`
-(int8 and float8_e4m3fn weights, per-channel) in the same run, side by side. Prints a markdown table;
---append also appends it to BENCHMARKS.md.
+(int8 and float8_e4m3fn weights, per-channel) in the same run, side by side. Prints the markdown table of
+BENCHMARKS.md's section "Flax MiniLM forward and quantize_model vs qwix"; update that section with it.
 """
 
 from __future__ import annotations
@@ -109,7 +109,6 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--no-qwix", action="store_true")
-    p.add_argument("--append", action="store_true", help="append the table to BENCHMARKS.md")
     args = p.parse_args(argv)
 
     tok = embedded.Tokenizer(max_length=args.seq)
@@ -158,9 +157,6 @@ def main(argv=None) -> int:
                       for r in rows]
     out = "\n".join(lines) + ("\n\n" + qwix_note.strip() if qwix_note else "")
     print(out)
-    if args.append:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "BENCHMARKS.md"), "a") as f:
-            f.write("\n" + out + "\n")
     return 0
 
 

@@ -15,7 +15,8 @@ overlaps device work) and the median over repeats of total / (4 R) is reported. 
 
 Usage (GPU): python bench/kernels.py --json OUT.json --md OUT.md [--budget-s 300] [--quick]
              [--backends mosaic,triton] [--xla] [--tune]
-Prints the table; `--append BENCHMARKS.md` appends the markdown section there.
+Prints the table (and writes it to --md): the figures of BENCHMARKS.md's section "Pallas kernels"; update that
+section with it.
 """
 
 from __future__ import annotations
@@ -132,7 +133,6 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="store_true", help="also try other tilings per backend and keep the fastest")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
-    ap.add_argument("--append", default=None, help="append the markdown section to this file")
     ap.add_argument("--quick", action="store_true", help="one shape, M in {1, 16}, three formats")
     a = ap.parse_args(argv)
     if a.quick:
@@ -252,8 +252,8 @@ def main(argv=None) -> int:
     flush()
     md = to_markdown(header, rows, skipped, backends)
     print(md)
-    for path in filter(None, (a.md, a.append)):
-        with open(path, "a" if path == a.append else "w") as f:
+    if a.md:
+        with open(a.md, "w") as f:
             f.write(md + "\n")
     return 0
 

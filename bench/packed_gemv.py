@@ -1,13 +1,12 @@
 """One-row GEMV (decode) on XLA:CPU, ms per call: dense f32 vs dequantize-then-dot vs qformats.packed_dot.
 
   python bench/packed_gemv.py [--shapes 576x1536,1536x576,4096x4096] [--schemes W4A16:g64,...] [--rounds 30]
-                              [--append]
 
 x [1, K] float32 times a [K, N] weight quantized along K (random normal * 0.05, seed 0): "dense" is x @ W with
 W = dequantize(q) precomputed (f32, 4 bytes per weight); "dequantize+dot" is `dequantize(q)` then dot_general
 inside one jit (the generic XLA path); "packed_dot" is `qformats.packed_dot.packed_dot` (what `qdot` runs for up to
 8 rows of a 4- or 8-bit weight). The three run round-robin, --rounds times each; the table shows the best time of
-each.
+each: the one-row GEMV table of BENCHMARKS.md's section "CPU decode (SmolLM2)"; update that table with it.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="576x1536,1536x576,4096x4096")
     ap.add_argument("--schemes", default="W4A16:g64,W4A16_ASYM:g64,NVFP4A16,MXFP4A16,W8A16:g64")
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--append", action="store_true")
     a = ap.parse_args(argv)
     lines = [f"### One-row GEMV, ms per call (bench/packed_gemv.py; {platform.machine()}, {os.cpu_count()} CPUs, "
              f"jax {jax.__version__}, {time.strftime('%Y-%m-%d')})", "",
@@ -72,9 +70,6 @@ def main(argv=None) -> int:
             print(lines[-1], file=sys.stderr, flush=True)
     table = "\n".join(lines)
     print(table)
-    if a.append:
-        with open(ROOT / "BENCHMARKS.md", "a") as f:
-            f.write("\n" + table + "\n")
     return 0
 
 

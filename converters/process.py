@@ -2,7 +2,8 @@
 
 These change how this process allocates and compiles, never what it computes (checkpoints written with and without
 them are byte-identical). Library functions do not apply them; the `qformats` CLI wraps its calibration call in
-`lean_calibration()`, and a script may do the same. The memory they save is measured in BENCHMARKS.md.
+`lean_calibration()`, and a script may do the same. The memory they save: BENCHMARKS.md, "Calibration (GPTQ, AWQ,
+SmoothQuant) vs llm-compressor".
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ class KernelWeight:
 
 FUSED_GEMV_ROWS = 1
 """Most activation rows `xla_qdot` sends to `qformats.packed_dot` (which takes up to its MAX_ROWS = 8, one fused GEMV
-per row; 4 rows measured faster that way than dequantize-then-dot). Kept at 1 (decode) because the packed layers'
-outputs for a few rows are compared bit for bit with dequantize-then-dot references across qformats.nn."""
+per row). Kept at 1 (decode) because the packed layers' outputs for a few rows are compared bit for bit with
+dequantize-then-dot references across qformats.nn."""
 
 _REGISTRY: List[KernelEntry] = []
 _ENABLED = {"kernels": os.environ.get("QFORMATS_DISABLE_KERNELS", "") in ("", "0")}
@@ -131,10 +131,10 @@ def xla_qdot(x: jax.Array, q: QArray) -> jax.Array:
 
     Up to `FUSED_GEMV_ROWS` activation rows times a 4- or 8-bit weight (decode) go through
     `qformats.packed_dot`: the same weight elements, decoded from the packed codes inside XLA's fused
-    matrix-vector loops, never a dense copy (not even one XLA would hoist out of a decode loop); see
-    bench/packed_gemv.py. More rows (prefill), or kernels turned off (`set_kernels_enabled(False)`: every packed
-    matmul dequantizes), dequantize the whole weight once and use XLA's dot; that dequantize is tied to x
-    (`_tied_to`), so a model's dense weights are not all made at once: one layer's at a time.
+    matrix-vector loops, never a dense copy (not even one XLA would hoist out of a decode loop). More rows
+    (prefill), or kernels turned off (`set_kernels_enabled(False)`: every packed matmul dequantizes), dequantize
+    the whole weight once and use XLA's dot; that dequantize is tied to x (`_tied_to`), so a model's dense weights
+    are not all made at once: one layer's at a time.
     """
     if _ENABLED["kernels"] and math.prod(x.shape[:-1]) <= FUSED_GEMV_ROWS and packed_dot_supported(x.shape, q):
         return packed_dot(x, q)

@@ -1,25 +1,23 @@
 """Packed matrix-vector products on the XLA path: 4- and 8-bit weights decoded inside XLA:CPU's fused GEMV loops.
 
-Why a path of its own (measured on XLA:CPU, jax 0.10.2; bench/packed_gemv.py, bench/decode.py):
+Why a path of its own (XLA:CPU; the figures: BENCHMARKS.md, "CPU decode (SmolLM2)"):
 
   - XLA never fuses a weight's producer into a library GEMM; it does fuse it into a matrix-*vector* dot, as an
     elemental loop (`copy_dot_fusion`: for each output n, a vectorised, reassociated sum over k of the fused
     weight element times x[k]) -- but only while the vector is under 16 KiB (`kFusionThresholdBytes` in
-    cpu_instruction_fusion.cc): K <= 2048 float32 here. Past it (a 4096-long row) XLA materialises the
-    dequantized weight, transposed, and a 4096 x 4096 GEMV took a second. So K is cut into chunks of at most
-    `CHUNK` elements per dot and the partial sums are added.
+    cpu_instruction_fusion.cc): K <= 2048 float32 here. Past it XLA materialises the dequantized weight,
+    transposed. So K is cut into chunks of at most `CHUNK` elements per dot and the partial sums are added.
   - Inside that loop, element k of row n must come from contiguous memory. Nibble k = 2i + j of a 4-bit row
-    lives in byte i: indexing byte k // 2 per element made LLVM scalarise the loads (one byte load and insert
+    lives in byte i: indexing byte k // 2 per element makes LLVM scalarise the loads (one byte load and insert
     per element). Here the two nibbles are two dots: y = x_even . W_lo + x_odd . W_hi, where W_j[n, i] is
     decoded from `(codes[n, i] >> 4 j) & 15` -- byte i for element i, a uniform shift -- and x is split into
     its even and odd elements before the loop.
-  - Inside `generate`'s `lax.while_loop`, XLA hoists loop-invariant code: the whole dequantize (it depends on the
-    weights only) was moved out of the decode loop, so a dense float32 copy of every weight lived through the
-    loop and each step read it back through a transposed elemental GEMV (W8A16 decode ran at 0.44x of dense).
-    Now the codes are decoded inside the dots, which read the activations (they change every step), and the
-    per-group scales are tied to the activations by a data dependency (`tie_to`; an optimization barrier is
-    dropped by XLA:CPU before it optimizes), so nothing of the weight is loop-invariant any more: each step reads
-    the packed codes and scales.
+  - Inside `generate`'s `lax.while_loop`, XLA hoists loop-invariant code: a dequantize that depends on the
+    weights only would be moved out of the decode loop, a dense float32 copy of every weight would live through
+    the loop and each step would read it back. So the codes are decoded inside the dots, which read the
+    activations (they change every step), and the per-group scales are tied to the activations by a data
+    dependency (`tie_to`; an optimization barrier is dropped by XLA:CPU before it optimizes): nothing of the
+    weight is loop-invariant, each step reads the packed codes and scales.
   - The per-group factor s' = s / c (c: the global scale, NVFP4; E8M0 / fp8 scales decoded) is computed once per
     group [N, G] per call, in a fusion of its own, instead of once per element: XLA:CPU duplicates cheap
     producers (the E8M0 bit decode) into the GEMV loop, an optimization barrier does not stop it (none is left in

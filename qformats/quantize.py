@@ -36,7 +36,7 @@ def check_input(x, scheme, where: str) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("scheme", "axis"))
 def _quantize_jit(x: jax.Array, scheme: QuantScheme, axis: int, global_scale, scale, zero_point):
     # x stays in its dtype: reductions (exact in any dtype) read it directly and each elementwise op upcasts
-    # inside its own fusion. A shared float32 copy would be materialised by XLA:CPU (2x slower on bf16).
+    # inside its own fusion. A shared float32 copy would be materialised by XLA:CPU (an extra pass over memory).
     xt = jnp.moveaxis(x, axis, -1)
     view, red = group(xt, scheme)
     sr: ScaleResult = compute_scales(view, red, scheme, dtype=x.dtype, global_scale=global_scale, scale=scale,
@@ -150,7 +150,3 @@ def _value_range(scheme: QuantScheme) -> Tuple[float, float]:
     assert isinstance(f, FloatFormat)
     return -f.max, f.max
 
-
-def quantized_like(q: QArray, x) -> QArray:
-    """Quantize x with q's static scales (same scheme, scale, zero point, global scale)."""
-    return quantize(x, q.scheme, q.axis, scale=q.scale, zero_point=q.zero_point, global_scale=q.global_scale)

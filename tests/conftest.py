@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
-    if "torch" in sys.modules:  # imported before this file (a plugin): its pool size is already fixed
+    if sys.modules.get("torch") is not None:  # imported before this file (a plugin): its pool size is fixed
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

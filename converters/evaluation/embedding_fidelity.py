@@ -36,7 +36,8 @@ from qformats.algorithms.weight_search import RTN, WEIGHT_SEARCHES
 __all__ = ["DEFAULT_SCHEMES", "SEARCHES", "resolve", "linear_weight_bytes", "cosines", "evaluate_one", "evaluate",
            "evaluate_checkpoint", "format_table", "build_parser", "main"]
 
-# The weight-only table `qformats eval` prints by default: dense, then 8 bits down to 4 (BENCHMARKS.md).
+# The weight-only table `qformats eval` prints by default: dense, then 8 bits down to 4 (BENCHMARKS.md, "Embedding
+# fidelity (MiniLM held out)").
 DEFAULT_SCHEMES = ("dense", "W8A16", "FP8_E4M3", "FP8_BLOCK:w", "MXFP8A16", "FP6_E2M3", "FP6_E3M2", "FP5_E2M2",
                    "NVFP4A16", "MXFP4A16", "W4A16_ASYM", "W4A16")
 
@@ -111,9 +112,9 @@ def evaluate(schemes: Sequence[str], sentences: Sequence[str], *, calibrated: bo
     layer inputs' second moments; "gptq": GPTQ with H = E[x x^T]; "mse+gptq"), with static activation
     scales, calibrated on `calibration_sentences` (default: the evaluation sentences themselves, which
     overstates the gain: pass a disjoint set for a quality figure, e.g. `embedded.heldout_sentences`; see
-    BENCHMARKS.md, "MiniLM held out"), batched without padding rows (`embedded.calibration_batches`).
-    quantize_model keeps a search only where it beats round-to-nearest on the calibration batches
-    (`compare_rtn`).
+    BENCHMARKS.md, "Embedding fidelity (MiniLM held out)"), batched without padding rows
+    (`embedded.calibration_batches`). quantize_model keeps a search only where it beats round-to-nearest on the
+    calibration batches (`compare_rtn`).
     """
     tok = embedded.Tokenizer()
     if reference is None:

@@ -36,7 +36,7 @@ from qformats.algorithms.weight_search import RTN, WEIGHT_SEARCHES
 
 __all__ = ["DEFAULT_WEIGHT_SEARCH", "DEFAULT_LM_WEIGHT_SEARCH", "quantize_calibrated", "quantize_calibrated_lm"]
 
-DEFAULT_WEIGHT_SEARCH = "mse+gptq"  # the best held-out fidelity measured (BENCHMARKS.md)
+DEFAULT_WEIGHT_SEARCH = "mse+gptq"  # the best held-out fidelity: BENCHMARKS.md, "Embedding fidelity (MiniLM held out)"
 DEFAULT_LM_WEIGHT_SEARCH = "gptq"  # llm-compressor's GPTQModifier (round-to-nearest scales, GPTQ codes)
 
 
@@ -303,6 +303,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
     from converters.formats.safetensors_io import open_checkpoint, read_json
     from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names, inv_freq
     from qformats.models.decoder.calibration import calibrate_decoder
+    from qformats.models.decoder.params import resolve_path
     from qformats.nn import export_quantized
 
     hf_config = read_json(src / "config.json")
@@ -316,11 +317,6 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                                seq_len=seq_len, max_tokens=calibration_tokens, seed=seed, vocab_size=cfg.vocab_size)
     del tok  # the tokenizer's tables (~50 MiB) are not needed while calibrating
     slots = hf_tensor_names(cfg)
-
-    def var(root, path):
-        for p in path[:-1]:
-            root = root[p] if isinstance(p, int) else getattr(root, p)
-        return getattr(root, path[-1])
 
     with open_checkpoint(src) as ck:
         # every check of a whole load (decoder.load_hf_tensors), before any work
@@ -338,7 +334,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                 unexpected.append(n)
         for n, slot in slots.items():
             if n in names:
-                want = tuple(var(model, slot.path).get_value().shape)
+                want = tuple(resolve_path(model, slot.path).get_value().shape)
                 want = want[::-1] if slot.transpose else want
                 if tuple(ck.info(n).shape) != want:
                     bad.append(f"{n} (shape {tuple(ck.info(n).shape)}, expected {want})")
@@ -358,7 +354,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
             def load_layer(i, layer):
                 for n in per_layer[i]:
                     slot = slots[n]
-                    v = var(layer, slot.path[3:])
+                    v = resolve_path(layer, slot.path[3:])
                     a = ck.get(n)
                     v.set_value(jnp.asarray(a.T if slot.transpose else a, dtype=jnp.float32))
                 ck.drop_pages()
@@ -375,7 +371,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                             if local in packed[rel]:
                                 w.add_dense(f"{mod}.{local}", np.asarray(packed[rel][local]))
                     else:
-                        a = np.asarray(var(layer, slot.path[3:]).get_value())
+                        a = np.asarray(resolve_path(layer, slot.path[3:]).get_value())
                         w.add_dense(n, a.T if slot.transpose else a)
                 _release(layer)
 

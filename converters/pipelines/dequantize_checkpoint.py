@@ -24,12 +24,13 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 def dequantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", dtype: Optional[str] = "float32",
                           max_shard_size: "int | str" = "5GB", overwrite: bool = False,
                           progress: "bool | TextIO" = False, exact: bool = False) -> int:
-    """Write a dense checkpoint at `dst`: each quantized module's `weight` = `ct_read.dense_weight(q, dtype, exact)`
-    in torch layout `[out, in]` -- by default the values transformers loads into a `dtype` model
-    (compressed-tensors' decompression, then a cast to `dtype`; dtype None: the dtype that decompression
-    gives); exact=True: the float32 product rounded once to `dtype`. Its quantization parameters
-    (weight_scale, input_scale, ...) dropped; every other tensor and file copied; config.json without
-    `quantization_config` (and `torch_dtype` set to `dtype`). Returns the number of weights dequantized."""
+    """Write a dense checkpoint at `dst`: each quantized module's `weight` =
+    `converters.formats.compressed_tensors.read.dense_weight(q, dtype, exact)` in torch layout `[out, in]` -- by
+    default the values transformers loads into a `dtype` model (compressed-tensors' decompression, then a cast to
+    `dtype`; dtype None: the dtype that decompression gives); exact=True: the float32 product rounded once to
+    `dtype`. Its quantization parameters (weight_scale, input_scale, ...) dropped; every other tensor and file
+    copied; config.json without `quantization_config` (and `torch_dtype` set to `dtype`). Returns the number of
+    weights dequantized."""
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype: expected one of {sorted(DTYPES)}, found {dtype!r}")
     src, dst = Path(src), Path(dst)

@@ -48,20 +48,10 @@ from qformats.errors import CheckpointError, ModelError
 from qformats.rotation import (KINDS, ROTATIONS, SPINQUANT_MODEL_TYPES, Rotated, factors_matrix, fused_norm_name,
                                spinquant_matrices, spinquant_online, spinquant_tensor, spinquant_transform_config,
                                unknown_tensor_names)
-from qformats.rotation import rotation_matrix as _rotation_matrix
 
-__all__ = ["KINDS", "ROTATIONS", "Rotated", "rotation_matrix", "rotate_checkpoint", "spinquant_transform_config"]
+__all__ = ["KINDS", "ROTATIONS", "Rotated", "rotate_checkpoint", "spinquant_transform_config"]
 
 MODEL_TYPES = SPINQUANT_MODEL_TYPES
-
-
-def rotation_matrix(n: int, kind: str, seed: int = 0, stream: int = 0, signs=None) -> np.ndarray:
-    """`qformats.rotation.rotation_matrix` with compressed-tensors' stored Hadamard bases of the installed package
-    (`converters.formats.compressed_tensors.transforms.ct_hadamard_bases`): the unnormalised M [n, n] its factory of
-    `kind` makes."""
-    from converters.formats.compressed_tensors.transforms import ct_hadamard_bases
-
-    return _rotation_matrix(n, kind, seed, stream, signs, ct_hadamard_bases())
 
 
 def _dims(cfg: Dict[str, Any], where: str):

@@ -62,7 +62,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         `qformats.algorithms.gptq.gptq_quantize`: llm-compressor's algorithm, columns in `actorder`; needs
         calibration_data) or "mse+gptq" (GPTQ on the MSE search's scales).
       actorder: GPTQ's column order: "static" (default, llm-compressor's GPTQModifier default: descending
-        diag(H); output error 0.5-0.75x of column order in bench/gptq_parity.py) or None (column order).
+        diag(H); BENCHMARKS.md, "GPTQ parity with llm-compressor") or None (column order).
       dampening_frac: GPTQ's dampening, H += dampening_frac * mean(diag H) * I (default 0.01, llm-compressor's;
         the embedded MiniLM's calibration uses `converters.evaluation.embedded.GPTQ_DAMPENING`, 0.1, chosen on held-out text).
       compare_rtn: with calibration_data and a weight_search, run the calibration batches again with the

@@ -41,5 +41,5 @@ def test_lean_calibration_yields_the_between_phases_callback(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     with process.lean_calibration() as between_phases:
         assert os.environ["XLA_FLAGS"] == "--xla_cpu_parallel_codegen_split_count=1"
-        assert between_phases is process.trim_malloc
+        assert between_phases() is (platform.libc_ver()[0] == "glibc")  # hands free pages back where it can
     assert "XLA_FLAGS" not in os.environ

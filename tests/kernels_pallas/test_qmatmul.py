@@ -231,6 +231,7 @@ def test_registered_for_gpu_only_by_default(triton_only):
         qformats.set_kernels_enabled(True)
 
 
+@pytest.mark.slow
 def test_qdot_uses_the_kernel_when_forced_to_interpret(monkeypatch, triton_only):
     q = make_q("W4A16", 384, 200)  # cheap to compile: the nested jit below compiles at full optimization
     x = make_x((2, 384), jnp.bfloat16)
@@ -272,7 +273,7 @@ def test_lowers_to_triton(name):
 
 def test_flax_layer_runs_the_kernel(monkeypatch, triton_only):
     """A qformats.nn-quantized nnx.Linear calls qdot, which takes the kernel (forced to interpret here)."""
-    nnx = pytest.importorskip("flax.nnx")
+    from flax import nnx
     from qformats.nn import Rule, quantize_model
 
     class Net(nnx.Module):
@@ -304,7 +305,7 @@ def test_flax_layer_runs_the_kernel(monkeypatch, triton_only):
 def test_layers_cache_the_kernel_layout(monkeypatch, triton_only):
     """Packed layers keep the kernel's layout (prepared once): the forward pass never repacks, the cache is
     not a parameter, and it is dropped (XLA path) when kernels are turned off."""
-    nnx = pytest.importorskip("flax.nnx")
+    from flax import nnx
     from qformats.nn import KernelCache, Rule, param_bytes, prepare_kernels, quantize_model
     import kernels_pallas.layout as layout_mod
     import sys

@@ -259,7 +259,7 @@ def test_qdot_runs_the_mosaic_kernel_from_a_cached_layout(monkeypatch):
 def test_layers_cache_the_mosaic_layout(monkeypatch):
     """A packed nnx layer keeps the Mosaic GPU layout (an MgpuWeight in its KernelCache, prepared once): the
     forward pass, eager and under nnx.jit, never repacks and matches the XLA path within the bound."""
-    nnx = pytest.importorskip("flax.nnx")
+    from flax import nnx
     from qformats.nn import KernelCache, Rule, quantize_model
     import sys
     mod = sys.modules["kernels_pallas.qmatmul_mgpu"]  # the package attribute of that name is the function

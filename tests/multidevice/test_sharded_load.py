@@ -5,6 +5,8 @@ import pytest
 
 from run_worker import run_case, run_processes
 
+pytestmark = pytest.mark.slow  # a fresh multi-device interpreter per module fixture
+
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):

@@ -7,6 +7,8 @@ import pytest
 
 from run_worker import run_case
 
+pytestmark = pytest.mark.slow  # a fresh multi-device interpreter per module fixture
+
 SCHEMES = ("dense", "W4A16:g16", "NVFP4A16")
 
 

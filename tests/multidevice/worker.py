@@ -51,21 +51,12 @@ def leaf_shapes(model):
     return sorted(list(s) for s in shapes if len(s) >= 1)
 
 
-def save_dense(model, cfg, hf, path):
-    import numpy as np
-
+def save_dense(model, hf, path):
     from converters.formats.safetensors_io import save_file
-    from qformats.models.decoder import hf_tensor_names
+    from qformats.models.decoder import hf_tensors
 
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, slot in hf_tensor_names(cfg).items():
-        v = model
-        for p in slot.path:
-            v = v[p] if isinstance(p, int) else getattr(v, p)
-        a = np.asarray(v.get_value())
-        tensors[name] = np.ascontiguousarray(a.T if slot.transpose else a)
-    save_file(tensors, path / "model.safetensors")
+    save_file(hf_tensors(model), path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(hf))
 
 
@@ -192,7 +183,7 @@ def case_load(n: int, workdir: str):
     res = {}
     # parity: every parameter of the sharded load equals the single-device load, dense and packed
     cfg = DecoderConfig.from_hf(CFG)
-    save_dense(CausalLM(cfg, rngs=nnx.Rngs(1)), cfg, CFG, wd / "dense")
+    save_dense(CausalLM(cfg, rngs=nnx.Rngs(1)), CFG, wd / "dense")
     quantize_checkpoint(wd / "dense", wd / "w4", "W4A16:g16", progress=False)
     quantize_checkpoint(wd / "dense", wd / "nvfp4", "NVFP4A16", progress=False)
     for name in ("dense", "w4", "nvfp4"):
@@ -209,7 +200,7 @@ def case_load(n: int, workdir: str):
     big = dict(CFG, vocab_size=8192, hidden_size=512, intermediate_size=2048, num_attention_heads=16,
                num_key_value_heads=8, head_dim=32)
     bcfg = DecoderConfig.from_hf(big)
-    save_dense(CausalLM(bcfg, rngs=nnx.Rngs(2)), bcfg, big, wd / "big")
+    save_dense(CausalLM(bcfg, rngs=nnx.Rngs(2)), big, wd / "big")
     return res
 
 

@@ -66,7 +66,7 @@ def test_qdot_shape_errors_name_shapes_and_scheme():
 
 
 def test_layer_without_a_kernel_has_no_cache():
-    nnx = pytest.importorskip("flax.nnx")
+    from flax import nnx
     from qformats.nn import Rule, prepare_kernels, quantize_model
     lin = nnx.Linear(128, 8, rngs=nnx.Rngs(0))
 
@@ -78,6 +78,7 @@ def test_layer_without_a_kernel_has_no_cache():
     assert m.lin.kernel_cache is None and prepare_kernels(m) == 0
 
 
+@pytest.mark.slow
 def test_prefill_holds_about_one_layer_of_dense_weights():
     """A packed model's prefill dequantizes each weight for XLA's GEMM; the dense copies must not all be live at
     once. Bound on the compiled `generate`'s temporary buffer: the dense model's own, plus the float32 size of

@@ -5,13 +5,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-from compressed_tensors.transform.utils.hadamard import (_fetch_hadamard_divisor, deterministic_hadamard_matrix,
-                                                         random_hadamard_matrix)
 
-from qformats.errors import SchemeError
-from qformats.hadamard import (base_order, hadamard_apply, hadamard_matrix, random_hadamard_signs, reduce_base,
-                               sylvester)
+torch = pytest.importorskip("torch")
+pytest.importorskip("compressed_tensors")
+
+from compressed_tensors.transform.utils.hadamard import (_fetch_hadamard_divisor,  # noqa: E402
+                                                         deterministic_hadamard_matrix, random_hadamard_matrix)
+
+from qformats.errors import SchemeError  # noqa: E402
+from qformats.hadamard import (  # noqa: E402
+    base_order, hadamard_apply, hadamard_matrix, random_hadamard_signs, reduce_base, sylvester
+)
 
 KNOWN = [1, 2] + list(range(4, 257, 4))  # the orders compressed-tensors 0.20 stores
 

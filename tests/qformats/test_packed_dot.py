@@ -75,8 +75,8 @@ def test_chunks_of_k(monkeypatch, scheme):
     the same result bound, whatever the chunk size, including a last partial chunk."""
     monkeypatch.setattr(packed_dot_module, "CHUNK", 64)
     k, n = 448, 40  # 4-bit: chunks of 128 elements (two nibble dots of 64), the last one partial
+    assert k > 3 * 2 * packed_dot_module.CHUNK  # at least 3 chunks at any bit width (4-bit: 2 * CHUNK elements)
     q = _weight(scheme, k, n, seed=5)
-    assert len(packed_dot_module._chunks(q)) >= 3
     x = jnp.asarray(np.random.RandomState(6).standard_normal((2, k)).astype(np.float32))
     ref, bound = _reference(x, q)
     err = np.abs(np.asarray(jax.jit(packed_dot)(x, q), np.float64) - ref)

@@ -67,6 +67,7 @@ def test_pack_unpack_round_trip(case):
 
 @FAST
 @given(_case(max_n=100), st.booleans(), st.booleans())
+@pytest.mark.slow
 def test_pack_int32_round_trip(case, legacy, along_first):
     bits, shape, seed = case
     values = _codes(np.random.default_rng(seed), shape, bits)

@@ -124,6 +124,7 @@ def test_rules_validate_their_data():
         spec_for("w", (8, 8), AbstractMesh((8,), ("dp",)), rules)
 
 
+@pytest.mark.slow
 def test_shard_model_on_one_device_keeps_outputs_and_places_every_param():
     cfg = _cfg()
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))

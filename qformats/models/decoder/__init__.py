@@ -3,7 +3,7 @@
 Modules (each imports only those above it):
   `model`     the NNX model alone: `DecoderConfig` (from an HF config.json), RMSNorm, RoPE, attention, MLP,
               `CausalLM` with its explicit `KVCache`, and the online-rotation modules its forward pass applies;
-  `params`    HF parameter names (`hf_tensor_names`, one table) and `load_hf_tensors`;
+  `params`    HF parameter names (`hf_tensor_names`, one table), `load_hf_tensors` and its inverse `hf_tensors`;
   `kv_cache`  KV-cache quantization (`enable_kv_cache_quantization`, `calibrate_kv_cache`, ...);
   `rotate`    online rotations (`set_rotation`) and SpinQuant in memory (`rotate_decoder`);
   `sharding`  logical axes of parameters and KV cache, `tensor_parallel_rules`;
@@ -20,7 +20,7 @@ from qformats.models.decoder.kv_cache import (KVScale, calibrate_kv_cache, enabl
 from qformats.models.decoder.model import (SUPPORTED_MODEL_TYPES, Attention, CausalLM, DecoderConfig, HadamardRotation,
                                            KVCache, RMSNorm, RopeConfig, Rotation, apply_rope, attention_mask,
                                            inv_freq, rope_tables, rotate)
-from qformats.models.decoder.params import TensorSlot, hf_tensor_names, load_hf_tensors, module_path
+from qformats.models.decoder.params import TensorSlot, hf_tensor_names, hf_tensors, load_hf_tensors, module_path
 from qformats.models.decoder.rotate import ATTENTION_SITES, ROTATION_SITES, rotate_decoder, set_rotation
 from qformats.models.decoder.rules import quantization_rules
 from qformats.models.decoder.sharding import KV_CACHE_AXES, PARAM_AXES, tensor_parallel_rules
@@ -28,7 +28,7 @@ from qformats.models.decoder.sharding import KV_CACHE_AXES, PARAM_AXES, tensor_p
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "DecoderConfig", "RopeConfig", "CausalLM", "KVCache", "Attention", "RMSNorm",
     "attention_mask", "inv_freq", "rope_tables", "apply_rope", "Rotation", "HadamardRotation", "rotate",
-    "TensorSlot", "hf_tensor_names", "load_hf_tensors", "module_path",
+    "TensorSlot", "hf_tensor_names", "hf_tensors", "load_hf_tensors", "module_path",
     "KVScale", "kv_cache_scheme", "enable_kv_cache_quantization", "kv_states", "calibrate_kv_cache", "kv_scale_tensors",
     "ROTATION_SITES", "ATTENTION_SITES", "set_rotation", "rotate_decoder",
     "quantization_rules", "KV_CACHE_AXES", "PARAM_AXES", "tensor_parallel_rules",

@@ -198,8 +198,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         and propagated (full module paths set), after which calibration never touches it again.
       between_phases: optional `between_phases()` called after each layer's calibration pass, the weight search of
         each of its input groups (q/k/v, o, gate/up, down) and its propagation (e.g.
-        `converters.pipelines.calibrate.trim_malloc`: the temporaries of one phase, its first compilation included, handed
-        back before the next).
+        `converters.process.trim_malloc`: the temporaries of one phase, its first compilation included, handed back
+        before the next).
       log: progress messages.
 
     Returns {"layers": L, "searched": projections whose search won, "projections": 7 L, "tokens": n}.

@@ -71,6 +71,17 @@ def resolve_path(model: nnx.Module, path: Tuple[Union[str, int], ...]):
     return node
 
 
+def hf_tensors(model: CausalLM) -> Dict[str, np.ndarray]:
+    """HF tensor name -> the value of a dense `model`'s parameter in HF layout (the inverse of `load_hf_tensors`):
+    for each `hf_tensor_names(model.config)` slot, W = kernel^T (a view) where the slot is transposed (torch Linear
+    weight [out, in] from the Flax kernel [in, out]), the value as is otherwise."""
+    out = {}
+    for name, slot in hf_tensor_names(model.config).items():
+        a = np.asarray(resolve_path(model, slot.path).get_value())
+        out[name] = a.T if slot.transpose else a
+    return out
+
+
 def _rotary_name(name: str) -> bool:
     return name.endswith(".rotary_emb.inv_freq")
 

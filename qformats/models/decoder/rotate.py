@@ -23,7 +23,7 @@ from flax import nnx
 from qformats.errors import ModelError
 from qformats.models.decoder.kv_cache import kv_cache_scheme
 from qformats.models.decoder.model import CausalLM, HadamardRotation, Rotation
-from qformats.models.decoder.params import hf_tensor_names, resolve_path
+from qformats.models.decoder.params import hf_tensor_names, hf_tensors, resolve_path
 from qformats.nn.nnx_layers import QuantizedMatmul
 from qformats.rotation import (SPINQUANT_MODEL_TYPES, Rotated, factors_matrix, fused_norm_name, spinquant_matrices,
                                spinquant_online, spinquant_tensor, spinquant_transform_config)
@@ -140,11 +140,7 @@ def rotate_decoder(model: CausalLM, kind: str = "random-hadamard", *, seed: int 
                                  rotations=rotations, signs=signs, bases=hadamard_bases)
     m = {r: factors_matrix(s, base) for r, (s, base) in factors.items()}
 
-    slots = hf_tensor_names(c)
-    orig = {}
-    for name, slot in slots.items():
-        a = np.asarray(resolve_path(model, slot.path).get_value())
-        orig[name] = a.T if slot.transpose else a
+    orig = hf_tensors(model)
     tied = c.tie_word_embeddings
     if tied:
         orig["lm_head.weight"] = orig["model.embed_tokens.weight"]

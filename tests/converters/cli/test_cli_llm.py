@@ -110,12 +110,14 @@ def test_convert_writes_what_convert_gguf_writes(tmp_path, capsys):
 
 
 # ---- SmolLM2 -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_convert_refuses_existing_dst(smol, capsys):
     assert (smol / "model.safetensors").is_file() and (smol / "tokenizer.json").is_file()
     assert main(["convert", str(smollm2_gguf()), str(smol)]) == 1
     assert "--overwrite" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_greedy_equals_transformers(smol, hf_smol, capsys):
     assert main(["generate", str(smol), "--prompt", PROMPT, "--max-new-tokens", "8", "--json"]) == 0
     got = _json(capsys)
@@ -124,6 +126,7 @@ def test_generate_greedy_equals_transformers(smol, hf_smol, capsys):
     assert got["text"] == tok.decode(want, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_generate_w4a16_refused_naming_every_layer(smol, capsys):
     assert main(["generate", str(smol), "--prompt", PROMPT, "--scheme", "W4A16"]) == 1
     err = capsys.readouterr().err
@@ -149,6 +152,7 @@ def smol_eval(smol, text_file):
     return r
 
 
+@pytest.mark.slow
 def test_eval_text_dense_equals_transformers(smol, hf_smol, text_file, smol_eval):
     r = smol_eval
     ppl, nbytes = _hf_ppl(smol, text_file, 48, 2, hf_smol)
@@ -158,6 +162,7 @@ def test_eval_text_dense_equals_transformers(smol, hf_smol, text_file, smol_eval
     assert r["stored"] == r["dense"]
 
 
+@pytest.mark.slow
 def test_quantize_g64_then_eval_stored_equals_rtn_in_memory(smol, text_file, smol_eval, tmp_path, capsys):
     out = tmp_path / "w4g64"
     assert main(["quantize", str(smol), str(out), "--scheme", "W4A16", "--quiet"]) == 1
@@ -177,6 +182,7 @@ def test_quantize_g64_then_eval_stored_equals_rtn_in_memory(smol, text_file, smo
 
 
 # ---- a tiny random llama saved by transformers ---------------------------------------------------------------
+@pytest.mark.slow
 def test_tiny_generate_equals_transformers_and_packed_equals_rtn(tiny, tmp_path, capsys):
     assert main(["generate", str(tiny), "--prompt", PROMPT, "--max-new-tokens", "12", "--json"]) == 0
     got = _json(capsys)
@@ -194,6 +200,7 @@ def test_tiny_generate_equals_transformers_and_packed_equals_rtn(tiny, tmp_path,
     assert "needs a dense checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tiny_eval_equals_transformers(tiny, text_file, capsys):
     assert main(["eval", str(tiny), "--text", str(text_file), "--seq-len", "32", "--max-windows", "5",
                  "--batch-size", "2", "--json"]) == 0  # 5 windows in batches of 2: a padded last batch
@@ -203,6 +210,7 @@ def test_tiny_eval_equals_transformers(tiny, text_file, capsys):
     assert abs(r["ppl"] / ppl - 1) < 1e-4
 
 
+@pytest.mark.slow
 def test_tiny_sampling_is_seeded(tiny, capsys):
     args = ["generate", str(tiny), "--prompt", PROMPT, "--max-new-tokens", "6", "--temperature", "1.0",
             "--top-k", "50", "--top-p", "0.9", "--json"]
@@ -233,6 +241,7 @@ def test_eval_help_states_the_protocol(capsys):
 
 
 @pytest.mark.parametrize("scheme", [None, "W4A16:g64"])
+@pytest.mark.slow
 def test_tiny_generate_tensor_parallel_equals_one_device(tiny, tmp_path, scheme, capsys):
     """--tensor-parallel 2 (a fresh interpreter: the CPU device count is set before JAX starts) gives the
     single-device greedy tokens, with each device holding about half of the parameter bytes."""

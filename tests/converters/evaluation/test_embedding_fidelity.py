@@ -16,7 +16,9 @@ pytest.importorskip("tokenizers")
 
 from converters.evaluation import embedded  # noqa: E402
 from converters.evaluation import embedding_fidelity as ev  # noqa: E402
+from converters.pipelines.quantize_checkpoint import quantize_checkpoint  # noqa: E402
 from qformats.models import minilm  # noqa: E402
+from qformats.nn import Rule, quantize_model  # noqa: E402
 
 # Mean cosine vs torch fp32 sentence-transformers on the shipped sentences, every Linear quantized
 # round-to-nearest, weights only. "ours" = measured with qformats; the same numbers come out of
@@ -51,6 +53,7 @@ def results(sentences, reference):
     return ev.evaluate(CHECKED, sentences, reference=reference)
 
 
+@pytest.mark.slow
 def test_round_to_nearest_fidelity_matches_measured_table(results):
     assert results["dense"]["mean_cos"] > 0.99999
     for name in CHECKED[1:]:
@@ -60,6 +63,7 @@ def test_round_to_nearest_fidelity_matches_measured_table(results):
         assert results[name]["min_cos"] <= got
 
 
+@pytest.mark.slow
 def test_weight_bytes_are_the_packed_sizes(results):
     model = embedded.load_minilm()
     shapes = [m.kernel.get_value().shape for _, m in __import__("flax").nnx.iter_modules(model)
@@ -74,6 +78,7 @@ def test_weight_bytes_are_the_packed_sizes(results):
 # Calibrated on the first 32 sentences and evaluated on the other 32 (held out), mean cos RTN → calibrated:
 # W4A16 .94950 → .96486, NVFP4A16 .97604 → .98105, MXFP4A16 .96398 → .96751, FP6_E3M2 .99385 → .99483,
 # FP8_E4M3 .99849 → .99860, NVFP4 (W+A) .96609 → .97071: the gains do not come from seeing the test set.
+@pytest.mark.slow
 def test_calibrated_mse_search_beats_round_to_nearest(sentences, reference, results):
     tok = embedded.Tokenizer()
     calib = [tok(sentences[i:i + 32]) for i in range(0, len(sentences), 32)]
@@ -83,6 +88,7 @@ def test_calibrated_mse_search_beats_round_to_nearest(sentences, reference, resu
     assert r["bytes"] == results["W4A16"]["bytes"]
 
 
+@pytest.mark.slow
 def test_calibrated_gptq_beats_round_to_nearest(sentences, reference, results):
     tok = embedded.Tokenizer()
     calib = [tok(sentences[i:i + 32]) for i in range(0, len(sentences), 32)]
@@ -124,10 +130,10 @@ def test_main_bad_input(argv, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_of_a_compressed_tensors_checkpoint_equals_in_memory(tmp_path, monkeypatch, capsys, results, reference):
-    qc = pytest.importorskip("converters.pipelines.quantize_checkpoint")
     dst = tmp_path / "minilm-w4a16"
-    qc.quantize_checkpoint(str(embedded.model_dir()), str(dst), "W4A16", ignore=(), progress=False)
+    quantize_checkpoint(str(embedded.model_dir()), str(dst), "W4A16", ignore=(), progress=False)
     monkeypatch.setattr(embedded, "torch_reference_embeddings", lambda s, batch_size=32: reference)
     assert ev.main([str(dst), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -136,10 +142,8 @@ def test_eval_of_a_compressed_tensors_checkpoint_equals_in_memory(tmp_path, monk
     assert ev.main([str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.slow
 def test_save_then_load_checkpoint_roundtrips_static_scales(tmp_path, sentences):
-    pytest.importorskip("converters.formats.compressed_tensors.write")
-    from qformats.nn import Rule, quantize_model
-
     tok = embedded.Tokenizer()
     model = embedded.load_minilm()
     quantize_model(model, [Rule("pooler", "W4A16"), Rule(".*", "FP8")], calibration_data=[tok(sentences[:16])])

@@ -27,7 +27,9 @@ def _ids(tok, sentence):
 def test_calibration_batches_hold_only_real_tokens(tok, bucket):
     sentences = embedded.default_sentences()
     batches = embedded.calibration_batches(tok, sentences, batch_size=5, bucket=bucket)
-    sep = tok._tok.token_to_id("[SEP]")
+    import tokenizers  # the tok fixture's package
+
+    sep = tokenizers.Tokenizer.from_file(str(embedded.model_dir() / "tokenizer.json")).token_to_id("[SEP]")
     rows = []
     for b in batches:
         n, length = b["input_ids"].shape
@@ -57,8 +59,7 @@ class _Stop(Exception):
 
 
 def test_quantize_calibrated_feeds_no_padding_rows(tmp_path, monkeypatch):
-    # Regression: quantize_calibrated padded its batches (32 a batch, lengths rounded up to 16), so ~65% of
-    # the rows entering every layer's H were padding positions; GPTQ fitted the weights to them.
+    # every row that enters the layers' statistics (GPTQ's H) is a real token of a sentence, never padding
     seen = {}
 
     def spy(model, rules, calibration_data=None, **kw):

@@ -81,6 +81,7 @@ def smollm2():
     return path, _transformers_gguf(path)
 
 
+@pytest.mark.slow
 def test_smollm2_equals_transformers_bit_for_bit(smollm2, smollm2_dense, tmp_path):
     path, reference = smollm2
     g = open_gguf(path)

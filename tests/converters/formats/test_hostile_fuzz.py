@@ -20,7 +20,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import struct
 import time
 import tracemalloc
@@ -37,6 +36,7 @@ from converters.pipelines.dequantize_checkpoint import dequantize_checkpoint
 from converters.formats.safetensors_io import INDEX_FILE, SafetensorsFile
 from qformats.errors import CheckpointError
 from qformats.qarray import QArray
+from time_limit import time_limit
 
 SEED = 20261130
 PER_CASE_SECONDS = 5
@@ -365,20 +365,6 @@ MUTATORS = {"header": m_header, "config": m_config, "tensor": m_tensor, "index":
 
 
 # ---- running a case ------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _time_limit(seconds):
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"the case took over {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _materialize(base: Base, work: Path, files: dict, outside: Path) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
@@ -458,7 +444,7 @@ def test_hostile_checkpoints_typed_error_or_same_reading(bases, tmp_path):
                 shown = [v if isinstance(v, tuple) else "..." for v in files.values()]
                 what = f"{cls} #{i} on {base.name}: {sorted(files)} {shown}"
                 try:
-                    with _time_limit(PER_CASE_SECONDS):
+                    with time_limit(PER_CASE_SECONDS, "the case"):
                         got = _reading(work)
                         if cls == "special":
                             dequantize_checkpoint(work, tmp_path / "out", overwrite=True)

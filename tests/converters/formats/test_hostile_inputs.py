@@ -5,13 +5,11 @@ are not valid Unicode refused at the source."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import re
 import shutil
-import signal
 import struct
 import time
 from pathlib import Path
@@ -27,23 +25,10 @@ from converters.pipelines.dequantize_checkpoint import dequantize_checkpoint
 from converters.formats.safe_files import MAX_JSON_BYTES, copy_extra_files, read_json
 from converters.formats.safetensors_io import MAX_METADATA_ENTRIES, SafetensorsFile, save_file
 from qformats.errors import CheckpointError
+from time_limit import time_limit
 
 RNG = np.random.default_rng(3)
 W = (RNG.standard_normal((128, 32)) * 0.1).astype(np.float32)  # a Flax kernel [in, out]
-
-
-@contextlib.contextmanager
-def _deadline(seconds: float):
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"took over {seconds} s")
-
-    prev = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, prev)
 
 
 def _ck(path: Path, preset: str = "FP8_DYNAMIC", targets=None) -> Path:
@@ -280,7 +265,7 @@ def test_config_json_must_be_a_small_regular_file_inside(tmp_path, kind):
     else:
         with open(cfg, "wb") as f:
             f.truncate(MAX_JSON_BYTES + 1)
-    with _deadline(5), pytest.raises(CheckpointError) as e:
+    with time_limit(5), pytest.raises(CheckpointError) as e:
         read_compressed(d)
     msg = str(e.value)
     assert "config.json" in msg
@@ -297,7 +282,7 @@ def test_weights_must_be_a_regular_file(tmp_path, kind):
         os.mkfifo(d / "model.safetensors")
     else:
         os.symlink(kind, d / "model.safetensors")
-    with _deadline(5), pytest.raises(CheckpointError, match="model.safetensors"):
+    with time_limit(5), pytest.raises(CheckpointError, match="model.safetensors"):
         read_compressed(d)
 
 
@@ -331,7 +316,7 @@ def test_dequantize_copies_extra_files_safely(tmp_path, kind, needle):
         os.symlink(tmp_path / "secret.txt", tok)
     else:
         os.symlink(kind, tok)
-    with _deadline(10), pytest.raises(CheckpointError) as e:
+    with time_limit(10), pytest.raises(CheckpointError) as e:
         dequantize_checkpoint(d, tmp_path / "out")
     assert "tokenizer.json" in str(e.value) and needle in str(e.value), str(e.value)
     assert not (tmp_path / "out").exists()
@@ -374,13 +359,13 @@ def test_redos_pattern_in_ignore_is_bounded(tmp_path, monkeypatch):
     write_compressed(d, {f"{name}.weight": qf.quantize(W, ss.weights, axis=0)}, ss, config={"model_type": "tiny"})
     _config(d, lambda c: c["quantization_config"].update(ignore=["re:(a|aa)+$"]))
     if patterns.LINEAR_TIME:
-        with _deadline(5):
+        with time_limit(5):
             assert name in read_compressed(d).qarrays()
     monkeypatch.setattr(patterns, "_re2", None)
     monkeypatch.setattr(patterns, "LINEAR_TIME", False)
     patterns._compile.cache_clear()
     try:
-        with _deadline(5), pytest.raises(CheckpointError, match=r"config.json: quantization_config: ignore\[0\]"):
+        with time_limit(5), pytest.raises(CheckpointError, match=r"config.json: quantization_config: ignore\[0\]"):
             read_compressed(d)
         for pattern, n in NORMAL:  # the fallback keeps re.match's answers
             assert patterns.pattern_matches(pattern, n) == (re.match(pattern, n) is not None)

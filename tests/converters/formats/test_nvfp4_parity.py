@@ -117,6 +117,7 @@ def _packed_layers(model):
     return {"/".join(map(str, p)): m.kernel.get_value() for p, m in nnx.iter_modules(model) if isinstance(m, QLinear)}
 
 
+@pytest.mark.slow
 def test_in_memory_nvfp4_equals_the_checkpoint_path_bit_for_bit(tmp_path):
     from converters.pipelines.causal_lm import load_causal_lm
     from converters.evaluation.perplexity import load_for_scheme

@@ -1,8 +1,6 @@
 """Fuzzing the safetensors reader: a mutated file either reads or raises CheckpointError, fast."""
 
-import contextlib
 import json
-import signal
 import struct
 import uuid
 from datetime import timedelta
@@ -15,6 +13,7 @@ from hypothesis import strategies as st
 
 from converters.formats.safetensors_io import INDEX_FILE, SafetensorsFile, open_checkpoint, save_file
 from qformats.errors import CheckpointError
+from time_limit import time_limit
 
 FUZZ = settings(max_examples=200, deadline=timedelta(seconds=3),
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -42,23 +41,9 @@ def base(tmp_path_factory):
     return work, raw, json.loads(raw[8:8 + n]), n
 
 
-@contextlib.contextmanager
-def _time_limit(seconds):
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"reading a mutated file took over {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _read_everything(path):
     """Opens `path` and reads every tensor whole and by rows; only CheckpointError may escape."""
-    with _time_limit(PER_EXAMPLE_SECONDS):
+    with time_limit(PER_EXAMPLE_SECONDS, "reading a mutated file"):
         try:
             with SafetensorsFile(path) as f:
                 f.metadata
@@ -228,7 +213,7 @@ def test_index_mutations_open_or_raise_checkpoint_error(base, index):
     ckpt_dir.mkdir()
     (ckpt_dir / "s.safetensors").write_bytes(raw)
     (ckpt_dir / INDEX_FILE).write_text(json.dumps(index), encoding="utf-8", errors="surrogatepass")
-    with _time_limit(PER_EXAMPLE_SECONDS):
+    with time_limit(PER_EXAMPLE_SECONDS, "reading a mutated file"):
         try:
             with open_checkpoint(ckpt_dir) as ckpt:
                 for name in ckpt.keys():

@@ -64,6 +64,7 @@ def test_existing_destination_is_refused_before_calibrating(tmp_path):
         quantize_calibrated(tmp_path / "out", "W4A16", sentences=["never calibrated"])
 
 
+@pytest.mark.slow
 def test_calibrated_gptq_checkpoint_of_the_embedded_minilm(tmp_path, capsys):
     """`quantize DST --calibrate FILE`: GPTQ on MSE scales (the default) on the first 32 shipped sentences; on the
     other 32 (held out) the checkpoint beats round-to-nearest clearly, and transformers decompresses it to exactly

@@ -33,6 +33,7 @@ def tiny(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_the_sequential_codes(tiny, tmp_path):
     dst = tmp_path / "q"
     info = quantize_calibrated_lm(tiny / "src", dst, "W4A16:g32", tiny / "calib.npy", seq_len=32,

@@ -236,6 +236,7 @@ def smollm2(smollm2_dense):
     return model, tok, ref
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_logits_equal_transformers(smollm2):
     model, tok, ref = smollm2
     ids = np.array([tok.encode(PROMPT).ids])
@@ -246,6 +247,7 @@ def test_smollm2_gguf_logits_equal_transformers(smollm2):
     assert diff <= SMOLLM2_ATOL, diff
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_greedy_tokens_equal_transformers(smollm2):
     from qformats.models.generate import generate
 

@@ -15,7 +15,7 @@ from converters.pipelines.mesh_load import ReadStats, place, tensor_parallel_set
 from converters.pipelines.quantize_checkpoint import quantize_checkpoint
 from converters.formats.safetensors_io import open_checkpoint, save_file
 from qformats.errors import CheckpointError, ModelError
-from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names
+from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensors
 
 HF = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, rms_norm_eps=1e-5)
@@ -26,15 +26,7 @@ def dense_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("mesh_load") / "dense"
     d.mkdir()
     cfg = DecoderConfig.from_hf(HF)
-    m = CausalLM(cfg, rngs=nnx.Rngs(3))
-    tensors = {}
-    for name, slot in hf_tensor_names(cfg).items():
-        v = m
-        for p in slot.path:
-            v = v[p] if isinstance(p, int) else getattr(v, p)
-        a = np.asarray(v.get_value())
-        tensors[name] = np.ascontiguousarray(a.T if slot.transpose else a)
-    save_file(tensors, d / "model.safetensors")
+    save_file(hf_tensors(CausalLM(cfg, rngs=nnx.Rngs(3))), d / "model.safetensors")
     (d / "config.json").write_text(json.dumps(HF))
     return d
 

@@ -16,11 +16,11 @@ from flax import nnx
 
 from converters.pipelines.causal_lm import load_causal_lm
 from converters.pipelines.quantize_checkpoint import quantize_checkpoint
-from converters.pipelines.rotate import rotate_checkpoint, rotation_matrix, spinquant_transform_config
+from converters.pipelines.rotate import rotate_checkpoint, spinquant_transform_config
 from converters.formats.safetensors_io import open_checkpoint
-from converters.formats.compressed_tensors.transforms import parse_transform_config
+from converters.formats.compressed_tensors.transforms import ct_hadamard_bases, parse_transform_config
 from qformats.errors import CheckpointError, ModelError
-from qformats.rotation import random_signs
+from qformats.rotation import random_signs, rotation_matrix
 
 # power-of-two sizes, so that "hadamard" (Sylvester) exists: hidden 64, head_dim 16, intermediate 128
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -227,11 +227,13 @@ def test_online_r3_r4_written_and_read_back(tmp_path, kind, ct_signs):
 
 
 def test_rotation_matrices_are_compressed_tensors_constructions():
+    bases = ct_hadamard_bases()
     for n in (16, 64, 576):
         s = random_signs(n, 3, 1)
         want = _matmul_hadU(torch.diag(torch.tensor(s, dtype=torch.float64))).numpy()
-        assert np.array_equal(rotation_matrix(n, "random-hadamard", 3, 1), want)
-    assert np.array_equal(rotation_matrix(64, "hadamard"), deterministic_hadamard_matrix(64, torch.float64).numpy())
+        assert np.array_equal(rotation_matrix(n, "random-hadamard", 3, 1, bases=bases), want)
+    assert np.array_equal(rotation_matrix(64, "hadamard", bases=bases),
+                          deterministic_hadamard_matrix(64, torch.float64).numpy())
     assert not np.array_equal(random_signs(64, 0, 1), random_signs(64, 0, 2))  # one draw per group
     assert np.array_equal(random_signs(64, 5, 1), random_signs(64, 5, 1))
 

@@ -1,6 +1,8 @@
 """generate(): one jit of prefill + lax loop; greedy equals the teacher-forced argmax of the full forward pass,
 eos handling, seeded sampling, packed models, argument errors, no recompilation for new prompts."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +10,8 @@ import pytest
 from flax import nnx
 
 from qformats.errors import ModelError
-from qformats.models import generate as generate_module
 from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names, load_hf_tensors, quantization_rules
+from qformats.models.decoder.params import resolve_path
 from qformats.models.generate import generate
 from qformats.nn import quantize_model
 
@@ -26,9 +28,7 @@ def random_model(cfg_dict=CONFIG, seed=0):
     rng = np.random.RandomState(seed)
     tensors = {}
     for name, slot in hf_tensor_names(cfg).items():
-        node = model
-        for p in slot.path:
-            node = node[p] if isinstance(p, int) else getattr(node, p)
+        node = resolve_path(model, slot.path)
         shape = node.get_value().shape[::-1] if slot.transpose else node.get_value().shape
         tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape) if name.endswith("norm.weight")
                          else 0.1 * rng.standard_normal(shape)).astype(np.float32)
@@ -55,11 +55,12 @@ def test_greedy_is_the_argmax_of_the_full_forward(model):
     np.testing.assert_array_equal(np.asarray(single), np.asarray(toks[0]))
 
 
-def test_new_prompt_of_the_same_shape_does_not_recompile(model):
+def test_new_prompt_of_the_same_shape_does_not_recompile(model, caplog):
     generate(model, PROMPT, 12)
-    size = generate_module._generate._cache_size()
-    generate(model, PROMPT[::-1] + 1, 12)
-    assert generate_module._generate._cache_size() == size
+    with jax.log_compiles(True), caplog.at_level(logging.DEBUG, logger="jax"):
+        generate(model, PROMPT[::-1] + 1, 12)
+    traced = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("Compiling", "Finished tracing"))]
+    assert not traced, traced
 
 
 def test_eos_finishes_a_row(model):

@@ -5,8 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from qformats.errors import ModelError
 from qformats.models.sampling import next_token, top_k_mask, top_p_mask
@@ -16,6 +14,8 @@ LOGITS = np.random.RandomState(0).standard_normal((6, 200)).astype(np.float32) *
 
 @pytest.mark.parametrize("k", [1, 7, 200, 500])
 def test_top_k_mask_equals_transformers(k):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     ref = transformers.TopKLogitsWarper(top_k=k)(None, torch.tensor(LOGITS)).numpy()
     got = np.asarray(top_k_mask(jnp.asarray(LOGITS), k))
     np.testing.assert_array_equal(got, ref)  # the kept logits unchanged, the rest -inf
@@ -23,6 +23,8 @@ def test_top_k_mask_equals_transformers(k):
 
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.8, 0.95, 1.0])
 def test_top_p_mask_equals_transformers(p):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     ref = transformers.TopPLogitsWarper(top_p=p)(None, torch.tensor(LOGITS)).numpy()
     got = np.asarray(top_p_mask(jnp.asarray(LOGITS), p))
     np.testing.assert_array_equal(got, ref)

@@ -16,21 +16,26 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
-import transformers
-from compressed_tensors.modeling.kvcache import QuantizedKVCache
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStatus
-from compressed_tensors.quantization.lifecycle.forward import fake_quantize
-from compressed_tensors.quantization.lifecycle.forward_helpers import _quantize
-from compressed_tensors.quantization.lifecycle.initialize import initialize_attn_qparams
-from compressed_tensors.quantization.utils.helpers import calculate_range, compute_dynamic_scales_and_zp
-from flax import nnx
 
-from qformats.errors import ModelError, SchemeError
-from qformats.kv_cache import (KVCacheScheme, amax_of, calibrate_kv_scales, dequantize_kv, dynamic_scale,
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from compressed_tensors.modeling.kvcache import QuantizedKVCache  # noqa: E402
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStatus  # noqa: E402
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # noqa: E402
+from compressed_tensors.quantization.lifecycle.forward_helpers import _quantize  # noqa: E402
+from compressed_tensors.quantization.lifecycle.initialize import initialize_attn_qparams  # noqa: E402
+from compressed_tensors.quantization.utils.helpers import calculate_range, compute_dynamic_scales_and_zp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from qformats.errors import ModelError, SchemeError  # noqa: E402
+from qformats.kv_cache import (KVCacheScheme, amax_of, calibrate_kv_scales, dequantize_kv, dynamic_scale,  # noqa: E402
                                fake_quantize_kv, quantize_kv)
-from qformats.models.decoder import (CausalLM, DecoderConfig, calibrate_kv_cache, enable_kv_cache_quantization,
-                                     kv_cache_scheme, kv_scale_tensors, kv_states, load_hf_tensors)
+from qformats.models.decoder import (  # noqa: E402
+    CausalLM, DecoderConfig, calibrate_kv_cache, enable_kv_cache_quantization, kv_cache_scheme, kv_scale_tensors,
+    kv_states, load_hf_tensors
+)
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, eos_token_id=None,

@@ -3,12 +3,14 @@ checks the two it has no place for (a tied lm_head, rotary buffers)."""
 
 import numpy as np
 import pytest
-import torch
-import transformers
-from flax import nnx
 
-from qformats.errors import ModelError
-from qformats.models.decoder import CausalLM, DecoderConfig, load_hf_tensors
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from flax import nnx  # noqa: E402
+
+from qformats.errors import ModelError  # noqa: E402
+from qformats.models.decoder import CausalLM, DecoderConfig, load_hf_tensors  # noqa: E402
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, eos_token_id=None,

@@ -5,19 +5,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
-from flax import nnx
 
-from converters.pipelines.causal_lm import load_causal_lm
-from converters.pipelines.quantize_checkpoint import quantize_checkpoint
-from converters.pipelines.rotate import rotate_checkpoint
-from converters.formats.compressed_tensors.transforms import ct_hadamard_bases
-from qformats.errors import ModelError
-from qformats.models import decoder
-from qformats.models.decoder import rotate_decoder
-from qformats.models.minilm import MiniLM, MiniLMConfig
-from qformats.nn import quantize_model
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from flax import nnx  # noqa: E402
+
+from converters.pipelines.causal_lm import load_causal_lm  # noqa: E402
+from converters.pipelines.quantize_checkpoint import quantize_checkpoint  # noqa: E402
+from converters.pipelines.rotate import rotate_checkpoint  # noqa: E402
+from converters.formats.compressed_tensors.transforms import ct_hadamard_bases  # noqa: E402
+from qformats.errors import ModelError  # noqa: E402
+from qformats.models import decoder  # noqa: E402
+from qformats.models.decoder import rotate_decoder  # noqa: E402
+from qformats.models.minilm import MiniLM, MiniLMConfig  # noqa: E402
+from qformats.nn import quantize_model  # noqa: E402
 
 # power-of-two sizes, so that "hadamard" (Sylvester) exists too: hidden 64, head_dim 16, intermediate 128
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
