@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _re2 = None
 
 __all__ = ["LINEAR_TIME", "MAX_NAME_CHARS", "MAX_PATTERN_CHARS", "Matcher", "Rule", "Selector", "compile_pattern",
-           "pattern_matches", "resolve_scheme"]
+           "pattern_matches", "resolve_scheme", "target_list"]
 
 #: True when patterns are matched by RE2 (linear time); False: Python `re` under the caps below.
 LINEAR_TIME = _re2 is not None
@@ -137,6 +137,19 @@ def _checked(fn, pattern, where, error, prefix):
             raise error(f"{where}: module name {name!r}: expected a valid Unicode string to match "
                         f"against '{prefix}{pattern[:60]}'") from None
     return match
+
+
+def target_list(v, where: str, *, single: bool = True) -> Tuple[str, ...]:
+    """A compressed-tensors `targets` / `ignore` entry checked: a list of strings (a lone string too when
+    `single`), every `re:` pattern compiled for bounded-time matching; CheckpointError naming `where` otherwise."""
+    if single and isinstance(v, str):
+        v = [v]
+    if not (isinstance(v, list) and all(isinstance(t, str) for t in v)):
+        raise CheckpointError(f"{where}: expected a list of strings, found {v!r}")
+    for i, t in enumerate(v):
+        if t.startswith("re:"):
+            compile_pattern(t[3:], f"{where}[{i}]")
+    return tuple(v)
 
 
 def pattern_matches(pattern: str, name: str, where: str = "quantization_config") -> bool:

@@ -250,6 +250,7 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
     from converters.pipelines.mesh_load import SliceSource, dense_reader, equal_by_rows, place, place_weight
     from converters.formats.safetensors_io import open_checkpoint
     from qformats.models import decoder
+    from qformats.models.decoder.params import resolve_path
     from qformats.nn import load_quantized
     from qformats.sharding import spec_for
 
@@ -302,7 +303,7 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
             problems.append(f"{len(missing)} missing: {', '.join(missing[:8])}")
         if extra:
             problems.append(f"{len(extra)} unexpected: {', '.join(extra[:8])}")
-        variables = {n: _slot_variable(model, slot) for n, slot in dense.items()}
+        variables = {n: resolve_path(model, slot.path) for n, slot in dense.items()}
         for n, slot in dense.items():
             if n in ck:
                 want = tuple(variables[n].get_value().shape)
@@ -336,14 +337,6 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
         scales = None if kv_scales is None else [tuple(jax.device_put(jnp.asarray(x), rep) for x in pair)
                                                  for pair in kv_scales]
         _enable_kv_cache(p, model, kv, scales)
-
-
-def _slot_variable(model, slot):
-    """The nnx.Variable of a `decoder.hf_tensor_names` slot."""
-    var = model
-    for part in slot.path:
-        var = var[part] if isinstance(part, int) else getattr(var, part)
-    return var
 
 
 def kv_scale_names(cfg) -> list[str]:

@@ -35,7 +35,7 @@ import json
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from qformats.matching import compile_pattern, pattern_matches
+from qformats.matching import pattern_matches, target_list
 from converters.formats.compressed_tensors.transforms import check_transform_config, parse_transform_config
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import FloatFormat, IntFormat, get_format
@@ -48,7 +48,6 @@ __all__ = [
     "FPX_FORMAT",
     "ConfigGroup",
     "QuantConfig",
-    "args_to_dict",
     "args_to_scheme",
     "format_for",
     "kv_cache_scheme_from_args",
@@ -237,20 +236,6 @@ def scheme_to_args(s: QuantScheme, role: str = "weights") -> Dict[str, Any]:
     return d
 
 
-def args_to_dict(args: Any) -> Dict[str, Any]:
-    """Normalize a parsed args dict the way 0.20 serializes it (drops nulls it omits)."""
-    d = dict(args)
-    for k in ("actorder", "block_structure", "scale_dtype"):
-        if d.get(k) is None:
-            d.pop(k, None)
-    if not d.get("observer_kwargs"):
-        d.pop("observer_kwargs", None)
-    for k in ("observer", "zp_dtype"):
-        if d.get(k) is None:
-            d.pop(k, None)
-    return d
-
-
 def format_for(weights: Optional[QuantScheme], input_activations: Optional[QuantScheme] = None) -> str:
     """The compression format compressed-tensors infers for a Linear with these schemes (its priority order)."""
     if weights is None:
@@ -396,14 +381,7 @@ def parse_quantization_config(qc: Any, where: str = "config.json") -> QuantConfi
         gat = f"{at}: config_groups.{gname}"
         if not isinstance(g, dict):
             raise _err(gat, f"expected a QuantizationScheme object, found {type(g).__name__}")
-        targets = g.get("targets")
-        if isinstance(targets, str):
-            targets = [targets]
-        if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
-            raise _err(gat, f"targets: expected a list of strings, found {targets!r}")
-        for i, t in enumerate(targets):
-            if t.startswith("re:"):
-                compile_pattern(t[3:], f"{gat}: targets[{i}]")
+        targets = target_list(g.get("targets"), f"{gat}: targets")
         gfmt = g.get("format") or (fmt if fmt != "mixed-precision" else None)
         if gfmt is None:
             raise _err(gat, "expected a per-group format in a mixed-precision config, found none")
@@ -425,12 +403,7 @@ def parse_quantization_config(qc: Any, where: str = "config.json") -> QuantConfi
                     schemes[role] = None  # activations we cannot express are kept raw (g.raw)
         groups.append(ConfigGroup(gname, tuple(targets), gfmt, schemes["weights"], schemes["input_activations"],
                                   schemes["output_activations"], dict(g)))
-    ignore = qc.get("ignore") or []
-    if not (isinstance(ignore, list) and all(isinstance(t, str) for t in ignore)):
-        raise _err(at, f"ignore: expected a list of strings, found {ignore!r}")
-    for i, t in enumerate(ignore):
-        if t.startswith("re:"):
-            compile_pattern(t[3:], f"{at}: ignore[{i}]")
+    ignore = target_list(qc.get("ignore") or [], f"{at}: ignore", single=False)
     kv = qc.get("kv_cache_scheme")
     if kv is not None:
         kv_cache_scheme_from_args(kv, f"{at}: kv_cache_scheme")

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from qformats.matching import compile_pattern, pattern_matches
+from qformats.matching import pattern_matches, target_list
 from qformats.errors import CheckpointError, QFormatsError
 
 __all__ = ["TRANSFORM_TYPES", "LOCATIONS", "OnlineRotation", "TransformGroup", "applying_online_transforms",
@@ -110,17 +110,6 @@ def _err(where: str, msg: str) -> CheckpointError:
     return CheckpointError(f"{where}: {msg}")
 
 
-def _strings(v: Any, where: str) -> Tuple[str, ...]:
-    if isinstance(v, str):
-        v = [v]
-    if not (isinstance(v, list) and all(isinstance(t, str) for t in v)):
-        raise _err(where, f"expected a list of strings, found {v!r}")
-    for i, t in enumerate(v):
-        if t.startswith("re:"):
-            compile_pattern(t[3:], f"{where}[{i}]")
-    return tuple(v)
-
-
 def parse_transform_config(tc: Any, where: str = "quantization_config.transform_config") -> List[TransformGroup]:
     """Validate a transform_config dict; [] for null / {} / no config groups. CheckpointError naming the key."""
     if tc in (None, {}):
@@ -162,8 +151,8 @@ def parse_transform_config(tc: Any, where: str = "quantization_config.transform_
             inv = a.get("inverse", False)
             if not isinstance(inv, bool):
                 raise _err(aat, f"inverse: expected a bool, found {inv!r}")
-            args.append(TransformArgs(_strings(a.get("targets"), f"{aat}.targets"), loc, inv,
-                                      _strings(a.get("ignore") or [], f"{aat}.ignore")))
+            args.append(TransformArgs(target_list(a.get("targets"), f"{aat}.targets"), loc, inv,
+                                      target_list(a.get("ignore") or [], f"{aat}.ignore")))
         prec = sc.get("precision")
         _check_cancelled(str(name), args, at)
         out.append(TransformGroup(str(name), typ, tuple(args), rand, hd, None if prec is None else str(prec)))
