@@ -353,12 +353,25 @@ def _load_compressed(path: Path, model, cfg) -> None:
     from converters.pipelines.flax_io import load_compressed
     from qformats.models import decoder
 
+    from converters.formats.quantized import quant_method
+
     table = _flax_name_map(cfg)
     ignore: tuple[str, ...] = ()
     if cfg.tie_word_embeddings:
         # A tied model saved with its (redundant) lm_head: accepted only when it equals the embedding.
         ignore = ("lm_head.weight",)
-    qc = parse_quantization_config(_read_config(path)["quantization_config"], str(path / "config.json"))
+    hf_config = _read_config(path)
+    if quant_method(hf_config) not in ("compressed-tensors", "sparseml"):
+        # another quantized format (converters.formats.quantized.READERS): its weights only, no KV cache or
+        # transform records (its reader refuses what it cannot express)
+        try:
+            load_compressed(path, model, table, ignore=ignore)
+        except ModelError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        if cfg.tie_word_embeddings:
+            _check_tied_lm_head(path)
+        return
+    qc = parse_quantization_config(hf_config["quantization_config"], str(path / "config.json"))
     kv = qc.kv_cache
     if kv is not None and not kv.dynamic:
         ignore += tuple(kv_scale_names(cfg))

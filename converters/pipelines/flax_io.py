@@ -52,11 +52,11 @@ def load_compressed(path, model, name_map: Optional[NameMap] = None, *, ignore: 
     """
     import jax.numpy as jnp
 
-    from converters.formats.compressed_tensors.read import read_compressed
+    from converters.formats.quantized import read_quantized
     from qformats.nn import load_quantized
     from qformats.qarray import QArray
 
-    cm = read_compressed(path)
+    cm = read_quantized(path)
     table = dict(name_map if name_map is not None else default_name_map(model))
     ignore = set(ignore)
     groups = {g.name: g for g in (cm.quant.groups if cm.quant is not None else ())}
