@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import List, Optional
 
 __all__ = ["MAX_SHARD_SIZE_HELP", "CompileWatch", "Usage", "Parser", "add_compile_cache_argument", "cli_spelling",
-           "compile_cache_dir", "enable_compile_cache", "read_text", "parse_schemes", "say", "size_text", "skipped_text"]
+           "compile_cache_dir", "enable_compile_cache", "read_text", "parse_schemes", "say", "skipped_text"]
 
 MAX_SHARD_SIZE_HELP = ("largest safetensors file written (default 5GB; units B, KB/MB/GB = powers of 1000, "
                        "KiB/MiB/GiB = powers of 1024); a bigger checkpoint is split into shards with a "
@@ -131,15 +131,6 @@ def say(message: str) -> None:
     (whose result alone goes to stdout)."""
     import sys
     print(f"qformats: {message}", file=sys.stderr, flush=True)
-
-
-def size_text(n: float) -> str:
-    """Bytes as a person reads them: "538.1 MB" (powers of 1000)."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n}"  # pragma: no cover
 
 
 class CompileWatch:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from converters.cli.common import Usage, add_compile_cache_argument, parse_schemes, say, size_text, skipped_text
+from converters.cli.common import Usage, add_compile_cache_argument, parse_schemes, say, skipped_text
+from converters.units import size_text
 
 __all__ = ["add_parser", "run"]
 

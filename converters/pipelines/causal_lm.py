@@ -361,21 +361,13 @@ def _load_compressed(path: Path, model, cfg) -> None:
         # A tied model saved with its (redundant) lm_head: accepted only when it equals the embedding.
         ignore = ("lm_head.weight",)
     hf_config = _read_config(path)
-    if quant_method(hf_config) not in ("compressed-tensors", "sparseml"):
-        # another quantized format (converters.formats.quantized.READERS): its weights only, no KV cache or
-        # transform records (its reader refuses what it cannot express)
-        try:
-            load_compressed(path, model, table, ignore=ignore)
-        except ModelError as e:
-            raise CheckpointError(f"{path}: {e}") from None
-        if cfg.tie_word_embeddings:
-            _check_tied_lm_head(path)
-        return
-    qc = parse_quantization_config(hf_config["quantization_config"], str(path / "config.json"))
-    kv = qc.kv_cache
+    qc = None  # another quantized format (converters.formats.quantized.READERS): weights only, no KV cache or
+    if quant_method(hf_config) in ("compressed-tensors", "sparseml"):  # transform records
+        qc = parse_quantization_config(hf_config["quantization_config"], str(path / "config.json"))
+    kv = None if qc is None else qc.kv_cache
     if kv is not None and not kv.dynamic:
         ignore += tuple(kv_scale_names(cfg))
-    rotations = _online_rotations(path, cfg, qc)
+    rotations = ([], []) if qc is None else _online_rotations(path, cfg, qc)
     ignore += tuple(rotations[1])
     try:
         load_compressed(path, model, table, ignore=ignore)

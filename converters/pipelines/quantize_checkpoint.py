@@ -47,6 +47,7 @@ from converters.formats.compressed_tensors.config import format_for
 from converters.formats.compressed_tensors.write import CompressedWriter, qarray_to_tensors
 from converters.formats.safetensors_io import open_checkpoint, parse_size, read_json
 from converters.formats.shard_writer import TensorSpec
+from converters.units import size_text
 from qformats.algorithms.shared_scales import shared_global_scales
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
@@ -147,8 +148,8 @@ class QuantizeSummary:
 
     def text(self) -> str:
         return (f"quantized {self.quantized} weights with {self.scheme} ({self.dense_tensors} other tensors kept): "
-                f"{_fmt(self.src_bytes)} -> {_fmt(self.dst_bytes)} (x{self.ratio:.2f}; quantized weights "
-                f"{_fmt(self.quantized_dense_bytes)} -> {_fmt(self.quantized_stored_bytes)}, "
+                f"{size_text(self.src_bytes)} -> {size_text(self.dst_bytes)} (x{self.ratio:.2f}; quantized weights "
+                f"{size_text(self.quantized_dense_bytes)} -> {size_text(self.quantized_stored_bytes)}, "
                 f"x{self.quantized_dense_bytes / max(self.quantized_stored_bytes, 1):.2f}) in {self.seconds:.1f}s "
                 f"-> {self.dst}" + ("\n" + wrap_list(f"left dense by --skip-indivisible ({len(self.skipped)}; their "
                                                      f"columns are not a multiple of the group size): ",
@@ -157,14 +158,6 @@ class QuantizeSummary:
                                          f"'embed' / 'norm' in the path; {self.kinds_from}): pass targets "
                                          f"(--targets) to choose exactly", 100, subsequent_indent="    ")
                    if self.by_name else ""))
-
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n}"  # pragma: no cover
 
 
 class _Progress:
@@ -191,7 +184,7 @@ class _Progress:
         fill = int(round(frac * self.width))
         rate = self.b / max(now - self.t0, 1e-9)
         self.stream.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {self.n}/{self.tn} tensors "
-                          f"{_fmt(self.b)}/{_fmt(self.tb)} {_fmt(rate)}/s")
+                          f"{size_text(self.b)}/{size_text(self.tb)} {size_text(rate)}/s")
         self.stream.flush()
 
     def close(self) -> None:
