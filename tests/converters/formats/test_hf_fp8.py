@@ -85,3 +85,160 @@ def write_fp8_llama(out: Path, *, block=(128, 128), seed=0, skip=SKIP, edit=None
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory):
     return write_fp8_llama(tmp_path_factory.mktemp("fp8") / "llama")
+
+
+def _transformers_fp8(path, dtype=torch.float32):
+    """transformers' own reading: FineGrainedFP8Config(dequantize=True) (Fp8Dequantize: code * weight_scale_inv
+    in float32, cast to the model's dtype), on the CPU."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, quantization_config=transformers.FineGrainedFP8Config(dequantize=True)).eval()
+
+
+def _stored(path: Path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def _logits(model) -> np.ndarray:
+    logits, _ = model(jnp.asarray(IDS, jnp.int32))
+    return np.asarray(logits)
+
+
+# ---- reading ----------------------------------------------------------------------------------------------------
+def test_reader_keeps_codes_and_scales_as_stored(fp8_dir):
+    cm = read_quantized(fp8_dir)  # through the one entry point: READERS["fp8"]
+    stored = _stored(fp8_dir)
+    w = presets["FP8_BLOCK"].weights
+    qs = cm.qarrays()
+    assert len(qs) == 2 * 7 - 1 and "lm_head" not in qs and "model.layers.1.mlp.up_proj" not in qs
+    for mod, q in qs.items():
+        codes = stored[f"{mod}.weight"].view(torch.uint8).numpy()
+        n, k = codes.shape
+        assert (q.shape, q.axis, q.dtype, q.scheme) == ((k, n), 0, jnp.float32, w)
+        np.testing.assert_array_equal(np.asarray(q.codes), codes)
+        np.testing.assert_array_equal(np.asarray(q.scale), stored[f"{mod}.weight_scale_inv"].numpy())
+        assert q.zero_point is None and q.global_scale is None
+    # dense modules: every tensor by its local name, as stored
+    np.testing.assert_array_equal(cm.modules["lm_head"]["weight"], stored["lm_head.weight"].numpy())
+    np.testing.assert_array_equal(cm.modules["model.layers.1.mlp.up_proj"]["weight"],
+                                  stored["model.layers.1.mlp.up_proj.weight"].numpy())
+    # the equivalent compressed-tensors config: FP8_BLOCK (weights + dynamic per-token-group-128 FP8 inputs) for
+    # in_features % 128 == 0, a weight-only group for down_proj (in_features 80), the dense Linears ignored
+    g_act, g_w = cm.quant.groups
+    assert g_act.scheme_set.weights == w and g_act.input_activations == presets["FP8_BLOCK"].input_activations
+    assert g_act.format == "float-quantized" and g_w.format == "naive-quantized" and g_w.input_activations is None
+    assert set(g_w.targets) == {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
+    assert set(g_act.targets) | set(g_w.targets) == set(qs)
+    assert cm.quant.ignore == ("lm_head", "model.layers.1.mlp.up_proj")
+    assert {cm.groups[m] for m in qs} == {g_act.name, g_w.name}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_equal_transformers_dequantization_bit_for_bit(fp8_dir, dtype):
+    """Oracle: transformers loads the directory with FineGrainedFP8Config(dequantize=True) on the CPU."""
+    from converters.formats.compressed_tensors.read import dense_weight
+
+    sd = _transformers_fp8(fp8_dir, dtype).state_dict()
+    cm = read_hf_fp8(fp8_dir)
+    jdt = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16}[dtype]
+    for mod, q in cm.qarrays().items():
+        ours = np.asarray(dense_weight(q, jdt)).T
+        theirs = sd[f"{mod}.weight"]
+        assert theirs.dtype == dtype
+        bits = theirs.view(torch.int32 if dtype == torch.float32 else torch.int16).numpy()
+        np.testing.assert_array_equal(ours.view(bits.dtype), bits, err_msg=mod)
+
+
+def _one_module_dir(path: Path, n: int, k: int, block=(128, 128), seed=1) -> Path:
+    rng = np.random.default_rng(seed)
+    codes = _fp8_codes(rng, (n, k))
+    s = (rng.uniform(0.5, 1.5, size=(-(-n // block[0]), -(-k // block[1]))) * 2.0 ** -7).astype(np.float32)
+    path.mkdir(parents=True)
+    save_file({"proj.weight": torch.from_numpy(codes).view(torch.float8_e4m3fn), "proj.weight_scale_inv":
+               torch.from_numpy(s)}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)}}))
+    return path
+
+
+@pytest.mark.parametrize("n, k, block", [(200, 96, (128, 128)), (80, 300, (128, 128)), (130, 70, (64, 32))])
+def test_partial_blocks_are_the_allocated_ceil_blocks(tmp_path, n, k, block):
+    """W[o, i] = code * weight_scale_inv[o // bm, i // bn] with the scale grid rounded up, as FP8Linear allocates it
+    and transformers' own `_dequantize_fp8_weight` (its backward pass) reads it. transformers' dequantize=True
+    path (`Fp8Dequantize`) infers the block as dim // grid instead, which agrees only for a dimension of at
+    most one block or whole blocks; here it reads other blocks or refuses the shape."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
+
+    d = _one_module_dir(tmp_path / "one", n, k, block)
+    q = read_hf_fp8(d).qarrays()["proj"]
+    assert q.scheme.block == block
+    ours = np.asarray(dequantize(q, jnp.float32)).T
+    st = _stored(d)
+    w, s = st["proj.weight"], st["proj.weight_scale_inv"]
+    ref = _dequantize_fp8_weight(w, s, list(block), torch.float32).numpy()
+    np.testing.assert_array_equal(ours.view(np.int32), ref.view(np.int32))
+    manual = w.float().numpy() * np.repeat(np.repeat(s.numpy(), block[0], 0), block[1], 1)[:n, :k]
+    np.testing.assert_array_equal(ours.view(np.int32), manual.view(np.int32))
+    try:
+        theirs = Fp8Dequantize(None)._dequantize_one(w, s, torch.float32).numpy()
+    except ValueError:
+        return  # transformers' dequantize=True refuses the shape
+    assert not np.array_equal(ours, theirs)
+
+
+# ---- running ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dense_dir(fp8_dir, tmp_path_factory):
+    """The same model dense: transformers' dequantized float32 weights (equal to ours, test above), no
+    quantization_config."""
+    sd = {k: v.contiguous() for k, v in _transformers_fp8(fp8_dir).state_dict().items()}
+    out = tmp_path_factory.mktemp("dense") / "llama"
+    out.mkdir()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    conf = json.loads((fp8_dir / "config.json").read_text())
+    del conf["quantization_config"]
+    (out / "config.json").write_text(json.dumps(conf))
+    return out
+
+
+def test_load_causal_lm_runs_packed(fp8_dir, dense_dir):
+    model, hf_config, _ = load_causal_lm(fp8_dir, tokenizer=False)
+    assert hf_config["quantization_config"]["quant_method"] == "fp8"
+    packed = {m.path: m for _, m in nnx.iter_modules(model) if isinstance(m, QLinear)}
+    assert len(packed) == 13 and not isinstance(model.lm_head, QLinear)
+    assert "model/layers/1/mlp/up_proj" not in packed
+    for path, m in packed.items():
+        assert m.schemes.weights == presets["FP8_BLOCK"].weights
+        want = None if path.endswith("down_proj") else presets["FP8_BLOCK"].input_activations
+        assert m.schemes.input_activations == want, path
+    dense, _, _ = load_causal_lm(dense_dir, tokenizer=False)
+    ref = _logits(dense)
+    with_acts = _logits(model)
+    # FP8 activations (e4m3: 3 mantissa bits) move the logits visibly; the weights alone do not (below)
+    assert 1e-3 < np.abs(with_acts - ref).max() < 0.5
+    # weights only: the packed XLA path (dequantize inside jit, then the same dot_general) equals the dense
+    # decoder on the dequantized weights bit for bit
+    for m in packed.values():
+        m.schemes = SchemeSet(m.schemes.name, weights=m.schemes.weights)
+    np.testing.assert_array_equal(_logits(model), ref)
+    # and the dense decoder matches transformers' dequantized model (float32: accumulation order only)
+    with torch.no_grad():
+        theirs = _transformers_fp8(fp8_dir)(torch.from_numpy(IDS)).logits.numpy()
+    assert np.abs(ref - theirs).max() <= 2e-5
+
+
+def test_dynamic_activations_are_hf_per_token_group_fp8(fp8_dir):
+    """The input quantization of the packed layers is DeepSeek's / transformers' act_quant: per token, groups of
+    128 along the input, s = amax / 448, x~ = e4m3(x / s) * s (float32)."""
+    from qformats.nn.projection import quantize_acts
+
+    cm = read_hf_fp8(fp8_dir)
+    a = cm.quant.groups[0].input_activations
+    x = (np.random.default_rng(3).standard_normal((5, 256)) * np.array([1.0, 30.0])[None].repeat(128, 1)
+         ).astype(np.float32)
+    g = x.reshape(5, 2, 128)
+    s = np.abs(g).max(-1, keepdims=True) / np.float32(448)
+    ref = ((g / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s).reshape(5, 256)
+    ours = np.asarray(quantize_acts(jnp.asarray(x), a))
+    np.testing.assert_array_equal(ours.view(np.int32), ref.view(np.int32))
