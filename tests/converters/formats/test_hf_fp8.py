@@ -242,3 +242,69 @@ def test_dynamic_activations_are_hf_per_token_group_fp8(fp8_dir):
     ref = ((g / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s).reshape(5, 256)
     ours = np.asarray(quantize_acts(jnp.asarray(x), a))
     np.testing.assert_array_equal(ours.view(np.int32), ref.view(np.int32))
+
+
+# ---- refused ----------------------------------------------------------------------------------------------------
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def _set(key, value):
+    return lambda qc: qc.__setitem__(key, value)
+
+
+def _tensor(name, value):
+    return lambda t: t.__setitem__(name, value)
+
+
+BAD = {
+    "static activations": (dict(qc_edit=_set("activation_scheme", "static")), "activation_scheme 'static'"),
+    "activation_scale": (dict(edit=_tensor(f"{Q}.activation_scale", torch.ones(()))),
+                         rf"{Q}.activation_scale.*static activation scales"),
+    "ue8m0 scales": (dict(qc_edit=_set("scale_fmt", "ue8m0")), "scale_fmt 'ue8m0'"),
+    "fp4 experts": (dict(qc_edit=_set("expert_dtype", "fp4")), "expert_dtype 'fp4'"),
+    "fp8 embeddings": (dict(qc_edit=_set("modules_to_convert", ["model.embed_tokens"])), "modules_to_convert"),
+    "per-tensor": (dict(qc_edit=_set("weight_block_size", None)), "weight_block_size None"),
+    "one block dim": (dict(qc_edit=_set("weight_block_size", [128])), r"weight_block_size \[128\]"),
+    "zero block": (dict(qc_edit=_set("weight_block_size", [0, 128])), r"weight_block_size \[0, 128\]"),
+    "skip list type": (dict(qc_edit=_set("modules_to_not_convert", "lm_head")), "modules_to_not_convert"),
+    "scale grid": (dict(edit=_tensor(f"{Q}.weight_scale_inv", torch.ones(1, 1))),
+                   rf"{Q}.weight_scale_inv.*expected F32 \[2, 2\].*found F32 \[1, 1\]"),
+    "scale dtype": (dict(edit=_tensor(f"{Q}.weight_scale_inv", torch.ones(2, 2, dtype=torch.bfloat16))),
+                    rf"{Q}.weight_scale_inv.*expected F32 \[2, 2\].*found BF16"),
+    "weight dtype": (dict(edit=_tensor(f"{Q}.weight", torch.zeros(256, 256, dtype=torch.bfloat16))),
+                     rf"{Q}.weight.*expected a 2-D F8_E4M3.*found BF16"),
+    "e5m2 weight": (dict(edit=_tensor(f"{Q}.weight", torch.zeros(256, 256, dtype=torch.float8_e5m2))),
+                    rf"{Q}.weight.*expected a 2-D F8_E4M3.*found F8_E5M2"),
+    "3-D weight": (dict(edit=_tensor(f"{Q}.weight", torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn))),
+                   rf"{Q}.weight.*expected a 2-D F8_E4M3.*\[2, 128, 256\]"),
+    "scale without weight": (dict(edit=lambda t: t.pop(f"{Q}.weight")), rf"{Q}.weight_scale_inv.*without a 'weight'"),
+    "fp8 weight without scale": (dict(edit=lambda t: t.pop(f"{Q}.weight_scale_inv")),
+                                 rf"{Q}.weight.*F8_E4M3.*without a weight_scale_inv"),
+    "fused experts": (dict(edit=_tensor("model.layers.0.mlp.experts.gate_up_proj_scale_inv", torch.ones(2, 1, 2))),
+                      "gate_up_proj_scale_inv.*without a weight_scale_inv"),
+    # the checkpoint quantizes a module its modules_to_not_convert names (by a prefix up to a module boundary)
+    "skipped but quantized": (dict(qc_edit=_set("modules_to_not_convert", ["lm_head", "layers.0.self_attn.q_proj"])),
+                              rf"{Q}.*modules_to_not_convert names this module"),
+    "nothing quantized": (dict(skip=["model"]), "no module holds a weight_scale_inv"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_malformed_or_unsupported_is_a_checkpoint_error(tmp_path, case):
+    kwargs, match = BAD[case]
+    d = write_fp8_llama(tmp_path / "ck", **kwargs)
+    with pytest.raises(CheckpointError, match=match):
+        read_quantized(d)
+    with pytest.raises(CheckpointError):
+        load_causal_lm(d, tokenizer=False)
+
+
+def test_not_converted_follows_transformers(tmp_path):
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    names = ["lm_head", "model.layers.1.mlp.up_proj", "model.layers.11.mlp.up_proj", "model.layers.1.mlp.gate",
+             "model.layers.1.mlp.gate_proj"]
+    for pats in (["lm_head"], ["layers.1"], ["model.layers.1"], ["model.layers.1.*"], ["mlp.gate"], ["up_proj"],
+                 ["model\\.layers\\.1[01]?\\.mlp"]):
+        for n in names:
+            assert not_converted(n, pats) == (not should_convert_module(n, pats)), (n, pats)
