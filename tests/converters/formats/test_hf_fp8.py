@@ -308,3 +308,49 @@ def test_not_converted_follows_transformers(tmp_path):
                  ["model\\.layers\\.1[01]?\\.mlp"]):
         for n in names:
             assert not_converted(n, pats) == (not should_convert_module(n, pats)), (n, pats)
+
+
+# ---- lossless compressed-tensors write --------------------------------------------------------------------------
+def _write_ct(cm, dst: Path) -> Path:
+    """The CompressedModel written by compressed-tensors' writer with its own QuantConfig's schemes: the FP8
+    blocks go out as float-quantized / naive-quantized block weights (codes and scales as read)."""
+    from converters.formats.compressed_tensors.write import write_compressed
+
+    tensors = {f"{m}.{local}": a for m, t in cm.modules.items() for local, a in t.items()}
+    schemes = {m: g.scheme_set for g in cm.quant.groups for m in g.targets}
+    conf = {k: v for k, v in cm.config.items() if k != "quantization_config"}
+    return write_compressed(dst, tensors, schemes, ignore=list(cm.quant.ignore), config=conf)
+
+
+def test_compressed_tensors_write_is_lossless(fp8_dir, dense_dir, tmp_path):
+    """compressed-tensors 0.20 decompresses the written checkpoint to our (= transformers') values bit for bit;
+    our compressed-tensors reader gives the same QArrays; both load into the same logits."""
+    from converters.formats.compressed_tensors.read import read_compressed
+
+    from tests.converters.formats.ct_oracle import decompress_dir
+
+    cm = read_hf_fp8(fp8_dir)
+    dst = _write_ct(cm, tmp_path / "ct")
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert sorted(g["format"] for g in qc["config_groups"].values()) == ["float-quantized", "naive-quantized"]
+    assert all(g["weights"]["block_structure"] == [128, 128] for g in qc["config_groups"].values())
+    ours = {m: np.asarray(dequantize(q, jnp.float32)).T for m, q in cm.qarrays().items()}
+    theirs = decompress_dir(dst)
+    assert set(theirs) == set(ours)
+    for m, w in theirs.items():
+        assert w.dtype == torch.float32
+        np.testing.assert_array_equal(ours[m].view(np.int32), w.view(torch.int32).numpy(), err_msg=m)
+    back = read_compressed(dst)
+    for m, q in cm.qarrays().items():
+        r = back.qarrays()[m]
+        assert (r.scheme, r.shape, r.dtype, r.axis) == (q.scheme, q.shape, q.dtype, q.axis)
+        np.testing.assert_array_equal(np.asarray(r.codes), np.asarray(q.codes))
+        np.testing.assert_array_equal(np.asarray(r.scale), np.asarray(q.scale))
+    def schemes(model):  # module -> (weights, input_activations) of its config group
+        by_name = {g.name: g for g in model.quant.groups}
+        return {m: (by_name[model.groups[m]].weights, by_name[model.groups[m]].input_activations)
+                for m in model.qarrays()}
+    assert schemes(back) == schemes(cm)
+    a, _, _ = load_causal_lm(fp8_dir, tokenizer=False)
+    b, _, _ = load_causal_lm(dst, tokenizer=False)
+    np.testing.assert_array_equal(_logits(a), _logits(b))
