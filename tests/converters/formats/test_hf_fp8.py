@@ -354,3 +354,18 @@ def test_compressed_tensors_write_is_lossless(fp8_dir, dense_dir, tmp_path):
     a, _, _ = load_causal_lm(fp8_dir, tokenizer=False)
     b, _, _ = load_causal_lm(dst, tokenizer=False)
     np.testing.assert_array_equal(_logits(a), _logits(b))
+
+
+def test_compressed_tensors_output_runs_in_transformers_like_ours(fp8_dir, tmp_path):
+    """transformers + compressed-tensors run the written checkpoint compressed on the CPU (FP8 block weights,
+    dynamic per-token-group-128 FP8 inputs for group_0, weight-only group_1): its logits equal those of our packed
+    load of the HF FP8 directory, activation quantization included, within float32 accumulation order (2e-5, the
+    dense tolerance of tests/converters/pipelines/test_causal_lm.py)."""
+    dst = _write_ct(read_hf_fp8(fp8_dir), tmp_path / "ct")
+    ours, _, _ = load_causal_lm(fp8_dir, tokenizer=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(IDS)).logits.numpy()
+    assert np.abs(_logits(ours) - theirs).max() <= 2e-5
