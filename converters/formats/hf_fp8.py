@@ -29,14 +29,14 @@ own), so such modules go to a second, weight-only config group: they run with fl
 
 Which modules are quantized: those holding `weight_scale_inv`; their `weight` must be float8_e4m3fn. Modules
 listed in `modules_to_not_convert` (transformers' rule: a prefix up to a module boundary, a regex with that
-boundary, or a suffix) must hold no FP8 tensor. `quant` is the compressed-tensors QuantConfig of the same
+boundary, or a suffix) must hold no weight_scale_inv. `quant` is the compressed-tensors QuantConfig of the same
 values (targets: the module names; ignore: the stored 2-D dense weights' modules that modules_to_not_convert
 names).
 
 Not read (a CheckpointError naming the file, tensor and what is supported): `activation_scheme: "static"`
-(`activation_scale`), `scale_fmt: "ue8m0"`, `expert_dtype: "fp4"`, `modules_to_convert` (FP8 embeddings),
-`weight_block_size` null (per-tensor) or not two positive integers, fused-expert 3-D tensors, a scale that is
-not float32 or not [ceil(out / bm), ceil(in / bn)], a weight that is not 2-D float8_e4m3fn.
+(`activation_scale`), `scale_fmt: "ue8m0"`, `expert_dtype: "fp4"`, `modules_to_convert` (FP8 embeddings), `fmt`
+other than "e4m3", `weight_block_size` null (per-tensor) or not two positive integers, fused-expert 3-D tensors,
+a scale that is not float32 or not [ceil(out / bm), ceil(in / bn)], a weight that is not 2-D float8_e4m3fn.
 """
 
 from __future__ import annotations
@@ -55,10 +55,6 @@ from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
 
 __all__ = ["read_hf_fp8", "fp8_schemes", "not_converted"]
-
-_KNOWN_KEYS = {"quant_method", "activation_scheme", "weight_block_size", "modules_to_not_convert", "ignored_layers",
-               "modules_to_convert", "scale_fmt", "expert_dtype", "dequantize"}
-
 
 def fp8_schemes(block: Tuple[int, int]) -> Tuple[SchemeSet, SchemeSet]:
     """(with activations, weight only): FP8_BLOCK's weight scheme with block `block` = (bm, bn), and its dynamic
@@ -107,6 +103,8 @@ def _options(qc: Dict[str, Any], where: str) -> Tuple[Tuple[int, int], List[str]
     if not isinstance(scheme, str) or scheme.lower() != "dynamic":
         raise CheckpointError(f"{at}: activation_scheme {scheme!r} is not supported; supported: 'dynamic' (static "
                               f"per-tensor activation_scale is not read)")
+    if qc.get("fmt", "e4m3") != "e4m3":  # DeepSeek-V3's config records the element format this way
+        raise CheckpointError(f"{at}: fmt {qc.get('fmt')!r} is not supported; supported: 'e4m3' (float8_e4m3fn)")
     if qc.get("scale_fmt", "float") != "float":
         raise CheckpointError(f"{at}: scale_fmt {qc.get('scale_fmt')!r} is not supported; supported: 'float' "
                               f"(float32 weight_scale_inv)")

@@ -260,6 +260,7 @@ BAD = {
     "static activations": (dict(qc_edit=_set("activation_scheme", "static")), "activation_scheme 'static'"),
     "activation_scale": (dict(edit=_tensor(f"{Q}.activation_scale", torch.ones(()))),
                          rf"{Q}.activation_scale.*static activation scales"),
+    "e5m2 fmt": (dict(qc_edit=_set("fmt", "e5m2")), "fmt 'e5m2'"),
     "ue8m0 scales": (dict(qc_edit=_set("scale_fmt", "ue8m0")), "scale_fmt 'ue8m0'"),
     "fp4 experts": (dict(qc_edit=_set("expert_dtype", "fp4")), "expert_dtype 'fp4'"),
     "fp8 embeddings": (dict(qc_edit=_set("modules_to_convert", ["model.embed_tokens"])), "modules_to_convert"),
@@ -369,3 +370,23 @@ def test_compressed_tensors_output_runs_in_transformers_like_ours(fp8_dir, tmp_p
     with torch.no_grad():
         theirs = model(torch.from_numpy(IDS)).logits.numpy()
     assert np.abs(_logits(ours) - theirs).max() <= 2e-5
+
+
+def test_sharded_checkpoint_reads_the_same(fp8_dir, tmp_path):
+    """Real FP8 checkpoints are sharded (model.safetensors.index.json): a module's weight and its scale may sit in
+    different files."""
+    stored = _stored(fp8_dir)
+    names = sorted(stored)
+    out = tmp_path / "sharded"
+    out.mkdir()
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for f, part in shards.items():
+        save_file({n: stored[n] for n in part}, str(out / f), metadata={"format": "pt"})
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
+    (out / "config.json").write_text((fp8_dir / "config.json").read_text())
+    a, b = read_hf_fp8(fp8_dir), read_hf_fp8(out)
+    assert a.quant.raw == b.quant.raw and a.groups == b.groups
+    for m, q in a.qarrays().items():
+        np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(b.qarrays()[m].codes))
+        np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(b.qarrays()[m].scale))
