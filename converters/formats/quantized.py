@@ -24,6 +24,7 @@ __all__ = ["READERS", "quant_method", "read_quantized"]
 READERS: Dict[str, str] = {
     "compressed-tensors": "converters.formats.compressed_tensors.read:read_compressed",
     "sparseml": "converters.formats.compressed_tensors.read:read_compressed",
+    "fp8": "converters.formats.hf_fp8:read_hf_fp8",
 }
 
 
