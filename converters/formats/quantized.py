@@ -24,6 +24,7 @@ __all__ = ["READERS", "quant_method", "read_quantized"]
 READERS: Dict[str, str] = {
     "compressed-tensors": "converters.formats.compressed_tensors.read:read_compressed",
     "sparseml": "converters.formats.compressed_tensors.read:read_compressed",
+    "modelopt": "converters.formats.modelopt:read_modelopt",
 }
 
 
