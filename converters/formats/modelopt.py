@@ -24,7 +24,8 @@ the same QArrays (codes, scales, global scales, scheme, bfloat16 dtype) and tens
 QuantConfig whose groups target the quantized modules by name.
 
 Everything else is a CheckpointError naming the file, module or tensor and what is supported: another quant_algo
-(FP8, FP8_PB_WO, NVFP4_AWQ, W4A8_AWQ, MXFP8, ...), a group size other than 16, KV-cache quantization, a quantized
+(FP8, FP8_PB_WO, NVFP4_AWQ, W4A8_AWQ, MXFP8, MIXED_PRECISION, ...), a group size other than 16, an
+`activation_scheme` other than "static", KV-cache quantization, a quantized
 module that `ignore` excludes, missing or extra tensors, wrong dtypes or shapes, a global scale that is not a finite
 positive number.
 """
@@ -121,6 +122,10 @@ def _parse_config(root: Path, cfg: Mapping[str, Any]) -> _Config:
         raise CheckpointError(f"{where}: quant_algo {algo!r} is not read by qformats; supported ModelOpt algorithms: "
                               f"{', '.join(SUPPORTED_ALGOS)} (FP8, FP8_PB_WO, NVFP4_AWQ, W4A8_AWQ, MXFP8, "
                               f"MIXED_PRECISION are not)")
+    act = detail.get("activation_scheme")
+    if act not in (None, "static"):
+        raise CheckpointError(f"{where}: activation_scheme {act!r}: only static input scales (input_scale) are "
+                              f"supported")
     sizes = [("group_size", detail.get("group_size"))]
     groups = detail.get("config_groups") or {}
     if not isinstance(groups, dict):

@@ -261,6 +261,8 @@ Q = "model.layers.0.self_attn.q_proj"
     (_modelopt_qconfig(exclude=["lm_head", "model.layers.0.self_attn*"]),
      r"module 'model.layers.0.self_attn.[qkvo]_proj'.*excludes it \('model.layers.0.self_attn\*'\)"),
     ({"quant_method": "modelopt"}, r"expected quant_algo"),
+    ({**_modelopt_qconfig(), "activation_scheme": "dynamic"}, r"activation_scheme 'dynamic'"),
+    (_modelopt_qconfig(algo="MIXED_PRECISION"), r"quant_algo 'MIXED_PRECISION' is not read"),
     ({"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4", "group_size": 64}},
      r"quantization: group_size 64"),
 ])
@@ -332,3 +334,46 @@ def test_legacy_hf_quant_config_layout(broken):
                          "exclude_modules": ["lm_head"]}}))
     a, b = read_quantized(d), read_modelopt(d)
     assert set(a.qarrays()) == set(b.qarrays()) and len(a.qarrays()) == 2 * len(PROJ)
+
+
+# ---- writing: the CompressedModel as a compressed-tensors checkpoint ---------------------------------------------
+def test_written_compressed_tensors_checkpoint_matches_the_converter(ckpts, tmp_path):
+    """`write_compressed` of what `read_modelopt` gives, against compressed-tensors' converter output.
+
+    Global scales stored as [1]: model.safetensors is byte-identical. Stored 0-dim (ModelOpt's export): our writer
+    stores every weight_global_scale as [1] (as compressed-tensors' own NVFP4 checkpoints have it), the converter
+    keeps 0-dim; every other byte of every tensor is the same. config.json: the same quantization_config up to
+    naming (group name, version string, empty sparsity / transform records); the converter also writes
+    model.safetensors.index.json for a single file, which we do not."""
+    from safetensors import safe_open
+
+    from converters.formats.compressed_tensors.config import parse_quantization_config
+    from converters.formats.compressed_tensors.write import write_compressed
+
+    src, ct = ckpts
+    cm = read_modelopt(src)
+    groups = {g.name: g for g in cm.quant.groups}
+    tensors = {f"{mod}.{local}": a for mod, t in cm.modules.items() for local, a in t.items()}
+    schemes = {mod: groups[g].scheme_set for mod, g in cm.groups.items()}
+    cfg = {k: v for k, v in cm.config.items() if k != "quantization_config"}
+    ours = write_compressed(tmp_path / "ours", tensors, schemes, ignore=["lm_head"], targets=["re:.*_proj$"],
+                            config=cfg, copy_from=src)
+    scalar = load_file(str(src / "model.safetensors"))[f"{Q}.weight_scale_2"].dim() == 0
+    a, b = (ct / "model.safetensors").read_bytes(), (ours / "model.safetensors").read_bytes()
+    assert (a == b) != scalar
+    with safe_open(str(ct / "model.safetensors"), "pt") as fa, safe_open(str(ours / "model.safetensors"), "pt") as fb:
+        assert sorted(fa.keys()) == sorted(fb.keys())
+        for name in fa.keys():
+            x, y = fa.get_tensor(name), fb.get_tensor(name)
+            assert x.dtype == y.dtype, name
+            if scalar and name.endswith(".weight_global_scale"):
+                assert (tuple(x.shape), tuple(y.shape)) == ((), (1,)), name
+                y = y.reshape(())
+            assert x.shape == y.shape and x.reshape(-1).view(torch.uint8).equal(y.reshape(-1).view(torch.uint8)), name
+    qa = parse_quantization_config(json.loads((ct / "config.json").read_text())["quantization_config"])
+    qb = parse_quantization_config(json.loads((ours / "config.json").read_text())["quantization_config"])
+    assert (qa.format, qa.ignore, qa.kv_cache_scheme, qa.quantization_status) == \
+        (qb.format, qb.ignore, qb.kv_cache_scheme, qb.quantization_status)
+    assert [(g.targets, g.format, g.weights, g.input_activations, g.output_activations) for g in qa.groups] == \
+        [(g.targets, g.format, g.weights, g.input_activations, g.output_activations) for g in qb.groups]
+    assert read_compressed(ours).qarrays().keys() == cm.qarrays().keys()
