@@ -1,4 +1,4 @@
-"""NVIDIA ModelOpt NVFP4 checkpoints (`quant_method: "modelopt"`) read into NVFP4 QArrays, as compressed-tensors has them.
+"""NVIDIA ModelOpt NVFP4 checkpoints (quant_method "modelopt") read into the NVFP4 QArrays compressed-tensors has.
 
 A ModelOpt NVFP4 checkpoint (ModelOpt's unified HF export) stores per quantized Linear `M`:
   M.weight          uint8 [N, K/2]: two E2M1 codes per byte, element 2i in the low nibble (as compressed-tensors'
@@ -23,11 +23,17 @@ global scale), modules without one NVFP4A16's; quant_algo "W4A16_NVFP4" is NVFP4
 the same QArrays (codes, scales, global scales, scheme, bfloat16 dtype) and tensors, `quant` the compressed-tensors
 QuantConfig whose groups target the quantized modules by name.
 
+Dense values: `compressed_tensors.read.dense_weight(q)` is bf16(code * (scale / global_scale)), the quotient in
+float32: what compressed-tensors' decompression gives for the converted checkpoint when the scales are stored as [1].
+Stored 0-dim (as ModelOpt's export writes them, to our knowledge), the converter keeps them 0-dim and torch computes
+that quotient in bfloat16 (bf16 / 0-dim f32 promotes to bf16), so compressed-tensors' decompression can differ from
+ours by one bfloat16 ulp. Neither is ModelOpt's own code * scale * weight_scale_2 (float32(1 / s2) is not s2's
+reciprocal exactly).
+
 Everything else is a CheckpointError naming the file, module or tensor and what is supported: another quant_algo
 (FP8, FP8_PB_WO, NVFP4_AWQ, W4A8_AWQ, MXFP8, MIXED_PRECISION, ...), a group size other than 16, an
-`activation_scheme` other than "static", KV-cache quantization, a quantized
-module that `ignore` excludes, missing or extra tensors, wrong dtypes or shapes, a global scale that is not a finite
-positive number.
+`activation_scheme` other than "static", KV-cache quantization, a quantized module that `ignore` excludes, missing or
+extra tensors, wrong dtypes or shapes, a global scale that is not a finite positive number.
 """
 
 from __future__ import annotations

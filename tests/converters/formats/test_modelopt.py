@@ -12,7 +12,6 @@ import shutil
 import warnings
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -63,8 +62,8 @@ def _write_modelopt(d, seed=0, scalar=()):
             # positive finite e4m3 codes over ~2^-7 .. 2^7
             sc = rng.integers(0x18, 0x58, (n, k // 16), dtype=np.uint8)
             sd[f"{m}.weight_scale"] = torch.from_numpy(sc).view(torch.float8_e4m3fn)
-            sd[f"{m}.weight_scale_2"] = torch.tensor(float(rng.uniform(1e-4, 1e-2)), dtype=torch.float32).reshape(scalar)
-            sd[f"{m}.input_scale"] = torch.tensor(float(rng.uniform(1e-3, 1e-1)), dtype=torch.float32).reshape(scalar)
+            for local, (lo, hi) in (("weight_scale_2", (1e-4, 1e-2)), ("input_scale", (1e-3, 1e-1))):
+                sd[f"{m}.{local}"] = torch.tensor(float(rng.uniform(lo, hi)), dtype=torch.float32).reshape(scalar)
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"] = _modelopt_qconfig()
