@@ -376,3 +376,30 @@ def test_written_compressed_tensors_checkpoint_matches_the_converter(ckpts, tmp_
     assert [(g.targets, g.format, g.weights, g.input_activations, g.output_activations) for g in qa.groups] == \
         [(g.targets, g.format, g.weights, g.input_activations, g.output_activations) for g in qb.groups]
     assert read_compressed(ours).qarrays().keys() == cm.qarrays().keys()
+
+
+def test_weight_only_algo_reads_as_nvfp4a16(broken):
+    def drop_input_scales(sd):
+        for name in [n for n in sd if n.endswith(".input_scale")]:
+            del sd[name]
+    cm = read_quantized(broken(qconfig=_modelopt_qconfig(algo="w4a16_nvfp4"), edit=drop_input_scales))
+    assert [(g.weights, g.input_activations) for g in cm.quant.groups] == \
+        [(presets["NVFP4A16"].weights, None)]
+    assert len(cm.qarrays()) == 2 * len(PROJ)
+    assert not any("input_global_scale" in t for t in cm.modules.values())
+    from converters.pipelines.causal_lm import load_causal_lm
+
+    model, _, _ = load_causal_lm(broken.last, tokenizer=False)
+    assert all(lin.input_global_scale is None for lin in _packed(model).values())
+
+
+def test_exclude_wildcards_become_compressed_tensors_ignore_entries(broken):
+    """ModelOpt's exclude_modules are fnmatch wildcards; the QuantConfig's ignore list matches the same names."""
+    pats = ["lm_head", "*.mlp.gate", "model.visual*", "a[!b]c", "x?y"]
+    cm = read_quantized(broken(qconfig=_modelopt_qconfig(exclude=pats)))
+    import fnmatch
+
+    for name in ["lm_head", "model.layers.3.mlp.gate", "model.visual.blocks.0.attn", "axc", "abc", "xzy", "xy",
+                 "model.layers.3.mlp.gate_proj", "lm_head2", "model.layers.0.self_attn.q_proj"]:
+        want = any(fnmatch.fnmatchcase(name, p) for p in pats)
+        assert cm.quant.is_ignored(name) == want, name
