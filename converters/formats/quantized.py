@@ -25,6 +25,7 @@ READERS: Dict[str, str] = {
     "compressed-tensors": "converters.formats.compressed_tensors.read:read_compressed",
     "sparseml": "converters.formats.compressed_tensors.read:read_compressed",
     "fp8": "converters.formats.hf_fp8:read_hf_fp8",
+    "modelopt": "converters.formats.modelopt:read_modelopt",
 }
 
 
