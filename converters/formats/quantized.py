@@ -24,6 +24,8 @@ __all__ = ["READERS", "quant_method", "read_quantized"]
 READERS: Dict[str, str] = {
     "compressed-tensors": "converters.formats.compressed_tensors.read:read_compressed",
     "sparseml": "converters.formats.compressed_tensors.read:read_compressed",
+    "gptq": "converters.formats.gptq_awq:read_gptq",
+    "awq": "converters.formats.gptq_awq:read_awq",
 }
 
 
