@@ -25,8 +25,8 @@ AutoAWQ converter writes it.
 
 `quant` is the compressed-tensors QuantConfig that holds the same values (one group, targets = the quantized module
 names, format pack-quantized). Anything else -- exllama / marlin / bitblas / GEMV layouts, other bit widths, GPTQModel
-per-module `dynamic` overrides or a pack dtype other than int32, a missing or misshapen tensor, a code outside its
-range -- is a CheckpointError naming the file, the tensor and what is supported.
+per-module `dynamic` overrides or a pack dtype other than int32, a missing, extra or misshapen tensor, a g_idx
+outside [0, G) -- is a CheckpointError naming the file, the tensor and what is supported.
 """
 
 from __future__ import annotations
