@@ -26,6 +26,8 @@ READERS: Dict[str, str] = {
     "sparseml": "converters.formats.compressed_tensors.read:read_compressed",
     "fp8": "converters.formats.hf_fp8:read_hf_fp8",
     "modelopt": "converters.formats.modelopt:read_modelopt",
+    "gptq": "converters.formats.gptq_awq:read_gptq",
+    "awq": "converters.formats.gptq_awq:read_awq",
 }
 
 
