@@ -1,4 +1,5 @@
-"""compressed-tensors checkpoint -> dense HF safetensors checkpoint (Linear weights dequantized), streaming."""
+"""A quantized checkpoint (compressed-tensors, or another format `converters.formats.quantized` reads) -> dense HF
+safetensors checkpoint (Linear weights dequantized), streaming for compressed-tensors."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import numpy as np
 
 from converters.formats.compressed_tensors.read import QUANT_PARAM_NAMES, dense_weight, iter_modules, open_compressed
 from converters.formats.compressed_tensors.write import config_with
+from converters.formats.quantized import quant_method, read_quantized
+from converters.formats.safe_files import read_json
 from converters.formats.shard_writer import ShardedWriter
 from qformats.errors import CheckpointError
 from qformats.qarray import QArray
@@ -34,15 +37,22 @@ def dequantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", dt
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype: expected one of {sorted(DTYPES)}, found {dtype!r}")
     src, dst = Path(src), Path(dst)
-    ck, cfg, qc = open_compressed(src)
+    cfg_path = (src if src.is_dir() else src.parent) / "config.json"
+    if quant_method(read_json(cfg_path) if os.path.lexists(cfg_path) else {}) in ("dense", "compressed-tensors",
+                                                                                  "sparseml"):
+        ck, cfg, qc = open_compressed(src)  # streamed, one module at a time
+        modules = ((mod.name, mod.tensors) for mod in iter_modules(ck, qc))
+    else:  # another format's reader (converters.formats.quantized): memory-mapped views, read whole
+        cm = read_quantized(src)
+        ck, cfg, modules = None, cm.config, iter(cm.modules.items())
     stream = sys.stderr if progress is True else (progress or None)
     n = 0
     try:
         with ShardedWriter(dst, max_shard_size, overwrite=overwrite, sources=(src,)) as w:
-            for mod in iter_modules(ck, qc):
-                prefix = f"{mod.name}." if mod.name else ""
-                quantized = isinstance(mod.tensors.get("weight"), QArray)
-                for local, arr in mod.tensors.items():
+            for name, tensors in modules:
+                prefix = f"{name}." if name else ""
+                quantized = isinstance(tensors.get("weight"), QArray)
+                for local, arr in tensors.items():
                     if isinstance(arr, QArray):
                         dense = dense_weight(arr, DTYPES[dtype] if dtype else None, exact=exact)
                         w.add(prefix + local, np.ascontiguousarray(np.asarray(dense).T))
@@ -60,7 +70,8 @@ def dequantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", dt
             w.add_json("config.json", cfg)
             w.copy_extra_files(src if src.is_dir() else src.parent)
     finally:
-        ck.close()
+        if ck is not None:
+            ck.close()
     if stream is not None:
         stream.write(f"\rdequantized {n} weights -> {dst}\n")
     return n

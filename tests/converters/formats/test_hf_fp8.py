@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from converters.formats.hf_fp8 import not_converted, read_hf_fp8  # noqa: E402
 from converters.formats.quantized import read_quantized  # noqa: E402
 from converters.pipelines.causal_lm import load_causal_lm  # noqa: E402
+from converters.pipelines.convert_quantized import convert_quantized  # noqa: E402
 from qformats.errors import CheckpointError  # noqa: E402
 from qformats.nn import QLinear  # noqa: E402
 from qformats.presets import presets  # noqa: E402
@@ -312,17 +313,6 @@ def test_not_converted_follows_transformers(tmp_path):
 
 
 # ---- lossless compressed-tensors write --------------------------------------------------------------------------
-def _write_ct(cm, dst: Path) -> Path:
-    """The CompressedModel written by compressed-tensors' writer with its own QuantConfig's schemes: the FP8
-    blocks go out as float-quantized / naive-quantized block weights (codes and scales as read)."""
-    from converters.formats.compressed_tensors.write import write_compressed
-
-    tensors = {f"{m}.{local}": a for m, t in cm.modules.items() for local, a in t.items()}
-    schemes = {m: g.scheme_set for g in cm.quant.groups for m in g.targets}
-    conf = {k: v for k, v in cm.config.items() if k != "quantization_config"}
-    return write_compressed(dst, tensors, schemes, ignore=list(cm.quant.ignore), config=conf)
-
-
 def test_compressed_tensors_write_is_lossless(fp8_dir, dense_dir, tmp_path):
     """compressed-tensors 0.20 decompresses the written checkpoint to our (= transformers') values bit for bit;
     our compressed-tensors reader gives the same QArrays; both load into the same logits."""
@@ -330,8 +320,11 @@ def test_compressed_tensors_write_is_lossless(fp8_dir, dense_dir, tmp_path):
 
     from tests.converters.formats.ct_oracle import decompress_dir
 
+    from converters.cli import main
+
     cm = read_hf_fp8(fp8_dir)
-    dst = _write_ct(cm, tmp_path / "ct")
+    dst = tmp_path / "ct"
+    assert main(["convert", str(fp8_dir), str(dst)]) == 0  # converters.pipelines.convert_quantized
     qc = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert sorted(g["format"] for g in qc["config_groups"].values()) == ["float-quantized", "naive-quantized"]
     assert all(g["weights"]["block_structure"] == [128, 128] for g in qc["config_groups"].values())
@@ -362,7 +355,7 @@ def test_compressed_tensors_output_runs_in_transformers_like_ours(fp8_dir, tmp_p
     dynamic per-token-group-128 FP8 inputs for group_0, weight-only group_1): its logits equal those of our packed
     load of the HF FP8 directory, activation quantization included, within float32 accumulation order (2e-5, the
     dense tolerance of tests/converters/pipelines/test_causal_lm.py)."""
-    dst = _write_ct(read_hf_fp8(fp8_dir), tmp_path / "ct")
+    dst = convert_quantized(fp8_dir, tmp_path / "ct")
     ours, _, _ = load_causal_lm(fp8_dir, tokenizer=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -390,3 +383,25 @@ def test_sharded_checkpoint_reads_the_same(fp8_dir, tmp_path):
     for m, q in a.qarrays().items():
         np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(b.qarrays()[m].codes))
         np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(b.qarrays()[m].scale))
+
+
+def test_dequantize_writes_the_dense_values(fp8_dir, tmp_path):
+    """`qformats dequantize` reads the HF FP8 directory through its reader: every quantized weight is written as
+    compressed-tensors' decompression of the same codes and scales (`dense_weight`), the rest as stored."""
+    from converters.cli import main
+    from converters.formats.compressed_tensors.read import dense_weight
+
+    dst = tmp_path / "dense"
+    assert main(["dequantize", str(fp8_dir), str(dst)]) == 0
+    cm = read_hf_fp8(fp8_dir)
+    out = load_file(str(dst / "model.safetensors"))
+    for m, q in cm.qarrays().items():
+        want = np.asarray(dense_weight(q, jnp.float32)).T
+        np.testing.assert_array_equal(out[f"{m}.weight"].numpy(), want, err_msg=m)
+        assert f"{m}.weight_scale_inv" not in out
+    assert "quantization_config" not in json.loads((dst / "config.json").read_text())
+
+
+def test_convert_refuses_what_is_not_another_format(dense_dir, tmp_path):
+    with pytest.raises(CheckpointError, match="expected a quantized checkpoint of another format"):
+        convert_quantized(dense_dir, tmp_path / "x")
