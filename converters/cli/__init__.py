@@ -32,6 +32,7 @@ Exit status: 0 ok, 2 usage error, 1 failure (one line on stderr, no traceback).
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import warnings
 from typing import Optional, Sequence
@@ -99,6 +100,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except Usage as e:
             print(str(e), file=sys.stderr)
             return 2
+        except BrokenPipeError:  # the reader of stdout went away (`qformats inspect ... | head`): stop quietly
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+            return 141  # 128 + SIGPIPE, as the shell reports a tool the pipe stopped
         except (QFormatsError, OSError) as e:
             print(f"qformats: error: {cli_spelling(str(e))}", file=sys.stderr)
             return 1
