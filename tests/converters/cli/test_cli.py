@@ -202,3 +202,22 @@ def test_default_src_is_embedded_minilm(tmp_path, capsys):
     cm = read_compressed(out)
     assert len(cm.qarrays()) == 37 and "embeddings.word_embeddings" not in cm.qarrays()
     assert (out / "tokenizer.json").exists() and (out / "1_Pooling").is_dir()
+
+
+def test_a_closed_stdout_stops_quietly(dense, tmp_path):
+    """`qformats inspect DIR | head -1` once head has gone: the command stops with 141 (128 + SIGPIPE) and no error
+    line (the pipe's read end is closed before the command writes, so its first write fails)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "q"
+    assert main(["quantize", str(dense), str(out), "--scheme", "W8A16", "--quiet"]) == 0
+    r, w = os.pipe()
+    os.close(r)
+    p = subprocess.Popen([sys.executable, "-m", "converters.cli", "inspect", str(out)], stdout=w,
+                         stderr=subprocess.PIPE, text=True, cwd=str(Path(__file__).resolve().parents[3]))
+    os.close(w)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 141 and err == ""
