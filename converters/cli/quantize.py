@@ -127,7 +127,9 @@ def _quantize_calibrated_lm(a) -> int:
                                    smooth=a.smooth, overwrite=a.overwrite, kv_cache=a.kv_cache, rotate=a.rotate,
                                    rotate_seed=a.rotate_seed, between_phases=between_phases, log=log, **kw)
     if a.quiet:
-        print(f"quantized {r['projections']} projections ({r['searched']} by {search}) on {r['tokens']} tokens -> "
+        from qformats.algorithms.weight_search import search_text
+        print(f"quantized {r['projections']} projections ({search_text(r['projections'], r['searched'], search)}) on "
+              f"{r['tokens']} tokens -> "
               f"{r['path']}", file=sys.stderr)
     return 0
 
@@ -176,6 +178,7 @@ def _quantize_calibrated(a) -> int:
     r = quantize_calibrated(a.paths[0], a.scheme, sentences=sentences, weight_search=search,
                             overwrite=a.overwrite, log=log, **kw)
     if a.quiet:  # otherwise the log lines said it already
-        print(f"quantized {r['layers']} Linear layers ({r['searched']} by {search}) -> "
+        from qformats.algorithms.weight_search import search_text
+        print(f"quantized {r['layers']} Linear layers ({search_text(r['layers'], r['searched'], search)}) -> "
               f"{r['path']} in {r['seconds']:.1f} s", file=sys.stderr)
     return 0

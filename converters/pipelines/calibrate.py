@@ -32,7 +32,7 @@ from converters.formats.safe_files import check_destination
 from qformats.errors import CheckpointError, ModelError
 from qformats.algorithms.gptq import DAMPENING_FRAC
 from qformats.nn import Rule, quantize_model, quantized_layers
-from qformats.algorithms.weight_search import RTN, WEIGHT_SEARCHES
+from qformats.algorithms.weight_search import RTN, WEIGHT_SEARCHES, search_text
 
 __all__ = ["DEFAULT_WEIGHT_SEARCH", "DEFAULT_LM_WEIGHT_SEARCH", "quantize_calibrated", "quantize_calibrated_lm"]
 
@@ -91,7 +91,7 @@ def quantize_calibrated(dst, scheme: str, *, sentences: Optional[Sequence[str]] 
     layers = quantized_layers(model)
     searched = sum(1 for m in layers.values() if m.weight_method != RTN)
     log(f"quantized {len(layers)} Linear layers in {time.perf_counter() - t0:.1f} s "
-        f"({searched} with {weight_search}, {len(layers) - searched} round-to-nearest)")
+        f"({search_text(len(layers), searched, weight_search)})")
     embedded.save_checkpoint(model, dst, overwrite=overwrite)
     log(f"wrote {dst}")
     return {"layers": len(layers), "searched": searched, "seconds": time.perf_counter() - t0, "path": str(dst)}
@@ -230,7 +230,8 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                         ignore=ignore, kv_cache_scheme=kv_cache,
                         transform_config=None if rotated is None else rotated.transform_config)
     seconds = time.perf_counter() - t0
-    log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")
+    log(f"wrote {dst}: {info['projections']} projections "
+        f"({search_text(info['projections'], info['searched'], weight_search)}) in {seconds:.1f} s")
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}
 
 
@@ -387,5 +388,6 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                 w.add_dense(n, np.asarray(ck.get(n), np.float32))
             w.finish(dict(hf_config), ignore=[] if cfg.tie_word_embeddings else ["lm_head"], copy_from=src)
     seconds = time.perf_counter() - t0
-    log(f"wrote {dst}: {info['projections']} projections ({info['searched']} by {weight_search}) in {seconds:.1f} s")
+    log(f"wrote {dst}: {info['projections']} projections "
+        f"({search_text(info['projections'], info['searched'], weight_search)}) in {seconds:.1f} s")
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}

@@ -16,6 +16,14 @@ from qformats.quantize import dequantize, quantize
 from qformats.schemes import SchemeSet
 
 RTN = "rtn"
+
+
+def search_text(total: int, searched: int, search: str) -> str:
+    """How `total` weights were quantized, in words: "round-to-nearest" when the search was RTN; otherwise
+    "N by SEARCH, M round-to-nearest" (M: the weights where the search did not lower the error, kept at RTN)."""
+    if search == RTN:
+        return "round-to-nearest"
+    return f"{searched} by {search}, {total - searched} round-to-nearest"
 WEIGHT_SEARCHES = (RTN, "mse", "gptq", "mse+gptq")
 """Every weight search, by the one name the library, the CLI and the examples use."""
 NEEDS_HESSIAN = ("gptq", "mse+gptq")

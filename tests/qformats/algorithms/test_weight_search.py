@@ -89,3 +89,10 @@ def test_quantize_projection_options():
                             actorder=opts.actorder)
         np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(ref.codes))
         assert method == "gptq"
+
+
+def test_search_text_says_how_weights_were_quantized():
+    from qformats.algorithms.weight_search import search_text
+
+    assert search_text(210, 0, "rtn") == "round-to-nearest"  # not "(0 by rtn)"
+    assert search_text(210, 200, "gptq") == "200 by gptq, 10 round-to-nearest"
