@@ -70,9 +70,19 @@ def tiny_gguf(path: Path, *, hidden=16, heads=2, kv_heads=1, inter=32, layers=1,
                         p + "ffn_gate.weight": (mat(inter, hidden), weight_type),
                         p + "ffn_up.weight": (mat(inter, hidden), weight_type),
                         p + "ffn_down.weight": (mat(hidden, inter), weight_type)})
+    return write_tensors(w, tensors, path)
+
+
+def write_tensors(w, tensors, path: Path) -> Path:
+    """Adds `tensors` (name -> (float array, GGML type)) to the GGUFWriter `w` — F32 / F16 / I32 / I8 as plain
+    arrays, block types quantized by gguf's own numpy quantizer — then writes the file and closes it."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    plain = {q.F32: np.float32, q.F16: np.float16, q.I32: np.int32, q.I8: np.int8}
     for name, (a, t) in tensors.items():
-        if t == q.F32:
-            w.add_tensor(name, a)
+        if t in plain:
+            w.add_tensor(name, np.asarray(a).astype(plain[t]))
         else:
             w.add_tensor(name, gguf.quants.quantize(a, t), raw_dtype=t)
     w.write_header_to_file()

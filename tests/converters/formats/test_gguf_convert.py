@@ -25,6 +25,7 @@ from converters.formats.gguf_convert import (  # noqa: E402
     supported_tensor_types,
 )
 from converters.formats.safetensors_io import open_checkpoint  # noqa: E402
+from gguf_tiny import byte_alphabet, write_tensors  # noqa: E402
 from qformats.errors import CheckpointError  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -101,17 +102,11 @@ def test_smollm2_equals_transformers_bit_for_bit(smollm2, smollm2_dense, tmp_pat
 
 # ------------------------------------------------------------------------------------- tiny GGUF files
 
-def _byte_alphabet() -> list[str]:
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    return list(bytes_to_unicode().values())
-
-
 def _vocab():
     specials = ["<|endoftext|>", "<|begin_of_text|>", "<|eot|>"]
     merges = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "Ġ f", "o x", "Ġf ox"]
     merged = ["Ġt", "he", "Ġthe", "Ġa", "in", "Ġf", "ox", "Ġfox"]
-    tokens = specials + _byte_alphabet() + merged
+    tokens = specials + byte_alphabet() + merged
     types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
     return tokens, types, merges
 
@@ -180,20 +175,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, hidden=64, heads=4, kv_h
     tensors.update(extra or {})
     for name in drop:
         tensors.pop(name)
-    for name, (array, qtype) in tensors.items():
-        if qtype == Q.F32:
-            w.add_tensor(name, array.astype(np.float32))
-        elif qtype == Q.F16:
-            w.add_tensor(name, array.astype(np.float16))
-        elif qtype in (Q.I32, Q.I8):
-            w.add_tensor(name, array.astype(np.int32 if qtype == Q.I32 else np.int8))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_tensors(w, tensors, path)
 
 
 @pytest.mark.parametrize("arch,weight_type,tied,pre,head_dim", [
