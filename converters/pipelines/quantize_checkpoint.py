@@ -453,7 +453,7 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                    "Leave them out with ignore=[...]. The weights:\n")
                 + "\n".join(_misfit_lines(misfits, bad)))
         skipped = sorted(misfits)
-        qplan = qplan.leave_dense({m: "columns not a multiple of the group size: --skip-indivisible" for m in misfits})
+        qplan = qplan.leave_dense({m: "columns not a multiple of the group size; skip_indivisible=True" for m in misfits})
         chosen = [m for m in chosen if m not in misfits]
         if not chosen:
             raise CheckpointError(f"{src}: none of the targeted weights fits scheme {ss.name!r} ({len(skipped)} "
