@@ -45,6 +45,7 @@ import numpy as np
 
 from converters.formats.compressed_tensors.config import format_for
 from converters.formats.compressed_tensors.write import CompressedWriter, qarray_to_tensors
+from converters.formats.moe_layout import experts_text, linearized_experts, router_modules
 from converters.formats.safetensors_io import open_checkpoint, parse_size, read_json
 from converters.formats.shard_writer import TensorSpec
 from converters.units import size_text
@@ -107,19 +108,25 @@ def model_linear_modules(hf_config: Dict[str, Any]) -> "tuple[Optional[set], str
 
 
 def checkpoint_plan(infos: Dict[str, Any], scheme: Optional[SchemeSet], targets: Sequence[str],
-                    ignore: Sequence[str], linear: Optional[set] = None) -> Plan:
+                    ignore: Sequence[str], linear: Optional[set] = None, routers: Optional[set] = None) -> Plan:
     """The plan (`qformats.plan`) over every 2-D floating `<module>.weight` of a checkpoint (tensor name ->
     TensorInfo), with compressed-tensors' targets and ignore (`qformats.matching.Matcher.from_targets`).
 
-    A module's kind (what a "Linear" / "Embedding" target selects) comes from the model definition where
-    `linear` (`model_linear_modules`) names it a Linear; any other module's kind is told from its name
-    (`module_kind`) and marked so in the plan (`Candidate.how`), which the summary reports."""
+    A module's kind (what a "Linear" / "Embedding" target selects) is "Router" for the MoE routers in `routers`
+    (`converters.formats.moe_layout.router_modules`: transformers 5's `*TopKRouter`, not an nn.Linear, so a
+    "Linear" target leaves them dense as llm-compressor does; a `re:` target or exact path still selects them);
+    it comes from the model definition where `linear` (`model_linear_modules`) names it a Linear; any other
+    module's kind is told from its name (`module_kind`) and marked so in the plan (`Candidate.how`), which the
+    summary reports. Per-expert weights (`<P>.experts.{e}.<proj>.weight`) are Linears like any other."""
     cands = []
+    routers = routers or set()
     for name in sorted(infos):
         mod, _, local = name.rpartition(".")
         info = infos[name]
         if local == "weight" and len(info.shape) == 2 and info.dtype in _FLOAT_DTYPES:
-            if linear is not None and mod in linear:
+            if mod in routers:
+                cands.append(Candidate(mod, int(info.shape[1]), "Router", "moe layout"))
+            elif linear is not None and mod in linear:
                 cands.append(Candidate(mod, int(info.shape[1]), "Linear", "model"))
             else:
                 cands.append(Candidate(mod, int(info.shape[1]), module_kind(mod), "name heuristic"))
@@ -141,6 +148,9 @@ class QuantizeSummary:
     skipped: List[str] = dataclasses.field(default_factory=list)  # left dense by skip_indivisible
     by_name: List[str] = dataclasses.field(default_factory=list)  # selected by a class target, kind told by name
     kinds_from: str = ""  # where module kinds came from: a model definition, or why none applied
+    experts: str = ""  # the expert weights among the quantized ones (moe_layout.experts_text), "" for none
+    routers: List[str] = dataclasses.field(default_factory=list)  # MoE routers left dense (and in ignore)
+    linearized: bool = False  # fused 3-D experts (gpt-oss) written as per-expert Linears
 
     @property
     def ratio(self) -> float:
@@ -151,7 +161,13 @@ class QuantizeSummary:
                 f"{size_text(self.src_bytes)} -> {size_text(self.dst_bytes)} (x{self.ratio:.2f}; quantized weights "
                 f"{size_text(self.quantized_dense_bytes)} -> {size_text(self.quantized_stored_bytes)}, "
                 f"x{self.quantized_dense_bytes / max(self.quantized_stored_bytes, 1):.2f}) in {self.seconds:.1f}s "
-                f"-> {self.dst}" + ("\n" + wrap_list(f"left dense by --skip-indivisible ({len(self.skipped)}; their "
+                f"-> {self.dst}"
+                + (f"\nexperts quantized: {self.experts}" + (" (split from the fused gate_up_proj / down_proj "
+                   "tensors into per-expert Linears, as llm-compressor does)" if self.linearized else "")
+                   if self.experts else "")
+                + (f"\n{len(self.routers)} MoE router{'s' if len(self.routers) > 1 else ''} kept dense (listed in "
+                   f"ignore): {', '.join(paths_text(self.routers))}" if self.routers else "")
+                + ("\n" + wrap_list(f"left dense by --skip-indivisible ({len(self.skipped)}; their "
                                                      f"columns are not a multiple of the group size): ",
                                                      paths_text(self.skipped)) if self.skipped else "")
                 + ("\n" + textwrap.fill(f"{len(self.by_name)} of them taken as Linear by their names (2-D, no "
@@ -413,10 +429,12 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst}: expected a new path for the checkpoint, found it exists "
                               f"(pass overwrite=True to replace it)")
-    with open_checkpoint(src) as ck:
+    with open_checkpoint(src) as raw:
+        ck = linearized_experts(raw, base_cfg)  # gpt-oss's fused experts as per-expert Linears
         infos = {n: ck.info(n) for n in ck.keys()}
         linear, kinds_from = model_linear_modules(base_cfg)
-        qplan = checkpoint_plan(infos, ss, list(targets), list(ignore), linear)
+        routers = router_modules(infos)
+        qplan = checkpoint_plan(infos, ss, list(targets), list(ignore), linear, routers)
         chosen = [d.path for d in qplan.quantized]
         ignored = [d.path for d in qplan.dense if d.selector is not None]
         unused_ignore = [s.entry for s in qplan.unused if s.role == "ignore"]
@@ -460,6 +478,8 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
                                   f"skipped: {', '.join(skipped[:6])}{' ...' if len(skipped) > 6 else ''}); "
                                   f"nothing written")
         chosen_set = set(chosen)
+        dense_routers = sorted(r for r in routers if r not in chosen_set)
+        ignored = ignored + [r for r in dense_routers if r not in ignored]  # vLLM types routers "Linear"
         shared_g = _fused_global_scales(ck, infos, qplan, ss) if fuse_global_scales else {}
         src_bytes = sum(i.nbytes for i in infos.values())
         prog = _Progress(len(infos), src_bytes, stream)
@@ -496,7 +516,8 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
     summary = QuantizeSummary(str(src), str(dst), ss.name, nq, len(infos) - nq, src_bytes, dst_bytes, qdense,
                               qstored, time.monotonic() - t0, skipped,
                               [d.path for d in qplan.quantized if d.candidate.how != "model"
-                               and d.selector.role == "target" and d.selector.entry[:1].isupper()], kinds_from)
+                               and d.selector.role == "target" and d.selector.entry[:1].isupper()], kinds_from,
+                              experts_text(chosen), dense_routers, ck is not raw)
     if stream is not None:
         stream.write(summary.text() + "\n")
         stream.flush()
