@@ -18,16 +18,28 @@ from typing import Any, Callable, Dict, Mapping
 
 from qformats.errors import CheckpointError
 
-__all__ = ["READERS", "quant_method", "read_quantized"]
+__all__ = ["DESCRIPTIONS", "READERS", "quant_method", "read_quantized"]
 
 #: quant_method -> "module:function" of its reader (a function of the checkpoint path -> CompressedModel).
 READERS: Dict[str, str] = {
     "compressed-tensors": "converters.formats.compressed_tensors.read:read_compressed",
     "sparseml": "converters.formats.compressed_tensors.read:read_compressed",
     "fp8": "converters.formats.hf_fp8:read_hf_fp8",
+    "mxfp4": "converters.formats.hf_mxfp4:read_hf_mxfp4",
     "modelopt": "converters.formats.modelopt:read_modelopt",
     "gptq": "converters.formats.gptq_awq:read_gptq",
     "awq": "converters.formats.gptq_awq:read_awq",
+}
+
+#: quant_method -> what the format is, for people (`qformats inspect`).
+DESCRIPTIONS: Dict[str, str] = {
+    "compressed-tensors": "compressed-tensors",
+    "sparseml": "compressed-tensors (sparseml)",
+    "fp8": "HF fine-grained FP8 blocks (transformers' FineGrainedFP8Config)",
+    "mxfp4": "gpt-oss MXFP4 experts (transformers' Mxfp4Config)",
+    "modelopt": "NVIDIA ModelOpt",
+    "gptq": "GPTQ (AutoGPTQ / GPTQModel)",
+    "awq": "AutoAWQ",
 }
 
 

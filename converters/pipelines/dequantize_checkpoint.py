@@ -38,15 +38,21 @@ def dequantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", dt
         raise CheckpointError(f"dtype: expected one of {sorted(DTYPES)}, found {dtype!r}")
     src, dst = Path(src), Path(dst)
     cfg_path = (src if src.is_dir() else src.parent) / "config.json"
-    if quant_method(read_json(cfg_path) if os.path.lexists(cfg_path) else {}) in ("dense", "compressed-tensors",
-                                                                                  "sparseml"):
+    method = quant_method(read_json(cfg_path) if os.path.lexists(cfg_path) else {})
+    n = 0
+    if method in ("dense", "compressed-tensors", "sparseml"):
         ck, cfg, qc = open_compressed(src)  # streamed, one module at a time
         modules = ((mod.name, mod.tensors) for mod in iter_modules(ck, qc))
     else:  # another format's reader (converters.formats.quantized): memory-mapped views, read whole
         cm = read_quantized(src)
         ck, cfg, modules = None, cm.config, iter(cm.modules.items())
+        if method == "mxfp4":  # gpt-oss: the experts go back to their fused parameters, as transformers loads them
+            from converters.formats.hf_mxfp4 import fused_dense
+
+            n = len(cm.qarrays())
+            modules = iter(fused_dense(cm.modules, lambda q: np.asarray(
+                dense_weight(q, DTYPES[dtype] if dtype else None, exact=exact))).items())
     stream = sys.stderr if progress is True else (progress or None)
-    n = 0
     try:
         with ShardedWriter(dst, max_shard_size, overwrite=overwrite, sources=(src,)) as w:
             for name, tensors in modules:

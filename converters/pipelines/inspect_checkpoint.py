@@ -33,9 +33,46 @@ class Row:
         return self.dense_bytes / max(self.stored_bytes, 1)
 
 
+def _other_method(path: Path) -> Optional[str]:
+    """The quant_method of a checkpoint that another reader than compressed-tensors' reads (None otherwise)."""
+    from converters.formats.quantized import quant_method
+    from converters.formats.safe_files import read_json
+
+    cfg_path = (path if path.is_dir() else path.parent) / "config.json"
+    method = quant_method(read_json(cfg_path) if os.path.lexists(cfg_path) else {})
+    return None if method in ("dense", "compressed-tensors", "sparseml") else method
+
+
+def _other_rows(path: Path) -> List[Row]:
+    """The rows of a checkpoint in another quantized format, from its reader's CompressedModel
+    (`converters.formats.quantized.read_quantized`): a quantized module's stored bytes are its reader's count."""
+    from converters.formats.quantized import read_quantized
+
+    cm = read_quantized(path)
+    tdt = cm.config.get("torch_dtype") or cm.config.get("dtype")
+    rows: List[Row] = []
+    for m, tensors in cm.modules.items():
+        prefix = f"{m}." if m else ""
+        q = tensors.get("weight")
+        if isinstance(q, QArray):
+            item = _ITEMSIZE.get(tdt, q.dtype.itemsize) if isinstance(tdt, str) else q.dtype.itemsize
+            rows.append(Row(m, cm.formats.get(m, ""), q.scheme.describe(), tuple(q.tshape), cm.stored_nbytes[m],
+                            int(np.prod(q.shape)) * item))
+            continue
+        for local, arr in tensors.items():
+            a = np.asarray(arr)
+            rows.append(Row(prefix + local, "dense", str(a.dtype), tuple(a.shape), a.nbytes, a.nbytes))
+    return sorted(rows, key=lambda r: natural_key(r.name))
+
+
 def inspect_checkpoint(path: "str | os.PathLike") -> List[Row]:
     """One row per quantized weight (all its tensors counted, shape in torch layout [out, in]) and per
-    other tensor. A quantized weight's dense size counts the model's `torch_dtype` (else the QArray dtype)."""
+    other tensor. A quantized weight's dense size counts the model's `torch_dtype` (else the QArray dtype).
+    Checkpoints of the other quantized formats (`converters.formats.quantized.READERS`) are read by their reader:
+    a row per module it gives (e.g. per expert for gpt-oss MXFP4), its format the compressed-tensors one that
+    holds the same values."""
+    if _other_method(Path(path)) is not None:
+        return _other_rows(Path(path))
     ck, cfg, qc = open_compressed(Path(path))
     tdt: Optional[str] = cfg.get("torch_dtype") or cfg.get("dtype") if isinstance(cfg, dict) else None
     rows: List[Row] = []
@@ -63,13 +100,22 @@ def inspect_checkpoint(path: "str | os.PathLike") -> List[Row]:
 def quantization_summary(path: "str | os.PathLike", width: int = 100) -> str:
     """Lines a person reads first: the checkpoint's quantization_config (format, compressed-tensors version, each
     config group's targets and schemes, the ignore list with layer numbers folded, the KV-cache scheme, any
-    transform), or "dense" when it has none."""
-    ck, cfg, qc = open_compressed(Path(path))
-    ck.close()
-    if qc is None:
-        return "quantization: none (a dense checkpoint)"
-    version = ".".join(map(str, qc.version)) if qc.version else "not recorded"
-    lines = [f"quantization: compressed-tensors, format {qc.format} (version {version})"]
+    transform), or "dense" when it has none. Another quantized format (`converters.formats.quantized.READERS`) is
+    named by its quant_method and description, then summarised as the compressed-tensors config its reader gives."""
+    other = _other_method(Path(path))
+    if other is not None:
+        from converters.formats.quantized import DESCRIPTIONS, read_quantized
+
+        qc = read_quantized(Path(path)).quant
+        lines = [f"quantization: {other} ({DESCRIPTIONS.get(other, other)}), read as compressed-tensors format "
+                 f"{qc.format}"]
+    else:
+        ck, cfg, qc = open_compressed(Path(path))
+        ck.close()
+        if qc is None:
+            return "quantization: none (a dense checkpoint)"
+        version = ".".join(map(str, qc.version)) if qc.version else "not recorded"
+        lines = [f"quantization: compressed-tensors, format {qc.format} (version {version})"]
     for g in qc.groups:
         parts = [f"{role} {s.describe()}{'' if role == 'weights' else ' dynamic' if s.dynamic else ' static'}"
                  for role, s in
