@@ -10,6 +10,14 @@ Which tensors are quantized (the plan: `checkpoint_plan`, `qformats.plan`; no to
     selects that module's 2-D floating weight whatever its name;
   - `ignore` entries are exact module paths, `re:` regexes, or a last path component ("lm_head" also
     ignores "model.lm_head"). An ignore entry or target that matches nothing gives a warning.
+Mixture-of-experts checkpoints (`converters.formats.moe_layout`): per-expert weights (`<P>.experts.{e}.gate_proj`,
+Mixtral's `experts.{e}.w1`, ...) are Linears like any other, so every expert is quantized, under the checkpoint's
+own names; routers (`<P>.gate` / `<P>.router` next to `<P>.experts`) are transformers 5 `*TopKRouter` modules, not
+nn.Linear: a "Linear" target leaves them dense and they are listed in `ignore` (compressed-tensors types them
+"Linear" for vLLM), as llm-compressor 0.14's oneshot writes them. gpt-oss's fused 3-D experts are split into
+per-expert Linears (`experts.{e}.{gate,up,down}_proj` with their biases) as llm-compressor linearizes them; fused
+expert tensors of any other layout are refused by name. The summary counts the experts ("N layers × E experts ×
+P projections") and the routers kept dense.
 NVFP4 (tensor_group) global scales of vLLM's fused projections are shared as llm-compressor's oneshot does
 (its fused weight observers): the siblings of `qformats.algorithms.shared_scales.FUSED_GROUPS` (q/k/v_proj,
 gate/up_proj, q_a_proj/kv_a_proj_with_mqa, w1/w3) take the smallest of their global scales, i.e. 448*6/amax over
