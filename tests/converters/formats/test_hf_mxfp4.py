@@ -222,3 +222,32 @@ def test_unsupported_configs_are_refused(tmp_path, change, message):
     d = _write(tmp_path / "c", _tensors(), dict(_config(), **change))
     with pytest.raises(CheckpointError, match=message):
         read_quantized(d)
+
+
+def test_convert_writes_mxfp4_pack_quantized_per_expert(ckpt, tmp_path):
+    """`qformats convert` writes llm-compressor's per-expert compressed-tensors layout losslessly: weight_packed /
+    weight_scale are the stored blocks / scales, and compressed-tensors' own decompression of each expert equals
+    transformers' dequantization of the MXFP4 checkpoint."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ct_oracle import decompress_dir
+
+    from converters.pipelines.convert_quantized import convert_quantized
+
+    out = convert_quantized(ckpt, tmp_path / "ct")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mxfp4-pack-quantized" and qc["quant_method"] == "compressed-tensors"
+    got = load_file(str(out / "model.safetensors"))
+    t = load_file(str(ckpt / "model.safetensors"))
+    x = EXPERTS.format(1)
+    assert torch.equal(got[f"{x}.2.gate_proj.weight_packed"],
+                       t[f"{x}.gate_up_proj_blocks"][2, 0::2].reshape(I, H // 2))
+    assert torch.equal(got[f"{x}.2.down_proj.weight_scale"], t[f"{x}.down_proj_scales"][2])
+    assert torch.equal(got[f"{x}.2.up_proj.bias"], t[f"{x}.gate_up_proj_bias"][2, 1::2])
+    dec = decompress_dir(out)
+    gu = convert_moe_packed_tensors(t[f"{x}.gate_up_proj_blocks"], t[f"{x}.gate_up_proj_scales"], dtype=torch.bfloat16)
+    dn = convert_moe_packed_tensors(t[f"{x}.down_proj_blocks"], t[f"{x}.down_proj_scales"], dtype=torch.bfloat16)
+    for e in range(E):
+        for p, ref in (("gate_proj", gu[e][:, 0::2].T), ("up_proj", gu[e][:, 1::2].T), ("down_proj", dn[e].T)):
+            d = dec[f"{x}.{e}.{p}"]
+            assert d.dtype == torch.bfloat16 and torch.equal(d.view(torch.int16), ref.contiguous().view(torch.int16))
