@@ -202,14 +202,14 @@ def read_hf_mxfp4(path: "str | os.PathLike"):
                          "down_proj": (dnb[e], dns[e], dbias[e], inter, hidden, "down_proj")}
                 for proj, (blocks, scales, bias, k, n, src) in parts.items():
                     name = f"{m}.{e}.{proj}"
-                    codes = np.ascontiguousarray(blocks).reshape(n, k // 2)
-                    q = QArray(codes, np.ascontiguousarray(scales), None, None, scheme=ss.weights, shape=(k, n),
+                    codes = blocks.reshape(n, k // 2)  # a view of the memory map where the rows allow it
+                    q = QArray(codes, scales, None, None, scheme=ss.weights, shape=(k, n),
                                dtype=_bf16(), axis=0)
                     try:
                         q.check()
                     except QFormatsError as err:
                         raise CheckpointError(f"{ck.file_of(t[src + '_blocks'])}: module {name!r}: {err}") from None
-                    modules[name] = {"weight": q, "bias": np.ascontiguousarray(bias)}
+                    modules[name] = {"weight": q, "bias": bias}
                     stored[name] = codes.nbytes + scales.nbytes + bias.nbytes
                     names[name] = t[src + "_blocks"]
                     targets.append(name)
