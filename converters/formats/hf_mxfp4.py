@@ -57,6 +57,8 @@ from qformats.schemes import SchemeSet
 __all__ = ["fused_dense", "mxfp4_scheme", "read_hf_mxfp4"]
 
 _PROJS = ("gate_up_proj", "down_proj")
+#: The config group's target: every per-expert projection (compressed-tensors' `re:` match from the start).
+EXPERT_TARGET = r"re:.*\.experts\.\d+\.(gate|up|down)_proj$"
 _KEYS = ("quant_method", "modules_to_not_convert", "dequantize")
 
 
@@ -215,7 +217,8 @@ def read_hf_mxfp4(path: "str | os.PathLike"):
                     targets.append(name)
         ignore = sorted(m for m, t in modules.items() if m not in names and "weight" in t
                         and getattr(t["weight"], "ndim", 0) == 2 and "embed" not in m)
-        quant = parse_quantization_config(serialize_quantization_config([(targets, ss)], ignore), where)
+        # one regex target for every expert (what llm-compressor users write; thousands of names otherwise)
+        quant = parse_quantization_config(serialize_quantization_config([([EXPERT_TARGET], ss)], ignore), where)
         g = quant.groups[0]
         return CompressedModel(path, cfg, quant, modules, {m: g.format for m in targets},
                                {m: g.name for m in targets}, stored)

@@ -35,8 +35,8 @@ READERS: Dict[str, str] = {
 DESCRIPTIONS: Dict[str, str] = {
     "compressed-tensors": "compressed-tensors",
     "sparseml": "compressed-tensors (sparseml)",
-    "fp8": "HF fine-grained FP8 blocks (transformers' FineGrainedFP8Config)",
-    "mxfp4": "gpt-oss MXFP4 experts (transformers' Mxfp4Config)",
+    "fp8": "HF fine-grained FP8 blocks, transformers' FineGrainedFP8Config",
+    "mxfp4": "gpt-oss MXFP4 experts, transformers' Mxfp4Config",
     "modelopt": "NVIDIA ModelOpt",
     "gptq": "GPTQ (AutoGPTQ / GPTQModel)",
     "awq": "AutoAWQ",

@@ -30,10 +30,11 @@ def convert_quantized(src: "str | os.PathLike", dst: "str | os.PathLike", *, max
     method = quant_method(read_json(cfg_path)) if os.path.lexists(cfg_path) else "dense"
     if method in ("dense", "compressed-tensors", "sparseml"):
         raise CheckpointError(f"{cfg_path}: expected a quantized checkpoint of another format to convert "
-                              f"(quant_method fp8, modelopt, gptq, awq), found {method}")
+                              f"(quant_method fp8, mxfp4, modelopt, gptq, awq), found {method}")
     cm = read_quantized(src)
     tensors = {f"{m}.{local}" if m else local: a for m, t in cm.modules.items() for local, a in t.items()}
-    schemes = {m: g.scheme_set for g in cm.quant.groups for m in g.targets}
+    by_name = {g.name: g for g in cm.quant.groups}
+    schemes = {m: by_name[name].scheme_set for m, name in cm.groups.items()}  # targets may be regexes
     config = {k: v for k, v in cm.config.items() if k != "quantization_config"}
     return write_compressed(dst, tensors, schemes, ignore=list(cm.quant.ignore), config=config,
                             copy_from=src if src.is_dir() else src.parent, max_shard_size=max_shard_size,

@@ -107,7 +107,7 @@ def quantization_summary(path: "str | os.PathLike", width: int = 100) -> str:
         from converters.formats.quantized import DESCRIPTIONS, read_quantized
 
         qc = read_quantized(Path(path)).quant
-        lines = [f"quantization: {other} ({DESCRIPTIONS.get(other, other)}), read as compressed-tensors format "
+        lines = [f"quantization: {other} ({DESCRIPTIONS.get(other, other)}); read as compressed-tensors format "
                  f"{qc.format}"]
     else:
         ck, cfg, qc = open_compressed(Path(path))

@@ -176,7 +176,9 @@ def test_dequantized_gpt_oss_requantizes_per_expert_as_llm_compressor(ckpt, tmp_
 
 def test_inspect_names_the_format(ckpt):
     summary = quantization_summary(ckpt)
-    assert summary.startswith("quantization: mxfp4 (gpt-oss MXFP4 experts")
+    assert summary.startswith("quantization: mxfp4 (gpt-oss MXFP4 experts, transformers' Mxfp4Config); read as "
+                              "compressed-tensors format mxfp4-pack-quantized")
+    assert "targets re:.*\\.experts" in summary
     rows = {r.name: r for r in inspect_checkpoint(ckpt)}
     r = rows[f"{EXPERTS.format(0)}.3.down_proj"]
     assert r.format == "mxfp4-pack-quantized" and r.shape == (H, I)
