@@ -52,10 +52,8 @@ def router_modules(infos: Mapping[str, Any]) -> Set[str]:
     blocks: Dict[str, Set[str]] = defaultdict(set)
     for name in infos:
         block, sep, rest = name.partition(".experts.")
-        if sep:
+        if sep:  # per-expert "<e>.<proj>.weight" or fused "gate_up_proj"
             blocks[block].add(rest.split(".")[0])
-        elif name.rpartition(".")[0].endswith(".experts"):
-            blocks[name.rpartition(".")[0][:-len(".experts")]].add("")
     out = set()
     for block, kids in blocks.items():
         n_experts = len([k for k in kids if k.isdigit()])

@@ -457,6 +457,13 @@ def quantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", sche
             ignored = ignored + ["lm_head"]
             covered = {s.entry for s in tied.selectors if s.role == "ignore"} - {s.entry for s in tied.unused()}
             unused_ignore = [p for p in unused_ignore if p not in covered]
+        if routers:  # llm-compressor's MoE recipes ignore the routers ("re:.*mlp.gate$"), which no "Linear" targets
+            by_router = Matcher.from_targets(ss, ["Router"], list(ignore))
+            for r in routers:
+                by_router.match(r, "Router")
+            covered = ({s.entry for s in by_router.selectors if s.role == "ignore"}
+                       - {s.entry for s in by_router.unused()})
+            unused_ignore = [p for p in unused_ignore if p not in covered]
         for p in unused_ignore if tuple(ignore) != ("lm_head",) else ():  # the default may match nothing
             warnings.warn(f"{src}: ignore entry {p!r} matches no targeted module", stacklevel=2)
         for t in unused_targets:

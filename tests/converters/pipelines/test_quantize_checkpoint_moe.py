@@ -187,6 +187,24 @@ def test_experts_text_counts_layers_and_experts():
     assert experts_text(["model.layers.0.self_attn.q_proj"]) == ""
 
 
+def test_recipe_ignore_of_routers_is_quiet(tmp_path):
+    """llm-compressor's MoE recipes ignore the routers (`re:.*mlp.gate$`): the same output, and no warning that the
+    entry matched nothing."""
+    import warnings
+
+    disk, _, router = checkpoint("qwen3_moe", np.random.default_rng(4))
+    src = tmp_path / "dense"
+    src.mkdir()
+    save_file(disk, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = quantize_checkpoint(src, tmp_path / "q", "W8A16", ignore=["lm_head", r"re:.*mlp.gate$"], progress=False)
+    assert s.routers == [router]
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert sorted(qc["ignore"]) == sorted(["lm_head", router])
+
+
 def test_router_selected_by_an_explicit_regex_target(tmp_path):
     """A router is no nn.Linear ("Linear" leaves it dense) but a `re:` target naming it quantizes it, and it is
     then not in ignore."""
