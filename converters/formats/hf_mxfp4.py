@@ -21,15 +21,15 @@ stored, without a detour through float.
 Experts are given per expert, by llm-compressor's linearized module names (`converters.formats.moe_layout`;
 qformats has no stacked expert QArray yet): for expert e,
 
-    <P>.experts.{e}.gate_proj: codes = gate_up_proj_blocks[e, 0::2] (gate in the even rows), bias gate_up_proj_bias[e, 0::2]
-    <P>.experts.{e}.up_proj:   codes = gate_up_proj_blocks[e, 1::2] (up in the odd rows),   bias gate_up_proj_bias[e, 1::2]
-    <P>.experts.{e}.down_proj: codes = down_proj_blocks[e],                                  bias down_proj_bias[e]
+    <P>.experts.{e}.gate_proj: codes = gate_up_proj_blocks[e, 0::2] (gate: even rows), bias gate_up_proj_bias[e, 0::2]
+    <P>.experts.{e}.up_proj:   codes = gate_up_proj_blocks[e, 1::2] (up: odd rows),    bias gate_up_proj_bias[e, 1::2]
+    <P>.experts.{e}.down_proj: codes = down_proj_blocks[e],                            bias down_proj_bias[e]
 
 each {"weight": QArray of the Flax kernel's shape [in, out] along axis 0, dtype bfloat16, "bias": ...} -- what
 `read_compressed` gives for the compressed-tensors checkpoint llm-compressor 0.14 writes for gpt-oss. Every other
 tensor (attention, router, embeddings, norms, sinks: `modules_to_not_convert`) stays dense under its own name.
-`fused_dense` puts dequantized experts back into the fused gpt-oss layout, as transformers' dequantize=True loads
-it (`qformats dequantize` writes that).
+`converters.formats.moe_layout.fused_gpt_oss_experts` puts dequantized experts back into the fused gpt-oss layout, as
+transformers' dequantize=True loads it (`qformats dequantize` writes that).
 
 Not read (a CheckpointError naming the file, tensor and what is supported, from the headers, before any tensor
 data is read, except the scale check): a model_type other than "gpt_oss"; quantization_config keys other than
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
@@ -54,7 +54,7 @@ from qformats.presets import presets
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
 
-__all__ = ["fused_dense", "mxfp4_scheme", "read_hf_mxfp4"]
+__all__ = ["mxfp4_scheme", "read_hf_mxfp4"]
 
 _PROJS = ("gate_up_proj", "down_proj")
 #: The config group's target: every per-expert projection (compressed-tensors' `re:` match from the start).
@@ -103,9 +103,9 @@ def _layout(ck, mod: str, t: Dict[str, str]) -> Tuple[int, int, int]:
     at = f"{ck.file_of(next(iter(t.values())))}: module {mod!r}"
     for p in _PROJS:
         if (f"{p}_blocks" in t) != (f"{p}_scales" in t):
-            have = f"{p}_blocks" if f"{p}_blocks" in t else f"{p}_scales"
-            raise CheckpointError(f"{at}: tensor {t[have]!r} without its {p}_{'scales' if 'blocks' in have else 'blocks'}"
-                                  f" tensor; expected both {p}_blocks and {p}_scales")
+            have, miss = (f"{p}_blocks", f"{p}_scales") if f"{p}_blocks" in t else (f"{p}_scales", f"{p}_blocks")
+            raise CheckpointError(f"{at}: tensor {t[have]!r} without its {miss} tensor; expected both {p}_blocks "
+                                  f"and {p}_scales")
         if f"{p}_blocks" not in t:
             raise CheckpointError(f"{at}: expected MXFP4 {p}_blocks / {p}_scales, found only {sorted(t)}")
     gi = ck.info(t["gate_up_proj_blocks"])
@@ -229,43 +229,3 @@ def read_hf_mxfp4(path: "str | os.PathLike"):
 def _bf16():
     import ml_dtypes
     return np.dtype(ml_dtypes.bfloat16)
-
-
-def fused_dense(modules: Mapping[str, Mapping[str, Any]], dense) -> Dict[str, Dict[str, Any]]:
-    """The modules of `read_hf_mxfp4` with each `<P>.experts.{e}.{gate,up,down}_proj` put back into gpt-oss's fused
-    `<P>.experts` parameters, as transformers' Mxfp4Config(dequantize=True) loads them:
-
-        gate_up_proj[e][:, 0::2] = dense(gate_proj kernel)   gate_up_proj[e][:, 1::2] = dense(up_proj kernel)   [E, hidden, 2·inter]
-        down_proj[e] = dense(down_proj kernel)                                                                      [E, inter, hidden]
-        gate_up_proj_bias[e, 0::2] = gate bias, [e, 1::2] = up bias; down_proj_bias[e] = down bias
-
-    `dense(q)` maps a QArray to its dense Flax kernel [in, out] (numpy). Other modules are passed through."""
-    from converters.formats.moe_layout import EXPERT
-
-    out: Dict[str, Dict[str, Any]] = {}
-    blocks: Dict[str, Dict[int, Dict[str, Mapping[str, Any]]]] = {}
-    for m, t in modules.items():
-        x = EXPERT.match(m)
-        if x and x["proj"] in ("gate_proj", "up_proj", "down_proj") and isinstance(t.get("weight"), QArray):
-            blocks.setdefault(f"{x['block']}.experts", {}).setdefault(int(x["e"]), {})[x["proj"]] = t
-        else:
-            out[m] = dict(t)
-    for mod, experts in blocks.items():
-        n = len(experts)
-        if sorted(experts) != list(range(n)) or any(set(v) != {"gate_proj", "up_proj", "down_proj"}
-                                                     for v in experts.values()):
-            raise CheckpointError(f"{mod}: expected experts 0..{n - 1} each with gate_proj, up_proj and down_proj")
-        gu = dn = gub = dnb = None
-        for e in range(n):
-            g, u, d = (np.asarray(dense(experts[e][p]["weight"])) for p in ("gate_proj", "up_proj", "down_proj"))
-            if gu is None:
-                gu = np.empty((n, g.shape[0], 2 * g.shape[1]), g.dtype)
-                dn = np.empty((n,) + d.shape, d.dtype)
-                b = np.asarray(experts[e]["gate_proj"]["bias"])
-                gub = np.empty((n, 2 * b.shape[0]), b.dtype)
-                dnb = np.empty((n,) + np.shape(experts[e]["down_proj"]["bias"]), b.dtype)
-            gu[e][:, 0::2], gu[e][:, 1::2], dn[e] = g, u, d
-            gub[e, 0::2], gub[e, 1::2] = experts[e]["gate_proj"]["bias"], experts[e]["up_proj"]["bias"]
-            dnb[e] = experts[e]["down_proj"]["bias"]
-        out[mod] = {"gate_up_proj": gu, "gate_up_proj_bias": gub, "down_proj": dn, "down_proj_bias": dnb}
-    return out

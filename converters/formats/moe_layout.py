@@ -16,11 +16,12 @@ fused experts to the on-disk names) and llm-compressor 0.14 reads and writes:
     hidden]`, `down_proj_bias` `[E, hidden]`. llm-compressor 0.14 linearizes them before quantizing
     (`llmcompressor.modeling.moe.gpt_oss.GptOssExpertMLP`) and its checkpoint carries per-expert Linears:
 
-        <P>.experts.{e}.gate_proj.weight = gate_up_proj[e][:, 0::2].T   [inter, hidden]   .bias = gate_up_proj_bias[e, 0::2]
-        <P>.experts.{e}.up_proj.weight   = gate_up_proj[e][:, 1::2].T   [inter, hidden]   .bias = gate_up_proj_bias[e, 1::2]
-        <P>.experts.{e}.down_proj.weight = down_proj[e].T               [hidden, inter]   .bias = down_proj_bias[e]
+        <P>.experts.{e}.gate_proj.weight = gate_up_proj[e][:, 0::2].T  [inter, hidden] .bias = gate_up_proj_bias[e, 0::2]
+        <P>.experts.{e}.up_proj.weight   = gate_up_proj[e][:, 1::2].T  [inter, hidden] .bias = gate_up_proj_bias[e, 1::2]
+        <P>.experts.{e}.down_proj.weight = down_proj[e].T             [hidden, inter] .bias = down_proj_bias[e]
 
-    `linearized_experts` gives that view of a checkpoint (exact copies of the values). Fused 3-D expert tensors
+    `linearized_experts` gives that view of a checkpoint (exact copies of the values), `fused_gpt_oss_experts` the
+    inverse on per-expert modules (e.g. dequantized MXFP4 experts, `converters.formats.hf_mxfp4`). Fused expert tensors
     of any other layout are refused (`CheckpointError` naming them): never quantized as if they were 2-D, never
     skipped.
 """
@@ -36,7 +37,7 @@ import numpy as np
 from qformats.errors import CheckpointError
 
 __all__ = ["EXPERT", "GPT_OSS_FUSED", "LinearizedExperts", "experts_text", "fused_expert_tensors",
-           "linearized_experts", "router_modules"]
+           "fused_gpt_oss_experts", "linearized_experts", "router_modules"]
 
 #: `<parent>.experts.{e}.<projection>`: (parent block, expert index, projection).
 EXPERT = re.compile(r"^(?P<block>.*)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
@@ -202,3 +203,44 @@ def linearized_experts(ck, config: Mapping[str, Any]):
             virtual[f"{p}.down_proj.weight"] = _Virtual(t["down_proj"], e, None, True)
             virtual[f"{p}.down_proj.bias"] = _Virtual(t["down_proj_bias"], e, None, False)
     return LinearizedExperts(ck, virtual)
+
+
+def fused_gpt_oss_experts(modules: Mapping[str, Mapping[str, Any]], dense) -> Dict[str, Dict[str, Any]]:
+    """The inverse of `linearized_experts` on a CompressedModel's modules (e.g. `converters.formats.hf_mxfp4`'s):
+    each `<P>.experts.{e}.{gate,up,down}_proj` put back into gpt-oss's fused `<P>.experts` parameters, as
+    transformers' Mxfp4Config(dequantize=True) loads them:
+
+        gate_up_proj[e][:, 0::2] = dense(gate_proj kernel)   gate_up_proj[e][:, 1::2] = dense(up_proj kernel)
+        down_proj[e] = dense(down_proj kernel)      (gate_up_proj [E, hidden, 2·inter], down_proj [E, inter, hidden])
+        gate_up_proj_bias[e, 0::2] = gate bias, [e, 1::2] = up bias; down_proj_bias[e] = down bias
+
+    `dense(q)` maps a QArray to its dense Flax kernel [in, out] (numpy). Other modules are passed through."""
+    from qformats.qarray import QArray
+
+    out: Dict[str, Dict[str, Any]] = {}
+    blocks: Dict[str, Dict[int, Dict[str, Mapping[str, Any]]]] = {}
+    for m, t in modules.items():
+        x = EXPERT.match(m)
+        if x and x["proj"] in ("gate_proj", "up_proj", "down_proj") and isinstance(t.get("weight"), QArray):
+            blocks.setdefault(f"{x['block']}.experts", {}).setdefault(int(x["e"]), {})[x["proj"]] = t
+        else:
+            out[m] = dict(t)
+    for mod, experts in blocks.items():
+        n = len(experts)
+        if sorted(experts) != list(range(n)) or any(set(v) != {"gate_proj", "up_proj", "down_proj"}
+                                                     for v in experts.values()):
+            raise CheckpointError(f"{mod}: expected experts 0..{n - 1} each with gate_proj, up_proj and down_proj")
+        gu = dn = gub = dnb = None
+        for e in range(n):
+            g, u, d = (np.asarray(dense(experts[e][p]["weight"])) for p in ("gate_proj", "up_proj", "down_proj"))
+            if gu is None:
+                gu = np.empty((n, g.shape[0], 2 * g.shape[1]), g.dtype)
+                dn = np.empty((n,) + d.shape, d.dtype)
+                b = np.asarray(experts[e]["gate_proj"]["bias"])
+                gub = np.empty((n, 2 * b.shape[0]), b.dtype)
+                dnb = np.empty((n,) + np.shape(experts[e]["down_proj"]["bias"]), b.dtype)
+            gu[e][:, 0::2], gu[e][:, 1::2], dn[e] = g, u, d
+            gub[e, 0::2], gub[e, 1::2] = experts[e]["gate_proj"]["bias"], experts[e]["up_proj"]["bias"]
+            dnb[e] = experts[e]["down_proj"]["bias"]
+        out[mod] = {"gate_up_proj": gu, "gate_up_proj_bias": gub, "down_proj": dn, "down_proj_bias": dnb}
+    return out

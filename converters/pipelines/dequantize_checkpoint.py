@@ -47,10 +47,10 @@ def dequantize_checkpoint(src: "str | os.PathLike", dst: "str | os.PathLike", dt
         cm = read_quantized(src)
         ck, cfg, modules = None, cm.config, iter(cm.modules.items())
         if method == "mxfp4":  # gpt-oss: the experts go back to their fused parameters, as transformers loads them
-            from converters.formats.hf_mxfp4 import fused_dense
+            from converters.formats.moe_layout import fused_gpt_oss_experts
 
             n = len(cm.qarrays())
-            modules = iter(fused_dense(cm.modules, lambda q: np.asarray(
+            modules = iter(fused_gpt_oss_experts(cm.modules, lambda q: np.asarray(
                 dense_weight(q, DTYPES[dtype] if dtype else None, exact=exact))).items())
     stream = sys.stderr if progress is True else (progress or None)
     try:
