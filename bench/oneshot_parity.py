@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     failed = 0
     print("| model | scheme | result | tensors | qformats s | qformats peak RSS MiB | oneshot s | "
-          "oneshot peak RSS MiB | speedup | RSS ratio |")
+          "oneshot peak RSS MiB | speedup | oneshot RSS / ours |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for model in a.models.split(","):
         src = work / model / "src"
