@@ -28,6 +28,7 @@ READERS: Dict[str, str] = {
     "modelopt": "converters.formats.modelopt:read_modelopt",
     "gptq": "converters.formats.gptq_awq:read_gptq",
     "awq": "converters.formats.gptq_awq:read_awq",
+    "torchao": "converters.formats.torchao_st:read_torchao",
 }
 
 
