@@ -267,6 +267,23 @@ def test_tiny_gguf_unpacked_type_is_refused_naming_the_tensor(tmp_path):
     assert not any(isinstance(m, QLinear) for _, m in nnx.iter_modules(model))
 
 
+def test_tiny_gguf_schemes_start_from_the_right_weights(tmp_path):
+    """`eval` / `generate` schemes on a .gguf file: "stored" runs it packed, "dense" dequantized, a preset quantizes
+    the dequantized weights (`converters.evaluation.perplexity.load_for_scheme`)."""
+    from converters.evaluation.perplexity import load_for_scheme
+
+    gguf = pytest.importorskip("gguf")
+    path = _tiny_gguf_writer()(tmp_path / "tiny.gguf", hidden=128, heads=4, kv_heads=2, inter=256, layers=1,
+                               weight_type=gguf.GGMLQuantizationType.Q4_1)
+    for scheme, kind, desc in (("stored", QLinear, "uint4 group32"), ("dense", nnx.Linear, None),
+                               ("W8A16:g64", QLinear, "int8 group64")):
+        model = load_for_scheme(path, scheme, tokenizer=False)[0]
+        proj = _projections(model)
+        assert len(proj) == 7 and all(type(m) is kind for m in proj.values()), scheme
+        if desc:
+            assert all(m.kernel.get_value().scheme.describe().startswith(desc) for m in proj.values())
+
+
 # ------------------------------------------------------------------------------------- SmolLM2 (GGUF)
 
 PROMPT = "The capital of France is"
