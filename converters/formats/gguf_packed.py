@@ -24,6 +24,7 @@ float16 super-scales, read exactly into float32; sc, m: the sub-block scale and 
   Q6_K    256    int6           16     d * sc (int8)     -              d * q
   IQ4_NL  32     int8 table[q]  32     d                 -              d * kvalues[q]
   IQ4_XS  256    int8 table[q]  32     d * (sc - 32)     -              dl * kvalues[q]
+  MXFP4   32     fp4_e2m1       32     E8M0 code e       -              2^(e - 128) * (2 v)   (OCP MXFP4)
 
 Exactness: d and dmin are float16 (11 significant bits) and every sc, m is an integer of at most 8 bits, so
 each product `d * sc`, `dmin * m` has at most 19 significant bits and is exact in float32; the element product
@@ -39,7 +40,9 @@ rounds in the scale's dtype; a Q4_1 block of 32 weights takes 16 + 4 + 4 bytes (
 5), a Q8_0 block 32 + 4 (9 bits per weight, the file's 8.5). IQ4_NL / IQ4_XS store the table's values as int8
 codes (8 bits per weight, the file's 4.5 / 4.25): exact, but not a 16-entry table format.
 
-Other GGML types (the IQ1/IQ2/IQ3 grids, TQ1_0/TQ2_0, GGUF MXFP4/NVFP4) are refused with a CheckpointError
+GGUF MXFP4 is OCP MXFP4 (E2M1 codes, E8M0 scales stored as is) for block exponents 2 .. 254; a tensor with an
+exponent code 255 (2^127 to ggml, NaN to OCP) or 0 / 1 (subnormal float32 results, which XLA:CPU flushes) is
+refused. Other GGML types (the IQ1/IQ2/IQ3 grids, TQ1_0/TQ2_0, GGUF NVFP4) are refused with a CheckpointError
 naming the tensor, its type and the types packed here; F32/F16/BF16 tensors are not quantized and stay dense.
 """
 
@@ -176,6 +179,14 @@ def _iq4_xs(b):
     return _KVALUES[u], d * sc.astype(np.float32), None
 
 
+def _mxfp4(b):
+    # ggml's table is the E2M1 values doubled, indexed by the E2M1 code, under d = 2^(e - 128): the nibble is the
+    # E2M1 code and e the E8M0 scale code of OCP MX (v * 2^(e - 127)); the "scale" returned is the uint8 code.
+    # ggml's table has no -0 (int8 0 for code 8), so code 8 (E2M1 -0) becomes code 0 (+0): the same value, bit for bit
+    u = _nibbles32(b[:, 1:])
+    return np.where(u == 8, np.uint8(0), u), b[:, :1].copy(), None
+
+
 #: GGML type name -> (block size, element format name, group size, decoder): the types packed exactly.
 PACKED_TYPES: Dict[str, Tuple[int, str, int, Callable[[np.ndarray], Decoded]]] = {
     "Q4_0": (32, "int4", 32, _q4_0),
@@ -190,12 +201,13 @@ PACKED_TYPES: Dict[str, Tuple[int, str, int, Callable[[np.ndarray], Decoded]]] =
     "Q6_K": (_QK_K, "int6", 16, _q6_k),
     "IQ4_NL": (32, "int8", 32, _iq4_nl),
     "IQ4_XS": (_QK_K, "int8", 32, _iq4_xs),
+    "MXFP4": (32, "fp4_e2m1", 32, _mxfp4),
 }
 
 
 def decode_blocks(data: np.ndarray, type_name: str, shape: Tuple[int, int], where: str) -> Decoded:
-    """The element codes u [N, K] (uint8 u = q - qmin, int8 q for int8), float32 scales [N, K / g] and offsets
-    [N, K / g] (or None) of a GGUF tensor of `shape` (N rows of K values, HF order) stored as GGML `type_name`
+    """The element codes u [N, K] (uint8 u = q - qmin, int8 q for int8; E2M1 codes for MXFP4), float32 scales
+    [N, K / g] (MXFP4: uint8 E8M0 codes) and offsets [N, K / g] (or None) of a GGUF tensor of `shape` (N rows of K values, HF order) stored as GGML `type_name`
     in `data` (its raw bytes, uint8, any shape of the right size). Integer operations only, except the exact
     float32 products of the super-block scales (module docstring).
 
@@ -218,6 +230,13 @@ def decode_blocks(data: np.ndarray, type_name: str, shape: Tuple[int, int], wher
                               f"bytes ({block} values each), found {raw.size} {raw.dtype} bytes")
     u, s, o = decode(np.ascontiguousarray(raw).reshape(-1, block_bytes))
     u = u.reshape(n, k)
+    if type_name == "MXFP4":
+        bad = (s == 255) | (s < 2)
+        if bad.any():
+            raise CheckpointError(f"{where}: MXFP4: {int(bad.sum())} block scale(s) with exponent code "
+                                  f"{int(s[bad][0])}: ggml reads 255 as 2^127 where OCP MX (E8M0) has NaN, and codes "
+                                  f"0 / 1 give float32 subnormals that XLA:CPU flushes; expected codes 2 .. 254")
+        return u, np.ascontiguousarray(s.reshape(n, -1)), None
     s = np.ascontiguousarray(s.reshape(n, -1), np.float32)
     o = None if o is None else np.ascontiguousarray(o.reshape(n, -1), np.float32)
     return u, s, o
@@ -247,7 +266,9 @@ def gguf_qarray(data: np.ndarray, type_name: str, shape: Tuple[int, int], where:
     if rows is not None:
         u, s = rows(u), rows(s)
         o = None if o is None else rows(o)
-    scheme = QuantScheme(fmt, "group", group_size=g, scale_format="float32")
+    mx = fmt == "fp4_e2m1"
+    scheme = QuantScheme(fmt, "group", group_size=g, scale_format="e8m0" if mx else "float32",
+                         scale_rule="floor" if mx else "absmax")
     bits = scheme.bits
     codes = u if bits == 8 else np.asarray(pack(jnp.asarray(u), bits))
     n, k = (int(x) for x in shape)

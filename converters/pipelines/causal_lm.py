@@ -11,7 +11,7 @@
   the rest (embedding, norms, dense layers such as lm_head) is filled dense;
 - a `.gguf` file: `converters.formats.gguf_convert.open_gguf`. By default every projection stored in a block type
   that is one of ours (`converters.formats.gguf_packed.PACKED_TYPES`: Q4_0/Q5_0/Q8_0, Q4_1/Q5_1 with their float
-  minimum as the QArray's offset, the K-quants, IQ4_NL/IQ4_XS) becomes a packed `QLinear` holding the file's codes
+  minimum as the QArray's offset, the K-quants, IQ4_NL/IQ4_XS, MXFP4) becomes a packed `QLinear` holding the file's codes
   and exact float32 scales, nothing dequantized; the embedding, the norms and float (F32/F16/BF16) tensors are
   dequantized by gguf. `packed=False` dequantizes every tensor (the result equals loading `convert_gguf`'s output,
   without writing it).
@@ -169,7 +169,7 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
       stats: with `mesh` and a directory, a `converters.pipelines.mesh_load.ReadStats` to fill with the bytes this process
         read.
       packed: for a `.gguf` file, keep the block-quantized projections packed (default; module docstring); a
-        projection in another quantized GGML type (the IQ1/IQ2/IQ3 grids, TQ, GGUF MXFP4/NVFP4) is then a
+        projection in another quantized GGML type (the IQ1/IQ2/IQ3 grids, TQ, GGUF NVFP4) is then a
         CheckpointError naming it. False: dequantize every tensor to float. Directories ignore it.
 
     Returns:

@@ -17,7 +17,8 @@ EPS = float(np.finfo(np.float32).eps)
 
 # byte ranges of each block's float16 fields (d, and dmin / m where the type has one), from gguf's readers
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+              "MXFP4": ()}
 
 
 def _blocks(type_name, n, k, seed=0, finite=True):
@@ -28,6 +29,8 @@ def _blocks(type_name, n, k, seed=0, finite=True):
     block, nbytes = gguf.GGML_QUANT_SIZES[qt]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n * k // block, nbytes), dtype=np.uint8)
+    if type_name == "MXFP4":  # the E8M0 exponent byte: codes 2 .. 254 (module docstring of gguf_packed)
+        raw[:, 0] = rng.integers(2, 255, raw.shape[0], dtype=np.uint8)
     if finite:
         for at in F16_FIELDS[type_name]:
             bits = rng.integers(0, 1 << 16, raw.shape[0], dtype=np.uint16)
@@ -67,6 +70,7 @@ def test_dequantize_equals_gguf_bit_for_bit(type_name):
         ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(n, k)
         q = gguf_qarray(raw, type_name, (n, k), f"t.{type_name}")
         assert q.shape == (k, n) and q.axis == 0 and q.scheme.group_size == PACKED_TYPES[type_name][2]
+        assert q.scheme.format.name == PACKED_TYPES[type_name][1]
         assert (q.offset is not None) == (type_name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"))
         ours = np.asarray(dequantize(q)).T
         assert np.isfinite(ref).all()
@@ -114,7 +118,7 @@ def test_rows_permutation_commutes_with_dequantize():
     np.testing.assert_array_equal(_bits(np.asarray(dequantize(q)).T), _bits(unpermute_rope_rows(ref, 2)))
 
 
-@pytest.mark.parametrize("type_name", ["IQ2_XXS", "TQ1_0", "MXFP4", "F32"])
+@pytest.mark.parametrize("type_name", ["IQ2_XXS", "TQ1_0", "NVFP4", "F32"])
 def test_other_types_refused_naming_tensor_and_type(type_name):
     qt = gguf.GGMLQuantizationType[type_name]
     block, nbytes = gguf.GGML_QUANT_SIZES[qt]
@@ -123,18 +127,29 @@ def test_other_types_refused_naming_tensor_and_type(type_name):
         gguf_qarray(raw, type_name, (2, 2 * block), "blk.0.attn_q.weight")
 
 
+@pytest.mark.parametrize("e", [255, 0, 1])
+def test_mxfp4_exponents_outside_ocp_refused(e):
+    raw = _blocks("MXFP4", 2, 64)
+    raw.reshape(-1, 17)[1, 0] = e
+    with pytest.raises(CheckpointError, match=rf"w: MXFP4: 1 block scale\(s\) with exponent code {e}"):
+        gguf_qarray(raw, "MXFP4", (2, 64), "w")
+
+
 def test_wrong_byte_count_refused():
     with pytest.raises(CheckpointError, match=r"w: Q8_0 \[2, 64\]: expected 4 blocks of 34 bytes"):
         gguf_qarray(np.zeros(100, np.uint8), "Q8_0", (2, 64), "w")
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q8_0", "Q2_K"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q8_0", "Q2_K", "MXFP4"])
 def test_packed_dot_with_offset(type_name):
     """The fused GEMV honours the offset: one-hot activations read back each weight row bit for bit; random ones
     equal dequantize-then-dot within float32 accumulation order."""
     block = PACKED_TYPES[type_name][0]
     k, n = 2 * block if block == 256 else 8 * block, 48
-    q = gguf_qarray(_blocks(type_name, n, k, seed=5), type_name, (n, k), "t")
+    raw = _blocks(type_name, n, k, seed=5)
+    if type_name == "MXFP4":  # exponents whose weights stay finite (0 * inf in a one-hot sum would be NaN)
+        raw.reshape(-1, 17)[:, 0] = np.random.default_rng(7).integers(110, 140, raw.size // 17, dtype=np.uint8)
+    q = gguf_qarray(raw, type_name, (n, k), "t")
     supported = packed_dot_supported((1, k), q)
     assert supported == (q.scheme.bits in (4, 8))
     if not supported:
