@@ -8,7 +8,9 @@ architectures: `modeling_gguf_pytorch_utils.load_gguf_checkpoint`) does, done wi
   plus qwen3's `head_dim` from `qwen3.attention.key_length` (transformers leaves Qwen3Config's default of
   128, right for every released Qwen3, wrong for a file stating another);
 - every tensor is dequantized with gguf's own `gguf.quants.dequantize` (float32, whatever the block
-  type: Q4_0/Q4_1/Q5_x/Q8_0, the K-quants, the IQ types, F16/BF16, ...), then renamed to its HF name;
+  type: Q4_0/Q4_1/Q5_x/Q8_0, the K-quants, the IQ types, F16/BF16, ...), then renamed to its HF name
+  (`GGUFModel.get_packed` gives a block-quantized matrix as a packed QArray instead, `gguf_packed`, with the
+  same values bit for bit: what `load_causal_lm` runs);
 - llama.cpp stores a `llama` model's Q and K projections with the rows of each head interleaved for its
   rotary embedding (`convert_hf_to_gguf.py`, `LlamaModel.permute`); they are un-permuted to HF's layout:
   `w.reshape(heads, rows_per_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)` (heads = the KV
