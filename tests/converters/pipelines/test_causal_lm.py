@@ -226,7 +226,8 @@ def _projections(model):
             if isinstance(m, (QLinear, nnx.Linear)) and "proj" in str(p[-1])}
 
 
-@pytest.mark.parametrize("arch,type_name", [("llama", "Q4_1"), ("qwen2", "Q5_0"), ("qwen3", "Q8_0")])
+@pytest.mark.parametrize("arch,type_name", [pytest.param("llama", "Q4_1", marks=pytest.mark.slow),  # two compiles
+                                            ("qwen2", "Q5_0"), ("qwen3", "Q8_0")])
 def test_tiny_gguf_loads_packed(tmp_path, arch, type_name):
     """By default every block-quantized projection is a packed QLinear whose dequantized kernel equals the dense
     load's kernel bit for bit (llama's Q/K rows un-permuted, qwen2's biases kept); logits agree with the dense
