@@ -85,3 +85,35 @@ def test_unread_type_refused_naming_tensor(tmp_path):
     _edit_metadata(path, "1.weight", '"Float8Tensor"', '"Int4Tensor"')
     with pytest.raises(CheckpointError, match=r"tensor '1\.weight': torchao tensor type 'Int4Tensor' is not read"):
         read_quantized(path)
+
+
+@pytest.mark.slow
+def test_torchao_llama_runs_packed_with_torchaos_logits(tmp_path):
+    """A tiny llama whose projections torchao quantized (int4 groups of 32), saved with torchao's safetensors
+    integration: load_causal_lm runs it with packed QLinears and gives the logits of the torchao model in torch
+    (float32 on both sides: accumulation order only)."""
+    transformers = pytest.importorskip("transformers")
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from converters.pipelines.causal_lm import load_causal_lm
+    from qformats.nn import QLinear
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
+              filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and "proj" in name)
+    tensors, metadata = flatten_tensor_state_dict(model.state_dict())
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata=metadata)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "quantization_config": {"quant_method": "torchao"}}))
+    ours, _, _ = load_causal_lm(tmp_path, tokenizer=False)
+    proj = [m for p, m in nnx.iter_modules(ours) if p and "proj" in str(p[-1])]
+    assert len(proj) == 7 and all(isinstance(m, QLinear) for m in proj)
+    ids = np.array([[3, 17, 99, 5, 42]])
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(ids)).logits.numpy()
+    got = np.asarray(ours(jnp.asarray(ids, jnp.int32))[0])
+    assert np.abs(got - theirs).max() <= 2e-5 * np.abs(theirs).max()
