@@ -142,7 +142,8 @@ def load_for_scheme(src: "str | os.PathLike", scheme: str, *, dtype=None, tokeni
                     skip_indivisible: bool = False):
     """(model, hf_config, tokenizer, skipped) of the causal LM at `src`
     (`converters.pipelines.causal_lm.load_causal_lm`) run with `scheme`: "stored" as stored (a .gguf file packed from
-    its blocks), "dense" (a dense SRC or a .gguf file, dequantized) the same, a scheme string quantized round-to-nearest over the decoder's projections with lm_head left dense
+    its blocks), "dense" (a dense SRC or a .gguf file, dequantized) the same, a scheme string quantized
+    round-to-nearest over the decoder's projections with lm_head left dense
     (`decoder.quantization_rules`), fused siblings sharing their NVFP4 global scale (so the packed layers equal those
     `qformats quantize` stores). `skipped` lists the projections left dense by `skip_indivisible` (those whose
     in_features the scheme's groups do not divide; without it they are a ModelError naming every one).

@@ -11,9 +11,9 @@
   the rest (embedding, norms, dense layers such as lm_head) is filled dense;
 - a `.gguf` file: `converters.formats.gguf_convert.open_gguf`. By default every projection stored in a block type
   that is one of ours (`converters.formats.gguf_packed.PACKED_TYPES`: Q4_0/Q5_0/Q8_0, Q4_1/Q5_1 with their float
-  minimum as the QArray's offset, the K-quants, IQ4_NL/IQ4_XS, MXFP4) becomes a packed `QLinear` holding the file's codes
-  and exact float32 scales, nothing dequantized; the embedding, the norms and float (F32/F16/BF16) tensors are
-  dequantized by gguf. `packed=False` dequantizes every tensor (the result equals loading `convert_gguf`'s output,
+  minimum as the QArray's offset, the K-quants, IQ4_NL/IQ4_XS, MXFP4) becomes a packed `QLinear` holding the file's
+  codes and exact float32 scales, nothing dequantized; the embedding, the norms and float (F32/F16/BF16) tensors
+  are dequantized by gguf. `packed=False` dequantizes every tensor (the result equals loading `convert_gguf`'s output,
   without writing it).
 
 With `mesh=` the same checkpoints load onto a jax Mesh: a directory shard by shard (every parameter a global

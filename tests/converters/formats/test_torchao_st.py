@@ -75,7 +75,8 @@ def test_activation_quantization_refused(tmp_path):
     """torchao's Float8DynamicActivationFloat8WeightConfig needs a recent GPU to be made; its record differs from the
     weight-only one by act_quant_kwargs, set here by hand."""
     path, _, _ = _save(tmp_path, Float8WeightOnlyConfig())
-    _edit_metadata(path, "0.weight", '"act_quant_kwargs": null', '"act_quant_kwargs": {"_type": "QuantizeTensorToFloat8Kwargs", "_data": {}}')
+    _edit_metadata(path, "0.weight", '"act_quant_kwargs": null',
+                   '"act_quant_kwargs": {"_type": "QuantizeTensorToFloat8Kwargs", "_data": {}}')
     with pytest.raises(CheckpointError, match=r"tensor '0\.weight': Float8Tensor with activation quantization"):
         read_quantized(path)
 
@@ -108,7 +109,8 @@ def test_torchao_llama_runs_packed_with_torchaos_logits(tmp_path):
               filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and "proj" in name)
     tensors, metadata = flatten_tensor_state_dict(model.state_dict())
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata=metadata)
-    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "quantization_config": {"quant_method": "torchao"}}))
+    config = {**cfg.to_dict(), "quantization_config": {"quant_method": "torchao"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     ours, _, _ = load_causal_lm(tmp_path, tokenizer=False)
     proj = [m for p, m in nnx.iter_modules(ours) if p and "proj" in str(p[-1])]
     assert len(proj) == 7 and all(isinstance(m, QLinear) for m in proj)
