@@ -209,8 +209,7 @@ def decode_blocks(data: np.ndarray, type_name: str, shape: Tuple[int, int], wher
     """The element codes u [N, K] (uint8 u = q - qmin, int8 q for int8; E2M1 codes for MXFP4), float32 scales
     [N, K / g] (MXFP4: uint8 E8M0 codes) and offsets [N, K / g] (or None) of a GGUF tensor of `shape` (N rows of
     K values, HF order) stored as GGML `type_name` in `data` (its raw bytes, uint8, any shape of the right size).
-    Integer operations only, except the exact
-    float32 products of the super-block scales (module docstring).
+    Integer operations only, except the exact float32 products of the super-block scales (module docstring).
 
     Raises:
       CheckpointError: a type not in `PACKED_TYPES` (naming `where`, the tensor), or a byte count or K that does
