@@ -35,7 +35,7 @@ import numpy as np
 from llama_cpp import Llama, __version__
 a = json.loads(sys.argv[1])
 llm = Llama(model_path=a["gguf"], n_ctx=a["ctx"], n_threads=a["threads"], n_threads_batch=a["threads"],
-            n_batch=512, logits_all=False, verbose=False)
+            n_batch=512, logits_all=True, verbose=False)  # scores[] is filled only with logits_all
 best, toks = float("inf"), None
 for _ in range(a["repeat"] + 1):
     llm.reset()
