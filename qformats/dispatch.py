@@ -109,6 +109,8 @@ def select_kernel(x: Optional[jax.Array], q: QArray, backend: Optional[str] = No
 
 
 def _takes(e: KernelEntry, x, q, backend: str) -> bool:
+    if getattr(q, "offset", None) is not None:
+        return False  # no registered kernel reads the additive offset (GGUF minima): the XLA path does
     try:
         return bool(e.supports(x, q, backend))
     except Exception:  # a predicate bug must never give a wrong answer: fall back to XLA

@@ -29,7 +29,8 @@ Why a path of its own (XLA:CPU; the figures: BENCHMARKS.md, "CPU decode (SmolLM2
 The weight element is bit-identical to `dequantize(q, x.dtype)`'s (same operations, same per-op rounding in the
 scale's dtype, `qformats.rounding`), so the result equals the dequantize-then-dot one up to the order XLA sums in:
 
-    W[k, n] = (v[n, k] - z[n, G(k)]) * (s[n, G(k)] / c)          (k along the packed axis, G(k) = k // g)
+    W[k, n] = (v[n, k] - z[n, G(k)]) * (s[n, G(k)] / c) [+ o[n, G(k)]]   (k along the packed axis, G(k) = k // g;
+                                                                           o: the QArray's optional offset)
     y[m, n] = sum_k x[m, k] W[k, n];   |y - y_ref| <= 2 K eps_f32 sum_k |x[m, k]| |W[k, n]|
 
 (y_ref: the exact sum; float32 accumulation in any order is within K eps of it, the chunked sums included.)
@@ -157,9 +158,10 @@ def _values(u: jax.Array, fmt, sdt) -> jax.Array:
     return element_values(u, fmt, sdt)
 
 
-def _weight(v, s, z, q: QArray, k0: int, step: int, sdt, dtype) -> jax.Array:
-    """W [N, L] for elements k = k0 + step * i (i < L) of every row: (v - z[G(k)]) * s[G(k)], rounded per op in
-    sdt as `dequantize` does, cast to dtype. v: [N, L] element values; step 1 (8-bit) or 2 (one nibble of 4-bit)."""
+def _weight(v, s, z, o, q: QArray, k0: int, step: int, sdt, dtype) -> jax.Array:
+    """W [N, L] for elements k = k0 + step * i (i < L) of every row: (v - z[G(k)]) * s[G(k)] + o[G(k)], rounded per
+    op in sdt as `dequantize` does, cast to dtype. v: [N, L] element values; step 1 (8-bit) or 2 (one nibble of
+    4-bit); z (zero point) and o (offset) may be None."""
     st = q.scheme.strategy
     n, length = v.shape
     if st in ("group", "tensor_group"):
@@ -169,13 +171,20 @@ def _weight(v, s, z, q: QArray, k0: int, step: int, sdt, dtype) -> jax.Array:
         vg = v.reshape(n, length // per, per)
         if z is not None:
             vg = R.sub(vg, z[:, gs, None], sdt)
-        return R.mul(vg, s[:, gs, None], sdt).reshape(n, length).astype(dtype)
+        w = R.mul(vg, s[:, gs, None], sdt)
+        if o is not None:
+            w = R.add(w, o[:, gs, None], sdt)
+        return w.reshape(n, length).astype(dtype)
     if st == "tensor":
         s = s.reshape(1, 1)
         z = None if z is None else z.reshape(1, 1)
+        o = None if o is None else o.reshape(1, 1)
     if z is not None:
         v = R.sub(v, z, sdt)
-    return R.mul(v, s, sdt).astype(dtype)
+    w = R.mul(v, s, sdt)
+    if o is not None:
+        w = R.add(w, o, sdt)
+    return w.astype(dtype)
 
 
 def _gemv(xv: jax.Array, w: jax.Array) -> jax.Array:
@@ -187,9 +196,10 @@ def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
     """y[..., n] = sum_k x[..., k] W[k, n] with W = dequantize(q, x.dtype), each activation row one fused GEMV
     per chunk of K (and per nibble for 4-bit) that decodes the packed codes inside XLA's dot loop:
 
-        W[k, n] = (v[n, k] - z[n, G(k)]) * (s[n, G(k)] / c)
+        W[k, n] = (v[n, k] - z[n, G(k)]) * (s[n, G(k)] / c) + o[n, G(k)]
 
-    (v: the element values, z: zero point, s: scale, c: global scale; each op rounded as `dequantize` rounds it),
+    (v: the element values, z: zero point, s: scale, c: global scale, o: the optional additive offset; each op
+    rounded as `dequantize` rounds it),
     with s / c and z prepared per group outside the loop (module docstring). Equal to dequantize-then-dot up to
     float32 summation order: |y - y_ref| <= 2 K eps sum_k |x[k]| |W[k, n]|.
 
@@ -219,13 +229,14 @@ def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
     # the barrier makes the packed arrays depend on x in the jaxpr; XLA:CPU drops it, so the per-group arrays are
     # also tied to x by data (`tie_to`): their decode is not hoisted out of a decode loop as a float32 copy of
     # every layer's scales (the codes need no tie: they are decoded inside the dots, which read x)
-    xs, codes, scale, zp, gscale = jax.lax.optimization_barrier(
-        (xs, q.codes, q.scale, q.zero_point, q.global_scale))
-    scale, zp, gscale = tie_to(rows, (scale, zp, gscale))
+    xs, codes, scale, zp, gscale, off = jax.lax.optimization_barrier(
+        (xs, q.codes, q.scale, q.zero_point, q.global_scale, q.offset))
+    scale, zp, gscale, off = tie_to(rows, (scale, zp, gscale, off))
     s = _factor(q, scale, gscale, sdt)
     z = None if zp is None else zp
     if z is not None and scheme.strategy == "tensor":
         z = z.reshape(1)
+    o = None if off is None else off.astype(sdt)
     parts = []
     for idx, xv in enumerate(xs):
         k0, k1 = chunks[idx % len(chunks)]
@@ -235,10 +246,10 @@ def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
                 length = xv[j].shape[0]
                 u = ((b >> jnp.uint8(4 * j)) & jnp.uint8(15))[:, :length]
                 v = _values(u, scheme.format, sdt)
-                parts.append(_gemv(xv[j], _weight(v, s, z, q, k0, 2, sdt, x.dtype)))
+                parts.append(_gemv(xv[j], _weight(v, s, z, o, q, k0, 2, sdt, x.dtype)))
         else:
             v = _values(codes[:, k0:k1], scheme.format, sdt)
-            parts.append(_gemv(xv[0], _weight(v, s, z, q, k0, 1, sdt, x.dtype)))
+            parts.append(_gemv(xv[0], _weight(v, s, z, o, q, k0, 1, sdt, x.dtype)))
     # summed as ones . stack(parts): XLA output-fuses a plain `a + b` of matrix-vector dots into one of them,
     # which makes that dot a library call and un-fuses its weight (and it rewrites a sum over a stack into adds)
     per_row = len(parts) // rows.shape[0]

@@ -65,17 +65,24 @@ class QArray:
                     is the scheme's scale format (float32/bf16/f16, float8_e4m3fn, or uint8 E8M0 codes).
       zero_point:   int8, shaped like scale (asymmetric integer schemes only).
       global_scale: float32 `[1]` (tensor_group / NVFP4 only).
+      offset:       optional, a float additive offset shaped like scale, in the scale's (float) dtype: the
+                    minimum of formats that store one per group beside the scale (GGUF Q4_1 / Q5_1 / Q2_K /
+                    Q4_K / Q5_K: w = d q + m), which an integer zero point cannot hold. None for every array
+                    `quantize` makes (and for every compressed-tensors format).
 
-    Reconstruction: x = (value(code) - zero_point) * scale / global_scale, scale expanded over its group,
-    then the reduction axis moved back. `scheme`, `shape`, `dtype` and `axis` are static (pytree aux data).
+    Reconstruction: x = (value(code) - zero_point) * scale / global_scale + offset, each op rounded in the
+    scale's dtype, scale and offset expanded over their group, then the reduction axis moved back. `scheme`,
+    `shape`, `dtype` and `axis` are static (pytree aux data). The offset is a pytree child only when present,
+    so an array without one flattens exactly as before it existed.
     """
 
     def __init__(self, codes, scale, zero_point, global_scale, *, scheme: QuantScheme,
-                 shape: Tuple[int, ...], dtype, axis: int):
+                 shape: Tuple[int, ...], dtype, axis: int, offset=None):
         self.codes = codes
         self.scale = scale
         self.zero_point = zero_point
         self.global_scale = global_scale
+        self.offset = offset
         self.scheme = scheme
         self.shape = tuple(int(s) for s in shape)
         self.dtype = jnp.dtype(dtype)
@@ -83,13 +90,16 @@ class QArray:
 
     # ---- pytree ----------------------------------------------------------------------------------------
     def tree_flatten(self):
-        return ((self.codes, self.scale, self.zero_point, self.global_scale),
-                (self.scheme, self.shape, self.dtype.name, self.axis))
+        children = (self.codes, self.scale, self.zero_point, self.global_scale)
+        if self.offset is not None:
+            children += (self.offset,)
+        return children, (self.scheme, self.shape, self.dtype.name, self.axis)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         scheme, shape, dtype, axis = aux
-        return cls(*children, scheme=scheme, shape=shape, dtype=dtype, axis=axis)
+        offset = children[4] if len(children) > 4 else None
+        return cls(*children[:4], scheme=scheme, shape=shape, dtype=dtype, axis=axis, offset=offset)
 
     # ---- facts -----------------------------------------------------------------------------------------
     @property
@@ -107,17 +117,19 @@ class QArray:
 
     @property
     def nbytes(self) -> int:
-        """Bytes actually stored: codes + scale + zero point + global scale."""
+        """Bytes actually stored: codes + scale + zero point + global scale + offset."""
         return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-                   for a in (self.codes, self.scale, self.zero_point, self.global_scale) if a is not None)
+                   for a in (self.codes, self.scale, self.zero_point, self.global_scale, self.offset)
+                   if a is not None)
 
     @property
     def dense_nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def __repr__(self) -> str:
+        extra = "" if self.offset is None else ", offset"
         return (f"QArray(shape={self.shape}, dtype={self.dtype.name}, axis={self.axis}, "
-                f"scheme={self.scheme.describe()!r}, nbytes={self.nbytes})")
+                f"scheme={self.scheme.describe()!r}{extra}, nbytes={self.nbytes})")
 
     # ---- views -----------------------------------------------------------------------------------------
     def element_codes(self) -> jax.Array:
@@ -152,3 +164,11 @@ class QArray:
             if (arr is None) != (exp is None) or (arr is not None and tuple(arr.shape) != exp):
                 raise SchemeError(f"QArray {self.scheme.describe()} shape {self.shape}: {part} expected "
                                   f"shape {exp}, found {None if arr is None else tuple(arr.shape)}")
+        if self.offset is not None:
+            o, s = self.offset, self.scale
+            if tuple(o.shape) != tuple(s.shape) or jnp.dtype(o.dtype) != jnp.dtype(s.dtype) \
+                    or jnp.dtype(s.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                                                  jnp.dtype(jnp.float16)):
+                raise SchemeError(f"QArray {self.scheme.describe()} shape {self.shape}: offset expected the "
+                                  f"scale's shape {tuple(s.shape)} and float dtype {jnp.dtype(s.dtype).name}, found "
+                                  f"{tuple(o.shape)} {jnp.dtype(o.dtype).name}")

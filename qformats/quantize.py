@@ -81,11 +81,14 @@ def quantize(x, scheme: QuantScheme, axis: int = -1, *, scale=None, zero_point=N
 
 
 def dequantize(q: QArray, dtype=None) -> jax.Array:
-    """x = (value(code) - zero_point) * scale / global_scale, scale broadcast over its group; axis moved back.
+    """x = (value(code) - zero_point) * scale / global_scale + offset, scale (and offset) broadcast over its
+    group; axis moved back.
 
     Follows compressed-tensors' `_dequantize`: values are cast to the scale's dtype (float32 for fp8/E8M0
     scales), the zero point subtracted, multiplied by scale / global_scale, then cast to `dtype` (default:
-    the dtype the array had before quantization).
+    the dtype the array had before quantization). An array with an additive `offset` (GGUF's per-group
+    minimum) has it added in the scale's dtype after the product, before the cast: with float32 scales,
+    round(round(v * s) + m), the order of gguf's `d * q + m`.
     """
     if not isinstance(q, QArray):
         raise SchemeError(f"dequantize: expected a QArray, got {type(q).__name__}")
@@ -105,7 +108,10 @@ def _dequantize_jit(q: QArray, dtype) -> jax.Array:
     s = keepdims(s, scheme, view.ndim)
     if q.zero_point is not None:
         view = R.sub(view, keepdims(q.zero_point, scheme, view.ndim), sdt)
-    out = ungroup(R.mul(view, s, sdt), scheme, q.tshape).astype(dtype)
+    out = R.mul(view, s, sdt)
+    if q.offset is not None:
+        out = R.add(out, keepdims(q.offset, scheme, view.ndim), sdt)
+    out = ungroup(out, scheme, q.tshape).astype(dtype)
     return jnp.moveaxis(out, -1, q.axis)
 
 

@@ -17,6 +17,7 @@ last entry), with `s` the logical spec moved the same way (`ts`):
                 group   [..., K / g]      ts                      (K cut at whole groups: K/n % g == 0)
                 block   [O / bh, K / bw]  ts                      (O/n0 % bh == 0, K/n1 % bw == 0)
   global_scale  [1]                       replicated
+  offset        as scale (when present)
 
 so column-parallel (output channels) and row-parallel (the contraction axis) layouts both keep every scale
 group and every packed byte on one device, and a jit forward needs no weight on any other device: XLA's
@@ -198,7 +199,8 @@ def qarray_specs(q: QArray, spec: PartitionSpec, mesh: Mesh, where: str = "QArra
     codes = PartitionSpec(*ts)
     return QArray(codes, scale, None if q.zero_point is None else scale,
                   None if q.global_scale is None else PartitionSpec(None),
-                  scheme=sch, shape=q.shape, dtype=q.dtype, axis=q.axis)
+                  scheme=sch, shape=q.shape, dtype=q.dtype, axis=q.axis,
+                  offset=None if q.offset is None else scale)
 
 
 def qarray_shardings(q: QArray, spec: PartitionSpec, mesh: Mesh, where: str = "QArray") -> QArray:

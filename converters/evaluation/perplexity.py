@@ -141,8 +141,9 @@ def _refuse_quantized(src, cfg, name: str) -> None:
 def load_for_scheme(src: "str | os.PathLike", scheme: str, *, dtype=None, tokenizer: bool = True,
                     skip_indivisible: bool = False):
     """(model, hf_config, tokenizer, skipped) of the causal LM at `src`
-    (`converters.pipelines.causal_lm.load_causal_lm`) run with `scheme`: "stored" as stored, "dense" (a dense SRC only)
-    the same, a scheme string quantized round-to-nearest over the decoder's projections with lm_head left dense
+    (`converters.pipelines.causal_lm.load_causal_lm`) run with `scheme`: "stored" as stored (a .gguf file packed from
+    its blocks), "dense" (a dense SRC or a .gguf file, dequantized) the same, a scheme string quantized
+    round-to-nearest over the decoder's projections with lm_head left dense
     (`decoder.quantization_rules`), fused siblings sharing their NVFP4 global scale (so the packed layers equal those
     `qformats quantize` stores). `skipped` lists the projections left dense by `skip_indivisible` (those whose
     in_features the scheme's groups do not divide; without it they are a ModelError naming every one).
@@ -160,7 +161,8 @@ def load_for_scheme(src: "str | os.PathLike", scheme: str, *, dtype=None, tokeni
     ss = None if name.lower() in (STORED, "dense") else parse_scheme(name)
     if name.lower() != STORED and Path(src).is_dir():  # refuse before loading the weights
         _refuse_quantized(src, read_json(Path(src) / "config.json"), name)
-    model, cfg, tok = load_causal_lm(src, dtype=dtype, tokenizer=tokenizer)
+    # a .gguf file runs packed as stored; "dense" and presets start from its dequantized weights
+    model, cfg, tok = load_causal_lm(src, dtype=dtype, tokenizer=tokenizer, packed=name.lower() == STORED)
     if name.lower() != STORED:
         _refuse_quantized(src, cfg, name)
     skipped: List[str] = []

@@ -8,7 +8,9 @@ architectures: `modeling_gguf_pytorch_utils.load_gguf_checkpoint`) does, done wi
   plus qwen3's `head_dim` from `qwen3.attention.key_length` (transformers leaves Qwen3Config's default of
   128, right for every released Qwen3, wrong for a file stating another);
 - every tensor is dequantized with gguf's own `gguf.quants.dequantize` (float32, whatever the block
-  type: Q4_0/Q4_1/Q5_x/Q8_0, the K-quants, the IQ types, F16/BF16, ...), then renamed to its HF name;
+  type: Q4_0/Q4_1/Q5_x/Q8_0, the K-quants, the IQ types, F16/BF16, ...), then renamed to its HF name
+  (`GGUFModel.get_packed` gives a block-quantized matrix as a packed QArray instead, `gguf_packed`, with the
+  same values bit for bit: what `load_causal_lm` runs);
 - llama.cpp stores a `llama` model's Q and K projections with the rows of each head interleaved for its
   rotary embedding (`convert_hf_to_gguf.py`, `LlamaModel.permute`); they are un-permuted to HF's layout:
   `w.reshape(heads, rows_per_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)` (heads = the KV
@@ -376,12 +378,37 @@ class GGUFModel:
             raise CheckpointError(f"{self.path}: tensor {t.name!r} ({t.tensor_type.name}): cannot dequantize "
                                   f"({e})") from None
         w = np.asarray(w, np.float32).reshape(self.shape(name))
-        if self.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = self.config["num_attention_heads"]
-            if ".k_proj." in name:
-                heads = self.config.get("num_key_value_heads", heads)
+        heads = self._rope_heads(name)
+        if heads is not None:
             w = unpermute_rope_rows(w, heads)
         return np.ascontiguousarray(w)
+
+    def _rope_heads(self, name: str) -> int | None:
+        """The head count whose rotary row interleave `get` undoes for tensor `name` (llama Q / K), else None."""
+        if self.architecture != "llama" or not (".q_proj." in name or ".k_proj." in name):
+            return None
+        heads = self.config["num_attention_heads"]
+        return self.config.get("num_key_value_heads", heads) if ".k_proj." in name else heads
+
+    def get_packed(self, name: str):
+        """Tensor `name` (a 2-D matrix [out, in] stored in a block type of `gguf_packed.PACKED_TYPES`) as the packed
+        QArray of its Flax kernel [in, out] (`gguf_packed.gguf_qarray`: the file's codes and exact float32 scales /
+        offsets, nothing dequantized), Q/K rows un-permuted for llama like `get`: `dequantize(get_packed(n)).T`
+        equals `get(n)` bit for bit.
+
+        Raises CheckpointError naming the file, the tensor and its type when the type is not packed."""
+        from converters.formats.gguf_packed import gguf_qarray
+
+        if name not in self._tensors:
+            raise CheckpointError(f"{self.path}: expected one of the model's tensors, found {name!r}")
+        t = self._tensors[name]
+        shape = self.shape(name)
+        if len(shape) != 2:
+            raise CheckpointError(f"{self.path}: tensor {t.name!r} ({name}): expected a 2-D matrix to pack, found "
+                                  f"shape {list(shape)}")
+        heads = self._rope_heads(name)
+        rows = None if heads is None else (lambda a: unpermute_rope_rows(a, heads))
+        return gguf_qarray(t.data, t.tensor_type.name, shape, f"{self.path}: tensor {t.name!r}", rows=rows)
 
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float32 array) one tensor at a time, in the file's order."""

@@ -29,6 +29,7 @@ READERS: Dict[str, str] = {
     "modelopt": "converters.formats.modelopt:read_modelopt",
     "gptq": "converters.formats.gptq_awq:read_gptq",
     "awq": "converters.formats.gptq_awq:read_awq",
+    "torchao": "converters.formats.torchao_st:read_torchao",
 }
 
 #: quant_method -> what the format is, for people (`qformats inspect`).

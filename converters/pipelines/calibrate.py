@@ -200,7 +200,8 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
 
             rotated = rotate_checkpoint(src, Path(rot_dir) / "rotated", rotate, seed=rotate_seed)
             log(f"rotated {src}: SpinQuant R1 + R2, {rotate}")
-        model, hf_config, tok = load_causal_lm(src if rotated is None else Path(rot_dir) / "rotated")
+        model, hf_config, tok = load_causal_lm(src if rotated is None else Path(rot_dir) / "rotated",
+                                               packed=False)  # a .gguf file dequantized: calibration starts dense
         # the model holds its parameters now; the rotated copy goes (its tokenizer files are src's)
     tokenize = None if tok is None else (lambda text: tok.encode(text).ids)
     samples = load_calibration(calibration, tokenize, seq_len=seq_len, max_tokens=calibration_tokens, seed=seed,

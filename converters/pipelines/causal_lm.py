@@ -9,8 +9,12 @@
   `converters.formats.compressed_tensors.read` reads): `converters.pipelines.flax_io.load_compressed` swaps every quantized projection for a
   packed `qformats.nn.QLinear` holding the checkpoint's codes and scales as they are (nothing dequantized);
   the rest (embedding, norms, dense layers such as lm_head) is filled dense;
-- a `.gguf` file: `converters.formats.gguf_convert.open_gguf`, each tensor dequantized by gguf on its way in (the
-  result equals loading `convert_gguf`'s output, without writing it).
+- a `.gguf` file: `converters.formats.gguf_convert.open_gguf`. By default every projection stored in a block type
+  that is one of ours (`converters.formats.gguf_packed.PACKED_TYPES`: Q4_0/Q5_0/Q8_0, Q4_1/Q5_1 with their float
+  minimum as the QArray's offset, the K-quants, IQ4_NL/IQ4_XS, MXFP4) becomes a packed `QLinear` holding the file's
+  codes and exact float32 scales, nothing dequantized; the embedding, the norms and float (F32/F16/BF16) tensors
+  are dequantized by gguf. `packed=False` dequantizes every tensor (the result equals loading `convert_gguf`'s output,
+  without writing it).
 
 With `mesh=` the same checkpoints load onto a jax Mesh: a directory shard by shard (every parameter a global
 jax.Array laid out by sharding rules, each device's slice read from the memory map straight to it,
@@ -142,7 +146,7 @@ def _tokenizer_from_str(text: str, where: Path):
 
 
 def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, tokenizer: bool = True, mesh=None,
-                   rules=None, stats=None):
+                   rules=None, stats=None, packed: bool = True):
     """Loads a llama / mistral / qwen2 / qwen3 causal LM as `qformats.models.decoder.CausalLM`, on one device or
     onto a mesh.
 
@@ -164,6 +168,9 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         axis)` for a 1-D mesh of axis `axis` (ModelError for a mesh of several axes without rules).
       stats: with `mesh` and a directory, a `converters.pipelines.mesh_load.ReadStats` to fill with the bytes this process
         read.
+      packed: for a `.gguf` file, keep the block-quantized projections packed (default; module docstring); a
+        projection in another quantized GGML type (the IQ1/IQ2/IQ3 grids, TQ, GGUF NVFP4) is then a
+        CheckpointError naming it. False: dequantize every tensor to float. Directories ignore it.
 
     Returns:
       (model, hf_config, tokenizer or None): hf_config is the config.json dict (for a GGUF file, the one
@@ -191,8 +198,11 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         tok = _gguf_tokenizer(g) if tokenizer else None  # before the weights: a bad tokenizer fails fast
         hf_config = dict(g.config)
         model, cfg = _abstract_model(hf_config, dtype, param_dtype, where)
+        names = g.keys()
         try:
-            decoder.load_hf_tensors(model, _LazyTensors(g.keys(), g.shape, g.get))
+            if packed:
+                names = _load_gguf_packed(g, model, cfg)
+            decoder.load_hf_tensors(model, _LazyTensors(names, g.shape, g.get))
         except ModelError as e:
             raise CheckpointError(f"{where}: {e}") from None
         _check_filled(model, where)
@@ -224,6 +234,32 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
     tok = load_tokenizer(p) if tokenizer else None
     _check_filled(model, where)
     return model, hf_config, tok
+
+
+def _load_gguf_packed(g, model, cfg) -> list[str]:
+    """Swaps every Linear of `model` whose GGUF weight is block-quantized for a packed QLinear holding
+    `g.get_packed(name)` (`qformats.nn.load_quantized`); returns the names of the tensors left to load dense (the
+    embedding, norms, biases, and weights stored as floats). A Linear weight in a quantized GGML type that is not
+    packed exactly is a CheckpointError naming it (load with packed=False to dequantize it)."""
+    from converters.formats.gguf_packed import DENSE_TYPES
+    from qformats.nn import load_quantized
+
+    slots = _flax_name_map(cfg)
+    quantized: dict[str, dict[str, Any]] = {}
+    dense = []
+    for name in g.keys():
+        kpath, transpose = slots.get(name, (None, False))
+        if kpath is None or not transpose or g.tensor_type(name) in DENSE_TYPES:
+            dense.append(name)
+            continue
+        quantized[kpath.rsplit("/", 1)[0]] = {"weight": g.get_packed(name)}
+    for fpath, t in quantized.items():
+        bias = fpath.replace("/", ".") + ".bias"
+        if bias in g.keys():
+            t["bias"] = g.get(bias)
+            dense.remove(bias)
+    load_quantized(model, quantized)
+    return dense
 
 
 def _mesh_rules(cfg, mesh, rules):

@@ -36,7 +36,8 @@ def quantize_acts(x, scheme: QuantScheme, scale=None, global_scale=None) -> jax.
 def on_codes(q: QArray, schemes: SchemeSet) -> bool:
     """Whether `packed_project` multiplies codes for this weight and scheme set (`qformats.scaled_dot`)."""
     a = schemes.input_activations
-    return a is not None and kernels_enabled() and scaled_dot_supported(a, q.scheme, q.shape[0])
+    return (a is not None and kernels_enabled() and q.offset is None  # an offset does not factor out of the codes
+            and scaled_dot_supported(a, q.scheme, q.shape[0]))
 
 
 def packed_project(x, q: QArray, schemes: SchemeSet, *, input_scale=None, input_global_scale=None,

@@ -47,6 +47,10 @@ def qarray_to_tensors(q: QArray, fmt: str, where: str = "weight") -> Dict[str, n
         q.check()
     except QFormatsError as e:
         raise CheckpointError(f"{where}: {e}") from None
+    if q.offset is not None:
+        raise CheckpointError(f"{where}: {q!r} carries an additive float offset (w = d q + m, GGUF's Q4_1 / Q5_1 / "
+                              f"K-quant minima), which compressed-tensors cannot store (its zero point is an integer "
+                              f"in code units); write it dense (dequantize) instead")
     s = q.scheme
     n, k = q.tshape
     bits = s.bits

