@@ -34,7 +34,7 @@ from qformats.kv_cache import KVCacheScheme, dequantize_kv, dynamic_scale, quant
 from qformats.models.decoder.sharding import KV_CACHE_AXES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")
 # transformers' config-class defaults for keys a config.json may leave out (others are required)
 _HEAD_DIM_DEFAULT = {"qwen3": 128}
 _MISTRAL_SLIDING_WINDOW_DEFAULT = 4096
@@ -44,13 +44,19 @@ _QWEN_MAX_WINDOW_LAYERS_DEFAULT = 28
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary position embedding of HF's "default" and "llama3" rope types.
+    """Rotary position embedding of HF's "default", "llama3" and "yarn" rope types.
 
-    default: inv_freq_j = theta^(-2j / head_dim), j = 0 .. head_dim/2 - 1.
+    default: inv_freq_j = theta^(-2j / D), j = 0 .. D/2 - 1 (D: the rotary head dim).
     llama3 (Llama 3.1): with wavelen_j = 2 pi / inv_freq_j, L = original_max_position_embeddings,
       inv_freq_j / factor                            if wavelen_j > L / low_freq_factor,
       inv_freq_j                                     if wavelen_j < L / high_freq_factor,
       (1 - s) inv_freq_j / factor + s inv_freq_j     otherwise, s = (L / wavelen_j - low) / (high - low).
+    yarn (YaRN, transformers' `_compute_yarn_parameters`): with p_j = theta^(2j / D),
+      inv_freq_j = (1 / (factor p_j)) (1 - e_j) + (1 / p_j) e_j,  e_j = 1 - clamp((j - lo) / (hi - lo), 0, 1),
+      lo, hi = max(d(beta_fast), 0), min(d(beta_slow), D - 1), d(n) = D ln(L / (2 pi n)) / (2 ln theta)
+      (floor / ceil of lo / hi when `truncate`; hi += 0.001 when lo == hi); and cos, sin are multiplied by
+      `attention_scaling` = attention_factor, or if None m(factor, mscale) / m(factor, mscale_all_dim) when both
+      mscale and mscale_all_dim are set, else m(factor, 1), m(s, k) = 0.1 k ln(s) + 1 for s > 1 (1 otherwise).
     """
 
     rope_type: str = "default"
@@ -59,13 +65,22 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None
+    truncate: bool = True
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """The [head_dim / 2] float32 inverse frequencies (computed in float32, as transformers does)."""
         exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-        inv = (np.float32(1.0) / np.power(np.float32(self.theta), exponent)).astype(np.float32)
+        pos_freqs = np.power(np.float32(self.theta), exponent).astype(np.float32)
+        inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
         if self.rope_type == "default":
             return inv
+        if self.rope_type == "yarn":
+            return self._yarn_inv_freq(head_dim, pos_freqs, inv)
         low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
         high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
         wavelen = np.float32(2 * math.pi) / inv
@@ -76,6 +91,41 @@ class RopeConfig:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
 
+    def _yarn_inv_freq(self, dim: int, pos_freqs: np.ndarray, extrapolation: np.ndarray) -> np.ndarray:
+        f32 = np.float32
+        interpolation = (f32(1.0) / (f32(self.factor) * pos_freqs)).astype(f32)
+
+        def correction_dim(num_rotations):
+            return (dim * math.log(self.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+                    / (2 * math.log(self.theta)))
+
+        lo, hi = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(lo)) / f32(hi - lo), f32(0), f32(1)).astype(f32)
+        extrapolation_factor = (f32(1) - ramp).astype(f32)
+        return (interpolation * (f32(1) - extrapolation_factor)
+                + extrapolation * extrapolation_factor).astype(f32)
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor on cos and sin (YaRN's attention factor; 1.0 for the other rope types)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return float(yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim))
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction m(s, k) = 0.1 k ln(s) + 1 for s > 1, else 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
@@ -85,6 +135,10 @@ class DecoderConfig:
     key positions s with p - window < s <= p. `qkv_bias` / `o_bias` / `mlp_bias`: which projections have a
     bias. `qk_norm`: per-head RMSNorm on queries and keys before RoPE (qwen3). `dtype`: the checkpoint's stored
     dtype name from config.json ("bfloat16", ...), informational (the model's dtype is chosen at construction).
+    `mla`: a `qformats.models.decoder.mla.MLAConfig` for multi-head latent attention (deepseek_v3; `head_dim` is
+    then its rotary head dim, qk_rope_head_dim, as in transformers). `mtp_layers`: DeepSeek's multi-token-prediction
+    layers (num_nextn_predict_layers) the checkpoint holds after the last layer; not part of this model (next-token
+    logits do not use them) and their tensors are skipped by name, with a warning, when loading.
     """
 
     model_type: str
@@ -105,6 +159,8 @@ class DecoderConfig:
     sliding_windows: Tuple[Optional[int], ...] = ()
     max_position_embeddings: int = 2048
     dtype: Optional[str] = None
+    mla: Optional[Any] = None
+    mtp_layers: int = 0
 
     def __post_init__(self):
         if not self.sliding_windows:
@@ -124,6 +180,8 @@ class DecoderConfig:
         another model_type, an activation other than silu, a rope type other than default / llama3, a partial
         rotary factor, unknown layer types."""
         mt = cfg.get("model_type")
+        if mt == "deepseek_v3":
+            return _deepseek_v3_from_hf(cls, cfg)
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ModelError(f"config.json: model_type {mt!r} is not supported; supported model types: "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -159,6 +217,39 @@ class DecoderConfig:
             max_position_embeddings=max_pos, dtype=None if dtype is None else str(dtype))
 
 
+def _deepseek_v3_from_hf(cls, cfg: Mapping[str, Any]) -> "DecoderConfig":
+    """A deepseek_v3 config.json (transformers' DeepseekV3Config defaults for absent keys). Refused: keys of the
+    original DeepSeek code that transformers ignores but which would change the computation if not their
+    DeepSeek-V3 values (scoring_func 'sigmoid', topk_method 'noaux_tc', moe_layer_freq 1), and
+    num_key_value_heads != num_attention_heads (transformers' MLA only works with one key/value head per query)."""
+    from qformats.models.decoder.mla import MLAConfig  # mla builds on this module's layers
+
+    mt = "deepseek_v3"
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1),
+                      ("hidden_act", "silu")):
+        if key in cfg and cfg[key] != want:
+            raise ModelError(f"config.json ({mt}): {key} = {cfg[key]!r} is not supported (transformers' DeepSeek-V3 "
+                             f"computes {key} = {want!r})")
+    hidden = int(cfg.get("hidden_size", 7168))
+    heads = int(cfg.get("num_attention_heads", 128))
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if int(kv_heads) != heads:
+        raise ModelError(f"config.json ({mt}): num_key_value_heads = {kv_heads} differs from num_attention_heads = "
+                         f"{heads}; multi-head latent attention expands one key and value per query head")
+    layers = int(cfg.get("num_hidden_layers", 61))
+    max_pos = int(cfg.get("max_position_embeddings") or 4096)
+    rope = _rope_from_hf(cfg, mt, max_pos)
+    mla = MLAConfig.from_hf(cfg, rope)
+    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 1)) or 0
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    return cls(
+        model_type=mt, vocab_size=int(cfg.get("vocab_size", 129280)), hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size", 18432)), num_layers=layers, num_heads=heads,
+        num_kv_heads=heads, head_dim=mla.qk_rope_head_dim, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=rope, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=max_pos, dtype=None if dtype is None else str(dtype), mla=mla, mtp_layers=int(mtp))
+
+
 def _rope_from_hf(cfg: Mapping[str, Any], mt: str, max_pos: int) -> RopeConfig:
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(rp, Mapping):
@@ -173,11 +264,39 @@ def _rope_from_hf(cfg: Mapping[str, Any], mt: str, max_pos: int) -> RopeConfig:
     theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if rope_type == "default":
         return RopeConfig("default", theta)
+    if rope_type == "yarn":
+        return _yarn_from_hf(cfg, rp, mt, theta, max_pos)
     missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if rp.get(k) is None]
     if missing:
         raise ModelError(f"config.json ({mt}): llama3 rope parameters lack {', '.join(missing)}")
     return RopeConfig("llama3", theta, float(rp["factor"]), float(rp["low_freq_factor"]),
                       float(rp["high_freq_factor"]), int(rp.get("original_max_position_embeddings") or max_pos))
+
+
+def _yarn_from_hf(cfg: Mapping[str, Any], rp: Mapping[str, Any], mt: str, theta: float, max_pos: int) -> RopeConfig:
+    """YaRN parameters as transformers reads them: `factor` may be null (then max_position_embeddings /
+    original_max_position_embeddings), a top-level `original_max_position_embeddings` wins over the rope dict's,
+    which defaults to max_position_embeddings; beta_fast / beta_slow default (also when 0 or null) to 32 / 1."""
+    if "factor" not in rp:
+        raise ModelError(f"config.json ({mt}): yarn rope parameters lack 'factor'")
+    unknown = sorted(set(rp) - {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+                                "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                "truncate", "partial_rotary_factor"})
+    if unknown:
+        raise ModelError(f"config.json ({mt}): yarn rope parameters {', '.join(unknown)} are not supported")
+    original = cfg.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings") or max_pos
+    factor = rp["factor"]
+    factor = float(max_pos / int(original) if factor is None else factor)
+    if factor < 1.0:
+        raise ModelError(f"config.json ({mt}): yarn rope factor {factor} must be >= 1")
+
+    def opt(key):
+        return None if rp.get(key) is None else float(rp[key])
+
+    return RopeConfig("yarn", theta, factor, original_max_position_embeddings=int(original),
+                      beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
+                      mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+                      attention_factor=opt("attention_factor"), truncate=bool(rp.get("truncate", True)))
 
 
 def _windows_from_hf(cfg: Mapping[str, Any], mt: str, layers: int) -> Tuple[Optional[int], ...]:
@@ -245,11 +364,14 @@ class RMSNorm(nnx.Module):
         return self.weight.get_value().astype(x.dtype) * y
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> Tuple[jax.Array, jax.Array]:
-    """cos, sin [T, head_dim] of angles positions_t * inv_freq_j, the half-table repeated (HF's layout)."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> Tuple[jax.Array, jax.Array]:
+    """cos, sin [T, head_dim] of angles positions_t * inv_freq_j, the half-table repeated (HF's layout), times
+    `scale` (the rope's `attention_scaling`: YaRN's attention factor, 1 otherwise)."""
     ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     ang = jnp.concatenate([ang, ang], axis=-1)
-    return jnp.cos(ang), jnp.sin(ang)
+    if scale == 1.0:
+        return jnp.cos(ang), jnp.sin(ang)
+    return jnp.cos(ang) * jnp.float32(scale), jnp.sin(ang) * jnp.float32(scale)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -418,7 +540,12 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if cfg.mla is None:
+            self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        else:
+            from qformats.models.decoder.mla import MLAttention  # mla builds on this module's layers
+
+            self.self_attn = MLAttention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -497,6 +624,12 @@ class CausalLM(nnx.Module):
         for a dynamic scheme) unless `dtype` asks for a float cache, which then holds the unquantized states."""
         c = self.config
         shape = (batch, c.num_kv_heads, max_len, c.head_dim)
+        if c.mla is not None:  # the latent and the rope key (mla.py)
+            shape, vshape = (batch, 1, max_len, c.mla.kv_lora_rank), (batch, 1, max_len, c.mla.qk_rope_head_dim)
+            dtype = dtype or self.dtype
+            n = c.num_layers
+            return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+                           tuple(jnp.zeros(vshape, dtype) for _ in range(n)), jnp.zeros((), jnp.int32))
         scheme = self.model.layers[0].self_attn.kv_scheme  # the same on every layer (kv_cache_scheme)
         if scheme is not None and dtype is None:
             dtype = jnp.uint8
@@ -537,7 +670,7 @@ class CausalLM(nnx.Module):
             if n is not None and n + t > s:
                 raise ModelError(f"CausalLM: the cache holds {s} positions; {n} are filled and {t} more were given")
         positions = start + jnp.arange(t, dtype=jnp.int32)
-        cos, sin = rope_tables(positions, inv_freq(self.config))
+        cos, sin = rope_tables(positions, inv_freq(self.config), self.config.rope.attention_scaling)
         masks = {w: attention_mask(positions, s, w) for w in set(self.config.sliding_windows)}
         x = self.model.embed_tokens(ids)
         entries = []

@@ -39,14 +39,33 @@ def hf_tensor_names(config: DecoderConfig) -> Dict[str, TensorSlot]:
     def norm(prefix: Tuple):
         out[".".join(str(p) for p in prefix) + ".weight"] = TensorSlot(prefix + ("weight",))
 
+    def mla_attention(prefix: Tuple):
+        m = config.mla
+        if m.q_lora_rank is None:
+            linear(prefix + ("q_proj",), False)
+        else:
+            linear(prefix + ("q_a_proj",), m.bias)
+            norm(prefix + ("q_a_layernorm",))
+            linear(prefix + ("q_b_proj",), False)
+        linear(prefix + ("kv_a_proj_with_mqa",), m.bias)
+        norm(prefix + ("kv_a_layernorm",))
+        linear(prefix + ("kv_b_proj",), False)
+        linear(prefix + ("o_proj",), m.bias)
+
     c = config
     for i in range(c.num_layers):
         lp = ("model", "layers", i)
         norm(lp + ("input_layernorm",))
         norm(lp + ("post_attention_layernorm",))
-        for name in ("q_proj", "k_proj", "v_proj"):
+        if c.mla is not None:
+            mla_attention(lp + ("self_attn",))
+            names = ()
+        else:
+            names = ("q_proj", "k_proj", "v_proj")
+        for name in names:
             linear(lp + ("self_attn", name), c.qkv_bias)
-        linear(lp + ("self_attn", "o_proj"), c.o_bias)
+        if c.mla is None:
+            linear(lp + ("self_attn", "o_proj"), c.o_bias)
         if c.qk_norm:
             norm(lp + ("self_attn", "q_norm"))
             norm(lp + ("self_attn", "k_norm"))
