@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Mapping, NamedTuple, Tuple, Union
 
 import jax.numpy as jnp
@@ -113,7 +114,8 @@ def load_hf_tensors(model: CausalLM, tensors: Mapping[str, Any]) -> CausalLM:
     `QLinear`s (e.g. by `qformats.nn.load_quantized` from a compressed-tensors checkpoint) take no dense weight
     or bias here. Tensors the model has no place for are an error, except two that carry no information and
     are checked instead: a tied model's "lm_head.weight" must equal the embedding, and old checkpoints'
-    "*.rotary_emb.inv_freq" must equal the config's inverse frequencies.
+    "*.rotary_emb.inv_freq" must equal the config's inverse frequencies. DeepSeek's multi-token-prediction layers
+    (`config.mtp_layers`, "model.layers.61.*" in DeepSeek-V3) are skipped with a warning that names them.
 
     Raises ModelError naming the missing, unexpected or misshapen tensors; the model is unchanged then.
     """
@@ -127,7 +129,7 @@ def load_hf_tensors(model: CausalLM, tensors: Mapping[str, Any]) -> CausalLM:
             continue
         expected[name] = (slot, getattr(owner, slot.path[-1]))
     missing = [n for n in expected if n not in tensors]
-    unexpected, checks = [], []
+    unexpected, checks, skipped_mtp = [], [], []
     for n in tensors:
         if n in expected:
             continue
@@ -137,6 +139,8 @@ def load_hf_tensors(model: CausalLM, tensors: Mapping[str, Any]) -> CausalLM:
             checks.append(n)
         elif _rotary_name(n):
             checks.append(n)
+        elif mtp_layer(model.config, n) is not None:
+            skipped_mtp.append(n)
         else:
             unexpected.append(n)
     problems = []
@@ -172,7 +176,26 @@ def load_hf_tensors(model: CausalLM, tensors: Mapping[str, Any]) -> CausalLM:
     for n, (slot, var) in expected.items():
         value = jnp.asarray(tensors[n], dtype=var.get_value().dtype)
         var.set_value(value.T if slot.transpose else value)
+    if skipped_mtp:
+        c = model.config
+        warnings.warn(f"load_hf_tensors ({c.model_type}): skipped {len(skipped_mtp)} tensors of the "
+                      f"multi-token-prediction layer(s) model.layers.{c.num_layers}"
+                      f"{'' if c.mtp_layers == 1 else f'..{c.num_layers + c.mtp_layers - 1}'} "
+                      f"(num_nextn_predict_layers = {c.mtp_layers}): next-token logits do not use them and this "
+                      "model does not run speculative multi-token prediction", stacklevel=2)
     return model
+
+
+def mtp_layer(config: DecoderConfig, name: str):
+    """The index of the multi-token-prediction layer (num_hidden_layers .. + num_nextn_predict_layers - 1) whose
+    tensor `name` is ("model.layers.61.eh_proj.weight" -> 61 for DeepSeek-V3), or None."""
+    if not config.mtp_layers or not name.startswith("model.layers."):
+        return None
+    head = name[len("model.layers."):].split(".", 1)[0]
+    if not head.isdigit():
+        return None
+    i = int(head)
+    return i if config.num_layers <= i < config.num_layers + config.mtp_layers else None
 
 
 def _listing(names: List[str], limit: int = 8) -> str:

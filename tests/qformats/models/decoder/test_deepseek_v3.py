@@ -1,0 +1,160 @@
+"""deepseek_v3 in qformats.models.decoder against transformers 5 on the same random weights: YaRN and DeepSeek's softmax
+scale, the group-limited sigmoid router, multi-head latent attention and its latent cache, float32 logits, greedy
+generation token for token, W4A16 quantization; config and checkpoint errors (MTP layers, unsupported options)."""
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from flax import nnx  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noqa: E402
+
+from qformats.errors import ModelError  # noqa: E402
+from qformats.models.decoder import CausalLM, DecoderConfig, load_hf_tensors  # noqa: E402
+from qformats.models.decoder.mla import softmax_scale  # noqa: E402
+from qformats.models.decoder.moe import deepseek_route  # noqa: E402
+
+# Measured max |logits - transformers'|: about 2e-6 (float32, logits up to ~3.5); the bound allows for
+# accumulation order only.
+LOGITS_ATOL = 1e-5
+# float32 pow differs from torch's by up to one ulp (libm vs torch's vectorised pow): the inverse frequencies
+ULP = 2.4e-7
+YARN = dict(type="yarn", factor=4.0, mscale=0.9, mscale_all_dim=1.0, original_max_position_embeddings=64,
+            beta_fast=32, beta_slow=1)
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            max_position_embeddings=256, initializer_range=0.1, rope_scaling=YARN, eos_token_id=None,
+            bos_token_id=None, pad_token_id=None)
+# no query LoRA, attention biases, rotate-half rope without scaling, unnormalised routing weights
+VARIANT = dict(TINY, q_lora_rank=None, attention_bias=True, rope_interleave=False, rope_scaling=None,
+               norm_topk_prob=False, num_hidden_layers=2, n_shared_experts=2)
+IDS = np.random.RandomState(0).randint(0, 256, (2, 20))
+
+
+def hf_model(cfg):
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**cfg)).eval()
+    with torch.no_grad():  # non-trivial norms, biases and score-correction biases (HF initialises them trivially)
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    return hf
+
+
+def hf_checkpoint(hf):
+    """The model's tensors under the names of an HF deepseek_v3 checkpoint on disk: per-expert projections
+    (transformers 5 fuses them on load: gate_up_proj [E, 2I, d] = gate ++ up, down_proj [E, d, I])."""
+    out = {}
+    for name, t in hf.state_dict().items():
+        a = t.detach().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, inter = name[:-len("gate_up_proj")], a.shape[1] // 2
+            for e in range(a.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = a[e, :inter]
+                out[f"{prefix}{e}.up_proj.weight"] = a[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[:-len("down_proj")]
+            for e in range(a.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = a[e]
+        else:
+            out[name] = a
+    return out
+
+
+def flax_model(hf, tensors=None):
+    cfg = DecoderConfig.from_hf(hf.config.to_dict())
+    model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    return load_hf_tensors(model, hf_checkpoint(hf) if tensors is None else tensors)
+
+
+# ------------------------------------------------------------------------------------------------ rope
+
+@pytest.mark.parametrize("rope", [
+    YARN,
+    dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=64, truncate=False),  # gpt-oss's
+    dict(rope_type="yarn", factor=None, original_max_position_embeddings=32, attention_factor=0.8, beta_fast=16),
+    dict(rope_type="yarn", factor=2.0, mscale=1.0, original_max_position_embeddings=64, beta_fast=0),
+])
+def test_yarn_matches_transformers_rope_init(rope):
+    cfg = dict(TINY, rope_scaling=dict(rope, rope_theta=50000.0))
+    hf = transformers.DeepseekV3Config(**cfg)
+    inv, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    ours = DecoderConfig.from_hf(hf.to_dict())
+    np.testing.assert_allclose(ours.rope.inv_freq(ours.head_dim), inv.numpy(), rtol=ULP, atol=0)
+    assert ours.rope.attention_scaling == attention_factor
+    # DeepSeek's softmax scale (mscale_all_dim correction)
+    assert softmax_scale(ours.mla.qk_head_dim, ours.rope) == hf_ds.DeepseekV3Attention(hf, 0).scaling
+    assert ours.mla.scale == hf_ds.DeepseekV3Attention(hf, 0).scaling
+
+
+def test_yarn_on_the_llama_family_config():
+    """YaRN is a RopeConfig type of the whole family (gpt-oss and qwen long-context configs use it)."""
+    d = dict(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+             num_attention_heads=2, max_position_embeddings=512,
+             rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=8.0, original_max_position_embeddings=64))
+    inv, att = ROPE_INIT_FUNCTIONS["yarn"](transformers.LlamaConfig(**d))
+    c = DecoderConfig.from_hf(d)
+    np.testing.assert_allclose(c.rope.inv_freq(c.head_dim), inv.numpy(), rtol=ULP, atol=0)
+    assert c.rope.attention_scaling == att
+
+
+# ------------------------------------------------------------------------------------------------ router
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_matches_transformers(norm):
+    cfg = transformers.DeepseekV3Config(**dict(TINY, n_routed_experts=16, num_experts_per_tok=3, norm_topk_prob=norm))
+    router = hf_ds.DeepseekV3TopkRouter(cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.normal_(std=0.3)
+        logits, w, e = router(torch.randn(64, cfg.hidden_size))
+    ow, oe = deepseek_route(jnp.asarray(logits.numpy()), jnp.asarray(router.e_score_correction_bias.numpy()),
+                            top_k=3, n_group=4, topk_group=2, norm_topk_prob=norm, routed_scaling_factor=2.5)
+    # the same experts per token (torch's top-k is unsorted: compare in expert order)
+    order, our_order = np.argsort(e.numpy(), 1), np.argsort(np.asarray(oe), 1)
+    np.testing.assert_array_equal(np.take_along_axis(e.numpy(), order, 1), np.take_along_axis(np.asarray(oe), our_order, 1))
+    w, ow = np.take_along_axis(w.numpy(), order, 1), np.take_along_axis(np.asarray(ow), our_order, 1)
+    if norm:  # the normaliser sums the k weights in top-k order, torch in its own: one ulp
+        np.testing.assert_allclose(ow, w, rtol=ULP, atol=0)
+    else:
+        np.testing.assert_array_equal(ow, w)
+
+
+def test_router_refuses_impossible_groups():
+    with pytest.raises(ModelError, match="cannot be routed"):
+        deepseek_route(jnp.zeros((2, 8)), jnp.zeros(8), top_k=5, n_group=4, topk_group=2, norm_topk_prob=True,
+                       routed_scaling_factor=1.0)
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+@pytest.mark.parametrize("change, match", [
+    (dict(scoring_func="softmax"), "scoring_func"),
+    (dict(topk_method="greedy"), "topk_method"),
+    (dict(num_key_value_heads=2), "num_key_value_heads"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(rope_scaling=dict(YARN, extra_key=1.0)), "extra_key"),
+])
+def test_config_refusals(change, match):
+    with pytest.raises(ModelError, match=match):
+        DecoderConfig.from_hf(dict(TINY, model_type="deepseek_v3", **change))
+
+
+def test_config_fields():
+    c = DecoderConfig.from_hf(dict(TINY, model_type="deepseek_v3", num_nextn_predict_layers=1))
+    m = c.mla
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (48, 32, 16, 8, 12)
+    assert c.head_dim == 8 and m.rope_interleave and c.mtp_layers == 1 and c.rope.rope_type == "yarn"
+    assert DecoderConfig.from_hf(dict(VARIANT, model_type="deepseek_v3")).mla.q_lora_rank is None
