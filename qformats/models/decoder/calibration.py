@@ -210,6 +210,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         come from each projection's minmax observer over the real tokens of the calibration pass (NVFP4's input
         global scale = 448 * 6 / max|x|, compressed-tensors' generate_gparam).
     """
+    if model.config.mla is not None:
+        raise ModelError(f"calibrate_decoder: the {model.config.model_type} model's multi-head latent attention "
+                         "projections are not calibrated by this driver yet; quantize it data-free "
+                         "(qformats.nn.quantize_model)")
     weight_search = search_name(weight_search)
     if propagate not in PROPAGATE:
         raise ModelError(f"calibrate_decoder: propagate must be one of {PROPAGATE}, got {propagate!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qformats.errors import ModelError
 from qformats.sharding import ShardingRules
 
 #: Logical axes of a KV cache buffer [batch, num_kv_heads, max_len, head_dim].
@@ -31,7 +32,10 @@ def tensor_parallel_rules(config, axis: str = "tp"):
     """`qformats.sharding.ShardingRules` of the Megatron layout of `config` (a `DecoderConfig`) on mesh axis `axis`:
     `PARAM_AXES`, with heads, KV heads, the MLP's hidden units and the vocabulary split over `axis` (heads cut at
     whole heads), the model dimension replicated. With these rules the KV cache is split by KV heads too
-    (`CausalLM.init_cache`)."""
+    (`CausalLM.init_cache`). ModelError for multi-head latent attention (deepseek_v3), which has no layout here."""
+    if getattr(config, "mla", None) is not None:
+        raise ModelError(f"tensor_parallel_rules: no tensor-parallel layout is defined for the {config.model_type} "
+                         "model's multi-head latent attention")
     return ShardingRules(PARAM_AXES, (("vocab", axis), ("heads", axis), ("kv_heads", axis), ("mlp", axis),
                                       ("embed", None), ("head_dim", None)),
                          units=(("heads", config.head_dim), ("kv_heads", config.head_dim)))
