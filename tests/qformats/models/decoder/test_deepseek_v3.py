@@ -36,6 +36,8 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermedia
 # no query LoRA, attention biases, rotate-half rope without scaling, unnormalised routing weights
 VARIANT = dict(TINY, q_lora_rank=None, attention_bias=True, rope_interleave=False, rope_scaling=None,
                norm_topk_prob=False, num_hidden_layers=2, n_shared_experts=2)
+# every layer dense (first_k_dense_replace = num_hidden_layers): attention and checkpoint tests without experts
+DENSE = dict(TINY, num_hidden_layers=2, first_k_dense_replace=2)
 IDS = np.random.RandomState(0).randint(0, 256, (2, 20))
 
 
@@ -158,3 +160,89 @@ def test_config_fields():
     assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (48, 32, 16, 8, 12)
     assert c.head_dim == 8 and m.rope_interleave and c.mtp_layers == 1 and c.rope.rope_type == "yarn"
     assert DecoderConfig.from_hf(dict(VARIANT, model_type="deepseek_v3")).mla.q_lora_rank is None
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+def test_mtp_layer_tensors_are_skipped_by_name_with_a_warning():
+    """DeepSeek-V3 checkpoints carry the multi-token-prediction layer as model.layers.{num_hidden_layers}.*: skipped,
+    and said so; a tensor of a layer past the MTP layers is still an error."""
+    cfg = dict(DENSE, num_nextn_predict_layers=1)
+    hf = hf_model(cfg)
+    tensors = hf_checkpoint(hf)
+    mtp = {f"model.layers.{cfg['num_hidden_layers']}.{n}": np.zeros((4, 4), np.float32)
+           for n in ("eh_proj.weight", "enorm.weight", "shared_head.head.weight")}
+    with pytest.warns(UserWarning, match=r"skipped 3 tensors of the multi-token-prediction layer\(s\) model.layers.2"):
+        flax_model(hf, {**tensors, **mtp})
+    with pytest.raises(ModelError, match="1 unexpected: model.layers.3.eh_proj.weight"):
+        flax_model(hf, {**tensors, "model.layers.3.eh_proj.weight": np.zeros((4, 4), np.float32)})
+    no_mtp = hf_model(dict(cfg, num_nextn_predict_layers=0))
+    with pytest.raises(ModelError, match="unexpected: model.layers.2.eh_proj.weight"):
+        flax_model(no_mtp, {**tensors, **mtp})
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+forward = nnx.jit(lambda m, ids: m(ids)[0])
+
+
+@pytest.fixture(scope="module", params=["tiny", "variant"])
+def pair(request):
+    hf = hf_model(TINY if request.param == "tiny" else VARIANT)
+    return hf, flax_model(hf)
+
+
+def test_logits_match_transformers(pair):
+    hf, model = pair
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(IDS)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(IDS))), ref, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_cached_prefill_then_steps_match_transformers(pair):
+    """The latent cache: a prefill of 12 positions and single-token steps give the uncached logits."""
+    hf, model = pair
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(IDS)).logits.numpy()
+    cache = model.init_cache(2, 24)
+    assert cache.keys[0].shape == (2, 1, 24, 32) and cache.values[0].shape == (2, 1, 24, 8)
+    step = nnx.jit(lambda m, ids, c: m(ids, c))
+    logits, cache = step(model, jnp.asarray(IDS[:, :12]), cache)
+    outs = [np.asarray(logits)]
+    for t in range(12, IDS.shape[1]):
+        logits, cache = step(model, jnp.asarray(IDS[:, t:t + 1]), cache)
+        outs.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), ref, rtol=0, atol=LOGITS_ATOL)
+    assert int(cache.length) == IDS.shape[1]
+
+
+def test_greedy_generation_matches_transformers():
+    from qformats.models.generate import generate
+
+    hf = hf_model(TINY)
+    model = flax_model(hf)
+    prompt = IDS[:, :8]
+    with torch.no_grad():
+        ref = hf.generate(torch.from_numpy(prompt), max_new_tokens=32, do_sample=False, min_new_tokens=32)
+    ours = np.asarray(generate(model, jnp.asarray(prompt), 32))
+    np.testing.assert_array_equal(ours, ref.numpy()[:, 8:])
+
+
+def test_w4a16_quantization_runs():
+    from qformats.models.decoder import quantization_rules
+    from qformats.nn import quantize_model, quantized_layers
+
+    hf = hf_model(TINY)
+    model = flax_model(hf)
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(IDS)).logits.numpy()
+    quantize_model(model, quantization_rules("W4A16:g16"))
+    paths = set(quantized_layers(model))
+    for p in ("model/layers/0/self_attn/q_a_proj", "model/layers/0/self_attn/q_b_proj",
+              "model/layers/0/self_attn/kv_a_proj_with_mqa", "model/layers/0/self_attn/kv_b_proj",
+              "model/layers/0/self_attn/o_proj", "model/layers/0/mlp/gate_proj", "model/layers/1/mlp/experts/gate_proj",
+              "model/layers/1/mlp/experts/down_proj", "model/layers/1/mlp/shared_experts/up_proj"):
+        assert p in paths, p
+    assert not any(p.endswith("mlp/gate") for p in paths)  # the router stays float32
+    logits = np.asarray(forward(model, jnp.asarray(IDS)))
+    assert np.all(np.isfinite(logits)) and np.abs(logits - ref).max() < 0.5
