@@ -31,12 +31,16 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.kv_cache import KVCacheScheme, dequantize_kv, dynamic_scale, quantize_kv
+from qformats.models.decoder.moe import MOE_MODEL_TYPES, MoEBlock, MoEConfig, moe_from_hf
 from qformats.models.decoder.sharding import KV_CACHE_AXES
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + MOE_MODEL_TYPES + ("deepseek_v3",)
 ROPE_TYPES = ("default", "llama3", "yarn")
 # transformers' config-class defaults for keys a config.json may leave out (others are required)
-_HEAD_DIM_DEFAULT = {"qwen3": 128}
+_HEAD_DIM_DEFAULT = {"qwen3": 128, "gpt_oss": 64}
+_KV_HEADS_DEFAULT = {"mistral": 8, "mixtral": 8, "gpt_oss": 8, "qwen3_moe": 4, "qwen2_moe": 16}
+_RMS_EPS_DEFAULT = {"mixtral": 1e-5, "gpt_oss": 1e-5}
+_THETA_DEFAULT = {"mixtral": 1e6, "gpt_oss": 150000.0}
 _MISTRAL_SLIDING_WINDOW_DEFAULT = 4096
 _QWEN_SLIDING_WINDOW_DEFAULT = 4096
 _QWEN_MAX_WINDOW_LAYERS_DEFAULT = 28
@@ -135,6 +139,9 @@ class DecoderConfig:
     key positions s with p - window < s <= p. `qkv_bias` / `o_bias` / `mlp_bias`: which projections have a
     bias. `qk_norm`: per-head RMSNorm on queries and keys before RoPE (qwen3). `dtype`: the checkpoint's stored
     dtype name from config.json ("bfloat16", ...), informational (the model's dtype is chosen at construction).
+    `moe`: the sparse block of mixture-of-experts models (`moe.MoEConfig`), used on the layers flagged in
+    `moe_layers` (the others have a dense MLP of `intermediate_size`). `attention_sinks`: a learned per-head
+    logit joins each softmax and is dropped after it (gpt_oss).
     `mla`: a `qformats.models.decoder.mla.MLAConfig` for multi-head latent attention (deepseek_v3; `head_dim` is
     then its rotary head dim, qk_rope_head_dim, as in transformers). `mtp_layers`: DeepSeek's multi-token-prediction
     layers (num_nextn_predict_layers) the checkpoint holds after the last layer; not part of this model (next-token
@@ -159,12 +166,20 @@ class DecoderConfig:
     sliding_windows: Tuple[Optional[int], ...] = ()
     max_position_embeddings: int = 2048
     dtype: Optional[str] = None
+    moe: Optional[MoEConfig] = None
+    moe_layers: Tuple[bool, ...] = ()
+    attention_sinks: bool = False
     mla: Optional[Any] = None
     mtp_layers: int = 0
 
     def __post_init__(self):
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", (self.moe is not None,) * self.num_layers)
+        if len(self.moe_layers) != self.num_layers or (any(self.moe_layers) and self.moe is None):
+            raise ModelError(f"DecoderConfig: moe_layers {self.moe_layers} must flag each of the {self.num_layers} "
+                             "layers, sparse ones only with a MoEConfig")
         if len(self.sliding_windows) != self.num_layers:
             raise ModelError(f"DecoderConfig: {len(self.sliding_windows)} sliding windows for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
@@ -175,10 +190,10 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "DecoderConfig":
-        """Read an HF `config.json` dict of model_type llama, mistral, qwen2 or qwen3 (transformers' defaults for
-        keys it leaves out). Anything this model would not compute as transformers does is a ModelError:
-        another model_type, an activation other than silu, a rope type other than default / llama3, a partial
-        rotary factor, unknown layer types."""
+        """Read an HF `config.json` dict of model_type llama, mistral, qwen2, qwen3, or the mixture-of-experts
+        qwen2_moe, qwen3_moe, mixtral, gpt_oss (transformers' defaults for keys it leaves out). Anything this
+        model would not compute as transformers does is a ModelError: another model_type, an activation other
+        than silu, a rope type it lacks, a partial rotary factor, unknown layer types."""
         mt = cfg.get("model_type")
         if mt == "deepseek_v3":
             return _deepseek_v3_from_hf(cls, cfg)
@@ -195,26 +210,32 @@ class DecoderConfig:
         layers = int(need("num_hidden_layers"))
         kv_heads = cfg.get("num_key_value_heads")
         if kv_heads is None:
-            kv_heads = 8 if mt == "mistral" else heads
+            kv_heads = _KV_HEADS_DEFAULT.get(mt, heads)
         head_dim = cfg.get("head_dim") or _HEAD_DIM_DEFAULT.get(mt) or hidden // heads
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelError(f"config.json ({mt}): hidden_act {act!r} is not supported (only 'silu')")
         max_pos = int(cfg.get("max_position_embeddings") or 2048)
         dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+        moe, sparse = (None, ())
+        if mt in MOE_MODEL_TYPES:
+            moe, sparse = moe_from_hf(cfg, mt, layers)
+        attn_bias = bool(cfg.get("attention_bias", mt == "gpt_oss"))
         return cls(
             model_type=mt, vocab_size=int(need("vocab_size")), hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")), num_layers=layers, num_heads=heads,
             num_kv_heads=int(kv_heads), head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", _RMS_EPS_DEFAULT.get(mt, 1e-6))),
             rope=_rope_from_hf(cfg, mt, max_pos),
-            qkv_bias=mt == "qwen2" or (mt in ("llama", "qwen3") and bool(cfg.get("attention_bias", False))),
-            o_bias=mt in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
+            qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+            or (mt in ("llama", "qwen3", "qwen3_moe", "gpt_oss") and attn_bias),
+            o_bias=mt in ("llama", "qwen3", "qwen3_moe", "gpt_oss") and attn_bias,
             mlp_bias=mt == "llama" and bool(cfg.get("mlp_bias", False)),
-            qk_norm=mt == "qwen3",
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_windows=_windows_from_hf(cfg, mt, layers),
-            max_position_embeddings=max_pos, dtype=None if dtype is None else str(dtype))
+            max_position_embeddings=max_pos, dtype=None if dtype is None else str(dtype),
+            moe=moe, moe_layers=sparse, attention_sinks=mt == "gpt_oss")
 
 
 def _deepseek_v3_from_hf(cls, cfg: Mapping[str, Any]) -> "DecoderConfig":
@@ -241,13 +262,40 @@ def _deepseek_v3_from_hf(cls, cfg: Mapping[str, Any]) -> "DecoderConfig":
     rope = _rope_from_hf(cfg, mt, max_pos)
     mla = MLAConfig.from_hf(cfg, rope)
     mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 1)) or 0
+    moe, sparse = _deepseek_moe_from_hf(cfg, layers)
     dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     return cls(
         model_type=mt, vocab_size=int(cfg.get("vocab_size", 129280)), hidden_size=hidden,
         intermediate_size=int(cfg.get("intermediate_size", 18432)), num_layers=layers, num_heads=heads,
         num_kv_heads=heads, head_dim=mla.qk_rope_head_dim, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=rope, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=max_pos, dtype=None if dtype is None else str(dtype), mla=mla, mtp_layers=int(mtp))
+        max_position_embeddings=max_pos, dtype=None if dtype is None else str(dtype), mla=mla, mtp_layers=int(mtp),
+        moe=moe, moe_layers=sparse)
+
+
+def _deepseek_moe_from_hf(cfg: Mapping[str, Any], layers: int) -> Tuple[Optional[MoEConfig], Tuple[bool, ...]]:
+    """DeepSeek-V3's sparse block and schedule: layers i >= first_k_dense_replace are sparse; n_routed_experts
+    experts of moe_intermediate_size, num_experts_per_tok of them per token by group-limited sigmoid routing
+    (n_group, topk_group, norm_topk_prob, routed_scaling_factor), plus n_shared_experts fused into one ungated
+    MLP of n_shared_experts x moe_intermediate_size ("shared_experts")."""
+    def count(key, default):
+        v = cfg.get(key, default)
+        if v is None or int(v) < 0:
+            raise ModelError(f"config.json (deepseek_v3): {key} must be a non-negative integer, got {v!r}")
+        return int(v)
+
+    first = count("first_k_dense_replace", 3)
+    sparse = tuple(i >= first for i in range(layers))
+    if not any(sparse):
+        return None, sparse
+    inter = count("moe_intermediate_size", 2048)
+    return MoEConfig(
+        count("n_routed_experts", 256), count("num_experts_per_tok", 8), inter, routing="sigmoid_grouped",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), weights_float32=True,
+        n_group=count("n_group", 8), topk_group=count("topk_group", 4),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
+        shared_expert_intermediate_size=inter * count("n_shared_experts", 1), shared_expert_gated=False,
+        shared_name="shared_experts"), sparse
 
 
 def _rope_from_hf(cfg: Mapping[str, Any], mt: str, max_pos: int) -> RopeConfig:
@@ -261,7 +309,7 @@ def _rope_from_hf(cfg: Mapping[str, Any], mt: str, max_pos: int) -> RopeConfig:
     prf = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if prf is not None and float(prf) != 1.0:
         raise ModelError(f"config.json ({mt}): partial_rotary_factor {prf} is not supported (only 1.0)")
-    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(rp.get("rope_theta", cfg.get("rope_theta", _THETA_DEFAULT.get(mt, 10000.0))))
     if rope_type == "default":
         return RopeConfig("default", theta)
     if rope_type == "yarn":
@@ -303,14 +351,27 @@ def _windows_from_hf(cfg: Mapping[str, Any], mt: str, layers: int) -> Tuple[Opti
     """Per-layer attention windows as transformers computes them (masking_utils' sliding_window_overlay)."""
     if mt == "llama":
         return (None,) * layers
-    if mt == "mistral":  # every layer windowed unless sliding_window is null
-        w = cfg.get("sliding_window", _MISTRAL_SLIDING_WINDOW_DEFAULT)
+    if mt in ("mistral", "mixtral"):  # every layer windowed unless sliding_window is null
+        w = cfg.get("sliding_window", _MISTRAL_SLIDING_WINDOW_DEFAULT if mt == "mistral" else None)
         return (None if w is None else int(w),) * layers
-    w = cfg.get("sliding_window", _QWEN_SLIDING_WINDOW_DEFAULT) if cfg.get("use_sliding_window", False) else None
+    if mt == "qwen3_moe":  # every layer windowed with use_sliding_window (its attention ignores layer_types)
+        w = cfg.get("sliding_window", _QWEN_SLIDING_WINDOW_DEFAULT) if cfg.get("use_sliding_window", False) else None
+        return (None if w is None else int(w),) * layers
+    if mt == "gpt_oss":
+        w = cfg.get("sliding_window", 128)
+    else:
+        w = cfg.get("sliding_window", _QWEN_SLIDING_WINDOW_DEFAULT) if cfg.get("use_sliding_window", False) else None
     types = cfg.get("layer_types")
     if types is None:
         first = int(cfg.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS_DEFAULT))
-        types = ["sliding_attention" if w is not None and i >= first else "full_attention" for i in range(layers)]
+        if mt == "gpt_oss":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        elif mt == "qwen2_moe":
+            types = ["sliding_attention" if w is not None and (i + 1) % 2 and i < first else "full_attention"
+                     for i in range(layers)]
+        else:
+            types = ["sliding_attention" if w is not None and i >= first else "full_attention"
+                     for i in range(layers)]
     if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
         raise ModelError(f"config.json ({mt}): layer_types must list 'full_attention' / 'sliding_attention' for each "
                          f"of the {layers} layers, got {types!r}")
@@ -457,6 +518,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         self.qk_norm = cfg.qk_norm
+        # attention sinks (gpt_oss): one learned logit per head joins the softmax, its probability dropped after
+        self.sinks = nnx.Param(jnp.zeros((cfg.num_heads,), param_dtype)) if cfg.attention_sinks else None
         # KV-cache quantization (enable_kv_cache_quantization): the scheme, and static k_scale / v_scale
         self.kv_scheme: Optional[KVCacheScheme] = None
         self.k_scale = nnx.data(None)
@@ -492,7 +555,13 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, g, r, hd).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, hd)  # rows (r, t)
         scores = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = jnp.where(jnp.tile(mask, (r, 1)), scores * (hd ** -0.5), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        if self.sinks is not None:  # head g * r + j owns rows (j, t) of group g
+            sink = self.sinks.get_value().astype(jnp.float32).reshape(g, r, 1, 1)
+            sink = jnp.broadcast_to(sink, (g, r, t, 1)).reshape(1, g, r * t, 1)
+            full = jnp.concatenate([scores, jnp.broadcast_to(sink, scores.shape[:-1] + (1,))], axis=-1)
+            probs = jax.nn.softmax(full, axis=-1)[..., :-1].astype(x.dtype)
+        else:
+            probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bgms,bgsd->bgmd", probs, v.astype(x.dtype))
         out = out.reshape(b, g, r, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, self.num_heads * hd)
         return _project(self, "o_proj", out), (kv if kv is not None else (k, v))
@@ -519,15 +588,17 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), of `intermediate_size` hidden units (default the config's)."""
 
-    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 intermediate_size: Optional[int] = None):
         def lin(i, o):
             return nnx.Linear(i, o, use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-        self.gate_proj = lin(cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = lin(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = lin(cfg.intermediate_size, cfg.hidden_size)
+        inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = lin(cfg.hidden_size, inter)
+        self.up_proj = lin(cfg.hidden_size, inter)
+        self.down_proj = lin(inter, cfg.hidden_size)
         self.rotations = nnx.data(None)  # online rotations (set_rotation): "<proj>/input", "<proj>/output"
 
     def __call__(self, x):
@@ -536,9 +607,10 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """x + attn(norm(x)), then h + mlp(norm(h)) (pre-norm residual block)."""
+    """x + attn(norm(x)), then h + ffn(norm(h)) (pre-norm residual block); ffn is the dense MLP (`mlp`), or on
+    a sparse layer of an MoE model the `MoEBlock` at the checkpoint's name (`mlp`, mixtral's `block_sparse_moe`)."""
 
-    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs, sparse: bool = False):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         if cfg.mla is None:
             self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -547,14 +619,25 @@ class DecoderLayer(nnx.Module):
 
             self.self_attn = MLAttention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.ffn_name = "mlp"
+        if sparse:
+            m = cfg.moe
+            shared = None
+            if m.shared_expert_intermediate_size:
+                shared = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                             intermediate_size=m.shared_expert_intermediate_size)
+            self.ffn_name = m.block_name
+            setattr(self, m.block_name, MoEBlock(m, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                                 shared=shared))
+        else:
+            self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, mask, kv=None, start=0):
         with jax.named_scope("self_attn"):
             h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, start)
         x = x + h
-        with jax.named_scope("mlp"):
-            x = x + self.mlp(self.post_attention_layernorm(x))
+        with jax.named_scope(self.ffn_name):
+            x = x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
         return x, kv
 
 
@@ -564,8 +647,8 @@ class DecoderModel(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                                for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                             sparse=cfg.moe_layers[i]) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
 
 
