@@ -171,7 +171,7 @@ def test_from_hf_sparse_layers_and_defaults():
     (dict(model_type="qwen3_moe", hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5), "num_experts_per_tok = 5"),
     (dict(model_type="qwen2_moe", decoder_sparse_step=0), "decoder_sparse_step"),
-    (dict(model_type="deepseek_v3"), "model_type 'deepseek_v3' is not supported"),
+    (dict(model_type="deepseek_v2"), "model_type 'deepseek_v2' is not supported"),
 ])
 def test_from_hf_refuses_what_it_cannot_compute(change, message):
     with pytest.raises(ModelError, match=message):
