@@ -158,7 +158,7 @@ def _observer(scheme):
 
 def _layer_inputs(config, t: int, window):
     positions = jnp.arange(t, dtype=jnp.int32)
-    cos, sin = rope_tables(positions, inv_freq(config))
+    cos, sin = rope_tables(positions, inv_freq(config), config.rope.attention_scaling)
     return cos, sin, attention_mask(positions, t, window)
 
 

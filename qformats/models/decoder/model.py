@@ -35,7 +35,7 @@ from qformats.models.decoder.moe import MOE_MODEL_TYPES, MoEBlock, MoEConfig, mo
 from qformats.models.decoder.sharding import KV_CACHE_AXES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + MOE_MODEL_TYPES
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")
 # transformers' config-class defaults for keys a config.json may leave out (others are required)
 _HEAD_DIM_DEFAULT = {"qwen3": 128, "gpt_oss": 64}
 _KV_HEADS_DEFAULT = {"mistral": 8, "mixtral": 8, "gpt_oss": 8, "qwen3_moe": 4, "qwen2_moe": 16}
@@ -55,6 +55,13 @@ class RopeConfig:
       inv_freq_j / factor                            if wavelen_j > L / low_freq_factor,
       inv_freq_j                                     if wavelen_j < L / high_freq_factor,
       (1 - s) inv_freq_j / factor + s inv_freq_j     otherwise, s = (L / wavelen_j - low) / (high - low).
+    yarn (YaRN, transformers' `_compute_yarn_parameters`): with d = head_dim, L as above and
+      c(r) = d ln(L / (2 pi r)) / (2 ln theta)   (the dimension completing r rotations over L),
+      low = max(c(beta_fast), 0), high = min(c(beta_slow), d - 1) (floor / ceil first when `truncate`),
+      ramp_j = clip((j - low) / (high - low), 0, 1),
+      inv_freq_j = inv_j / factor * ramp_j + inv_j * (1 - ramp_j),
+    and cos / sin scaled by `attention_factor` (default 0.1 ln(factor) + 1, or with mscale / mscale_all_dim
+    the ratio (0.1 mscale ln f + 1) / (0.1 mscale_all_dim ln f + 1); 1 for factor <= 1).
     """
 
     rope_type: str = "default"
@@ -63,13 +70,37 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: Optional[float] = None
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor cos / sin are multiplied by (YaRN's attention factor; 1.0 for the other types)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def get_mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim))
+        return float(get_mscale(self.factor))
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """The [head_dim / 2] float32 inverse frequencies (computed in float32, as transformers does)."""
         exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-        inv = (np.float32(1.0) / np.power(np.float32(self.theta), exponent)).astype(np.float32)
+        pos_freqs = np.power(np.float32(self.theta), exponent).astype(np.float32)
+        inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
         if self.rope_type == "default":
             return inv
+        if self.rope_type == "yarn":
+            return self._yarn(head_dim, pos_freqs, inv)
         low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
         high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
         wavelen = np.float32(2 * math.pi) / inv
@@ -79,6 +110,23 @@ class RopeConfig:
         smoothed = (1 - smooth) * scaled / np.float32(self.factor) + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
+
+    def _yarn(self, d: int, pos_freqs: np.ndarray, inv: np.ndarray) -> np.ndarray:
+        L = self.original_max_position_embeddings
+
+        def corr(rot):
+            return (d * math.log(L / (rot * 2 * math.pi))) / (2 * math.log(self.theta))
+
+        low, high = corr(self.beta_fast), corr(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        extrapolation = (np.float32(1) - ramp).astype(np.float32)
+        interp = (np.float32(1.0) / (np.float32(self.factor) * pos_freqs)).astype(np.float32)
+        return (interp * (1 - extrapolation) + inv * extrapolation).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +242,18 @@ def _rope_from_hf(cfg: Mapping[str, Any], mt: str, max_pos: int) -> RopeConfig:
     theta = float(rp.get("rope_theta", cfg.get("rope_theta", _THETA_DEFAULT.get(mt, 10000.0))))
     if rope_type == "default":
         return RopeConfig("default", theta)
+    if rope_type == "yarn":
+        orig = int(rp.get("original_max_position_embeddings") or max_pos)
+        factor = rp.get("factor")
+        factor = max_pos / orig if factor is None else float(factor)
+
+        def opt(k):
+            return None if rp.get(k) is None else float(rp[k])
+
+        return RopeConfig("yarn", theta, factor, original_max_position_embeddings=orig,
+                          beta_fast=float(rp.get("beta_fast") or 32.0), beta_slow=float(rp.get("beta_slow") or 1.0),
+                          truncate=bool(rp.get("truncate", True)), attention_factor=opt("attention_factor"),
+                          mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"))
     missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if rp.get(k) is None]
     if missing:
         raise ModelError(f"config.json ({mt}): llama3 rope parameters lack {', '.join(missing)}")
@@ -279,11 +339,14 @@ class RMSNorm(nnx.Module):
         return self.weight.get_value().astype(x.dtype) * y
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> Tuple[jax.Array, jax.Array]:
-    """cos, sin [T, head_dim] of angles positions_t * inv_freq_j, the half-table repeated (HF's layout)."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> Tuple[jax.Array, jax.Array]:
+    """cos, sin [T, head_dim] of angles positions_t * inv_freq_j, the half-table repeated (HF's layout), times
+    `scale` (YaRN's attention factor, `RopeConfig.attention_scaling`; 1 otherwise)."""
     ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     ang = jnp.concatenate([ang, ang], axis=-1)
-    return jnp.cos(ang), jnp.sin(ang)
+    if scale == 1.0:
+        return jnp.cos(ang), jnp.sin(ang)
+    return jnp.cos(ang) * jnp.float32(scale), jnp.sin(ang) * jnp.float32(scale)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -593,7 +656,7 @@ class CausalLM(nnx.Module):
             if n is not None and n + t > s:
                 raise ModelError(f"CausalLM: the cache holds {s} positions; {n} are filled and {t} more were given")
         positions = start + jnp.arange(t, dtype=jnp.int32)
-        cos, sin = rope_tables(positions, inv_freq(self.config))
+        cos, sin = rope_tables(positions, inv_freq(self.config), self.config.rope.attention_scaling)
         masks = {w: attention_mask(positions, s, w) for w in set(self.config.sliding_windows)}
         x = self.model.embed_tokens(ids)
         entries = []
