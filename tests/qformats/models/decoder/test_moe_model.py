@@ -23,7 +23,6 @@ from qformats.nn import Experts  # noqa: E402
 LOGITS_ATOL = 1e-5
 IDS = ids()
 forward = nnx.jit(lambda m, ids: m(ids)[0])
-FLOAT_ARCHS = [a for a in ARCHS if a != "gpt_oss"]
 
 
 def flax_model(cfg, tensors):
@@ -31,7 +30,7 @@ def flax_model(cfg, tensors):
     return load_hf_tensors(model, tensors)
 
 
-@pytest.fixture(scope="module", params=FLOAT_ARCHS)
+@pytest.fixture(scope="module", params=list(ARCHS))
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = write_checkpoint(request.param, path)
@@ -58,9 +57,11 @@ def test_names_and_layout(pair):
     stacks = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(model) if isinstance(m, Experts)}
     e, inter = c.moe.num_experts, c.moe.intermediate_size
     for path, m in stacks.items():
-        assert m.kernel.get_value().shape in ((e, 64, inter), (e, inter, 64)), path
+        assert m.kernel.get_value().shape in ((e, 64, inter), (e, inter, 64), (e, 64, 2 * inter)), path
     if arch == "mixtral":
         assert "model/layers/0/block_sparse_moe/experts/w1" in stacks
+    elif arch == "gpt_oss":  # the fused, interleaved gate/up stack as stored, with expert biases
+        assert stacks["model/layers/0/mlp/experts/gate_up_proj"].bias.get_value().shape == (e, 2 * inter)
     else:
         assert "model/layers/0/mlp/experts/gate_proj" in stacks
 
@@ -123,7 +124,7 @@ def naive_block(blk: MoEBlock, x):
     return out.reshape(x.shape)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("tokens", [1, 40])
 def test_dispatch_paths_agree_with_a_loop_over_experts(pair, tokens):
     _, _, model, _ = pair
     blk = moe_blocks(model)[0]
@@ -151,6 +152,26 @@ def test_cached_decode_equals_full_forward(pair):
 
 
 # ---------------------------------------------------------------------------------------------- config
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+         original_max_position_embeddings=4096),  # gpt-oss
+    dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0,
+         mscale_all_dim=1.0, original_max_position_embeddings=4096),  # deepseek-v3 style, truncated
+    dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=32768,
+         attention_factor=0.8),
+])
+def test_yarn_rope_matches_transformers(rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32,
+                                      max_position_embeddings=131072, rope_parameters=dict(rope))
+    inv, scale = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    c = DecoderConfig.from_hf({**hf_cfg.to_dict(), "model_type": "llama"})
+    assert c.rope.rope_type == "yarn"
+    np.testing.assert_allclose(c.rope.inv_freq(32), inv.numpy(), rtol=1e-6, atol=0)
+    assert c.rope.attention_scaling == pytest.approx(scale, rel=1e-12)
+
 
 MOE_BASE = dict(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)
 
