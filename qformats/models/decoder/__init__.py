@@ -3,6 +3,7 @@
 Modules (each imports only those above it):
   `model`     the NNX model alone: `DecoderConfig` (from an HF config.json), RMSNorm, RoPE, attention, MLP,
               `CausalLM` with its explicit `KVCache`, and the online-rotation modules its forward pass applies;
+  `mla`       multi-head latent attention of deepseek_v3 (`MLAttention`, `MLAConfig`) and its latent KV cache;
   `params`    HF parameter names (`hf_tensor_names`, one table), `load_hf_tensors` and its inverse `hf_tensors`;
   `kv_cache`  KV-cache quantization (`enable_kv_cache_quantization`, `calibrate_kv_cache`, ...);
   `rotate`    online rotations (`set_rotation`) and SpinQuant in memory (`rotate_decoder`);

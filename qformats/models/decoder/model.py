@@ -15,6 +15,10 @@ the same function (positions start at `cache.length`), so both jit and `qformats
 compiled loop. This module is the model alone (no file I/O, no HF names): `params` maps HF state-dict tensors
 onto it, and `kv_cache`, `rotate`, `sharding` and `rules` adapt it (KV-cache quantization, online rotations, the
 tensor-parallel layout, the `qformats.nn` rules of its projections).
+
+deepseek_v3 shares the skeleton with `mla.MLAttention` (multi-head latent attention, its latent cache) in place
+of `Attention`, dense MLPs on the first `first_k_dense_replace` layers and `moe.MoEBlock` ("sigmoid_grouped"
+routing, shared experts) on the others; YaRN is a `RopeConfig` type of the whole family.
 """
 
 from __future__ import annotations
@@ -391,6 +395,10 @@ class KVCache:
     With KV-cache quantization (`enable_kv_cache_quantization`) keys/values hold uint8 fp8_e4m3fn codes
     (`qformats.kv_cache`); a dynamic scheme adds key_scales[i] / value_scales[i]: float32 [max_len, 1], the
     scale of the block each position was written in. Static scales live on the attention modules.
+
+    Multi-head latent attention (deepseek_v3, `mla`): keys[i] holds the normed latent [batch, 1, max_len,
+    kv_lora_rank] and values[i] the post-RoPE shared rope key [batch, 1, max_len, qk_rope_head_dim], as
+    transformers caches them.
     """
 
     keys: Tuple[jax.Array, ...]
