@@ -164,6 +164,19 @@ def test_config_fields():
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
+def test_hf_tensors_give_back_the_checkpoint():
+    """hf_tensors (the inverse of load_hf_tensors) gives every tensor of the HF checkpoint back, experts sliced out of
+    their stacks and the router's float32 weight and score-correction bias as stored."""
+    from qformats.models.decoder import hf_tensors
+
+    hf = hf_model(TINY)
+    want = hf_checkpoint(hf)
+    got = hf_tensors(flax_model(hf, want))
+    assert sorted(got) == sorted(want)
+    for n in want:
+        np.testing.assert_array_equal(got[n], want[n], err_msg=n)
+
+
 def test_mtp_layer_tensors_are_skipped_by_name_with_a_warning():
     """DeepSeek-V3 checkpoints carry the multi-token-prediction layer as model.layers.{num_hidden_layers}.*: skipped,
     and said so; a tensor of a layer past the MTP layers is still an error."""
