@@ -305,3 +305,17 @@ class MoEBlock(nnx.Module):
             shared = getattr(self, c.shared_name)(xf)
             out = out + (jax.nn.sigmoid(self.shared_expert_gate(xf)) * shared if c.shared_expert_gated else shared)
         return out.reshape(b, t, d)
+
+
+def set_dispatch(model: nnx.Module, dispatch: str = "auto", grouped_method: str = "auto") -> int:
+    """Set how every `MoEBlock` of `model` runs its experts (`MoEBlock.dispatch`, `MoEBlock.grouped_method`);
+    returns the number of blocks. ModelError for an unknown name."""
+    from qformats.nn.experts import GROUPED_METHODS
+
+    if dispatch not in DISPATCHES or grouped_method not in GROUPED_METHODS:
+        raise ModelError(f"set_dispatch: dispatch must be one of {DISPATCHES} and grouped_method one of "
+                         f"{GROUPED_METHODS}, got {dispatch!r}, {grouped_method!r}")
+    blocks = [m for _, m in nnx.iter_modules(model) if isinstance(m, MoEBlock)]
+    for b in blocks:
+        b.dispatch, b.grouped_method = dispatch, grouped_method
+    return len(blocks)

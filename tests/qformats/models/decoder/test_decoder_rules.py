@@ -1,4 +1,5 @@
-"""qformats.models.decoder.rules: the seven projections of every layer are quantized, lm_head only on request."""
+"""qformats.models.decoder.rules: the seven projections of every layer are quantized (MoE expert stacks: tests/qformats/
+models/decoder/test_moe_quantized.py), lm_head only on request."""
 
 from flax import nnx
 
