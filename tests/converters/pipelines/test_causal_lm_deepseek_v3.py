@@ -1,5 +1,5 @@
 """converters.pipelines.causal_lm.load_causal_lm on deepseek_v3 checkpoints: the dense HF layout transformers 5 writes
-(per-expert tensors), and DeepSeek's HF fine-grained FP8 block layout on the latent-attention and MLP projections."""
+(per-expert tensors), and DeepSeek's HF fine-grained FP8 block layout (every projection but the router packed)."""
 
 import json
 import sys
@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
 
 from converters.pipelines.causal_lm import load_causal_lm  # noqa: E402
-from qformats.nn import QLinear, quantized_layers  # noqa: E402
+from qformats.nn import QExperts, quantized_layers  # noqa: E402
 from qformats.quantize import dequantize  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "qformats" / "models" / "decoder"))
@@ -68,20 +68,30 @@ def write_fp8_deepseek(out: Path, hf, block=(8, 8)) -> Path:
     return out
 
 
-def test_fp8_block_checkpoint_loads_packed_latent_attention(tmp_path):
-    """Every MLA and dense-MLP projection of an FP8-block deepseek_v3 checkpoint becomes a packed QLinear whose
-    dequantized kernel is transformers' own dequantization (FineGrainedFP8Config(dequantize=True)) bit for bit."""
-    hf = ds.hf_model(ds.DENSE)
+def test_fp8_block_checkpoint_loads_packed(tmp_path):
+    """Every MLA, dense-MLP, shared-expert and routed-expert projection of an FP8-block deepseek_v3 checkpoint is
+    packed (experts stacked into QExperts) and dequantizes to transformers' own dequantization
+    (FineGrainedFP8Config(dequantize=True), experts fused into gate_up_proj / down_proj) bit for bit; the router
+    stays float32."""
+    hf = ds.hf_model(ds.TINY)
     path = write_fp8_deepseek(tmp_path / "fp8", hf)
     model, _, _ = load_causal_lm(path, tokenizer=False)
     layers = quantized_layers(model)
-    assert len(layers) == 2 * (5 + 3) and all(isinstance(m, QLinear) for m in layers.values())
+    assert len(layers) == 3 * 5 + 3 + 2 * 6 and not any(p.endswith("mlp/gate") for p in layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, quantization_config=transformers.FineGrainedFP8Config(dequantize=True)).eval()
-    state = ref.state_dict()
+    state = {k: v.numpy() for k, v in ref.state_dict().items()}
+    inter = ds.TINY["moe_intermediate_size"]
     for p, m in layers.items():
-        want = state[p.replace("/", ".") + ".weight"].numpy()
-        np.testing.assert_array_equal(np.asarray(dequantize(m.kernel.get_value(), jnp.float32)).T, want)
+        name = p.replace("/", ".")
+        if isinstance(m, QExperts):
+            got = np.stack([np.asarray(dequantize(m.expert_weight(e), jnp.float32)).T for e in range(m.num_experts)])
+            stack, proj = name.rsplit(".", 1)
+            want = state[stack + (".down_proj" if proj == "down_proj" else ".gate_up_proj")]
+            want = want if proj == "down_proj" else want[:, :inter] if proj == "gate_proj" else want[:, inter:]
+        else:
+            got, want = np.asarray(dequantize(m.kernel.get_value(), jnp.float32)).T, state[name + ".weight"]
+        np.testing.assert_array_equal(got, want, err_msg=p)
     assert np.all(np.isfinite(np.asarray(ds.forward(model, jnp.asarray(ds.IDS)))))  # packed, FP8 activations
