@@ -229,6 +229,7 @@ def test_cached_prefill_then_steps_match_transformers(pair):
     assert int(cache.length) == IDS.shape[1]
 
 
+@pytest.mark.slow  # ~20-30 s on a busy 2-core machine (two compiled programs)
 def test_greedy_generation_matches_transformers():
     from qformats.models.generate import generate
 
@@ -241,6 +242,7 @@ def test_greedy_generation_matches_transformers():
     np.testing.assert_array_equal(ours, ref.numpy()[:, 8:])
 
 
+@pytest.mark.slow  # ~20-30 s on a busy 2-core machine (two compiled programs)
 def test_w4a16_packed_forward_equals_float_model_on_dequantized_weights():
     """quantize_model W4A16 reaches every projection of MLA, the dense MLPs, the shared and the routed experts
     (each expert packed as its own Linear), not the float32 router; the packed model computes what the float model
