@@ -95,3 +95,24 @@ def test_fp8_block_checkpoint_loads_packed(tmp_path):
             got, want = np.asarray(dequantize(m.kernel.get_value(), jnp.float32)).T, state[name + ".weight"]
         np.testing.assert_array_equal(got, want, err_msg=p)
     assert np.all(np.isfinite(np.asarray(ds.forward(model, jnp.asarray(ds.IDS)))))  # packed, FP8 activations
+
+
+@pytest.mark.slow  # ~30 s on a busy 2-core machine
+def test_w4a16_compressed_tensors_roundtrip(tmp_path):
+    """quantize_model W4A16 -> save_causal_lm (per-expert packed modules, the float32 router and its score-correction
+    bias under their HF names) -> load_causal_lm: the same logits."""
+    from qformats.models.decoder import quantization_rules
+    from qformats.nn import quantize_model
+
+    from converters.pipelines.causal_lm import save_causal_lm
+
+    hf = ds.hf_model(ds.TINY)
+    model = ds.flax_model(hf)
+    quantize_model(model, quantization_rules("W4A16:g16"))
+    save_causal_lm(model, tmp_path / "ct", hf.config.to_dict())
+    back, _, _ = load_causal_lm(tmp_path / "ct", tokenizer=False)
+    assert isinstance(quantized_layers(back)["model/layers/1/mlp/experts/gate_proj"], QExperts)
+    np.testing.assert_array_equal(np.asarray(back.model.layers[2].mlp.gate.e_score_correction_bias.get_value()),
+                                  np.asarray(model.model.layers[2].mlp.gate.e_score_correction_bias.get_value()))
+    np.testing.assert_array_equal(np.asarray(ds.forward(back, jnp.asarray(ds.IDS))),
+                                  np.asarray(ds.forward(model, jnp.asarray(ds.IDS))))
