@@ -46,8 +46,12 @@ def expert_parallel_rules(config, axis: str = "ep", tensor_axis=None):
     `axis` (E / n experts per device; packed stacks leaf by leaf), and, with `tensor_axis`, attention, dense MLPs,
     the shared expert and the vocabulary Megatron-style over that axis (`tensor_parallel_rules`); without it they are
     replicated. The expert FFNs' hidden units ("expert_mlp") stay whole. ModelError (at placement) when the mesh
-    does not divide num_experts."""
+    does not divide num_experts; ModelError for `tensor_axis` with multi-head latent attention (deepseek_v3: no
+    tensor-parallel layout of it; its expert stacks split by experts with everything else replicated)."""
     t = tensor_axis
+    if t is not None and getattr(config, "mla", None) is not None:
+        raise ModelError(f"expert_parallel_rules: no tensor-parallel layout is defined for the {config.model_type} "
+                         "model's multi-head latent attention; leave tensor_axis None (attention replicated)")
     return ShardingRules(PARAM_AXES, (("expert", axis), ("expert_mlp", None), ("vocab", t), ("heads", t),
                                       ("kv_heads", t), ("mlp", t), ("embed", None), ("head_dim", None)),
                          units=(("heads", config.head_dim), ("kv_heads", config.head_dim)))
