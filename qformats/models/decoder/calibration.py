@@ -210,6 +210,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         come from each projection's minmax observer over the real tokens of the calibration pass (NVFP4's input
         global scale = 448 * 6 / max|x|, compressed-tensors' generate_gparam).
     """
+    if model.config.moe is not None:
+        raise ModelError(f"calibrate_decoder: layer-by-layer calibration of mixture-of-experts decoders "
+                         f"({model.config.model_type}) is not supported yet; quantize them round-to-nearest "
+                         "(qformats.nn.quantize_model with quantization_rules)")
     weight_search = search_name(weight_search)
     if propagate not in PROPAGATE:
         raise ModelError(f"calibrate_decoder: propagate must be one of {PROPAGATE}, got {propagate!r}")
