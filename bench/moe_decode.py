@@ -8,7 +8,8 @@ Usage: python bench/moe_decode.py [--layers 4] [--hidden 512] [--experts 64] [--
 
 Timing: the fastest of --new timed calls of one decode step (batch 1, one token, KV cache holding the prompt), ours a
 jit call of the model, transformers' a forward with its cache (a deepcopy of the prompt's cache each step, timed
-with it; small beside the step). tokens/s = 1000 / step ms. Prefill: the fastest of 3 calls on the whole prompt. Prints the markdown table of BENCHMARKS.md's section
+with it; small beside the step). tokens/s = 1000 / step ms. Prefill: the fastest of 3 calls on the whole prompt.
+Prints the markdown table of BENCHMARKS.md's section
 "MoE decode (random Qwen3-MoE shape)".
 """
 
