@@ -1,6 +1,6 @@
 """Greedy decode throughput (tokens/s) of a random Qwen3-MoE-shaped model in the library decoder: gathered experts
 (the decode path), sorted rows with grouped matmuls (tiled / ragged_dot), packed expert stacks (W4A16, NVFP4A16),
-beside transformers' `generate` on the same checkpoint and our dense decoder with the same *active* parameter count
+beside transformers on the same checkpoint and our dense decoder with the same *active* parameter count
 (intermediate_size = top_k x moe_intermediate_size), all float32, in the same run.
 
 Usage: python bench/moe_decode.py [--layers 4] [--hidden 512] [--experts 64] [--moe-inter 256] [--top-k 8]
@@ -8,7 +8,8 @@ Usage: python bench/moe_decode.py [--layers 4] [--hidden 512] [--experts 64] [--
 
 Timing: the fastest of --new timed calls of one decode step (batch 1, one token, KV cache holding the prompt), ours a
 jit call of the model, transformers' a forward with its cache (a deepcopy of the prompt's cache each step, timed
-with it; small beside the step). tokens/s = 1000 / step ms. Prints the markdown table of BENCHMARKS.md's section
+with it; small beside the step). tokens/s = 1000 / step ms. Prefill: the fastest of 3 calls on the whole prompt.
+Prints the markdown table of BENCHMARKS.md's section
 "MoE decode (random Qwen3-MoE shape)".
 """
 
@@ -52,10 +53,11 @@ def ours(model, prompt, steps):
 
     graphdef, state = nnx.split(model)
     fn = jax.jit(lambda st, ids, c: nnx.merge(graphdef, st)(ids, c, last_only=True))
-    cache = model.init_cache(prompt.shape[0], prompt.shape[1] + steps + 2)
-    _, cache = fn(state, prompt, cache)
+    empty = model.init_cache(prompt.shape[0], prompt.shape[1] + steps + 2)
+    prefill = _best_ms(lambda: jax.block_until_ready(fn(state, prompt, empty)[0]), 3)
+    _, cache = fn(state, prompt, empty)
     tok = prompt[:, -1:]
-    return _best_ms(lambda: jax.block_until_ready(fn(state, tok, cache)[0]), steps)
+    return _best_ms(lambda: jax.block_until_ready(fn(state, tok, cache)[0]), steps), prefill
 
 
 def theirs(hf, prompt, steps):
@@ -65,14 +67,15 @@ def theirs(hf, prompt, steps):
     import torch
 
     with torch.no_grad():
-        out = hf(torch.tensor(prompt, dtype=torch.long), use_cache=True)
-        past = out.past_key_values
+        full = torch.tensor(prompt, dtype=torch.long)
+        prefill = _best_ms(lambda: hf(full, use_cache=True), 3)
+        past = hf(full, use_cache=True).past_key_values
         tok = torch.tensor(prompt[:, -1:], dtype=torch.long)
 
         def step():
             hf(tok, past_key_values=copy.deepcopy(past), use_cache=True)
 
-        return _best_ms(step, steps)
+        return _best_ms(step, steps), prefill
 
 
 def main(argv=None):
@@ -107,33 +110,39 @@ def main(argv=None):
         transformers.AutoModelForCausalLM.from_config(dense_cfg).eval().save_pretrained(f"{tmp}/dense")
         ref_tps = None
         if not a.no_transformers:
-            ref_tps = 1e3 / theirs(hf, prompt, a.new)
-            rows.append(("transformers generate (MoE, float32)", ref_tps, sum(p.numel() * 4 for p in hf.parameters())))
+            ms, pre = theirs(hf, prompt, a.new)
+            ref_tps = 1e3 / ms
+            rows.append(("transformers (MoE, float32)", ref_tps, pre, sum(p.numel() * 4 for p in hf.parameters())))
         del hf
         dense, _, _ = load_causal_lm(f"{tmp}/dense", tokenizer=False)
-        dense_tps = 1e3 / ours(dense, prompt, a.new)
-        rows.append(("ours, dense decoder of the same active params", dense_tps, param_bytes(dense)))
+        ms, pre = ours(dense, prompt, a.new)
+        dense_tps = 1e3 / ms
+        rows.append(("ours, dense decoder of the same active params", dense_tps, pre, param_bytes(dense)))
         del dense
         model, _, _ = load_causal_lm(f"{tmp}/moe", tokenizer=False)
-        for label, d, m in (("ours MoE, gathered experts (auto)", "auto", "auto"),
+        for label, d, m in (("ours MoE (auto: gathered decode, tiled prefill)", "auto", "auto"),
                             ("ours MoE, sorted + tiled grouped matmul", "grouped", "tiled"),
                             ("ours MoE, sorted + ragged_dot", "grouped", "ragged")):
             set_dispatch(model, d, m)
-            rows.append((label, 1e3 / ours(model, prompt, a.new), param_bytes(model)))
+            ms, pre = ours(model, prompt, a.new)
+            rows.append((label, 1e3 / ms, pre, param_bytes(model)))
         set_dispatch(model, "auto", "auto")
         for scheme in [s for s in a.schemes.split(",") if s]:
             q, _, _ = load_causal_lm(f"{tmp}/moe", tokenizer=False)
             quantize_model(q, quantization_rules(scheme))
-            rows.append((f"ours MoE {scheme}, gathered experts", 1e3 / ours(q, prompt, a.new), param_bytes(q)))
+            ms, pre = ours(q, prompt, a.new)
+            rows.append((f"ours MoE {scheme} (auto: gathered decode, tiled prefill)", 1e3 / ms, pre, param_bytes(q)))
             del q
     print(f"\n{a.layers} layers, hidden {a.hidden}, {a.experts} experts x {a.moe_inter}, top-{a.top_k}; batch 1, "
           f"prompt {a.prompt}, {a.new} new tokens; {platform.machine()} {os.cpu_count()} CPUs, jax "
           f"{jax.__version__} {jax.default_backend()}\n")
-    print("| model | step ms | decode tokens/s | vs transformers | step vs dense active | params MB |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for label, tps, nbytes in rows:
+    print(f"| model | decode step ms | decode tokens/s | vs transformers | step vs dense active | prefill {a.prompt} "
+          "tokens ms | params MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, tps, pre, nbytes in rows:
         vs_ref = f"{tps / ref_tps:.2f}x" if ref_tps else "-"
-        print(f"| {label} | {1e3 / tps:.2f} | {tps:.1f} | {vs_ref} | {dense_tps / tps:.2f}x | {nbytes / 2**20:.0f} |")
+        print(f"| {label} | {1e3 / tps:.2f} | {tps:.1f} | {vs_ref} | {dense_tps / tps:.2f}x | {pre:.1f} | "
+              f"{nbytes / 2**20:.0f} |")
 
 
 if __name__ == "__main__":

@@ -143,7 +143,8 @@ def _stack_experts(path, fpath: str, per_expert: Dict[int, Dict[str, Any]], modu
         raise CheckpointError(f"{where}: every expert needs a quantized weight")
     meta = {(q.scheme, q.shape, q.axis, q.dtype) for q in qs}
     if len(meta) != 1:
-        raise CheckpointError(f"{where}: the experts' quantized weights differ in scheme or shape: {sorted(map(str, meta))[:3]}")
+        raise CheckpointError(f"{where}: the experts' quantized weights differ in scheme or shape: "
+                              f"{sorted(map(str, meta))[:3]}")
     out: Dict[str, Any] = {"weight": jax.tree.map(lambda *leaves: jnp.stack(leaves), *qs)}
     for local in ("input_scale", "input_global_scale"):
         have = [local in per_expert[e] for e in range(n)]

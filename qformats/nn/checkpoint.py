@@ -64,7 +64,8 @@ def load_quantized(model: nnx.Module, modules: Mapping[str, Mapping[str, Any]],
         if bias is not None and tuple(bias.shape) != tuple(lin.bias.get_value().shape):
             raise ModelError(f"{path}: bias shape {tuple(bias.shape)}, expected {tuple(lin.bias.get_value().shape)}")
         act = input_schemes.get(path)
-        if isinstance(lin, Experts) and (tensors.get("input_scale") is not None or (act is not None and act.dynamic is not True)
+        static = act is not None and act.dynamic is not True
+        if isinstance(lin, Experts) and (static or tensors.get("input_scale") is not None
                                          or tensors.get("input_global_scale") is not None):
             raise ModelError(f"{path}: static activation scales (input_scale / input_global_scale) on stacked experts "
                              "are not supported")

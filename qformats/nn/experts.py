@@ -19,7 +19,8 @@ Two ways to run the rows through their experts, chosen by the caller (the MoE bl
   grouped matmul runs per projection: `jax.lax.ragged_dot` on the whole stack ("ragged"; the stack dequantized
   once for packed weights), or a loop over row tiles of one expert each ("tiled": each tile reads and
   dequantizes only its expert's weight; empty experts cost nothing). XLA:CPU lowers ragged_dot to one dense
-  product per group over all rows, so "auto" picks "tiled" on the CPU and "ragged" elsewhere.
+  product per group over all rows, so "auto" picks "tiled" on the CPU and "ragged" elsewhere. "tiled" runs a
+  loop of data-dependent length (forward only: reverse-mode gradients, e.g. QAT, need "ragged").
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qformats.dispatch import xla_qdot
 from qformats.errors import ModelError
 from qformats.nn.nnx_layers import QuantizedMatmul, _pack
 from qformats.nn.projection import fake_quantize_weight, quantize_acts
@@ -268,6 +270,21 @@ class QExperts(_ExpertOps, QuantizedMatmul):
         if self.mode == "ptq":
             return _dequantize_stacked(_select(k, experts), dtype)
         return fake_quantize_weight(k[experts], self.schemes).astype(dtype)
+
+    def gathered(self, x, experts):
+        """`Experts.gathered` on the packed stack: each row times its expert's packed weight through the XLA packed
+        path (`qformats.dispatch.xla_qdot`, vmapped over rows: the fused packed GEMV of `qformats.packed_dot` where
+        the format has one, else dequantize-then-dot of that expert), reading only the experts named."""
+        if self.mode != "ptq":
+            return super().gathered(x, experts)
+        dt = self.dtype or x.dtype
+        x = self._input(x.astype(dt))
+        sel = _select(self.kernel.get_value(), experts)
+        y = jax.vmap(lambda xm, qm: xla_qdot(xm[None], qm)[0])(x, sel)
+        b = self._bias()
+        if b is not None:
+            y = (y.astype(jnp.float32) + b.astype(jnp.float32)[experts]).astype(dt)
+        return y.astype(dt)
 
     def __call__(self, x):
         raise ModelError(f"QExperts {self.path or '<module>'}: call `grouped` or `gathered` (rows and their experts)")

@@ -214,6 +214,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         raise ModelError(f"calibrate_decoder: the {model.config.model_type} model's multi-head latent attention "
                          "projections are not calibrated by this driver yet; quantize it data-free "
                          "(qformats.nn.quantize_model)")
+    if model.config.moe is not None:
+        raise ModelError(f"calibrate_decoder: layer-by-layer calibration of mixture-of-experts decoders "
+                         f"({model.config.model_type}) is not supported yet; quantize them round-to-nearest "
+                         "(qformats.nn.quantize_model with quantization_rules)")
     weight_search = search_name(weight_search)
     if propagate not in PROPAGATE:
         raise ModelError(f"calibrate_decoder: propagate must be one of {PROPAGATE}, got {propagate!r}")

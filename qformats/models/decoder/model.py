@@ -1,4 +1,4 @@
-"""The llama / mistral / qwen2 / qwen3 causal-LM family in Flax NNX, built from an HF config.json, with a KV cache.
+"""The llama / mistral / qwen2 / qwen3 causal-LM family (and its MoE kin) in Flax NNX, from an HF config.json, with a KV cache.
 
 One skeleton covers the four HF families (they differ only in config switches):
 
@@ -6,7 +6,9 @@ One skeleton covers the four HF families (they differ only in config switches):
 
 with RMSNorm before each sub-block, grouped-query attention (`num_key_value_heads` <= `num_attention_heads`),
 q/k/v biases (qwen2, or `attention_bias`), per-head q/k RMSNorm (qwen3), sliding-window layers (mistral,
-qwen2/qwen3 with `use_sliding_window`) and tied input/output embeddings. Every module sits at its HF path
+qwen2/qwen3 with `use_sliding_window`) and tied input/output embeddings. The mixture-of-experts kin (qwen2_moe,
+qwen3_moe, mixtral, gpt_oss) share this skeleton: their sparse layers put a `moe.MoEBlock` (router, stacked experts,
+shared expert) in place of the MLP, and gpt_oss adds attention sinks and YaRN RoPE. Every module sits at its HF path
 (`model/layers/{i}/self_attn/q_proj`, `model/layers/{i}/mlp/gate_proj`, `lm_head`, ...), so HF tensor names,
 compressed-tensors module names and `qformats.nn` rules map 1:1 ('.' <-> '/').
 

@@ -137,8 +137,13 @@ def test_qat_forward_is_the_packed_forward_and_converts():
     quantize_model(ptq, [Rule(".*", "W4A16:g32")])
     x, experts = rows_and_experts(20)
     a = np.asarray(qat.experts["up_proj"].gathered(jnp.asarray(x), experts))
-    b = np.asarray(ptq.experts["up_proj"].gathered(jnp.asarray(x), experts))
-    np.testing.assert_array_equal(a, b)
+    b = np.asarray(ptq.experts["up_proj"].gathered(jnp.asarray(x), experts))  # the packed GEMV: summation order
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+    c = np.asarray(ptq.experts["up_proj"].grouped(jnp.asarray(x[np.argsort(experts, kind="stable")]),
+                                                  np.bincount(experts, minlength=E), "ragged"))
+    d = np.asarray(qat.experts["up_proj"].grouped(jnp.asarray(x[np.argsort(experts, kind="stable")]),
+                                                  np.bincount(experts, minlength=E), "ragged"))
+    np.testing.assert_array_equal(c, d)  # the same dequantized (fake-quantized) weights, the same product
     convert(qat)
     for u, v in zip(jax.tree.leaves(qat.experts["up_proj"].kernel.get_value()),
                     jax.tree.leaves(ptq.experts["up_proj"].kernel.get_value())):
