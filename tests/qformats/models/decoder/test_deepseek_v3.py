@@ -2,8 +2,6 @@
 scale, the group-limited sigmoid router, multi-head latent attention and its latent cache, float32 logits, greedy
 generation token for token, W4A16 quantization; config and checkpoint errors (MTP layers, unsupported options)."""
 
-import warnings
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noqa: E402
 
 from qformats.errors import ModelError  # noqa: E402
-from qformats.models.decoder import CausalLM, DecoderConfig, load_hf_tensors  # noqa: E402
+from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names, load_hf_tensors  # noqa: E402
 from qformats.models.decoder.mla import softmax_scale  # noqa: E402
 from qformats.models.decoder.moe import deepseek_route  # noqa: E402
 
@@ -160,6 +158,31 @@ def test_config_fields():
     assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (48, 32, 16, 8, 12)
     assert c.head_dim == 8 and m.rope_interleave and c.mtp_layers == 1 and c.rope.rope_type == "yarn"
     assert DecoderConfig.from_hf(dict(VARIANT, model_type="deepseek_v3")).mla.q_lora_rank is None
+
+
+def test_deepseek_v3_config_json():
+    """DeepSeek-V3's own config.json (keys of its original code included): 58 sparse layers of 256 experts, the MTP
+    layer, DeepSeek's softmax scale under YaRN factor 40, every tensor name of its checkpoint but layer 61's."""
+    cfg = {"attention_bias": False, "aux_loss_alpha": 0.001, "ep_size": 1, "first_k_dense_replace": 3,
+           "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
+           "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+           "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+           "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+           "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+           "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                   "weight_block_size": [128, 128]},
+           "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                                   "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                                   "type": "yarn"},
+           "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+           "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+           "v_head_dim": 128, "vocab_size": 129280}
+    c = DecoderConfig.from_hf(cfg)
+    assert sum(c.moe_layers) == 58 and c.mtp_layers == 1 and c.moe.shared_expert_intermediate_size == 2048
+    hf = transformers.DeepseekV3Config(**cfg)
+    assert c.mla.scale == hf_ds.yarn_apply_mscale(hf.rope_parameters, hf.qk_head_dim ** (-0.5))
+    names = hf_tensor_names(c)  # (the abstract 671.0e9-parameter model builds too, in ~50 s: not here)
+    assert len(names) == 45395 and sum(".experts." in n for n in names) == 58 * 256 * 3
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
