@@ -21,7 +21,7 @@ IDS = ids()
 
 
 @pytest.mark.parametrize("arch, scheme", [pytest.param("qwen2_moe", "NVFP4A16", marks=pytest.mark.slow),
-                                          ("mixtral", "W4A16:g16")])
+                                          pytest.param("mixtral", "W4A16:g16", marks=pytest.mark.slow)])
 def test_packed_moe_equals_float_model_on_dequantized_weights(arch, scheme, tmp_path):
     write_checkpoint(arch, tmp_path)
     cfg, tensors = read_checkpoint(tmp_path)
