@@ -203,7 +203,21 @@ def qarray_specs(q: QArray, spec: PartitionSpec, mesh: Mesh, where: str = "QArra
                   offset=None if q.offset is None else scale)
 
 
+def stacked_qarray_specs(q: QArray, spec: PartitionSpec, mesh: Mesh, where: str = "QArray") -> QArray:
+    """`qarray_specs` for a QArray whose leaves carry leading stacked axes (expert stacks, `qformats.nn.QExperts`:
+    static shape [K, N], leaves [E, ...]): `spec` describes the stacked logical array [*lead, *shape]; its lead
+    entries lead every leaf's spec, the rest is the per-matrix layout."""
+    lead = q.codes.ndim - len(q.tshape)
+    s = _pad(spec, lead + q.ndim, where)
+    inner = qarray_specs(q, PartitionSpec(*s[lead:]), mesh, where)
+    for size, e in zip(q.codes.shape[:lead], s[:lead]):
+        _check_split(where, "a stacked axis", int(size), mesh_axis_size(mesh, e), 1, e)
+    return jax.tree.map(lambda p: PartitionSpec(*s[:lead], *p), inner, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
 def qarray_shardings(q: QArray, spec: PartitionSpec, mesh: Mesh, where: str = "QArray") -> QArray:
-    """`qarray_specs` as NamedShardings on `mesh` (a QArray of shardings: `jax.device_put(q, this)` places q)."""
-    p = qarray_specs(q, spec, mesh, where)
+    """`qarray_specs` as NamedShardings on `mesh` (a QArray of shardings: `jax.device_put(q, this)` places q); a
+    QArray with stacked leaves (`stacked_qarray_specs`) takes the spec of its stacked logical array."""
+    stacked = q.codes.ndim > len(q.tshape)
+    p = (stacked_qarray_specs if stacked else qarray_specs)(q, spec, mesh, where)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), p, is_leaf=lambda x: isinstance(x, PartitionSpec))

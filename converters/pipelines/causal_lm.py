@@ -104,11 +104,13 @@ def _check_filled(model, where: str) -> None:
                               f"{len(empty)} not filled: {', '.join(empty[:6])}" + (" ..." if len(empty) > 6 else ""))
 
 
-def _flax_name_map(cfg) -> dict[str, tuple[str, bool]]:
-    """HF tensor name -> (Flax variable path, transposed), for converters.pipelines.flax_io."""
+def _flax_name_map(cfg) -> dict[str, tuple]:
+    """HF tensor name -> (Flax variable path, transposed), for converters.pipelines.flax_io; one expert's tensor of a
+    stacked [E, ...] parameter (MoE layers) -> (path, transposed, expert index)."""
     from qformats.models import decoder
 
     return {name: ("/".join(str(p) for p in slot.path), slot.transpose)
+            + (() if slot.expert is None else (slot.expert,))
             for name, slot in decoder.hf_tensor_names(cfg).items()}
 
 
@@ -291,6 +293,9 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
     from qformats.sharding import spec_for
 
     slots = decoder.hf_tensor_names(cfg)
+    if cfg.moe is not None:
+        raise CheckpointError(f"{p}: loading a mixture-of-experts checkpoint ({cfg.model_type}) straight onto a mesh "
+                              "is not supported; load it on one device, then qformats.nn.sharding.shard_model")
     qc = parse_quantization_config(hf_config["quantization_config"], str(p / "config.json")) \
         if is_quantized(hf_config) else None
     with open_checkpoint(p) as ck:

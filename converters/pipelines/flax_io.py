@@ -10,7 +10,9 @@ import numpy as np
 from converters.formats.safe_files import read_json
 from qformats.errors import CheckpointError
 
-NameMap = Mapping[str, Tuple[str, bool]]  # HF tensor name -> (Flax variable path, transposed [out, in] <-> [in, out])
+# HF tensor name -> (Flax variable path, transposed [out, in] <-> [in, out]), or for one expert's tensor of a stacked
+# [E, ...] parameter (mixture-of-experts layers) (path, transposed, expert index)
+NameMap = Mapping[str, Tuple]
 
 
 def variable(model, path: str):
@@ -47,8 +49,11 @@ def load_compressed(path, model, name_map: Optional[NameMap] = None, *, ignore: 
     `default_name_map(model)`). Quantized Linear weights (QArrays of logical shape [in, out], read zero-copy
     by `converters.formats.compressed_tensors.read`) become packed `qformats.nn.QLinear` layers with the checkpoint's
     static input scales and activation schemes (`qformats.nn.load_quantized`); dense tensors overwrite the model's
-    values. Raises CheckpointError naming the file and the tensors the model does not have (except `ignore`), or a
-    tensor whose shape differs; nothing is swapped unless everything fits.
+    values. Per-expert tensors (name map entries with an expert index) are stacked along a new leading axis: dense
+    ones into the [E, ...] parameter, quantized ones (every expert's QArray of one scheme) into one packed QArray
+    whose leaves carry the expert axis, for a `qformats.nn.QExperts`. Raises CheckpointError naming the file and
+    the tensors the model does not have (except `ignore`), a tensor whose shape differs, or an incomplete expert
+    stack; nothing is swapped unless everything fits.
     """
     import jax.numpy as jnp
 
@@ -63,22 +68,31 @@ def load_compressed(path, model, name_map: Optional[NameMap] = None, *, ignore: 
     quantized: Dict[str, Dict[str, Any]] = {}
     schemes: Dict[str, Any] = {}
     dense, unknown = [], []
+    stacked: Dict[str, Dict[int, Dict[str, Any]]] = {}  # expert stacks: module path -> expert -> local -> tensor
+    dense_stacks: Dict[str, Dict[int, Any]] = {}  # dense expert slices: variable path -> expert -> [in, out] array
     for mod, tensors in cm.modules.items():
         for local, arr in tensors.items():
             full = f"{mod}.{local}" if mod else local
             if isinstance(arr, QArray) or local in ("input_scale", "input_global_scale"):
-                kpath, _ = table.get(f"{mod}.weight", (None, None))
-                if kpath is None:
+                entry = table.get(f"{mod}.weight")
+                if entry is None:
                     unknown.append(full)
                     continue
-                fpath = kpath.rsplit("/", 1)[0]
-                quantized.setdefault(fpath, {})["weight" if isinstance(arr, QArray) else local] = arr
+                fpath = entry[0].rsplit("/", 1)[0]
+                key = "weight" if isinstance(arr, QArray) else local
+                if len(entry) > 2:
+                    stacked.setdefault(fpath, {}).setdefault(entry[2], {})[key] = arr
+                else:
+                    quantized.setdefault(fpath, {})[key] = arr
                 g = groups.get(cm.groups.get(mod, ""))
                 schemes[fpath] = g.input_activations if g is not None else None
             elif full in table:
-                vpath, transpose = table[full]
-                var = variable(model, vpath)
+                vpath, transpose, *expert = table[full]
                 a = np.asarray(arr).T if transpose else np.asarray(arr)
+                if expert:
+                    dense_stacks.setdefault(vpath, {})[expert[0]] = a
+                    continue
+                var = variable(model, vpath)
                 if tuple(a.shape) != tuple(var.get_value().shape):
                     raise CheckpointError(f"{path}: tensor {full!r}: expected shape "
                                           f"{tuple(var.get_value().shape)} for {vpath}, found {a.shape}")
@@ -88,6 +102,19 @@ def load_compressed(path, model, name_map: Optional[NameMap] = None, *, ignore: 
     if unknown:
         raise CheckpointError(f"{path}: tensors the model has no place for: {sorted(unknown)[:8]}"
                               + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else ""))
+    for vpath, parts in dense_stacks.items():
+        if vpath.rsplit("/", 1)[0] in stacked and vpath.endswith("/kernel"):
+            raise CheckpointError(f"{path}: {vpath.rsplit('/', 1)[0]}: some experts are quantized, others dense "
+                                  f"(dense: {sorted(parts)[:8]})")
+        var = variable(model, vpath)
+        want = tuple(var.get_value().shape)
+        if sorted(parts) != list(range(want[0])) or any(tuple(a.shape) != want[1:] for a in parts.values()):
+            raise CheckpointError(f"{path}: expert stack {vpath}: expected {want[0]} experts of shape {want[1:]}, "
+                                  f"found experts {sorted(parts)[:8]} of shapes "
+                                  f"{sorted({tuple(a.shape) for a in parts.values()})}")
+        dense.append((var, np.stack([parts[e] for e in range(want[0])])))
+    for fpath, per_expert in stacked.items():
+        quantized[fpath] = _stack_experts(path, fpath, per_expert, variable(model, fpath))
     for var, a in dense:
         var.set_value(jnp.asarray(a, var.get_value().dtype))
     for fpath, t in quantized.items():
@@ -96,6 +123,36 @@ def load_compressed(path, model, name_map: Optional[NameMap] = None, *, ignore: 
             t["bias"] = lin.bias.get_value()
     load_quantized(model, quantized, schemes)
     return model
+
+
+def _stack_experts(path, fpath: str, per_expert: Dict[int, Dict[str, Any]], module) -> Dict[str, Any]:
+    """Every expert's packed tensors of one stacked projection -> {"weight": one QArray whose leaves carry the expert
+    axis first, "input_scale"?...: [E, ...] stacks}; CheckpointError for missing experts or differing schemes."""
+    import jax
+    import jax.numpy as jnp
+
+    from qformats.qarray import QArray
+
+    n = getattr(module, "num_experts", None)
+    where = f"{path}: expert stack {fpath}"
+    if n is None or sorted(per_expert) != list(range(n)):
+        raise CheckpointError(f"{where}: expected quantized weights of experts 0..{(n or 0) - 1}, found "
+                              f"{sorted(per_expert)[:8]}{' ...' if len(per_expert) > 8 else ''}")
+    qs = [per_expert[e].get("weight") for e in range(n)]
+    if not all(isinstance(q, QArray) for q in qs):
+        raise CheckpointError(f"{where}: every expert needs a quantized weight")
+    meta = {(q.scheme, q.shape, q.axis, q.dtype) for q in qs}
+    if len(meta) != 1:
+        raise CheckpointError(f"{where}: the experts' quantized weights differ in scheme or shape: "
+                              f"{sorted(map(str, meta))[:3]}")
+    out: Dict[str, Any] = {"weight": jax.tree.map(lambda *leaves: jnp.stack(leaves), *qs)}
+    for local in ("input_scale", "input_global_scale"):
+        have = [local in per_expert[e] for e in range(n)]
+        if any(have):
+            if not all(have):
+                raise CheckpointError(f"{where}: {local} on some experts only")
+            out[local] = np.stack([np.asarray(per_expert[e][local]) for e in range(n)])
+    return out
 
 
 def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: Optional[dict] = None,
@@ -121,11 +178,15 @@ def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: O
     table = dict(name_map if name_map is not None else default_name_map(model))
     tensors: Dict[str, Any] = {}
     schemes: Dict[str, Any] = {}
-    for name, (vpath, transpose) in table.items():
+    for name, (vpath, transpose, *expert) in table.items():
         try:
             value = variable(model, vpath).get_value()
         except (AttributeError, IndexError):
             continue  # e.g. a pooler the model was built without
+        if expert:  # one expert's slice of a stacked [E, ...] parameter (packed: every leaf indexed)
+            import jax
+
+            value = jax.tree.map(lambda leaf: leaf[expert[0]], value)
         if isinstance(value, QArray):
             mod = name.rsplit(".", 1)[0]
             tensors[name] = value

@@ -17,13 +17,15 @@ Linen::
     y = qmodule.apply(qparams, x)
 
 Modules: `projection` (the layer math as pure functions of arrays, shared by NNX and linen), `nnx_layers`
-(QLinear, QLinearGeneral, QEinsum and their variable types: they hold statistics and packed weights), `graph` (find / replace modules in an NNX graph), `nnx_transform` (quantize_model, convert,
-prepare_kernels), `linen` (QDense, QDenseGeneral, linen.QEinsum), `linen_transform` (quantize_linen),
+(QLinear, QLinearGeneral, QEinsum and their variable types: they hold statistics and packed weights), `experts`
+(Experts / QExperts: stacked [E, in, out] expert projections, float and packed), `graph` (find / replace modules
+in an NNX graph), `nnx_transform` (quantize_model, convert, prepare_kernels), `linen` (QDense, QDenseGeneral, linen.QEinsum), `linen_transform` (quantize_linen),
 `checkpoint` (load_quantized / export_quantized: pure glue for checkpoint readers and writers), `sizes`
 (param_bytes). Observers and the MSE search are pure functions in `qformats.observers`; the weight searches
 (WEIGHT_SEARCHES, quantize_weight), GPTQ and the shared NVFP4 global scales are in `qformats.algorithms`.
 """
 
+from qformats.nn.experts import Experts, QExperts
 from qformats.nn.nnx_layers import (CalibStat, KernelCache, PackedParam, QEinsum, QLinear, QLinearGeneral,
                                     QuantizedMatmul, QuantStat)
 from qformats.matching import Rule, resolve_scheme
@@ -33,7 +35,7 @@ from qformats.nn.linen import QDense, QDenseGeneral
 from qformats.nn.linen_transform import QuantizedLinen, WeightLayout, quantize_linen, quantize_params, record_layouts
 from qformats.nn.checkpoint import export_quantized, load_quantized
 
-__all__ = ["QLinear", "QLinearGeneral", "QEinsum", "QuantizedMatmul", "QuantStat", "CalibStat", "KernelCache",
+__all__ = ["Experts", "QExperts", "QLinear", "QLinearGeneral", "QEinsum", "QuantizedMatmul", "QuantStat", "CalibStat", "KernelCache",
            "PackedParam", "Rule",
            "quantize_model", "convert", "prepare_kernels", "quantized_layers", "resolve_scheme",
            "param_bytes",

@@ -16,6 +16,7 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.nn.graph import module_references, replace_child
+from qformats.nn.experts import Experts, QExperts
 from qformats.nn.nnx_layers import QLinear, QuantizedMatmul, QuantStat
 from qformats.qarray import QArray
 from qformats.schemes import QuantScheme, SchemeSet
@@ -23,7 +24,8 @@ from qformats.schemes import QuantScheme, SchemeSet
 
 def load_quantized(model: nnx.Module, modules: Mapping[str, Mapping[str, Any]],
                    input_schemes: Optional[Mapping[str, Optional[QuantScheme]]] = None) -> list:
-    """Swap each `nnx.Linear` named in `modules` for a packed `QLinear` holding the given QArray, in place.
+    """Swap each `nnx.Linear` named in `modules` for a packed `QLinear` holding the given QArray, in place (and each
+    `Experts` stack for a `QExperts`, its QArray's leaves carrying the expert axis first, per-expert shape [in, out]).
 
     Args:
       model: the NNX model (float, e.g. built with `nnx.eval_shape` or loaded dense).
@@ -35,7 +37,7 @@ def load_quantized(model: nnx.Module, modules: Mapping[str, Mapping[str, Any]],
     a mismatch raises ModelError naming the module path and nothing is swapped. Returns the swapped paths.
     """
     input_schemes = input_schemes or {}
-    refs = {path: (lin, parents) for path, lin, parents in module_references(model, nnx.Linear).values()}
+    refs = {path: (lin, parents) for path, lin, parents in module_references(model, (nnx.Linear, Experts)).values()}
     plan = []
     for path, tensors in modules.items():
         q = tensors.get("weight")
@@ -46,6 +48,12 @@ def load_quantized(model: nnx.Module, modules: Mapping[str, Mapping[str, Any]],
                              f"no nnx.Linear there (Linear paths: {', '.join(sorted(refs)[:5])}, ...)")
         lin, parents = refs[path]
         want = tuple(lin.kernel.get_value().shape)
+        lead = ()
+        if isinstance(lin, Experts):
+            lead, want = want[:1], want[1:]
+            if tuple(q.codes.shape[:1]) != lead or q.codes.ndim != len(q.tshape) + 1:
+                raise ModelError(f"{path}: expected a QArray stacked over {lead[0]} experts (leaves [E, ...]), found "
+                                 f"codes of shape {tuple(q.codes.shape)}")
         if q.shape != want or q.axis != 0:
             raise ModelError(f"{path}: expected a QArray of shape {want} along axis 0 (the Flax kernel), found "
                              f"shape {q.shape} axis {q.axis}")
@@ -55,11 +63,23 @@ def load_quantized(model: nnx.Module, modules: Mapping[str, Mapping[str, Any]],
                              f"checkpoint {'has' if bias is not None else 'has no'} bias")
         if bias is not None and tuple(bias.shape) != tuple(lin.bias.get_value().shape):
             raise ModelError(f"{path}: bias shape {tuple(bias.shape)}, expected {tuple(lin.bias.get_value().shape)}")
+        act = input_schemes.get(path)
+        static = act is not None and act.dynamic is not True
+        if isinstance(lin, Experts) and (static or tensors.get("input_scale") is not None
+                                         or tensors.get("input_global_scale") is not None):
+            raise ModelError(f"{path}: static activation scales (input_scale / input_global_scale) on stacked experts "
+                             "are not supported")
         plan.append((path, lin, parents, q, bias, tensors))
     done = []
     for path, lin, parents, q, bias, tensors in plan:
         ss = SchemeSet(q.scheme.describe(), weights=q.scheme, input_activations=input_schemes.get(path))
         b = None if bias is None else jnp.asarray(bias, lin.bias.get_value().dtype)
+        if isinstance(lin, Experts):
+            new = QExperts.from_packed(q, b, ss, dtype=lin.dtype, path=path)
+            for parent, key in parents:
+                replace_child(parent, key, new)
+            done.append(path)
+            continue
         new = QLinear(q, b, ss, mode="ptq", dtype=lin.dtype, path=path)
         if tensors.get("input_scale") is not None:
             new.input_scale = QuantStat(jnp.asarray(tensors["input_scale"]).reshape(1))

@@ -17,6 +17,7 @@ from qformats.algorithms.shared_scales import selected_groups, shared_global_sca
 from qformats.algorithms.weight_search import NEEDS_HESSIAN, RTN, calibrated_weight, quantize_weight, search_name
 from qformats.errors import ModelError
 from qformats.nn.graph import module_references, replace_child
+from qformats.nn.experts import Experts, QExperts
 from qformats.nn.nnx_layers import QUANTIZED, QuantizedMatmul
 from qformats.nn.projection import check_einsum_acts, einsum_last_axis_error, einsum_layout
 from qformats.matching import Matcher
@@ -29,6 +30,9 @@ logger = logging.getLogger("qformats")
 _NOTHING = object()
 MAX_FULL_MOMENTS_K = 4096
 MAX_FULL_MOMENTS_ELEMS = 4 * 4096 * 4096  # per layer incl. stacked ones: 256 MiB of float32
+# the module types rules swap, and their quantized classes: Linear layers, and stacked expert projections
+_SWAPS = {**QUANTIZED, Experts: QExperts}
+_STACKED = (nnx.Linear, Experts)  # kernels [..., K, N] whose leading axes (scan layers, experts) are vmapped
 
 
 def _default_forward(model, batch):
@@ -44,8 +48,9 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
                    forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True,
                    compare_rtn: bool = True, actorder: Optional[str] = "static", dampening_frac: float = DAMPENING_FRAC,
                    fuse_global_scales: Union[bool, Sequence[Sequence[str]]] = True) -> nnx.Module:
-    """Swap every `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Einsum` whose path matches a rule for its
-    quantized counterpart (`QLinear` / `QLinearGeneral` / `QEinsum`), in place; returns `model`.
+    """Swap every `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Einsum` / `qformats.nn.experts.Experts` whose path
+    matches a rule for its quantized counterpart (`QLinear` / `QLinearGeneral` / `QEinsum` / `QExperts`: each
+    expert of the [E, K, N] stack quantized as its own [K, N] Linear would be), in place; returns `model`.
 
     Args:
       model: an NNX module; Linear layers may sit in attributes, `nnx.List` / `nnx.Dict`, and be shared.
@@ -99,7 +104,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
                          "layer inputs' H = E[x x^T]) and mode='ptq'")
     plan: List[Tuple[str, nnx.Linear, list, Any]] = []
     full_moments = {}
-    refs = [(path, (lin, parents)) for path, lin, parents in module_references(model, tuple(QUANTIZED)).values()]
+    refs = [(path, (lin, parents)) for path, lin, parents in module_references(model, tuple(_SWAPS)).values()]
     chosen = plan_quantization([Candidate(path) for path, _ in refs], matcher)
     warn_unused_rules(chosen)
     schemes = chosen.schemes()
@@ -108,7 +113,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     check_fits([(path, k, ss) for path, _, ss, k in selected], static_acts=calibrating)  # every misfit in one error
     for path, (lin, parents), ss, k in selected:
         # full E[x x^T] only where a weight search uses it: K <= 4096, <= 256 MiB per (stacked) layer
-        layers = math.prod(lin.kernel.get_value().shape[:-2]) if isinstance(lin, nnx.Linear) else 1
+        layers = math.prod(lin.kernel.get_value().shape[:-2]) if isinstance(lin, _STACKED) else 1
         fits = k <= MAX_FULL_MOMENTS_K and layers * k * k <= MAX_FULL_MOMENTS_ELEMS
         full_moments[path] = weight_search != RTN and fits
         if hessian and not fits:
@@ -146,7 +151,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     # -- swap (one layer at a time: only one float + packed copy of a weight is alive at once) --
     swapped = []
     for path, lin, parents, ss in plan:
-        cls = next(q for base, q in QUANTIZED.items() if isinstance(lin, base))
+        cls = next(q for base, q in _SWAPS.items() if isinstance(lin, base))
         if calibrating:
             obs = observers.get(path) or get_observer("minmax", ss.weights)
             new = cls.from_module(lin, ss, mode="calibrate", path=path, observer=obs,
@@ -255,7 +260,7 @@ def _fused_global_scales(paths: Sequence[str], plan, fuse, mode: str, weight_sea
         lin, scheme = tg[p]
         k = lin.kernel.get_value()
         # layers stacked by nnx.vmap for nnx.scan: one g per stacked layer (only nnx.Linear stacks)
-        return scheme, k.dtype, k.shape[:-2] if isinstance(lin, nnx.Linear) else ()
+        return scheme, k.dtype, k.shape[:-2] if isinstance(lin, _STACKED) else ()
 
     return shared_global_scales(groups, lambda p: tg[p][0].kernel.get_value(),
                                 {p: member(p) for g in groups for p in g},

@@ -29,8 +29,9 @@ def param_shardings(model, mesh: Mesh, rules: ShardingRules) -> Dict[str, object
     out: Dict[str, object] = {}
     for path, var in _variables(model):
         value = var.get_value()
-        if isinstance(value, QArray):
-            spec = spec_for(path, value.shape, mesh, rules)
+        if isinstance(value, QArray):  # leaves with leading stacked axes (expert stacks): the stack's logical shape
+            lead = tuple(value.codes.shape[:value.codes.ndim - len(value.tshape)])
+            spec = spec_for(path, lead + tuple(value.shape), mesh, rules)
             out[path] = qarray_shardings(value, spec, mesh, path)
         elif hasattr(value, "shape") and hasattr(value, "dtype"):
             out[path] = NamedSharding(mesh, spec_for(path, value.shape, mesh, rules))

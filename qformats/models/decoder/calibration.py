@@ -158,7 +158,7 @@ def _observer(scheme):
 
 def _layer_inputs(config, t: int, window):
     positions = jnp.arange(t, dtype=jnp.int32)
-    cos, sin = rope_tables(positions, inv_freq(config))
+    cos, sin = rope_tables(positions, inv_freq(config), config.rope.attention_scaling)
     return cos, sin, attention_mask(positions, t, window)
 
 
@@ -210,6 +210,14 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         come from each projection's minmax observer over the real tokens of the calibration pass (NVFP4's input
         global scale = 448 * 6 / max|x|, compressed-tensors' generate_gparam).
     """
+    if model.config.mla is not None:
+        raise ModelError(f"calibrate_decoder: the {model.config.model_type} model's multi-head latent attention "
+                         "projections are not calibrated by this driver yet; quantize it data-free "
+                         "(qformats.nn.quantize_model)")
+    if model.config.moe is not None:
+        raise ModelError(f"calibrate_decoder: layer-by-layer calibration of mixture-of-experts decoders "
+                         f"({model.config.model_type}) is not supported yet; quantize them round-to-nearest "
+                         "(qformats.nn.quantize_model with quantization_rules)")
     weight_search = search_name(weight_search)
     if propagate not in PROPAGATE:
         raise ModelError(f"calibrate_decoder: propagate must be one of {PROPAGATE}, got {propagate!r}")

@@ -39,6 +39,9 @@ def enable_kv_cache_quantization(model: CausalLM, scheme: KVCacheScheme,
     """
     attns = _attentions(model)
     c = model.config
+    if c.mla is not None:
+        raise ModelError(f"enable_kv_cache_quantization: the {c.model_type} model's multi-head latent attention caches "
+                         "a latent and a rope key (decoder/mla.py), which KV-cache quantization does not cover")
     want = scheme.scale_shape(c.num_kv_heads)
     if scheme.dynamic:
         if scales is not None:

@@ -1,4 +1,4 @@
-"""The llama / mistral / qwen2 / qwen3 causal-LM family in Flax NNX, built from an HF config.json, with a KV cache.
+"""The llama / mistral / qwen2 / qwen3 causal-LM family (and its MoE kin) in Flax NNX, from an HF config.json, with a KV cache.
 
 One skeleton covers the four HF families (they differ only in config switches):
 
@@ -6,7 +6,9 @@ One skeleton covers the four HF families (they differ only in config switches):
 
 with RMSNorm before each sub-block, grouped-query attention (`num_key_value_heads` <= `num_attention_heads`),
 q/k/v biases (qwen2, or `attention_bias`), per-head q/k RMSNorm (qwen3), sliding-window layers (mistral,
-qwen2/qwen3 with `use_sliding_window`) and tied input/output embeddings. Every module sits at its HF path
+qwen2/qwen3 with `use_sliding_window`) and tied input/output embeddings. The mixture-of-experts kin (qwen2_moe,
+qwen3_moe, mixtral, gpt_oss) share this skeleton: their sparse layers put a `moe.MoEBlock` (router, stacked experts,
+shared expert) in place of the MLP, and gpt_oss adds attention sinks and YaRN RoPE. Every module sits at its HF path
 (`model/layers/{i}/self_attn/q_proj`, `model/layers/{i}/mlp/gate_proj`, `lm_head`, ...), so HF tensor names,
 compressed-tensors module names and `qformats.nn` rules map 1:1 ('.' <-> '/').
 
@@ -15,6 +17,10 @@ the same function (positions start at `cache.length`), so both jit and `qformats
 compiled loop. This module is the model alone (no file I/O, no HF names): `params` maps HF state-dict tensors
 onto it, and `kv_cache`, `rotate`, `sharding` and `rules` adapt it (KV-cache quantization, online rotations, the
 tensor-parallel layout, the `qformats.nn` rules of its projections).
+
+deepseek_v3 shares the skeleton with `mla.MLAttention` (multi-head latent attention, its latent cache) in place
+of `Attention`, dense MLPs on the first `first_k_dense_replace` layers and `moe.MoEBlock` ("sigmoid_grouped"
+routing, shared experts) on the others; YaRN is a `RopeConfig` type of the whole family.
 """
 
 from __future__ import annotations
@@ -31,12 +37,16 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.kv_cache import KVCacheScheme, dequantize_kv, dynamic_scale, quantize_kv
+from qformats.models.decoder.moe import MOE_MODEL_TYPES, MoEBlock, MoEConfig, moe_from_hf
 from qformats.models.decoder.sharding import KV_CACHE_AXES
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + MOE_MODEL_TYPES + ("deepseek_v3",)
+ROPE_TYPES = ("default", "llama3", "yarn")
 # transformers' config-class defaults for keys a config.json may leave out (others are required)
-_HEAD_DIM_DEFAULT = {"qwen3": 128}
+_HEAD_DIM_DEFAULT = {"qwen3": 128, "gpt_oss": 64}
+_KV_HEADS_DEFAULT = {"mistral": 8, "mixtral": 8, "gpt_oss": 8, "qwen3_moe": 4, "qwen2_moe": 16}
+_RMS_EPS_DEFAULT = {"mixtral": 1e-5, "gpt_oss": 1e-5}
+_THETA_DEFAULT = {"mixtral": 1e6, "gpt_oss": 150000.0}
 _MISTRAL_SLIDING_WINDOW_DEFAULT = 4096
 _QWEN_SLIDING_WINDOW_DEFAULT = 4096
 _QWEN_MAX_WINDOW_LAYERS_DEFAULT = 28
@@ -44,13 +54,19 @@ _QWEN_MAX_WINDOW_LAYERS_DEFAULT = 28
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary position embedding of HF's "default" and "llama3" rope types.
+    """Rotary position embedding of HF's "default", "llama3" and "yarn" rope types.
 
-    default: inv_freq_j = theta^(-2j / head_dim), j = 0 .. head_dim/2 - 1.
+    default: inv_freq_j = theta^(-2j / D), j = 0 .. D/2 - 1 (D: the rotary head dim).
     llama3 (Llama 3.1): with wavelen_j = 2 pi / inv_freq_j, L = original_max_position_embeddings,
       inv_freq_j / factor                            if wavelen_j > L / low_freq_factor,
       inv_freq_j                                     if wavelen_j < L / high_freq_factor,
       (1 - s) inv_freq_j / factor + s inv_freq_j     otherwise, s = (L / wavelen_j - low) / (high - low).
+    yarn (YaRN, transformers' `_compute_yarn_parameters`): with p_j = theta^(2j / D),
+      inv_freq_j = (1 / (factor p_j)) (1 - e_j) + (1 / p_j) e_j,  e_j = 1 - clamp((j - lo) / (hi - lo), 0, 1),
+      lo, hi = max(d(beta_fast), 0), min(d(beta_slow), D - 1), d(n) = D ln(L / (2 pi n)) / (2 ln theta)
+      (floor / ceil of lo / hi when `truncate`; hi += 0.001 when lo == hi); and cos, sin are multiplied by
+      `attention_scaling` = attention_factor, or if None m(factor, mscale) / m(factor, mscale_all_dim) when both
+      mscale and mscale_all_dim are set, else m(factor, 1), m(s, k) = 0.1 k ln(s) + 1 for s > 1 (1 otherwise).
     """
 
     rope_type: str = "default"
@@ -59,13 +75,22 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None
+    truncate: bool = True
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """The [head_dim / 2] float32 inverse frequencies (computed in float32, as transformers does)."""
         exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-        inv = (np.float32(1.0) / np.power(np.float32(self.theta), exponent)).astype(np.float32)
+        pos_freqs = np.power(np.float32(self.theta), exponent).astype(np.float32)
+        inv = (np.float32(1.0) / pos_freqs).astype(np.float32)
         if self.rope_type == "default":
             return inv
+        if self.rope_type == "yarn":
+            return self._yarn_inv_freq(head_dim, pos_freqs, inv)
         low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
         high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
         wavelen = np.float32(2 * math.pi) / inv
@@ -76,6 +101,41 @@ class RopeConfig:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
 
+    def _yarn_inv_freq(self, dim: int, pos_freqs: np.ndarray, extrapolation: np.ndarray) -> np.ndarray:
+        f32 = np.float32
+        interpolation = (f32(1.0) / (f32(self.factor) * pos_freqs)).astype(f32)
+
+        def correction_dim(num_rotations):
+            return (dim * math.log(self.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+                    / (2 * math.log(self.theta)))
+
+        lo, hi = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(lo)) / f32(hi - lo), f32(0), f32(1)).astype(f32)
+        extrapolation_factor = (f32(1) - ramp).astype(f32)
+        return (interpolation * (f32(1) - extrapolation_factor)
+                + extrapolation * extrapolation_factor).astype(f32)
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor on cos and sin (YaRN's attention factor; 1.0 for the other rope types)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return float(yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim))
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction m(s, k) = 0.1 k ln(s) + 1 for s > 1, else 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
@@ -85,6 +145,13 @@ class DecoderConfig:
     key positions s with p - window < s <= p. `qkv_bias` / `o_bias` / `mlp_bias`: which projections have a
     bias. `qk_norm`: per-head RMSNorm on queries and keys before RoPE (qwen3). `dtype`: the checkpoint's stored
     dtype name from config.json ("bfloat16", ...), informational (the model's dtype is chosen at construction).
+    `moe`: the sparse block of mixture-of-experts models (`moe.MoEConfig`), used on the layers flagged in
+    `moe_layers` (the others have a dense MLP of `intermediate_size`). `attention_sinks`: a learned per-head
+    logit joins each softmax and is dropped after it (gpt_oss).
+    `mla`: a `qformats.models.decoder.mla.MLAConfig` for multi-head latent attention (deepseek_v3; `head_dim` is
+    then its rotary head dim, qk_rope_head_dim, as in transformers). `mtp_layers`: DeepSeek's multi-token-prediction
+    layers (num_nextn_predict_layers) the checkpoint holds after the last layer; not part of this model (next-token
+    logits do not use them) and their tensors are skipped by name, with a warning, when loading.
     """
 
     model_type: str
@@ -105,10 +172,20 @@ class DecoderConfig:
     sliding_windows: Tuple[Optional[int], ...] = ()
     max_position_embeddings: int = 2048
     dtype: Optional[str] = None
+    moe: Optional[MoEConfig] = None
+    moe_layers: Tuple[bool, ...] = ()
+    attention_sinks: bool = False
+    mla: Optional[Any] = None
+    mtp_layers: int = 0
 
     def __post_init__(self):
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", (self.moe is not None,) * self.num_layers)
+        if len(self.moe_layers) != self.num_layers or (any(self.moe_layers) and self.moe is None):
+            raise ModelError(f"DecoderConfig: moe_layers {self.moe_layers} must flag each of the {self.num_layers} "
+                             "layers, sparse ones only with a MoEConfig")
         if len(self.sliding_windows) != self.num_layers:
             raise ModelError(f"DecoderConfig: {len(self.sliding_windows)} sliding windows for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
@@ -119,11 +196,13 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "DecoderConfig":
-        """Read an HF `config.json` dict of model_type llama, mistral, qwen2 or qwen3 (transformers' defaults for
-        keys it leaves out). Anything this model would not compute as transformers does is a ModelError:
-        another model_type, an activation other than silu, a rope type other than default / llama3, a partial
-        rotary factor, unknown layer types."""
+        """Read an HF `config.json` dict of model_type llama, mistral, qwen2, qwen3, or the mixture-of-experts
+        qwen2_moe, qwen3_moe, mixtral, gpt_oss (transformers' defaults for keys it leaves out). Anything this
+        model would not compute as transformers does is a ModelError: another model_type, an activation other
+        than silu, a rope type it lacks, a partial rotary factor, unknown layer types."""
         mt = cfg.get("model_type")
+        if mt == "deepseek_v3":
+            return _deepseek_v3_from_hf(cls, cfg)
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ModelError(f"config.json: model_type {mt!r} is not supported; supported model types: "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -137,26 +216,92 @@ class DecoderConfig:
         layers = int(need("num_hidden_layers"))
         kv_heads = cfg.get("num_key_value_heads")
         if kv_heads is None:
-            kv_heads = 8 if mt == "mistral" else heads
+            kv_heads = _KV_HEADS_DEFAULT.get(mt, heads)
         head_dim = cfg.get("head_dim") or _HEAD_DIM_DEFAULT.get(mt) or hidden // heads
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ModelError(f"config.json ({mt}): hidden_act {act!r} is not supported (only 'silu')")
         max_pos = int(cfg.get("max_position_embeddings") or 2048)
         dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+        moe, sparse = (None, ())
+        if mt in MOE_MODEL_TYPES:
+            moe, sparse = moe_from_hf(cfg, mt, layers)
+        attn_bias = bool(cfg.get("attention_bias", mt == "gpt_oss"))
         return cls(
             model_type=mt, vocab_size=int(need("vocab_size")), hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")), num_layers=layers, num_heads=heads,
             num_kv_heads=int(kv_heads), head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", _RMS_EPS_DEFAULT.get(mt, 1e-6))),
             rope=_rope_from_hf(cfg, mt, max_pos),
-            qkv_bias=mt == "qwen2" or (mt in ("llama", "qwen3") and bool(cfg.get("attention_bias", False))),
-            o_bias=mt in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
+            qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+            or (mt in ("llama", "qwen3", "qwen3_moe", "gpt_oss") and attn_bias),
+            o_bias=mt in ("llama", "qwen3", "qwen3_moe", "gpt_oss") and attn_bias,
             mlp_bias=mt == "llama" and bool(cfg.get("mlp_bias", False)),
-            qk_norm=mt == "qwen3",
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_windows=_windows_from_hf(cfg, mt, layers),
-            max_position_embeddings=max_pos, dtype=None if dtype is None else str(dtype))
+            max_position_embeddings=max_pos, dtype=None if dtype is None else str(dtype),
+            moe=moe, moe_layers=sparse, attention_sinks=mt == "gpt_oss")
+
+
+def _deepseek_v3_from_hf(cls, cfg: Mapping[str, Any]) -> "DecoderConfig":
+    """A deepseek_v3 config.json (transformers' DeepseekV3Config defaults for absent keys). Refused: keys of the
+    original DeepSeek code that transformers ignores but which would change the computation if not their
+    DeepSeek-V3 values (scoring_func 'sigmoid', topk_method 'noaux_tc', moe_layer_freq 1), and
+    num_key_value_heads != num_attention_heads (transformers' MLA only works with one key/value head per query)."""
+    from qformats.models.decoder.mla import MLAConfig  # mla builds on this module's layers
+
+    mt = "deepseek_v3"
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1),
+                      ("hidden_act", "silu")):
+        if key in cfg and cfg[key] != want:
+            raise ModelError(f"config.json ({mt}): {key} = {cfg[key]!r} is not supported (transformers' DeepSeek-V3 "
+                             f"computes {key} = {want!r})")
+    hidden = int(cfg.get("hidden_size", 7168))
+    heads = int(cfg.get("num_attention_heads", 128))
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if int(kv_heads) != heads:
+        raise ModelError(f"config.json ({mt}): num_key_value_heads = {kv_heads} differs from num_attention_heads = "
+                         f"{heads}; multi-head latent attention expands one key and value per query head")
+    layers = int(cfg.get("num_hidden_layers", 61))
+    max_pos = int(cfg.get("max_position_embeddings") or 4096)
+    rope = _rope_from_hf(cfg, mt, max_pos)
+    mla = MLAConfig.from_hf(cfg, rope)
+    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 1)) or 0
+    moe, sparse = _deepseek_moe_from_hf(cfg, layers)
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    return cls(
+        model_type=mt, vocab_size=int(cfg.get("vocab_size", 129280)), hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size", 18432)), num_layers=layers, num_heads=heads,
+        num_kv_heads=heads, head_dim=mla.qk_rope_head_dim, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=rope, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=max_pos, dtype=None if dtype is None else str(dtype), mla=mla, mtp_layers=int(mtp),
+        moe=moe, moe_layers=sparse)
+
+
+def _deepseek_moe_from_hf(cfg: Mapping[str, Any], layers: int) -> Tuple[Optional[MoEConfig], Tuple[bool, ...]]:
+    """DeepSeek-V3's sparse block and schedule: layers i >= first_k_dense_replace are sparse; n_routed_experts
+    experts of moe_intermediate_size, num_experts_per_tok of them per token by group-limited sigmoid routing
+    (n_group, topk_group, norm_topk_prob, routed_scaling_factor), plus n_shared_experts fused into one ungated
+    MLP of n_shared_experts x moe_intermediate_size ("shared_experts")."""
+    def count(key, default):
+        v = cfg.get(key, default)
+        if v is None or int(v) < 0:
+            raise ModelError(f"config.json (deepseek_v3): {key} must be a non-negative integer, got {v!r}")
+        return int(v)
+
+    first = count("first_k_dense_replace", 3)
+    sparse = tuple(i >= first for i in range(layers))
+    if not any(sparse):
+        return None, sparse
+    inter = count("moe_intermediate_size", 2048)
+    return MoEConfig(
+        count("n_routed_experts", 256), count("num_experts_per_tok", 8), inter, routing="sigmoid_grouped",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), weights_float32=True,
+        n_group=count("n_group", 8), topk_group=count("topk_group", 4),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
+        shared_expert_intermediate_size=inter * count("n_shared_experts", 1), shared_expert_gated=False,
+        shared_name="shared_experts"), sparse
 
 
 def _rope_from_hf(cfg: Mapping[str, Any], mt: str, max_pos: int) -> RopeConfig:
@@ -170,9 +315,11 @@ def _rope_from_hf(cfg: Mapping[str, Any], mt: str, max_pos: int) -> RopeConfig:
     prf = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if prf is not None and float(prf) != 1.0:
         raise ModelError(f"config.json ({mt}): partial_rotary_factor {prf} is not supported (only 1.0)")
-    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(rp.get("rope_theta", cfg.get("rope_theta", _THETA_DEFAULT.get(mt, 10000.0))))
     if rope_type == "default":
         return RopeConfig("default", theta)
+    if rope_type == "yarn":
+        return _yarn_from_hf(cfg, rp, mt, theta, max_pos)
     missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if rp.get(k) is None]
     if missing:
         raise ModelError(f"config.json ({mt}): llama3 rope parameters lack {', '.join(missing)}")
@@ -180,18 +327,57 @@ def _rope_from_hf(cfg: Mapping[str, Any], mt: str, max_pos: int) -> RopeConfig:
                       float(rp["high_freq_factor"]), int(rp.get("original_max_position_embeddings") or max_pos))
 
 
+def _yarn_from_hf(cfg: Mapping[str, Any], rp: Mapping[str, Any], mt: str, theta: float, max_pos: int) -> RopeConfig:
+    """YaRN parameters as transformers reads them: `factor` may be null (then max_position_embeddings /
+    original_max_position_embeddings), a top-level `original_max_position_embeddings` wins over the rope dict's,
+    which defaults to max_position_embeddings; beta_fast / beta_slow default (also when 0 or null) to 32 / 1."""
+    if "factor" not in rp:
+        raise ModelError(f"config.json ({mt}): yarn rope parameters lack 'factor'")
+    unknown = sorted(set(rp) - {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+                                "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                "truncate", "partial_rotary_factor"})
+    if unknown:
+        raise ModelError(f"config.json ({mt}): yarn rope parameters {', '.join(unknown)} are not supported")
+    original = cfg.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings") or max_pos
+    factor = rp["factor"]
+    factor = float(max_pos / int(original) if factor is None else factor)
+    if factor < 1.0:
+        raise ModelError(f"config.json ({mt}): yarn rope factor {factor} must be >= 1")
+
+    def opt(key):
+        return None if rp.get(key) is None else float(rp[key])
+
+    return RopeConfig("yarn", theta, factor, original_max_position_embeddings=int(original),
+                      beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
+                      mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+                      attention_factor=opt("attention_factor"), truncate=bool(rp.get("truncate", True)))
+
+
 def _windows_from_hf(cfg: Mapping[str, Any], mt: str, layers: int) -> Tuple[Optional[int], ...]:
     """Per-layer attention windows as transformers computes them (masking_utils' sliding_window_overlay)."""
     if mt == "llama":
         return (None,) * layers
-    if mt == "mistral":  # every layer windowed unless sliding_window is null
-        w = cfg.get("sliding_window", _MISTRAL_SLIDING_WINDOW_DEFAULT)
+    if mt in ("mistral", "mixtral"):  # every layer windowed unless sliding_window is null
+        w = cfg.get("sliding_window", _MISTRAL_SLIDING_WINDOW_DEFAULT if mt == "mistral" else None)
         return (None if w is None else int(w),) * layers
-    w = cfg.get("sliding_window", _QWEN_SLIDING_WINDOW_DEFAULT) if cfg.get("use_sliding_window", False) else None
+    if mt == "qwen3_moe":  # every layer windowed with use_sliding_window (its attention ignores layer_types)
+        w = cfg.get("sliding_window", _QWEN_SLIDING_WINDOW_DEFAULT) if cfg.get("use_sliding_window", False) else None
+        return (None if w is None else int(w),) * layers
+    if mt == "gpt_oss":
+        w = cfg.get("sliding_window", 128)
+    else:
+        w = cfg.get("sliding_window", _QWEN_SLIDING_WINDOW_DEFAULT) if cfg.get("use_sliding_window", False) else None
     types = cfg.get("layer_types")
     if types is None:
         first = int(cfg.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS_DEFAULT))
-        types = ["sliding_attention" if w is not None and i >= first else "full_attention" for i in range(layers)]
+        if mt == "gpt_oss":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        elif mt == "qwen2_moe":
+            types = ["sliding_attention" if w is not None and (i + 1) % 2 and i < first else "full_attention"
+                     for i in range(layers)]
+        else:
+            types = ["sliding_attention" if w is not None and i >= first else "full_attention"
+                     for i in range(layers)]
     if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
         raise ModelError(f"config.json ({mt}): layer_types must list 'full_attention' / 'sliding_attention' for each "
                          f"of the {layers} layers, got {types!r}")
@@ -211,6 +397,10 @@ class KVCache:
     With KV-cache quantization (`enable_kv_cache_quantization`) keys/values hold uint8 fp8_e4m3fn codes
     (`qformats.kv_cache`); a dynamic scheme adds key_scales[i] / value_scales[i]: float32 [max_len, 1], the
     scale of the block each position was written in. Static scales live on the attention modules.
+
+    Multi-head latent attention (deepseek_v3, `mla`): keys[i] holds the normed latent [batch, 1, max_len,
+    kv_lora_rank] and values[i] the post-RoPE shared rope key [batch, 1, max_len, qk_rope_head_dim], as
+    transformers caches them.
     """
 
     keys: Tuple[jax.Array, ...]
@@ -245,11 +435,14 @@ class RMSNorm(nnx.Module):
         return self.weight.get_value().astype(x.dtype) * y
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> Tuple[jax.Array, jax.Array]:
-    """cos, sin [T, head_dim] of angles positions_t * inv_freq_j, the half-table repeated (HF's layout)."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> Tuple[jax.Array, jax.Array]:
+    """cos, sin [T, head_dim] of angles positions_t * inv_freq_j, the half-table repeated (HF's layout), times
+    `scale` (the rope's `attention_scaling`: YaRN's attention factor, 1 otherwise)."""
     ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     ang = jnp.concatenate([ang, ang], axis=-1)
-    return jnp.cos(ang), jnp.sin(ang)
+    if scale == 1.0:
+        return jnp.cos(ang), jnp.sin(ang)
+    return jnp.cos(ang) * jnp.float32(scale), jnp.sin(ang) * jnp.float32(scale)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -335,6 +528,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         self.qk_norm = cfg.qk_norm
+        # attention sinks (gpt_oss): one learned logit per head joins the softmax, its probability dropped after
+        self.sinks = nnx.Param(jnp.zeros((cfg.num_heads,), param_dtype)) if cfg.attention_sinks else None
         # KV-cache quantization (enable_kv_cache_quantization): the scheme, and static k_scale / v_scale
         self.kv_scheme: Optional[KVCacheScheme] = None
         self.k_scale = nnx.data(None)
@@ -370,7 +565,13 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, g, r, hd).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, hd)  # rows (r, t)
         scores = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
         scores = jnp.where(jnp.tile(mask, (r, 1)), scores * (hd ** -0.5), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        if self.sinks is not None:  # head g * r + j owns rows (j, t) of group g
+            sink = self.sinks.get_value().astype(jnp.float32).reshape(g, r, 1, 1)
+            sink = jnp.broadcast_to(sink, (g, r, t, 1)).reshape(1, g, r * t, 1)
+            full = jnp.concatenate([scores, jnp.broadcast_to(sink, scores.shape[:-1] + (1,))], axis=-1)
+            probs = jax.nn.softmax(full, axis=-1)[..., :-1].astype(x.dtype)
+        else:
+            probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bgms,bgsd->bgmd", probs, v.astype(x.dtype))
         out = out.reshape(b, g, r, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, self.num_heads * hd)
         return _project(self, "o_proj", out), (kv if kv is not None else (k, v))
@@ -397,15 +598,17 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), of `intermediate_size` hidden units (default the config's)."""
 
-    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 intermediate_size: Optional[int] = None):
         def lin(i, o):
             return nnx.Linear(i, o, use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-        self.gate_proj = lin(cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = lin(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = lin(cfg.intermediate_size, cfg.hidden_size)
+        inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = lin(cfg.hidden_size, inter)
+        self.up_proj = lin(cfg.hidden_size, inter)
+        self.down_proj = lin(inter, cfg.hidden_size)
         self.rotations = nnx.data(None)  # online rotations (set_rotation): "<proj>/input", "<proj>/output"
 
     def __call__(self, x):
@@ -414,20 +617,37 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """x + attn(norm(x)), then h + mlp(norm(h)) (pre-norm residual block)."""
+    """x + attn(norm(x)), then h + ffn(norm(h)) (pre-norm residual block); ffn is the dense MLP (`mlp`), or on
+    a sparse layer of an MoE model the `MoEBlock` at the checkpoint's name (`mlp`, mixtral's `block_sparse_moe`)."""
 
-    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs, sparse: bool = False):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if cfg.mla is None:
+            self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        else:
+            from qformats.models.decoder.mla import MLAttention  # mla builds on this module's layers
+
+            self.self_attn = MLAttention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.ffn_name = "mlp"
+        if sparse:
+            m = cfg.moe
+            shared = None
+            if m.shared_expert_intermediate_size:
+                shared = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                             intermediate_size=m.shared_expert_intermediate_size)
+            self.ffn_name = m.block_name
+            setattr(self, m.block_name, MoEBlock(m, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                                 shared=shared))
+        else:
+            self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, mask, kv=None, start=0):
         with jax.named_scope("self_attn"):
             h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, start)
         x = x + h
-        with jax.named_scope("mlp"):
-            x = x + self.mlp(self.post_attention_layernorm(x))
+        with jax.named_scope(self.ffn_name):
+            x = x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
         return x, kv
 
 
@@ -437,8 +657,8 @@ class DecoderModel(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                                for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                             sparse=cfg.moe_layers[i]) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
 
 
@@ -497,6 +717,12 @@ class CausalLM(nnx.Module):
         for a dynamic scheme) unless `dtype` asks for a float cache, which then holds the unquantized states."""
         c = self.config
         shape = (batch, c.num_kv_heads, max_len, c.head_dim)
+        if c.mla is not None:  # the latent and the rope key (mla.py)
+            shape, vshape = (batch, 1, max_len, c.mla.kv_lora_rank), (batch, 1, max_len, c.mla.qk_rope_head_dim)
+            dtype = dtype or self.dtype
+            n = c.num_layers
+            return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+                           tuple(jnp.zeros(vshape, dtype) for _ in range(n)), jnp.zeros((), jnp.int32))
         scheme = self.model.layers[0].self_attn.kv_scheme  # the same on every layer (kv_cache_scheme)
         if scheme is not None and dtype is None:
             dtype = jnp.uint8
@@ -537,7 +763,7 @@ class CausalLM(nnx.Module):
             if n is not None and n + t > s:
                 raise ModelError(f"CausalLM: the cache holds {s} positions; {n} are filled and {t} more were given")
         positions = start + jnp.arange(t, dtype=jnp.int32)
-        cos, sin = rope_tables(positions, inv_freq(self.config))
+        cos, sin = rope_tables(positions, inv_freq(self.config), self.config.rope.attention_scaling)
         masks = {w: attention_mask(positions, s, w) for w in set(self.config.sliding_windows)}
         x = self.model.embed_tokens(ids)
         entries = []

@@ -41,6 +41,9 @@ def set_rotation(model: CausalLM, module: str, location: str, weight) -> None:
     "k_cache" (post-RoPE queries / keys, per head) of an attention module ("model.layers.0.self_attn").
     ModelError for another module or location, or a size that does not divide the rotated axis."""
     parts = module.split(".")
+    if model.config.mla is not None:
+        raise ModelError(f"set_rotation {module} {location}: online rotations are not defined for the "
+                         f"{model.config.model_type} model's multi-head latent attention")
     if isinstance(weight, HadamardRotation):
         order = int(weight.signs.get_value().shape[0])
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qformats.errors import ModelError
 from qformats.sharding import ShardingRules
 
 #: Logical axes of a KV cache buffer [batch, num_kv_heads, max_len, head_dim].
@@ -12,6 +13,19 @@ KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 #: mesh axis — q/k/v/gate/up column-parallel, o/down row-parallel, embedding and lm_head split by vocabulary.
 PARAM_AXES = (
     (r"model/embed_tokens/embedding", ("vocab", "embed")),
+    # mixture-of-experts layers: expert stacks [E, in, out] split by "expert" (expert parallelism), routers replicated
+    (r"model/layers/\d+/(mlp|block_sparse_moe)/experts/(gate_proj|up_proj|gate_up_proj|w1|w3)/kernel",
+     ("expert", "embed", "expert_mlp")),
+    (r"model/layers/\d+/(mlp|block_sparse_moe)/experts/(down_proj|w2)/kernel", ("expert", "expert_mlp", "embed")),
+    (r"model/layers/\d+/(mlp|block_sparse_moe)/experts/(gate_proj|up_proj|gate_up_proj|w1|w3)/bias",
+     ("expert", "expert_mlp")),
+    (r"model/layers/\d+/(mlp|block_sparse_moe)/experts/(down_proj|w2)/bias", ("expert", "embed")),
+    (r"model/layers/\d+/(mlp|block_sparse_moe)/(gate|router)/kernel", ("embed", None)),
+    (r"model/layers/\d+/(mlp|block_sparse_moe)/(gate|router)/bias", (None,)),
+    (r"model/layers/\d+/mlp/shared_expert/(gate|up)_proj/kernel", ("embed", "mlp")),
+    (r"model/layers/\d+/mlp/shared_expert/down_proj/kernel", ("mlp", "embed")),
+    (r"model/layers/\d+/mlp/shared_expert_gate/kernel", ("embed", None)),
+    (r"model/layers/\d+/self_attn/sinks", ("heads",)),
     (r"model/layers/\d+/self_attn/q_proj/kernel", ("embed", "heads")),
     (r"model/layers/\d+/self_attn/q_proj/bias", ("heads",)),
     (r"model/layers/\d+/self_attn/[kv]_proj/kernel", ("embed", "kv_heads")),
@@ -27,11 +41,30 @@ PARAM_AXES = (
 )
 
 
+def expert_parallel_rules(config, axis: str = "ep", tensor_axis=None):
+    """`qformats.sharding.ShardingRules` splitting every expert stack of an MoE `config` by experts over mesh axis
+    `axis` (E / n experts per device; packed stacks leaf by leaf), and, with `tensor_axis`, attention, dense MLPs,
+    the shared expert and the vocabulary Megatron-style over that axis (`tensor_parallel_rules`); without it they are
+    replicated. The expert FFNs' hidden units ("expert_mlp") stay whole. ModelError (at placement) when the mesh
+    does not divide num_experts; ModelError for `tensor_axis` with multi-head latent attention (deepseek_v3: no
+    tensor-parallel layout of it; its expert stacks split by experts with everything else replicated)."""
+    t = tensor_axis
+    if t is not None and getattr(config, "mla", None) is not None:
+        raise ModelError(f"expert_parallel_rules: no tensor-parallel layout is defined for the {config.model_type} "
+                         "model's multi-head latent attention; leave tensor_axis None (attention replicated)")
+    return ShardingRules(PARAM_AXES, (("expert", axis), ("expert_mlp", None), ("vocab", t), ("heads", t),
+                                      ("kv_heads", t), ("mlp", t), ("embed", None), ("head_dim", None)),
+                         units=(("heads", config.head_dim), ("kv_heads", config.head_dim)))
+
+
 def tensor_parallel_rules(config, axis: str = "tp"):
     """`qformats.sharding.ShardingRules` of the Megatron layout of `config` (a `DecoderConfig`) on mesh axis `axis`:
     `PARAM_AXES`, with heads, KV heads, the MLP's hidden units and the vocabulary split over `axis` (heads cut at
     whole heads), the model dimension replicated. With these rules the KV cache is split by KV heads too
-    (`CausalLM.init_cache`)."""
+    (`CausalLM.init_cache`). ModelError for multi-head latent attention (deepseek_v3), which has no layout here."""
+    if getattr(config, "mla", None) is not None:
+        raise ModelError(f"tensor_parallel_rules: no tensor-parallel layout is defined for the {config.model_type} "
+                         "model's multi-head latent attention")
     return ShardingRules(PARAM_AXES, (("vocab", axis), ("heads", axis), ("kv_heads", axis), ("mlp", axis),
                                       ("embed", None), ("head_dim", None)),
                          units=(("heads", config.head_dim), ("kv_heads", config.head_dim)))

@@ -149,7 +149,7 @@ def test_from_hf_reads_legacy_keys_and_defaults():
 @pytest.mark.parametrize("change, message", [
     (dict(model_type="gemma"), "model_type 'gemma' is not supported; supported model types: llama, mistral, qwen2"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "rope type 'longrope' is not supported"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}), "llama3 rope parameters lack"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
     (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads"),

@@ -1,0 +1,300 @@
+"""Stacked expert projections: one [E, in, out] parameter per projection (float `Experts`, packed `QExperts`).
+
+A mixture-of-experts layer holds E linear maps of the same shape. They are stored as one stacked kernel
+W [E, K, N] (the Flax kernel layout per expert, the expert axis first) and an optional bias b [E, N]:
+
+    y_m = x_m @ W[e_m] + b[e_m]          (row m of the input goes through expert e_m)
+
+`QExperts` holds the packed counterpart: a `QArray` whose static shape is one expert's [K, N] and whose leaves
+(codes, scales, zero points, global scales) carry the expert axis in front, i.e. expert e's codes and scales are
+exactly those `quantize_weight(W[e])` gives for its own [K, N] Linear kernel (`quantize_weight` vmaps over the
+expert axis). `qformats.nn.quantize_model` swaps `Experts` for `QExperts` by the same rules as Linear layers.
+
+Two ways to run the rows through their experts, chosen by the caller (the MoE block) by the number of rows:
+
+* `gathered(x, e)`: each row's expert weight is gathered (`W[e_m]`, for packed weights only the gathered
+  experts' codes and scales are read and dequantized) and applied row by row — the decode path, where the rows
+  (tokens x top_k) are fewer than the experts.
+* `grouped(x, group_sizes)`: the rows are sorted by expert (group_sizes[e] consecutive rows for expert e) and one
+  grouped matmul runs per projection: `jax.lax.ragged_dot` on the whole stack ("ragged"; the stack dequantized
+  once for packed weights), or a loop over row tiles of one expert each ("tiled": each tile reads and
+  dequantizes only its expert's weight; empty experts cost nothing). XLA:CPU lowers ragged_dot to one dense
+  product per group over all rows, so "auto" picks "tiled" on the CPU and "ragged" elsewhere. "tiled" runs a
+  loop of data-dependent length (forward only: reverse-mode gradients, e.g. QAT, need "ragged").
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qformats.dispatch import xla_qdot
+from qformats.errors import ModelError
+from qformats.nn.nnx_layers import QuantizedMatmul, _pack
+from qformats.nn.projection import fake_quantize_weight, quantize_acts
+from qformats.observers import Observer
+from qformats.qarray import QArray
+from qformats.quantize import dequantize
+from qformats.schemes import SchemeSet
+
+GROUPED_METHODS = ("auto", "ragged", "tiled")
+
+
+def _dot(x, w):
+    """x [M, K] @ w [K, N] accumulated in float32 (the dense layers' `projection.dot`), as float32."""
+    return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def tile_rows(rows: int, experts: int) -> int:
+    """The row tile of the "tiled" grouped matmul: the power of two nearest above rows / experts, within [8, 128]
+    (about one tile per active expert when the rows spread evenly; tiles are never shared between experts)."""
+    per = max(1, -(-rows // max(experts, 1)))
+    return int(min(128, max(8, 1 << (per - 1).bit_length())))
+
+
+def tiled_grouped_matmul(x, group_sizes, weight_of: Callable, bias_of: Optional[Callable], n: int,
+                         tile: Optional[int] = None):
+    """y [M, N] float32 with y_m = x_m @ W_e (+ b_e) for rows sorted by expert (group_sizes [E] consecutive rows
+    per expert, sum = M), computed tile by tile: every tile is `tile` rows of one expert, so the loop runs
+    sum_e ceil(group_sizes_e / tile) <= M / tile + E times, and `weight_of(e)` [K, N] is read only for experts
+    that have rows. Rows of a tile past its expert's group are masked (they belong to the next tile)."""
+    m, k = x.shape
+    e_count = group_sizes.shape[0]
+    tile = tile or tile_rows(m, e_count)
+    gs = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(gs) - gs
+    tiles = (gs + tile - 1) // tile
+    ends = jnp.cumsum(tiles)
+    xp = jnp.pad(x, ((0, tile), (0, 0)))
+    out = jnp.zeros((m + tile, n), jnp.float32)
+
+    def body(i, out):
+        e = jnp.minimum(jnp.searchsorted(ends, i, side="right"), e_count - 1)
+        j = i - (ends[e] - tiles[e])
+        r0 = starts[e] + j * tile
+        y = _dot(jax.lax.dynamic_slice(xp, (r0, 0), (tile, k)), weight_of(e).astype(x.dtype))
+        if bias_of is not None:
+            y = y + bias_of(e).astype(jnp.float32)
+        valid = (j * tile + jnp.arange(tile)) < gs[e]
+        cur = jax.lax.dynamic_slice(out, (r0, 0), (tile, n))
+        return jax.lax.dynamic_update_slice(out, cur + jnp.where(valid[:, None], y, 0.0), (r0, 0))
+
+    return jax.lax.fori_loop(0, ends[-1], body, out)[:m]
+
+
+def ragged_grouped_matmul(x, group_sizes, stack, bias):
+    """y [M, N] float32 = `jax.lax.ragged_dot(x, stack, group_sizes)` (+ bias of each row's expert) for rows
+    sorted by expert; stack [E, K, N] dense."""
+    y = jax.lax.ragged_dot(x, stack.astype(x.dtype), group_sizes.astype(jnp.int32),
+                           preferred_element_type=jnp.float32)
+    if bias is not None:
+        row_expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=x.shape[0])
+        y = y + bias.astype(jnp.float32)[row_expert]
+    return y
+
+
+def _method(method: str) -> str:
+    if method not in GROUPED_METHODS:
+        raise ModelError(f"experts: grouped matmul method must be one of {GROUPED_METHODS}, got {method!r}")
+    if method == "auto":
+        return "tiled" if jax.default_backend() == "cpu" else "ragged"
+    return method
+
+
+class _ExpertOps:
+    """The expert products of a stacked projection, given how to read its weights (`_stack`, `_one`, `_gather`)."""
+
+    num_experts: int
+
+    def _input(self, x):
+        return x
+
+    def _bias(self):
+        return None if self.bias is None else self.bias.get_value()
+
+    def grouped(self, x, group_sizes, method: str = "auto", tile: Optional[int] = None):
+        """y [M, N] (in x's dtype) for rows x [M, K] sorted by expert, group_sizes [E] (int, summing to M):
+        y_m = x_m @ W[e_m] + b[e_m], one grouped matmul ("ragged": `jax.lax.ragged_dot`, "tiled":
+        `tiled_grouped_matmul`; "auto": tiled on the CPU, ragged elsewhere)."""
+        dt = self.dtype or x.dtype
+        x = self._input(x.astype(dt))
+        b = self._bias()
+        if _method(method) == "ragged":
+            y = ragged_grouped_matmul(x, group_sizes, self._stack(dt), b)
+        else:
+            y = tiled_grouped_matmul(x, group_sizes, lambda e: self._one(e, dt),
+                                     None if b is None else (lambda e: b[e]), self.out_features, tile)
+        return y.astype(dt)
+
+    def gathered(self, x, experts):
+        """y [M, N] (in x's dtype) for rows x [M, K] and their experts [M] (int): y_m = x_m @ W[e_m] + b[e_m],
+        reading only the weights of the experts named (each as often as it is named)."""
+        dt = self.dtype or x.dtype
+        x = self._input(x.astype(dt))
+        w = self._gather(experts, dt)
+        y = jnp.einsum("mk,mkn->mn", x, w, preferred_element_type=jnp.float32)
+        b = self._bias()
+        if b is not None:
+            y = y + b.astype(jnp.float32)[experts]
+        return y.astype(dt)
+
+    def dense(self, x, expert: int):
+        """x [..., K] @ W[expert] + b[expert] for one expert (a reference path; in x's dtype)."""
+        dt = self.dtype or x.dtype
+        xs = self._input(x.astype(dt))
+        y = jax.lax.dot_general(xs, self._one(expert, dt), (((xs.ndim - 1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        b = self._bias()
+        if b is not None:
+            y = y + b[expert].astype(jnp.float32)
+        return y.astype(dt)
+
+
+class Experts(_ExpertOps, nnx.Module):
+    """E float linear maps stacked: kernel [E, in, out] (each expert's Flax kernel), optional bias [E, out].
+
+    y_m = x_m @ kernel[e_m] + bias[e_m]; see `grouped` (rows sorted by expert) and `gathered` (rows with their
+    experts). `dtype`: the compute dtype (None: the input's)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *, use_bias: bool = False,
+                 dtype=None, param_dtype=jnp.float32,
+                 kernel_init=nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,)),
+                 rngs: nnx.Rngs):
+        self.num_experts, self.in_features, self.out_features = int(num_experts), int(in_features), int(out_features)
+        self.kernel = nnx.Param(kernel_init(rngs.params(), (self.num_experts, self.in_features, self.out_features),
+                                            param_dtype))
+        self.bias = nnx.Param(jnp.zeros((self.num_experts, self.out_features), param_dtype)) if use_bias else None
+        self.dtype = dtype
+
+    def _stack(self, dtype):
+        return self.kernel.get_value().astype(dtype)
+
+    def _one(self, e, dtype):
+        return self.kernel.get_value()[e].astype(dtype)
+
+    def _gather(self, experts, dtype):
+        return self.kernel.get_value()[experts].astype(dtype)
+
+
+def _select(q: QArray, idx) -> QArray:
+    """The QArray of the experts `idx` (an int or an index array): every leaf indexed along its expert axis."""
+    return jax.tree.map(lambda leaf: leaf[idx], q)
+
+
+def _dequantize_stacked(q: QArray, dtype):
+    """dequantize over the leading axes of q's leaves: [*lead, K, N]."""
+    fn = lambda qq: dequantize(qq, dtype)  # noqa: E731
+    for _ in range(q.codes.ndim - len(q.tshape)):
+        fn = jax.vmap(fn)
+    return fn(q)
+
+
+class QExperts(_ExpertOps, QuantizedMatmul):
+    """The quantized `Experts`: a packed QArray of per-expert shape [in, out] whose leaves carry the expert axis
+    first (expert e's codes and scales = those of its own [in, out] kernel quantized along `in`), or, in QAT mode,
+    the float stack fake-quantized per expert.
+
+    Activation schemes (`schemes.input_activations`) must be dynamic: each row is quantized along `in` before
+    its expert's product, Qa(x_m) @ dequantize(W[e_m]). Static activation scales (per expert) and calibration
+    mode are refused (ModelError)."""
+
+    def __init__(self, kernel, bias, schemes: SchemeSet, *, mode: str = "ptq", dtype=None, path: str = "",
+                 observer: Optional[Observer] = None, full_moments: bool = False):
+        a = schemes.input_activations
+        if mode == "calibrate":
+            raise ModelError(f"QExperts {path or '<module>'}: calibration of stacked experts (static activation "
+                             "scales, GPTQ / MSE statistics) is not supported; quantize the experts without "
+                             "calibration_data, or leave them out with a rule")
+        if a is not None and a.dynamic is not True:
+            raise ModelError(f"QExperts {path or '<module>'}: scheme {schemes.name!r} has static activation scales; "
+                             "stacked experts take only dynamic activation quantization")
+        super().__init__(kernel, bias, schemes, mode=mode, dtype=dtype, path=path)
+        if len(self.stacked) != 1:
+            raise ModelError(f"QExperts {path or '<module>'}: expected a kernel [E, in, out], found stacking axes "
+                             f"{self.stacked} before [{self.k_dim}, {self.n_dim}]")
+        self.num_experts = self.stacked[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.k_dim
+
+    @property
+    def out_features(self) -> int:
+        return self.n_dim
+
+    @classmethod
+    def from_module(cls, experts: Experts, schemes: SchemeSet, *, mode: str = "ptq", path: str = "",
+                    pack: Optional[Callable] = None, observer: Optional[Observer] = None,
+                    full_moments: bool = False) -> "QExperts":
+        """The quantized counterpart of `experts` (left untouched): in "ptq" mode the [E, K, N] kernel is packed
+        per expert by `pack(kernel)` (default round-to-nearest along K, `quantize_weight`, vmapped over E)."""
+        if mode == "calibrate":
+            raise ModelError(f"QExperts {path or '<module>'}: calibration of stacked experts is not supported; "
+                             "quantize the experts without calibration_data, or leave them out with a rule")
+        kernel = experts.kernel.get_value()
+        bias = None if experts.bias is None else experts.bias.get_value()
+        if mode == "ptq":
+            kernel = _pack(kernel, schemes, pack)
+        return cls(kernel, bias, schemes, mode=mode, dtype=experts.dtype, path=path)
+
+    @classmethod
+    def from_packed(cls, q: QArray, bias, schemes: SchemeSet, *, dtype=None, path: str = "") -> "QExperts":
+        """A PTQ QExperts holding `q` (per-expert shape [in, out], expert axis first on its leaves) as it is."""
+        return cls(q, bias, schemes, mode="ptq", dtype=dtype, path=path)
+
+    def _input(self, x):
+        a = self.schemes.input_activations
+        if a is None:
+            return x
+        y = quantize_acts(x, a)
+        return x + jax.lax.stop_gradient(y - x) if self.mode == "qat" else y
+
+    def _float(self, dtype):
+        return fake_quantize_weight(self.kernel.get_value(), self.schemes).astype(dtype)
+
+    def _stack(self, dtype):
+        k = self.kernel.get_value()
+        return _dequantize_stacked(k, dtype) if self.mode == "ptq" else self._float(dtype)
+
+    def _one(self, e, dtype):
+        k = self.kernel.get_value()
+        if self.mode == "ptq":
+            return dequantize(_select(k, e), dtype)
+        return fake_quantize_weight(k[e], self.schemes).astype(dtype)
+
+    def _gather(self, experts, dtype):
+        k = self.kernel.get_value()
+        if self.mode == "ptq":
+            return _dequantize_stacked(_select(k, experts), dtype)
+        return fake_quantize_weight(k[experts], self.schemes).astype(dtype)
+
+    def gathered(self, x, experts):
+        """`Experts.gathered` on the packed stack: each row times its expert's packed weight through the XLA packed
+        path (`qformats.dispatch.xla_qdot`, vmapped over rows: the fused packed GEMV of `qformats.packed_dot` where
+        the format has one, else dequantize-then-dot of that expert), reading only the experts named."""
+        if self.mode != "ptq":
+            return super().gathered(x, experts)
+        dt = self.dtype or x.dtype
+        x = self._input(x.astype(dt))
+        sel = _select(self.kernel.get_value(), experts)
+        y = jax.vmap(lambda xm, qm: xla_qdot(xm[None], qm)[0])(x, sel)
+        b = self._bias()
+        if b is not None:
+            y = (y.astype(jnp.float32) + b.astype(jnp.float32)[experts]).astype(dt)
+        return y.astype(dt)
+
+    def __call__(self, x):
+        raise ModelError(f"QExperts {self.path or '<module>'}: call `grouped` or `gathered` (rows and their experts)")
+
+    def expert_weight(self, e: int) -> QArray:
+        """Expert e's packed [in, out] QArray (its leaves indexed along the expert axis)."""
+        k = self.kernel.get_value()
+        if not isinstance(k, QArray):
+            raise ModelError(f"{self.path}: expert_weight needs a packed (PTQ) layer, mode is {self.mode!r}")
+        return _select(k, e)
+
+
+__all__ = ["Experts", "QExperts", "GROUPED_METHODS", "tiled_grouped_matmul", "ragged_grouped_matmul", "tile_rows"]

@@ -1,0 +1,171 @@
+"""qformats.nn.experts: a stacked [E, in, out] expert projection quantized by quantize_model is, expert by expert,
+exactly what each expert's own nnx.Linear becomes; the grouped (tiled, ragged_dot) and gathered products agree
+with a loop over experts; what is refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from qformats import presets
+from qformats.errors import ModelError
+from qformats.nn import Experts, QExperts, QLinear, Rule, quantize_model
+from qformats.nn.experts import tiled_grouped_matmul
+from qformats.quantize import dequantize
+
+E, D, I = 8, 64, 96
+
+
+class StackFFN(nnx.Module):
+    """gate/up/down as [E, in, out] stacks (how the MoE decoder holds them)."""
+
+    def __init__(self, kernels, biases=None):
+        rngs = nnx.Rngs(0)
+        self.experts = nnx.Dict()
+        for name, k in kernels.items():
+            m = Experts(E, k.shape[1], k.shape[2], use_bias=biases is not None, rngs=rngs)
+            m.kernel.set_value(jnp.asarray(k))
+            if biases is not None:
+                m.bias.set_value(jnp.asarray(biases[name]))
+            self.experts[name] = m
+
+
+class Expert(nnx.Module):
+    def __init__(self, kernels, e, biases=None):
+        rngs = nnx.Rngs(0)
+        for name, k in kernels.items():
+            lin = nnx.Linear(k.shape[1], k.shape[2], use_bias=biases is not None, rngs=rngs)
+            lin.kernel.set_value(jnp.asarray(k[e]))
+            if biases is not None:
+                lin.bias.set_value(jnp.asarray(biases[name][e]))
+            setattr(self, name, lin)
+
+
+class LoopFFN(nnx.Module):
+    """The same weights as E separate experts of three nnx.Linear each (how a torch checkpoint names them)."""
+
+    def __init__(self, kernels, biases=None):
+        self.experts = nnx.List([Expert(kernels, e, biases) for e in range(E)])
+
+
+def kernels(seed=0):
+    r = np.random.RandomState(seed)
+    k = {"gate_proj": r.randn(E, D, I), "up_proj": r.randn(E, D, I) * 3.0, "down_proj": r.randn(E, I, D)}
+    for e in range(E):  # each expert its own range, so per-expert scales (and NVFP4 global scales) differ
+        for a in k.values():
+            a[e] *= 0.1 * (e + 1)
+    return {n: a.astype(np.float32) for n, a in k.items()}
+
+
+@pytest.mark.parametrize("scheme", ["W4A16:g32", "W4A16_ASYM:g32", "W8A8", "NVFP4A16", "MXFP4A16", "FP8_DYNAMIC"])
+def test_quantized_stack_equals_per_expert_quantization_exactly(scheme):
+    ks = kernels()
+    stack, loop = StackFFN(ks), LoopFFN(ks)
+    quantize_model(stack, [Rule(".*", scheme)])
+    quantize_model(loop, [Rule(".*", scheme)])
+    for name in ks:
+        q = stack.experts[name]
+        assert isinstance(q, QExperts) and q.num_experts == E and q.weight_method == "rtn"
+        for e in range(E):
+            mine = q.expert_weight(e)
+            theirs = getattr(loop.experts[e], name)
+            assert isinstance(theirs, QLinear)
+            ref = theirs.kernel.get_value()
+            assert mine.shape == ref.shape and mine.scheme == ref.scheme
+            for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(ref)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}[{e}]")
+    if scheme.startswith("NVFP4"):  # gate/up of one expert share a global scale; experts differ
+        g = np.asarray(stack.experts["gate_proj"].kernel.get_value().global_scale)
+        np.testing.assert_array_equal(g, np.asarray(stack.experts["up_proj"].kernel.get_value().global_scale))
+        assert len(np.unique(g)) == E
+
+
+def rows_and_experts(m, seed=1, empty=(2, 5)):
+    r = np.random.RandomState(seed)
+    experts = np.array([e for e in r.randint(0, E, m) if e not in empty] + [0] * 0, np.int32)
+    x = r.randn(len(experts), D).astype(np.float32)
+    return x, experts
+
+
+@pytest.mark.parametrize("scheme", [None, "W4A16:g32", "NVFP4A16", "FP8_DYNAMIC"])
+def test_grouped_and_gathered_products_agree_with_a_loop(scheme):
+    ks = kernels(2)
+    biases = {n: np.random.RandomState(3).randn(E, k.shape[2]).astype(np.float32) for n, k in ks.items()}
+    model = StackFFN({"gate_proj": ks["gate_proj"]}, {"gate_proj": biases["gate_proj"]})
+    if scheme is not None:
+        quantize_model(model, [Rule(".*", scheme)])
+    m = model.experts["gate_proj"]
+    x, experts = rows_and_experts(70)
+    order = np.argsort(experts, kind="stable")
+    xs, es = x[order], experts[order]
+    sizes = np.bincount(es, minlength=E)
+    assert sizes[2] == sizes[5] == 0  # experts without rows
+    want = np.stack([np.asarray(m.dense(jnp.asarray(xs[i]), int(es[i]))) for i in range(len(es))])
+    gathered = np.asarray(nnx.jit(lambda m, x, e: m.gathered(x, e))(m, xs, es))
+    np.testing.assert_allclose(gathered, want, rtol=0, atol=2e-5)
+    for method, tile in (("tiled", None), ("tiled", 8), ("tiled", 32), ("ragged", None)):
+        got = np.asarray(nnx.jit(lambda m, x, s: m.grouped(x, s, method, tile))(m, xs, sizes))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5, err_msg=f"{method} tile {tile}")
+
+
+def test_tiled_grouped_matmul_reads_only_experts_with_rows():
+    """The tile loop asks for the weights of experts that have rows only (traced expert ids recorded)."""
+    w = jnp.asarray(np.random.RandomState(0).randn(E, 16, 8).astype(np.float32))
+    sizes = jnp.asarray([3, 0, 0, 20, 0, 0, 0, 1], jnp.int32)
+    x = jnp.asarray(np.random.RandomState(1).randn(24, 16).astype(np.float32))
+    seen = []
+
+    def weight_of(e):
+        jax.debug.callback(lambda v: seen.append(int(v)), e)
+        return w[e]
+
+    y = tiled_grouped_matmul(x, sizes, weight_of, None, 8, tile=8)
+    jax.effects_barrier()
+    assert sorted(set(seen)) == [0, 3, 7] and len(seen) == 1 + 3 + 1  # ceil(3/8) + ceil(20/8) + ceil(1/8) tiles
+    rows = np.repeat(np.arange(E), np.asarray(sizes))
+    want = np.einsum("mk,mkn->mn", np.asarray(x), np.asarray(w)[rows])
+    np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=1e-5)
+
+
+def test_qat_forward_is_the_packed_forward_and_converts():
+    from qformats.nn import convert
+
+    ks = kernels(4)
+    qat, ptq = StackFFN({"up_proj": ks["up_proj"]}), StackFFN({"up_proj": ks["up_proj"]})
+    quantize_model(qat, [Rule(".*", "W4A16:g32")], mode="qat")
+    quantize_model(ptq, [Rule(".*", "W4A16:g32")])
+    x, experts = rows_and_experts(20)
+    a = np.asarray(qat.experts["up_proj"].gathered(jnp.asarray(x), experts))
+    b = np.asarray(ptq.experts["up_proj"].gathered(jnp.asarray(x), experts))  # the packed GEMV: summation order
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+    c = np.asarray(ptq.experts["up_proj"].grouped(jnp.asarray(x[np.argsort(experts, kind="stable")]),
+                                                  np.bincount(experts, minlength=E), "ragged"))
+    d = np.asarray(qat.experts["up_proj"].grouped(jnp.asarray(x[np.argsort(experts, kind="stable")]),
+                                                  np.bincount(experts, minlength=E), "ragged"))
+    np.testing.assert_array_equal(c, d)  # the same dequantized (fake-quantized) weights, the same product
+    convert(qat)
+    for u, v in zip(jax.tree.leaves(qat.experts["up_proj"].kernel.get_value()),
+                    jax.tree.leaves(ptq.experts["up_proj"].kernel.get_value())):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_refused_with_typed_errors():
+    ks = kernels()
+    with pytest.raises(ModelError, match="calibration of stacked experts"):
+        quantize_model(StackFFN(ks), [Rule(".*", "W4A16:g32")], calibration_data=[jnp.zeros((1, D))],
+                       forward=lambda m, b: None)
+    with pytest.raises(ModelError, match="block scales"):
+        quantize_model(StackFFN(ks), [Rule(".*", "FP8_BLOCK")])
+    with pytest.raises(ModelError, match="static activation scales"):
+        QExperts(jnp.asarray(ks["up_proj"]), None, presets["W8A8"].__class__(
+            "W8A8_STATIC", weights=presets["W8A8"].weights,
+            input_activations=presets["W8A8"].input_activations.__class__(
+                **{**presets["W8A8"].input_activations.__dict__, "dynamic": False})), mode="qat")
+    q = StackFFN(ks)
+    quantize_model(q, [Rule(".*", "W4A16:g32")])
+    with pytest.raises(ModelError, match="call `grouped` or `gathered`"):
+        q.experts["gate_proj"](jnp.zeros((1, D)))
+    np.testing.assert_array_equal(  # the dequantized expert equals the dequantized slice of the stack
+        np.asarray(dequantize(q.experts["gate_proj"].expert_weight(3))),
+        np.asarray(q.experts["gate_proj"]._stack(jnp.float32)[3]))
