@@ -22,21 +22,13 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.nn.nnx_layers import PackedParam
-from qformats.nn.traced import MatmulWeight, WeightUsage, find_matmul_weights, run_packed
+from qformats.nn.traced import MatmulWeight, WeightUsage, find_matmul_weights, run_packed, weight_name  # noqa: F401
 
 _LOCAL = threading.local()
 
 
 def _active() -> int:
     return getattr(_LOCAL, "depth", 0)
-
-
-def weight_name(param_path: str) -> str:
-    """The name rules and checkpoints use for a matmul weight: its owner module's path for a param named
-    `kernel` ("blocks/0/mlp/up/kernel" -> "blocks/0/mlp/up", as flax's layers are named), else the param's
-    own path ("embedder/input_embedding")."""
-    head, _, leaf = param_path.rpartition("/")
-    return head if leaf == "kernel" and head else param_path
 
 
 def _path_str(keys) -> str:

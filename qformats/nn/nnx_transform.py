@@ -123,20 +123,20 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     traced_example = example is not _NOTHING
     if traced_example:  # flax layers stacked by nnx.vmap beyond QLinear's reach go the traced way
         refs = [(path, lp) for path, lp in refs if not _stacked_flax_layer(lp[0])]
-    generic, usage_dense = (_traced_candidates(model, refs, forward or _default_forward, example)
-                            if traced_example else ({}, {}))
+    generic, usage_dense, variables = (_traced_candidates(model, refs, forward or _default_forward, example)
+                                       if traced_example else ({}, {}, {}))
     chosen = plan_quantization([Candidate(path) for path, _ in refs] + [Candidate(n) for n in generic], matcher)
-    chosen.decisions.extend(Decision(Candidate(n), None, why, _selector(matcher, n))
+    chosen.decisions.extend(Decision(Candidate(n), None, why, traced.deciding_rule(matcher, n))
                             for n, why in usage_dense.items())
     chosen.unused = matcher.unused()
     warn_unused_rules(chosen)
     schemes = chosen.schemes()
     if not traced_example:
         _check_untraced(model, matcher, schemes)
-    traced_plan, misfit = _plan_traced(generic, schemes, calibrating, mode)
+    traced_plan, misfit = traced.plan_traced(generic, schemes, calibrating=calibrating, mode=mode)
     chosen = chosen.leave_dense(misfit)
     schemes = chosen.schemes()
-    _warn_partial(chosen, strict)
+    traced.warn_partial(chosen, strict, "quantize_model")
     selected = [(path, lp, schemes[path], _contracted_size(path, lp[0], schemes[path], calibrating))
                 for path, lp in refs if path in schemes]
     check_fits([(path, k, ss) for path, _, ss, k in selected], static_acts=calibrating)  # every misfit in one error
@@ -200,7 +200,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             replace_child(parent, key, new)
         swapped.append(new)
 
-    _pack_traced(model, traced_plan, weight_search)
+    _pack_traced(model, traced_plan, variables, weight_search)
     logger.info("qformats.nn: quantize_model:\n%s", chosen.summary())
     if calibrating:
         fwd = forward or _default_forward
@@ -247,36 +247,19 @@ def _stacked_flax_layer(m) -> bool:
     return False
 
 
-def _selector(matcher: Matcher, name: str):
-    i, _ = matcher.match(name)
-    return None if i is None else matcher.selectors[i]
-
-
 def _traced_candidates(model, refs, forward, example):
-    """({weight name: (param path, Variable, WeightUsage)} of the matmul weights outside the flax layers that
-    `refs` swaps, {weight name: why dense} of the params that reach a matmul but cannot be packed)."""
+    """(generic, dense, variables): `traced.traced_candidates` over the model's float params outside the flax
+    layers that `refs` swaps (and outside quantized layers), and param path -> Variable."""
     usages = nnx_traced.analyse(model, forward, example)
-    taken = set()
-    for path, (lin, _) in refs:
-        taken.add(f"{path}/kernel")
     params = nnx_traced.float_params(model, skip=(QuantizedMatmul,))
-    generic, dense = {}, {}
-    for ppath, var in params.items():
-        u = usages.get(ppath)
-        if ppath in taken or u is None or not u.dots:
-            continue  # a flax layer's (swapped as such), or not a matmul weight
-        name = nnx_traced.weight_name(ppath)
-        why = u.reason()
-        if why is None:
-            generic[name] = (ppath, var, u)
-        else:
-            dense[name] = why
-    return generic, dense
+    taken = {f"{path}/kernel" for path, _ in refs}
+    generic, dense = traced.traced_candidates({p: u for p, u in usages.items() if p in params}, taken)
+    return generic, dense, params
 
 
 def _check_untraced(model, matcher: Matcher, schemes) -> None:
     """Without example inputs: say loudly when the rules select 2-D params outside flax's layer classes."""
-    outside = [nnx_traced.weight_name(p) for p in nnx_traced.float_params(model, skip=(nnx.Linear, nnx.LinearGeneral,
+    outside = [traced.weight_name(p) for p in nnx_traced.float_params(model, skip=(nnx.Linear, nnx.LinearGeneral,
                                                                                      nnx.Einsum, QuantizedMatmul))]
     selected = [n for n in outside if matcher.match(n)[1] is not None]
     if not selected:
@@ -290,52 +273,10 @@ def _check_untraced(model, matcher: Matcher, schemes) -> None:
     warnings.warn(f"qformats.nn: {msg}; they stay float", stacklevel=3)
 
 
-def _plan_traced(generic, schemes, calibrating: bool, mode: str):
-    """([(name, param path, Variable, usage, SchemeSet)] to pack, {name: why dense} for shape misfits)."""
-    out, misfit = [], {}
-    for name, (ppath, var, u) in generic.items():
-        ss = schemes.get(name)
-        if ss is None:
-            continue
-        if calibrating or mode != "ptq":
-            raise ModelError(f"{name}: calibration_data and mode='qat' reach nnx.Linear / LinearGeneral / Einsum "
-                             "only; leave this matmul weight out with Rule(path, None) or quantize it in a "
-                             "call without them")
-        if ss.input_activations is not None and not u.plain():
-            raise ModelError(f"{name}: a matmul of this weight does not contract the input's last axis alone, so "
-                             f"its activations cannot be quantized ({ss.name}); use a weight-only scheme")
-        if u.stacked and ss.weights.strategy == "block":
-            misfit[name] = f"block scales ({ss.name}) need a 2-D weight; this one is stacked {u.shape}"
-            continue
-        try:
-            check_fit(name, traced.contracted_size(u), ss, static_acts=False)
-        except ModelError as e:
-            misfit[name] = f"shape does not fit: {e}"
-            continue
-        out.append((name, ppath, var, u, ss))
-    return out, misfit
-
-
-def _warn_partial(chosen, strict: bool) -> None:
-    """A warning per rule whose selected weights are only partly quantized (strict: a ModelError)."""
-    by_rule: Dict[str, List] = {}
-    for d in chosen.decisions:
-        if d.selector is not None and d.selector.scheme is not None:
-            by_rule.setdefault(d.selector.label, []).append(d)
-    for label, ds in by_rule.items():
-        dense = [d for d in ds if d.scheme is None]
-        if not dense:
-            continue
-        lines = "; ".join(f"{d.path} ({d.why})" for d in dense[:6]) + (" ..." if len(dense) > 6 else "")
-        msg = (f"{label} selects {len(ds)} matmul weights; {len(dense)} stay dense: {lines}")
-        if strict:
-            raise ModelError(f"quantize_model(strict=True): {msg}")
-        warnings.warn(f"qformats.nn: {msg}", stacklevel=4)
-
-
-def _pack_traced(model, items, weight_search: str) -> None:
+def _pack_traced(model, items, variables, weight_search: str) -> None:
     """Pack each selected traced weight in place (one at a time) and let its users run packed."""
-    for name, ppath, var, u, ss in items:
+    for name, ppath, u, ss in items:
+        var = variables[ppath]
         mw = traced.pack(var.get_value(), u, ss, lambda w, ss=ss: quantize_weight(w, ss, weight_search))
         nnx_traced.install(model, var, mw, name)
 

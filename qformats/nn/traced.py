@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import warnings
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from qformats.errors import ModelError
+from qformats.plan import check_fit
 from qformats.nn.projection import packed_project
 from qformats.qarray import QArray
 from qformats.quantize import dequantize
@@ -310,6 +312,83 @@ def contracted_size(usage: WeightUsage) -> int:
     """K of the [K, N] matrix the param is quantized as."""
     perm, nc = usage.layout()
     return math.prod(usage.per_layer[a] for a in perm[:nc])
+
+
+# ---- planning ------------------------------------------------------------------------------------------------
+def weight_name(param_path: str) -> str:
+    """The name rules and checkpoints use for a matmul weight: its owner module's path for a param named
+    `kernel` ("blocks/0/mlp/up/kernel" -> "blocks/0/mlp/up", as flax's layers are named), else the param's
+    own path ("embedder/input_embedding")."""
+    head, _, leaf = param_path.rpartition("/")
+    return head if leaf == "kernel" and head else param_path
+
+
+def deciding_rule(matcher, name: str):
+    """The selector of `matcher` that decides `name` (None when none matches)."""
+    i, _ = matcher.match(name)
+    return None if i is None else matcher.selectors[i]
+
+
+def traced_candidates(usages: Mapping[str, traced.WeightUsage], taken) -> Tuple[dict, dict]:
+    """({weight name: (param path, WeightUsage)} of the params that reach a matmul and can be packed, {weight name:
+    why dense} of those that reach one but cannot), over the float params of 2 or more dims not in `taken`."""
+    generic, dense = {}, {}
+    for ppath, u in usages.items():
+        if ppath in taken or not u.dots or len(u.shape) < 2 or not jnp.issubdtype(u.dtype, jnp.floating):
+            continue
+        name = weight_name(ppath)
+        why = u.reason()
+        if why is None:
+            generic[name] = (ppath, u)
+        else:
+            dense[name] = why
+    return generic, dense
+
+
+def plan_traced(generic, schemes, *, calibrating: bool = False, mode: str = "ptq"):
+    """([(name, param path, usage, SchemeSet)] of the traced matmul weights the rules quantize, {name: why dense}
+    for shape misfits). ModelError for a W+A scheme on a weight whose matmuls do not contract the input's last
+    axis alone, and (calibrating / QAT) for any selected one: those reach flax's layer classes only."""
+    out, misfit = [], {}
+    for name, (ppath, u) in generic.items():
+        ss = schemes.get(name)
+        if ss is None:
+            continue
+        if calibrating or mode != "ptq":
+            raise ModelError(f"{name}: calibration_data and mode='qat' reach flax's layer classes only; leave this "
+                             "matmul weight out with Rule(path, None) or quantize it in a call without them")
+        if ss.input_activations is not None and not (u.plain() and u.layout()[1] == 1):
+            raise ModelError(f"{name}: a matmul of this weight does not contract the input's last axis alone, so "
+                             f"its activations cannot be quantized ({ss.name}); use a weight-only scheme")
+        if u.stacked and ss.weights.strategy == "block":
+            misfit[name] = f"block scales ({ss.name}) need a 2-D weight; this one is stacked {u.shape}"
+            continue
+        try:
+            check_fit(name, contracted_size(u), ss, static_acts=False)
+        except ModelError as e:
+            misfit[name] = f"shape does not fit: {e}"
+            continue
+        out.append((name, ppath, u, ss))
+    return out, misfit
+
+
+def warn_partial(chosen, strict: bool, where: str, stacklevel: int = 4) -> None:
+    """A warning per rule whose selected matmul weights are only partly quantized, naming the dense ones and
+    why (strict: a ModelError)."""
+    by_rule: Dict[str, list] = {}
+    for d in chosen.decisions:
+        if d.selector is not None and d.selector.scheme is not None:
+            by_rule.setdefault(d.selector.label, []).append(d)
+    for label, ds in by_rule.items():
+        dense = [d for d in ds if d.scheme is None]
+        if not dense:
+            continue
+        lines = "; ".join(f"{d.path} ({d.why})" for d in dense[:6]) + (" ..." if len(dense) > 6 else "")
+        msg = f"{label} selects {len(ds)} matmul weights; {len(dense)} stay dense: {lines}"
+        if strict:
+            raise ModelError(f"{where}(strict=True): {msg}")
+        warnings.warn(f"qformats.nn: {msg}", stacklevel=stacklevel)
+
 
 
 # ---- running with packed weights -------------------------------------------------------------------------------
