@@ -237,25 +237,24 @@ class MatmulWeight:
     W = transpose(param, perm).reshape(K, N) per layer (`perm`: the contracted axes of the per-layer param, then
     the free ones; K, N the products of their sizes). Leading axes of q's leaves are stacked layers (scans slice
     them, vmaps map over them). Static: `shape` (per layer), `perm`, `n_contracted`, `dtype` (the param's),
-    `schemes` (W+A schemes quantize the other operand of each matmul), `plain` (every matmul contracts the other
-    operand's trailing axes against K: `WeightUsage.plain`)."""
+    `schemes` (W+A schemes quantize the other operand of each matmul: only where the matmul contracts the
+    other operand's last axis against K, else `run_packed` raises ModelError)."""
 
-    def __init__(self, q: QArray, *, shape, perm, n_contracted: int, dtype, schemes: SchemeSet, plain: bool):
+    def __init__(self, q: QArray, *, shape, perm, n_contracted: int, dtype, schemes: SchemeSet):
         self.q = q
         self.shape = tuple(int(d) for d in shape)
         self.perm = tuple(int(p) for p in perm)
         self.n_contracted = int(n_contracted)
         self.dtype = jnp.dtype(dtype)
         self.schemes = schemes
-        self.plain = bool(plain)
 
     def tree_flatten(self):
-        return (self.q,), (self.shape, self.perm, self.n_contracted, self.dtype.name, self.schemes, self.plain)
+        return (self.q,), (self.shape, self.perm, self.n_contracted, self.dtype.name, self.schemes)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        shape, perm, nc, dtype, schemes, plain = aux
-        return cls(children[0], shape=shape, perm=perm, n_contracted=nc, dtype=dtype, schemes=schemes, plain=plain)
+        shape, perm, nc, dtype, schemes = aux
+        return cls(children[0], shape=shape, perm=perm, n_contracted=nc, dtype=dtype, schemes=schemes)
 
     @property
     def stacked(self) -> Tuple[int, ...]:
@@ -304,8 +303,7 @@ def pack(value, usage: WeightUsage, schemes: SchemeSet, quantize_fn: Callable) -
     """`value` packed as a MatmulWeight: `quantize_fn(W [*stacked, K, N]) -> QArray` (stacked axes vmapped)."""
     perm, nc = usage.layout()
     q = quantize_fn(matrix_of(value, usage))
-    return MatmulWeight(q, shape=usage.per_layer, perm=perm, n_contracted=nc, dtype=usage.dtype, schemes=schemes,
-                        plain=usage.plain())
+    return MatmulWeight(q, shape=usage.per_layer, perm=perm, n_contracted=nc, dtype=usage.dtype, schemes=schemes)
 
 
 def contracted_size(usage: WeightUsage) -> int:
@@ -504,18 +502,20 @@ def _packed_dot(eqn, ins):
     (cl, cr), (bl, br) = eqn.params["dimension_numbers"]
     side = 0 if isinstance(ins[0], _Packed) else 1
     p, x = ins[side], ins[1 - side]
-    if isinstance(x, _Packed) or p.amap is None or not p.mw.plain:
-        return None
+    if isinstance(x, _Packed) or p.amap is None:
+        return _refuse_acts(eqn, p)
     mw = p.mw
     (mc, xc), (mb, xb) = ((cl, cr), (bl, br)) if side == 0 else ((cr, cl), (br, bl))
     ns, nb = len(mw.stacked), len(mb)
     if (nb != ns or tuple(mb) != tuple(range(nb)) or tuple(xb) != tuple(range(nb))
             or tuple(p.amap[:nb]) != tuple(range(nb))
             or tuple(sorted(xc)) != tuple(range(x.ndim - len(xc), x.ndim))):
-        return None
+        return _refuse_acts(eqn, p)
     order = sorted(range(len(xc)), key=lambda j: xc[j])
     if tuple(p.amap[mc[j]] - ns for j in order) != mw.perm[:mw.n_contracted]:
-        return None
+        return _refuse_acts(eqn, p)
+    if mw.schemes.input_activations is not None and mw.n_contracted != 1:
+        return _refuse_acts(eqn, p)
     wdt = mw.dtype
     for prim, params in p.ops:
         if prim.name == "convert_element_type":
@@ -538,6 +538,17 @@ def _packed_dot(eqn, ins):
     xpos = list(range(nb, nb + len(lead)))
     y = jnp.transpose(y, list(range(nb)) + ((xpos + pos) if side == 1 else (pos + xpos)))
     return y.astype(eqn.outvars[0].aval.dtype)
+
+
+def _refuse_acts(eqn, p: _Packed) -> None:
+    """None (dequantize + the original dot_general) for a weight-only packed weight; ModelError when its
+    scheme quantizes activations, which this matmul's contraction does not allow."""
+    ss = p.mw.schemes
+    if ss.input_activations is not None:
+        raise ModelError(f"a packed weight {p.mw.full_shape} with W+A scheme {ss.name} reaches a dot_general "
+                         f"{eqn.params['dimension_numbers']} that does not contract the input's last axis against "
+                         "its K alone, so its activations cannot be quantized; quantize it with a weight-only scheme")
+    return None
 
 
 def _is_array(x) -> bool:
