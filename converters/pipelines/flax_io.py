@@ -161,6 +161,9 @@ def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: O
     from qformats.nn import export_quantized
     from qformats.qarray import QArray
 
+    if isinstance(model, Mapping):
+        raise CheckpointError(f"{dst}: save_compressed takes an NNX model; a linen params tree is saved with "
+                              "save_linen(wrapper, qparams, dst) (the wrapper from quantize_linen knows the layouts)")
     packed = export_quantized(model)
     entries = _nnx_packed_entries(model)
     by_param = {e["param"] for e in entries}
@@ -358,3 +361,133 @@ def _matmul_weight(entry, dtype, input_activations):
     ss = SchemeSet(q.scheme.describe(), weights=q.scheme, input_activations=input_activations)
     return MatmulWeight(q, shape=entry["shape"], perm=entry["perm"], n_contracted=entry["contracted"], dtype=dtype,
                         schemes=ss)
+
+
+# ---- linen ------------------------------------------------------------------------------------------------------
+def _flat(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            yield from _flat(v, prefix + (str(k),))
+        else:
+            yield prefix + (str(k),), v
+
+
+def save_linen(qmodel, qparams: Mapping, dst, *, config: Optional[dict] = None, copy_from=None,
+               max_shard_size="5GB", overwrite: bool = False, ignore: Iterable[str] = ()):
+    """Write a linen model quantized by `qformats.nn.quantize_linen` (`qmodel`: its QuantizedLinen, `qparams`: its
+    params) as a compressed-tensors checkpoint. Packed 2-D Dense kernels go out as llm-compressor's Linears
+    (`a.b.weight`, [out, in]); packed Einsum / DenseGeneral kernels, stacked ones (nn.scan) and traced matmul
+    weights as the Linear of their [K, N] matrix with their layout in config.json (see the module docstring);
+    float params by `hf_name` (kernel -> weight, transposed when 2-D; scale / embedding -> weight) or under
+    their own "."-joined path. Refused (CheckpointError) when nothing is quantized or a leaf is not an array."""
+    from converters.formats.compressed_tensors.write import write_compressed
+    from qformats.nn.traced import MatmulWeight
+    from qformats.qarray import QArray
+
+    root = qparams["params"] if isinstance(qparams.get("params"), Mapping) else qparams
+    tensors: Dict[str, Any] = {}
+    schemes: Dict[str, Any] = {}
+    entries = []
+    layouts = qmodel.layouts or {}
+    for keys, v in _flat(root):
+        ps = "/".join(keys)
+        mod = "/".join(keys[:-1])
+        if isinstance(v, MatmulWeight):
+            entries.append(_entry(ps, v.q, v.shape, v.perm, v.n_contracted, v.stacked, v.schemes))
+        elif isinstance(v, QArray):
+            ss = qmodel.schemes.get(mod)
+            lay = layouts.get(mod)
+            if ss is None or keys[-1] != "kernel":
+                raise CheckpointError(f"{dst}: param {ps!r} is packed but the wrapper has no scheme for it")
+            stacked = tuple(v.codes.shape[:-2])
+            if lay is None or (lay.kind == "Dense" and not stacked):
+                tensors[mod.replace("/", ".") + ".weight"] = v
+                schemes[mod.replace("/", ".")] = ss
+            else:
+                entries.append(_entry(ps, v, lay.kernel_shape, lay.perm,
+                                      _n_contracted(lay.kernel_shape, lay.perm, lay.k), stacked, ss))
+        else:
+            named = hf_name(list(keys), getattr(v, "ndim", 0))
+            name, transpose = named if named is not None else (ps.replace("/", "."), False)
+            a = _dense_array(v, ps, dst)
+            tensors[name] = a.T if transpose else a
+    layout_rec = _add_entries(entries, tensors, schemes, dst)
+    _refuse_unquantized(tensors, dst)
+    if config is None and copy_from is not None and (Path(copy_from) / "config.json").exists():
+        config = read_json(Path(copy_from) / "config.json", copy_from)
+    if layout_rec:
+        config = dict(config or {}, **{LAYOUTS_KEY: layout_rec})
+    return write_compressed(dst, tensors, schemes, config=config, copy_from=copy_from, max_shard_size=max_shard_size,
+                            overwrite=overwrite, ignore=list(ignore))
+
+
+def load_linen(path, module, params: Mapping):
+    """(QuantizedLinen, params) from a checkpoint `save_linen` wrote (or any compressed-tensors checkpoint whose
+    names follow the same convention), for the linen `module` whose float `params` (e.g. from `module.init` or
+    `jax.eval_shape` of it) give the tree and shapes. Every checkpoint tensor must have a place and every shape
+    must match (CheckpointError naming the file and the tensor otherwise); float params the checkpoint lacks
+    are kept."""
+    import jax.numpy as jnp
+
+    from converters.formats.quantized import read_quantized
+    from qformats.nn.linen_transform import QuantizedLinen
+    from qformats.qarray import QArray
+    from qformats.schemes import SchemeSet
+
+    cm = read_quantized(path)
+    entries = _read_entries(cm, path)
+    has_params = isinstance(params.get("params"), Mapping)
+    root = params["params"] if has_params else params
+    leaves = {"/".join(k): v for k, v in _flat(root)}
+    groups = {g.name: g for g in (cm.quant.groups if cm.quant is not None else ())}
+    new: Dict[str, Any] = {}
+    schemes: Dict[str, Any] = {}
+    for param, e in entries.items():
+        if param not in leaves:
+            raise CheckpointError(f"{path}: {LAYOUTS_KEY}[{e['module']!r}] is the packed weight of {param!r}, which "
+                                  "the params do not have")
+        want = tuple(e["stacked"]) + tuple(e["shape"])
+        if tuple(jnp.shape(leaves[param])) != want:
+            raise CheckpointError(f"{path}: {param!r} has shape {tuple(jnp.shape(leaves[param]))} in the params, "
+                                  f"the checkpoint's packed weight {e['module']!r} is {want}")
+        g = groups.get(e["group"])
+        new[param] = _matmul_weight(e, jnp.result_type(leaves[param]), g.input_activations if g else None)
+    by_name = {}
+    for ps, v in leaves.items():
+        named = hf_name(ps.split("/"), getattr(v, "ndim", 0))
+        by_name[named[0] if named is not None else ps.replace("/", ".")] = (ps, named is not None and named[1])
+    unknown = []
+    for mod, tensors in cm.modules.items():
+        for local, arr in tensors.items():
+            full = f"{mod}.{local}" if mod else local
+            if full not in by_name:
+                unknown.append(full)
+                continue
+            ps, transpose = by_name[full]
+            if isinstance(arr, QArray):
+                want = tuple(jnp.shape(leaves[ps]))
+                if tuple(arr.shape) != want or arr.axis != 0:
+                    raise CheckpointError(f"{path}: {full}: expected a [in, out] weight of shape {want}, found "
+                                          f"{arr.shape}")
+                g = groups.get(cm.groups.get(mod, ""))
+                schemes[ps.rsplit("/", 1)[0]] = SchemeSet(arr.scheme.describe(), weights=arr.scheme,
+                                                          input_activations=g.input_activations if g else None)
+                new[ps] = arr
+            elif local in ("input_scale", "input_global_scale"):
+                raise CheckpointError(f"{path}: {full}: static activation scales are not supported by load_linen")
+            else:
+                a = np.asarray(arr).T if transpose else np.asarray(arr)
+                if tuple(a.shape) != tuple(jnp.shape(leaves[ps])):
+                    raise CheckpointError(f"{path}: tensor {full!r}: expected shape {tuple(jnp.shape(leaves[ps]))} "
+                                          f"for {ps}, found {a.shape}")
+                new[ps] = jnp.asarray(a, jnp.result_type(leaves[ps]))
+    if unknown:
+        raise CheckpointError(f"{path}: tensors the params have no place for: {sorted(unknown)[:8]}"
+                              + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else ""))
+
+    def rebuild(tree, prefix=()):
+        return {k: rebuild(v, prefix + (str(k),)) if isinstance(v, Mapping) else new.get("/".join(prefix + (str(k),)), v)
+                for k, v in tree.items()}
+
+    out = rebuild(root)
+    return QuantizedLinen(module, schemes), (dict(params, params=out) if has_params else out)
