@@ -1,4 +1,5 @@
-"""quantize_model / convert: swap nnx.Linear (LinearGeneral, Einsum) for quantized layers in place by rules."""
+"""quantize_model / convert: swap nnx.Linear (LinearGeneral, Einsum) for quantized layers in place by rules, and pack
+any other matmul weight in place (found by one abstract trace: `qformats.nn.traced`, `qformats.nn.nnx_traced`)."""
 
 from __future__ import annotations
 
