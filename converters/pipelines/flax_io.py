@@ -186,7 +186,8 @@ def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: O
                 if local in extra:
                     tensors[f"{mod}.{local}"] = np.asarray(extra[local])
         else:
-            tensors[name] = _dense_array(value, vpath, dst)
+            a = _dense_array(value, vpath, dst)
+            tensors[name] = a.T if transpose else a
     if name_map is None:  # every other param, under its own path
         from flax import nnx
 

@@ -43,7 +43,10 @@ def test_nnx_custom_layers_and_stacks_round_trip_exactly(tmp_path):
 def test_vmapped_multi_head_attention_round_trips(tmp_path):
     model = StackedMHA()
     x = jax.random.normal(jax.random.key(2), (2, 5, 128))
-    quantize_model(model, [Rule(".*", "FP8_DYNAMIC")], example=x)
+    with pytest.raises(Exception, match="layers/out: a matmul of this weight does not contract the input's last "
+                                        "axis alone"):  # out contracts (heads, head_dim)
+        quantize_model(model, [Rule(".*", "FP8_DYNAMIC")], example=x)
+    quantize_model(model, [Rule("layers/out", "W8A16"), Rule(".*", "FP8_DYNAMIC")], example=x)
     want = np.asarray(model(x))
     save_compressed(model, tmp_path / "ck")
     fresh = StackedMHA(seed=4)
@@ -51,6 +54,7 @@ def test_vmapped_multi_head_attention_round_trips(tmp_path):
     np.testing.assert_array_equal(np.asarray(fresh(x)), want)
 
 
+@pytest.mark.slow
 def test_gemma_linen_round_trips(tmp_path):
     model = Gemma(scan=True)
     params = model.init(jax.random.key(0), TOKENS)
@@ -82,6 +86,6 @@ def test_a_layout_that_does_not_fit_the_model_is_named(tmp_path):
     model = NnxCustom()
     quantize_model(model, [Rule("embed", None), Rule(".*", "W4A16")], example=TOKENS)
     save_compressed(model, tmp_path / "ck")
-    with pytest.raises(CheckpointError, match=r"'blocks/q/w' has shape \(3, 2, 128, 64\) in the model, the "
-                                              r"checkpoint's packed weight 'blocks.q.w' is \(2, 2, 128, 64\)"):
+    with pytest.raises(CheckpointError, match=r"'blocks/\S+' has shape \(3, .*\) in the model, the checkpoint's "
+                                              r"packed weight 'blocks\.\S+' is \(2, "):
         load_compressed(tmp_path / "ck", NnxCustom(layers=3))
