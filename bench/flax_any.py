@@ -79,9 +79,9 @@ def _ready(tree):
     jax.block_until_ready([x for x in jax.tree.leaves(tree) if hasattr(x, "block_until_ready")])
 
 
-def gemma_rows(args, tokens, schemes, use_qwix):
+def gemma_rows(args, tokens, schemes, use_qwix, scan):
     model = Gemma(vocab_size=args.vocab, embed_dim=args.embed, num_layers=args.layers, num_heads=args.heads,
-                  num_kv_heads=1, head_dim=args.embed // args.heads, hidden_dim=args.hidden, scan=True)
+                  num_kv_heads=1, head_dim=args.embed // args.heads, hidden_dim=args.hidden, scan=scan)
     params = jax.jit(model.init)(jax.random.key(0), tokens)
     ref = jax.jit(model.apply)(params, tokens)
     rows = [("float", "-", 0.0, 0.0, _bytes(params), 0.0)]
@@ -105,7 +105,7 @@ def _qwix_rules(name):
 
     qt, tile = QWIX[name]
     kw = {"tile_size": tile} if tile else {}
-    return [qwix.QtRule(module_path="layers.*", weight_qtype=qt, **kw)]
+    return [qwix.QtRule(module_path="layer.*", weight_qtype=qt, **kw)]
 
 
 def _qwix_linen(model, params, tokens, name, ref):
@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--no-qwix", action="store_true")
     p.add_argument("--only", choices=["linen", "nnx"], default=None)
+    p.add_argument("--no-scan", action="store_true", help="skip the nn.scan variant")
     args = p.parse_args(argv)
     use_qwix = not args.no_qwix
     if use_qwix:
@@ -211,8 +212,12 @@ def main(argv=None) -> int:
           f"{jax.devices()[0].platform}; embed {args.embed}, hidden {args.hidden}, {args.layers} layers, vocab "
           f"{args.vocab}, {args.tokens} tokens x 2" + ("" if use_qwix else "; qwix not run"))
     if args.only in (None, "linen"):
-        print(table("Gemma-style linen (own Einsum modules, nn.scan)", gemma_rows(args, tokens, schemes, use_qwix)))
+        print(table("Gemma-style linen (own Einsum modules, blocks in a list as gemma has them)",
+                    gemma_rows(args, tokens, schemes, use_qwix, scan=False)))
         print()
+        if not args.no_scan:
+            print(table("Gemma-style linen under nn.scan", gemma_rows(args, tokens, schemes, use_qwix, scan=True)))
+            print()
     if args.only in (None, "nnx"):
         print(table("EasyDeL-style NNX (ParallelLinear, nnx.scan)", nnx_rows(args, tokens, schemes, use_qwix)))
     return 0

@@ -271,7 +271,7 @@ def _quantize(params: Mapping, rules: Sequence, weight_search, layouts, traced_f
                 out[name] = quantize_weight(einsum_matrix(sub, layout.perm, layout.k, lead), ss, weight_search)
             elif "/".join(here) in packs:
                 u, ss = packs["/".join(here)]
-                out[name] = traced.pack(sub, u, ss, lambda w, ss=ss: quantize_weight(w, ss, weight_search))
+                out[name] = traced.pack(sub, u, ss, weight_search)
             else:
                 out[name] = sub
         return out

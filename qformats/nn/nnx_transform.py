@@ -278,7 +278,7 @@ def _pack_traced(model, items, variables, weight_search: str) -> None:
     """Pack each selected traced weight in place (one at a time) and let its users run packed."""
     for name, ppath, u, ss in items:
         var = variables[ppath]
-        mw = traced.pack(var.get_value(), u, ss, lambda w, ss=ss: quantize_weight(w, ss, weight_search))
+        mw = traced.pack(var.get_value(), u, ss, weight_search)
         nnx_traced.install(model, var, mw, name)
 
 

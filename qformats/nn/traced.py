@@ -299,11 +299,26 @@ def matrix_of(value, usage: WeightUsage) -> jax.Array:
     return w.reshape(tuple(value.shape[:ns]) + (contracted_size(usage), -1))
 
 
-def pack(value, usage: WeightUsage, schemes: SchemeSet, quantize_fn: Callable) -> MatmulWeight:
-    """`value` packed as a MatmulWeight: `quantize_fn(W [*stacked, K, N]) -> QArray` (stacked axes vmapped)."""
+def pack(value, usage: WeightUsage, schemes: SchemeSet, weight_search: str = "rtn") -> MatmulWeight:
+    """`value` packed as a MatmulWeight: W [*stacked, K, N] (`matrix_of`) quantized along K by
+    `qformats.algorithms.weight_search.quantize_weight(W, schemes, weight_search)` (stacked axes vmapped). The
+    transpose and the quantization run as one jitted function per layout, shape and scheme (cached), so the
+    transposed float copy is never materialised on its own and equal layers compile once."""
     perm, nc = usage.layout()
-    q = quantize_fn(matrix_of(value, usage))
-    return MatmulWeight(q, shape=usage.per_layer, perm=perm, n_contracted=nc, dtype=usage.dtype, schemes=schemes)
+    key = (perm, nc, usage.stacked, tuple(jnp.shape(value)), jnp.result_type(value).name, schemes, weight_search)
+    fn = _PACKERS.get(key)
+    if fn is None:
+        from qformats.algorithms.weight_search import quantize_weight
+
+        fn = jax.jit(lambda v: quantize_weight(matrix_of(v, usage), schemes, weight_search))
+        if len(_PACKERS) > 256:
+            _PACKERS.clear()
+        _PACKERS[key] = fn
+    return MatmulWeight(fn(value), shape=usage.per_layer, perm=perm, n_contracted=nc, dtype=usage.dtype,
+                        schemes=schemes)
+
+
+_PACKERS: Dict[Tuple, Callable] = {}
 
 
 def contracted_size(usage: WeightUsage) -> int:

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qformats.algorithms.weight_search import quantize_weight
 from qformats.errors import ModelError
 from qformats.matching import resolve_scheme
 from qformats.nn import QEinsum
@@ -46,7 +45,7 @@ def test_packed_matrix_is_the_flax_einsum_layers_own():
     """A custom einsum param packs to the very QArray nnx.Einsum's QEinsum holds for the same kernel."""
     u = usages()["e"]
     ss = resolve_scheme("W4A16")
-    mw = traced.pack(P["e"], u, ss, lambda w: quantize_weight(w, ss))
+    mw = traced.pack(P["e"], u, ss)
     e = nnx.Einsum("btd,sdnh->sbtnh", (2, 128, 4, 16), rngs=nnx.Rngs(0))
     e.kernel.set_value(P["e"])
     q = QEinsum.from_module(e, ss).kernel.get_value()
@@ -62,7 +61,7 @@ def _packed(scheme, names=("w", "e", "stk", "head")):
     ss = resolve_scheme(scheme)
     out = dict(P)
     for n in names:
-        out[n] = traced.pack(P[n], u[n], ss, lambda w: quantize_weight(w, ss))
+        out[n] = traced.pack(P[n], u[n], ss)
     return out
 
 
@@ -81,7 +80,7 @@ def test_w_plus_a_quantizes_the_other_operand_along_its_contracted_axis():
     ss = resolve_scheme("W8A8")
     w = P["w"]
     u = traced.find_matmul_weights(lambda p, x: x @ p["w"], {"w": w}, X)
-    mw = traced.pack(w, u[(jax.tree_util.DictKey("w"),)], ss, lambda m: quantize_weight(m, ss))
+    mw = traced.pack(w, u[(jax.tree_util.DictKey("w"),)], ss)
     got = traced.run_packed(lambda p, x: x @ p["w"], {"w": mw}, X)
     want = quantize_acts(X, ss.input_activations) @ dequantize(quantize(w, ss.weights, 0))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-2 * float(jnp.abs(want).max()))
