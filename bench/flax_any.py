@@ -6,19 +6,21 @@ The models are the test suite's re-implementations of Google DeepMind's `gemma` 
 Einsum modules calling `jnp.einsum` on their params, a tied embedding, blocks under `nn.scan`) and of EasyDeL's
 (`NnxCustom`: `ParallelLinear` modules with `lax.dot_general`, an `nnx.scan` stack), sized by the flags, with
 random weights (tests/qformats/nn/gemma_style.py). For each scheme: `quantize_linen` / `quantize_model` time
-(including the one abstract trace that finds the matmul weights), peak RSS growth while quantizing (sampled
-every 2 ms), relative L2 error of the logits against the float model (same tokens), and the packed param bytes.
+(including the one abstract trace that finds the matmul weights, and compilation), peak RSS growth while
+quantizing (sampled every 2 ms), each (model, tool, scheme) in a fresh process, relative L2 error of the logits against the float model (same tokens), and the packed param bytes.
 The same models are quantized by qwix 0.1.8 (`qwix.quantize_model` + `qwix.quantize_params` for linen,
-`qwix.quantize_model` for NNX, PtqProvider, the closest weight qtype: int8 / int4 with tile 128 / float8_e4m3fn /
-nvfp4) in the same run; the tied embedding is left float on both sides (qwix cannot take a table used in a
+`qwix.quantize_model` for NNX, PtqProvider, the closest weight qtype: int8 and int4 with tile 128 (qformats' W8A16 / W4A16 groups), float8_e4m3fn,
+nvfp4 / float6_e3m2fn) in the same run; the tied embedding is left float on both sides (qwix cannot take a table used in a
 gather and a dot). Prints the markdown table of BENCHMARKS.md's section "Any Flax model: custom layers vs qwix".
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
 import sys
 import threading
 import time
@@ -35,9 +37,9 @@ from flax import nnx  # noqa: E402
 from gemma_style import Gemma, NnxCustom  # noqa: E402
 from qformats.nn import Rule, quantize_linen, quantize_model  # noqa: E402
 
-SCHEMES = ["W8A16", "W4A16", "FP8_DYNAMIC", "NVFP4A16"]
-QWIX = {"W8A16": ("int8", None), "W4A16": ("int4", 128), "FP8_DYNAMIC": ("float8_e4m3fn", None),
-        "NVFP4A16": ("nvfp4", None)}
+SCHEMES = ["W8A16", "W4A16", "FP8_E4M3", "NVFP4A16", "FP6_E3M2"]
+QWIX = {"W8A16": ("int8", 128), "W4A16": ("int4", 128), "FP8_E4M3": ("float8_e4m3fn", None),
+        "NVFP4A16": ("nvfp4", 16), "FP6_E3M2": ("float6_e3m2fn", None)}
 
 
 def _rss_mb() -> float:
@@ -79,92 +81,84 @@ def _ready(tree):
     jax.block_until_ready([x for x in jax.tree.leaves(tree) if hasattr(x, "block_until_ready")])
 
 
-def gemma_rows(args, tokens, schemes, use_qwix, scan):
-    model = Gemma(vocab_size=args.vocab, embed_dim=args.embed, num_layers=args.layers, num_heads=args.heads,
-                  num_kv_heads=1, head_dim=args.embed // args.heads, hidden_dim=args.hidden, scan=scan)
-    params = jax.jit(model.init)(jax.random.key(0), tokens)
-    ref = jax.jit(model.apply)(params, tokens)
-    rows = [("float", "-", 0.0, 0.0, _bytes(params), 0.0)]
-    for name in schemes:
-        with _PeakRSS() as mem, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            t = time.perf_counter()
-            qmod, qparams = quantize_linen(model, params, [Rule("embedder/.*", None), Rule(".*", name)], tokens)
-            _ready(qparams)
-            dt = time.perf_counter() - t
-        err = _rel(jax.jit(qmod.apply)(qparams, tokens), ref)
-        rows.append((f"qformats {name}", name, dt, mem.growth, _bytes(qparams), err))
-        del qparams
-        if use_qwix:
-            rows.append(_qwix_linen(model, params, tokens, name, ref))
-    return rows
+def _gemma(args, scan):
+    return Gemma(vocab_size=args.vocab, embed_dim=args.embed, num_layers=args.layers, num_heads=args.heads,
+                 num_kv_heads=1, head_dim=args.embed // args.heads, hidden_dim=args.hidden, scan=scan)
 
 
-def _qwix_rules(name):
+def _qwix_rules(name, path):
     import qwix
 
     qt, tile = QWIX[name]
-    kw = {"tile_size": tile} if tile else {}
-    return [qwix.QtRule(module_path="layer.*", weight_qtype=qt, **kw)]
+    return [qwix.QtRule(module_path=path, weight_qtype=qt, **({"tile_size": tile} if tile else {}))]
 
 
-def _qwix_linen(model, params, tokens, name, ref):
-    import qwix
-
-    try:
+def child(args) -> dict:
+    """One (model, tool, scheme) measured in this fresh process: quantize seconds, peak RSS growth, error."""
+    tokens = (jnp.arange(2 * args.tokens).reshape(2, args.tokens) * 7919) % args.vocab
+    name, tool = args.scheme, args.tool
+    warnings.simplefilter("ignore")
+    if args.model.startswith("gemma"):
+        model = _gemma(args, scan=args.model == "gemma-scan")
+        params = jax.jit(model.init)(jax.random.key(0), tokens)
+        ref = jax.jit(model.apply)(params, tokens)
+        _ready(params)
         with _PeakRSS() as mem:
             t = time.perf_counter()
-            qm = qwix.quantize_model(model, qwix.PtqProvider(_qwix_rules(name)))
-            abstract = jax.eval_shape(qm.init, jax.random.key(0), tokens)["params"]
-            qparams = qwix.quantize_params(params["params"], abstract)
+            if tool == "qformats":
+                qmod, qparams = quantize_linen(model, params, [Rule("embedder/.*", None), Rule(".*", name)], tokens)
+                run = lambda: qmod.apply(qparams, tokens)  # noqa: E731
+            else:
+                import qwix
+
+                qm = qwix.quantize_model(model, qwix.PtqProvider(_qwix_rules(name, "layer.*")))
+                abstract = jax.eval_shape(qm.init, jax.random.key(0), tokens)["params"]
+                qparams = qwix.quantize_params(params["params"], abstract)
+                qparams = {"params": qparams}
+                run = lambda: qm.apply(qparams, tokens)  # noqa: E731
             _ready(qparams)
             dt = time.perf_counter() - t
-        err = _rel(jax.jit(qm.apply)({"params": qparams}, tokens), ref)
-        return (f"qwix {QWIX[name][0]}", name, dt, mem.growth, _bytes(qparams), err)
-    except Exception as e:  # noqa: BLE001 - reported in the table
-        return (f"qwix {QWIX[name][0]} failed: {type(e).__name__}: {str(e)[:80]}", name, None, None, None, None)
-
-
-def nnx_rows(args, tokens, schemes, use_qwix):
-    rows = []
-    fwd = nnx.jit(lambda m, t: m(t))
-    for name in schemes:
+        mb = _bytes(qparams)
+    else:
+        fwd = nnx.jit(lambda m, t: m(t))
         model = NnxCustom(vocab=args.vocab, d=args.embed, hidden=args.hidden, layers=args.layers)
         ref = fwd(model, tokens)
-        if not rows:
-            rows.append(("float", "-", 0.0, 0.0, _bytes(nnx.state(model, nnx.Param)), 0.0))
         _ready(nnx.state(model))
-        with _PeakRSS() as mem, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            t = time.perf_counter()
-            quantize_model(model, [Rule("embed", None), Rule(".*", name)], example=tokens)
-            _ready(nnx.state(model))
-            dt = time.perf_counter() - t
-        err = _rel(fwd(model, tokens), ref)
-        rows.append((f"qformats {name}", name, dt, mem.growth, _bytes(nnx.state(model, nnx.Param)), err))
-        del model
-        if use_qwix:
-            rows.append(_qwix_nnx(args, tokens, name, ref, fwd))
-    return rows
-
-
-def _qwix_nnx(args, tokens, name, ref, fwd):
-    import qwix
-
-    model = NnxCustom(vocab=args.vocab, d=args.embed, hidden=args.hidden, layers=args.layers)
-    _ready(nnx.state(model))
-    try:
-        rules = [qwix.QtRule(module_path="blocks.*|proj", weight_qtype=QWIX[name][0],
-                             **({"tile_size": QWIX[name][1]} if QWIX[name][1] else {}))]
         with _PeakRSS() as mem:
             t = time.perf_counter()
-            qm = qwix.quantize_model(model, qwix.PtqProvider(rules), tokens)
+            if tool == "qformats":
+                quantize_model(model, [Rule("embed", None), Rule(".*", name)], example=tokens)
+                qm = model
+            else:
+                import qwix
+
+                qm = qwix.quantize_model(model, qwix.PtqProvider(_qwix_rules(name, "blocks.*|proj")), tokens)
             _ready(nnx.state(qm))
             dt = time.perf_counter() - t
-        err = _rel(fwd(qm, tokens), ref)
-        return (f"qwix {QWIX[name][0]}", name, dt, mem.growth, _bytes(nnx.state(qm, nnx.Param)), err)
-    except Exception as e:  # noqa: BLE001 - reported in the table
-        return (f"qwix {QWIX[name][0]} failed: {type(e).__name__}: {str(e)[:80]}", name, None, None, None, None)
+        run = lambda: fwd(qm, tokens)  # noqa: E731
+        mb = _bytes(nnx.state(qm, nnx.Param))
+    return {"s": dt, "mb_peak": mem.growth, "params_mb": mb, "err": _rel(run(), ref)}
+
+
+def rows(args, model, schemes, use_qwix) -> list:
+    out = []
+    for name in schemes:
+        for tool in ("qformats", "qwix") if use_qwix else ("qformats",):
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--tool", tool,
+                   "--scheme", name] + [f"--{k}={getattr(args, k)}" for k in ("embed", "hidden", "heads", "layers",
+                                                                             "vocab", "tokens")]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            label = f"{tool} {name if tool == 'qformats' else QWIX[name][0]}"
+            line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+            if res.returncode == 0 and line:
+                r = json.loads(line[-1])
+                out.append((label, name, r["s"], r["mb_peak"], r["params_mb"], r["err"]))
+            else:
+                why = (res.stderr.strip().splitlines() or ["?"])[-1]
+                if "Check failed" in res.stderr:
+                    why = "XLA check failure: " + [ln for ln in res.stderr.splitlines() if "Check failed" in ln][0][-70:]
+                out.append((f"{label} failed: {why[:110]}", name, None, None, None, None))
+    return out
 
 
 def table(title, rows) -> str:
@@ -197,29 +191,32 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--no-qwix", action="store_true")
-    p.add_argument("--only", choices=["linen", "nnx"], default=None)
-    p.add_argument("--no-scan", action="store_true", help="skip the nn.scan variant")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="gemma")
+    p.add_argument("--tool", default="qformats")
+    p.add_argument("--scheme", default="W8A16")
     args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
     use_qwix = not args.no_qwix
     if use_qwix:
         try:
             import qwix  # noqa: F401
         except ImportError:
             use_qwix = False
-    tokens = (jnp.arange(2 * args.tokens).reshape(2, args.tokens) * 7919) % args.vocab
     schemes = [s for s in args.schemes.split(",") if s]
-    print(f"{platform.node()} {platform.processor() or platform.machine()}, jax {jax.__version__}, "
-          f"{jax.devices()[0].platform}; embed {args.embed}, hidden {args.hidden}, {args.layers} layers, vocab "
-          f"{args.vocab}, {args.tokens} tokens x 2" + ("" if use_qwix else "; qwix not run"))
-    if args.only in (None, "linen"):
-        print(table("Gemma-style linen (own Einsum modules, blocks in a list as gemma has them)",
-                    gemma_rows(args, tokens, schemes, use_qwix, scan=False)))
-        print()
-        if not args.no_scan:
-            print(table("Gemma-style linen under nn.scan", gemma_rows(args, tokens, schemes, use_qwix, scan=True)))
-            print()
-    if args.only in (None, "nnx"):
-        print(table("EasyDeL-style NNX (ParallelLinear, nnx.scan)", nnx_rows(args, tokens, schemes, use_qwix)))
+    print(f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, jax "
+          f"{jax.__version__}, {jax.devices()[0].platform}; embed {args.embed}, hidden {args.hidden}, {args.layers} "
+          f"layers, vocab {args.vocab}, {args.tokens} tokens x 2; each row a fresh process"
+          + ("" if use_qwix else "; qwix not run"))
+    print(table("Gemma-style linen (own Einsum modules, blocks in a list as gemma has them)",
+                rows(args, "gemma", schemes, use_qwix)))
+    print()
+    print(table("Gemma-style linen under nn.scan", rows(args, "gemma-scan", schemes[1:2], use_qwix)))
+    print()
+    print(table("EasyDeL-style NNX (ParallelLinear, HeadsEinsum, nnx.scan)",
+                rows(args, "nnx", [s for s in schemes if s in ("W8A16", "W4A16", "FP8_E4M3")], use_qwix)))
     return 0
 
 
