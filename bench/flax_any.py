@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
@@ -154,7 +155,8 @@ def rows(args, model, schemes, use_qwix) -> list:
                 r = json.loads(line[-1])
                 out.append((label, name, r["s"], r["mb_peak"], r["params_mb"], r["err"]))
             else:
-                why = (res.stderr.strip().splitlines() or ["?"])[-1]
+                errs = [ln for ln in res.stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception): ", ln)]
+                why = (errs or res.stderr.strip().splitlines() or ["?"])[-1]
                 if "Check failed" in res.stderr:
                     why = "XLA check failure: " + [ln for ln in res.stderr.splitlines() if "Check failed" in ln][0][-70:]
                 out.append((f"{label} failed: {why[:110]}", name, None, None, None, None))
