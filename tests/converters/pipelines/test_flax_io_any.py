@@ -54,7 +54,6 @@ def test_vmapped_multi_head_attention_round_trips(tmp_path):
     np.testing.assert_array_equal(np.asarray(fresh(x)), want)
 
 
-@pytest.mark.slow
 def test_gemma_linen_round_trips(tmp_path):
     model = Gemma(scan=True)
     params = model.init(jax.random.key(0), TOKENS)

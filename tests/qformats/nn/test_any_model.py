@@ -114,6 +114,7 @@ def test_vmapped_flax_multi_head_attention():
     assert 0 < rel(FWD(model, x), ref) < 0.05
 
 
+@pytest.mark.slow
 def test_gemma_linen_every_einsum_is_quantized_and_the_tied_embedding_is_named():
     model = Gemma()
     params = model.init(jax.random.key(0), TOKENS)
