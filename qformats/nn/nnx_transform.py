@@ -260,8 +260,10 @@ def _traced_candidates(model, refs, forward, example):
 
 def _check_untraced(model, matcher: Matcher, schemes) -> None:
     """Without example inputs: say loudly when the rules select 2-D params outside flax's layer classes."""
+    # nnx.Embed tables are gathered (their `attend` is a matmul only where a model calls it): not named here
     outside = [traced.weight_name(p) for p in nnx_traced.float_params(model, skip=(nnx.Linear, nnx.LinearGeneral,
-                                                                                     nnx.Einsum, QuantizedMatmul))]
+                                                                                     nnx.Einsum, nnx.Embed,
+                                                                                     QuantizedMatmul))]
     selected = [n for n in outside if matcher.match(n)[1] is not None]
     if not selected:
         return
