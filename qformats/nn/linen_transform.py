@@ -33,7 +33,8 @@ from qformats.nn.projection import (check_einsum_acts, einsum_layout, einsum_mat
                                     packed_linear, packed_linear_general)
 from qformats.algorithms.weight_search import RTN, quantize_weight, search_name
 from qformats.matching import Matcher
-from qformats.plan import Candidate, check_fit, plan_quantization, warn_unused_rules
+from qformats.nn import traced
+from qformats.plan import Candidate, Decision, Plan, check_fit, plan_quantization, warn_unused_rules
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
 
@@ -194,17 +195,24 @@ def _kernel_nodes(tree, prefix=()):
             yield from _kernel_nodes(sub, prefix + (name,))
 
 
-def _plan(root, matcher, layouts) -> Dict[str, Tuple[WeightLayout, Tuple[int, ...], SchemeSet]]:
-    """Select and validate every kernel a rule quantizes → {path: (layout, stacked axes, schemes)}."""
+def _plan(root, matcher, layouts, traced_found=None):
+    """Select and validate every kernel a rule quantizes → ({path: (layout, stacked axes, schemes)}, the Plan,
+    [(weight name, param path, WeightUsage, SchemeSet)] of the traced matmul weights to pack)."""
+    generic, usage_dense = traced_found or ({}, {})
     items = []
     for p, node in _kernel_nodes(root):
         path = "/".join(p)
         if isinstance(node["kernel"], QArray) or (layouts is not None and path not in layouts):
             continue  # already packed, or not a Dense / DenseGeneral / Einsum kernel
         items.append((path, node["kernel"]))
-    chosen = plan_quantization([Candidate(path) for path, _ in items], matcher)
+    chosen = plan_quantization([Candidate(path) for path, _ in items] + [Candidate(n) for n in generic], matcher)
+    chosen.decisions.extend(Decision(Candidate(n), None, why, traced.deciding_rule(matcher, n))
+                            for n, why in usage_dense.items())
+    chosen.unused = matcher.unused()
     warn_unused_rules(chosen, stacklevel=4)
     schemes = chosen.schemes()
+    traced_items, misfit = traced.plan_traced(generic, schemes)
+    chosen = chosen.leave_dense(misfit)
     plan = {}
     for path, kernel in items:
         if path not in schemes:
@@ -237,17 +245,19 @@ def _plan(root, matcher, layouts) -> Dict[str, Tuple[WeightLayout, Tuple[int, ..
             check_einsum_acts(path, layout.einsum_str, layout.contracts_last, ss)
         check_fit(path, layout.k, ss, static_acts=False)
         plan[path] = (layout, lead, ss)
-    return plan
+    return plan, chosen, traced_items
 
 
 LINEN_SEARCHES = (RTN, "mse")
 """The weight searches `quantize_linen` runs (linen has no calibration pass: no GPTQ)."""
 
 
-def _quantize(params: Mapping, rules: Sequence, weight_search, layouts):
+def _quantize(params: Mapping, rules: Sequence, weight_search, layouts, traced_found=None, strict: bool = False):
     weight_search = search_name(weight_search, LINEN_SEARCHES)
     root = _root(params)
-    plan = _plan(root, Matcher.from_rules(rules), layouts)
+    plan, chosen, traced_items = _plan(root, Matcher.from_rules(rules), layouts, traced_found)
+    traced.warn_partial(chosen, strict, "quantize_linen", stacklevel=5)
+    packs = {ppath: (u, ss) for _, ppath, u, ss in traced_items}
 
     def rebuild(tree, prefix=()):
         out = {}
@@ -259,13 +269,16 @@ def _quantize(params: Mapping, rules: Sequence, weight_search, layouts):
             elif name == "kernel" and path in plan:
                 layout, lead, ss = plan[path]
                 out[name] = quantize_weight(einsum_matrix(sub, layout.perm, layout.k, lead), ss, weight_search)
+            elif "/".join(here) in packs:
+                u, ss = packs["/".join(here)]
+                out[name] = traced.pack(sub, u, ss, weight_search)
             else:
                 out[name] = sub
         return out
 
     new_root = rebuild(root)
     new = dict(params, params=new_root) if root is not params else new_root
-    return new, plan
+    return new, plan, chosen
 
 
 def quantize_params(params: Mapping, rules: Sequence, *, weight_search: Optional[str] = RTN,
@@ -280,7 +293,7 @@ def quantize_params(params: Mapping, rules: Sequence, *, weight_search: Optional
     "/"-joined path wins, scheme None leaves the layer float. Every rule and shape is validated before
     anything is quantized; the input tree is not modified.
     """
-    new, plan = _quantize(params, rules, weight_search, layouts)
+    new, plan, _ = _quantize(params, rules, weight_search, layouts)
     return new, {path: ss for path, (_, _, ss) in plan.items()}
 
 
@@ -304,6 +317,7 @@ class QuantizedLinen:
     module: nn.Module
     schemes: Dict[str, SchemeSet]
     layouts: Optional[Dict[str, WeightLayout]] = None
+    summary: Optional[Plan] = dataclasses.field(default=None, compare=False)
 
     def _interceptor(self, next_fun, args, kwargs, context):
         # reads the scheme and layout from the kernel node, never from the path: see _Bound
@@ -344,8 +358,16 @@ class QuantizedLinen:
 
     def apply(self, variables, *args, **kwargs):
         bound = _bind(variables, self.schemes, self.layouts or {})
-        with nn.intercept_methods(self._interceptor):
-            out = self.module.apply(bound, *args, **kwargs)
+
+        def run(v, *a, **k):
+            with nn.intercept_methods(self._interceptor):
+                return self.module.apply(v, *a, **k)
+
+        if any(isinstance(v, traced.MatmulWeight) for v in jax.tree_util.tree_leaves(
+                bound, is_leaf=lambda v: isinstance(v, traced.MatmulWeight))):
+            out = traced.run_packed(run, bound, *args, **kwargs)  # params packed outside flax's layer classes
+        else:
+            out = run(bound, *args, **kwargs)
         if not kwargs.get("mutable"):
             return out
         return jax.tree.map(lambda t: t.q if isinstance(t, _Bound) else t, out,  # mutated collections: QArrays
@@ -381,36 +403,59 @@ def _call_layout(mod, path: str, kernel: QArray, args, kwargs) -> WeightLayout:
     return layout
 
 
-def _check_reached(module: nn.Module, root: Mapping, matcher: Matcher, layouts: Mapping[str, WeightLayout]) -> None:
+def _check_reached(module: nn.Module, root: Mapping, matcher: Matcher, layouts: Mapping[str, WeightLayout],
+                   traced_paths=frozenset()) -> None:
     """Say loudly when discovery reached fewer layers than the params suggest, never quantize nothing quietly.
 
-    No Dense / DenseGeneral / Einsum call recorded while a rule quantizes something and the params hold arrays:
-    ModelError (how many arrays and 'kernel's, which of them the rules select). Some recorded: a warning naming
-    the rule-selected 'kernel's that no such call reached (they stay float, e.g. Conv kernels).
+    No Dense / DenseGeneral / Einsum call recorded and no param reaching a matmul (`traced_paths`) while a rule
+    quantizes something and the params hold arrays: ModelError (how many arrays and 'kernel's, which of them
+    the rules select). Otherwise a warning naming the rule-selected 'kernel's that no matmul reached (they stay
+    float, e.g. Conv kernels).
     """
     selected = []
     for p, node in _kernel_nodes(root):
         path = "/".join(p)
-        if path not in layouts and not isinstance(node["kernel"], QArray) and matcher.match(path)[1] is not None:
+        if (path not in layouts and "/".join(p + ("kernel",)) not in traced_paths
+                and not isinstance(node["kernel"], QArray) and matcher.match(path)[1] is not None):
             selected.append(path)
     names = [f"{p}/kernel" if p else "kernel" for p in selected]
     shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
-    if not layouts:
+    if not layouts and not traced_paths:
         n_arrays = len(jax.tree.leaves(root))
         if n_arrays and any(s.scheme is not None for s in matcher.selectors):
             kernels = sum(1 for _ in _kernel_nodes(root))
             raise ModelError(
-                f"{type(module).__name__}: module.apply on the example inputs reached no Dense / DenseGeneral / "
-                f"Einsum call, but its params hold {n_arrays} arrays ({kernels} 'kernel' params"
-                + (f"; the rules select {shown}" if selected else "") + "): nothing would be quantized. Its matmuls "
-                "are in other layer classes or plain jnp ops on self.param, which quantize_linen does not reach")
+                f"{type(module).__name__}: module.apply on the example inputs reached no matmul on a param, but its "
+                f"params hold {n_arrays} arrays ({kernels} 'kernel' params"
+                + (f"; the rules select {shown}" if selected else "") + "): nothing would be quantized")
     elif selected:
-        warnings.warn(f"qformats.nn: {type(module).__name__}: no Dense / DenseGeneral / Einsum call reached the "
-                      f"rule-selected params {shown}; they stay float", stacklevel=3)
+        warnings.warn(f"qformats.nn: {type(module).__name__}: no matmul reached the rule-selected params {shown}; "
+                      "they stay float", stacklevel=3)
+
+
+def trace_params(module: nn.Module, variables: Mapping, *example_args, **example_kwargs
+                 ) -> Dict[str, traced.WeightUsage]:
+    """{"/"-joined param path: WeightUsage} of every array in the "params" collection, from one abstract trace of
+    `module.apply(variables, *example_args, **example_kwargs)` (`qformats.nn.traced.find_matmul_weights`)."""
+    v = variables if isinstance(variables.get("params"), Mapping) else {"params": variables}
+    try:
+        found = traced.find_matmul_weights(lambda vs, *a, **k: module.apply(vs, *a, **k), v, *example_args,
+                                           **example_kwargs)
+    except ModelError:
+        raise
+    except Exception as e:
+        raise ModelError(f"{type(module).__name__}: tracing module.apply on the example inputs (to find which "
+                         f"params its matmuls use) failed: {type(e).__name__}: {e}") from e
+    out = {}
+    for kp, u in found.items():
+        keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in kp]
+        if keys[:1] == ["params"]:
+            out["/".join(keys[1:])] = u
+    return out
 
 
 def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example_args,
-                   weight_search: Optional[str] = RTN, **example_kwargs):
+                   weight_search: Optional[str] = RTN, strict: bool = False, **example_kwargs):
     """(module, params) → (QuantizedLinen wrapper, quantized params), under the same Rule semantics as NNX.
 
     Every `Dense` / `DenseGeneral` / `Einsum` whose "/"-joined scope path a rule selects gets its kernel
@@ -426,6 +471,17 @@ def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example
         without them only 2-D kernels are quantized (as Dense) and a rule selecting another is a ModelError.
       weight_search: "rtn" (round-to-nearest; None is accepted as its alias) or "mse" (per-group clipping
         search); `LINEN_SEARCHES`.
+      strict: ModelError (before anything is quantized) when a weight a rule selects with a scheme would stay
+        dense (used outside a matmul too, shape misfit).
+
+    With example inputs, `module.apply` is also traced once (abstractly, `trace_params`), and every other param
+    fed to a matmul, whatever module holds it (a third-party layer's `jnp.einsum` / `jnp.dot` / `@` /
+    `lax.dot_general` on `self.param(...)`, also under `nn.scan`), is a candidate named by its param path (by
+    its module's path when the param is a `kernel`): packed as a `qformats.nn.traced.MatmulWeight` (W [K, N]
+    along its contracted axes) that `wrapper.apply` consumes through `traced.run_packed`. Weight-only schemes
+    fit every such weight, W+A ones those whose every matmul contracts the input's last axis alone (ModelError
+    otherwise). A rule's selected weights that stay dense are named in a warning; `wrapper.summary` is the
+    `qformats.plan.Plan`: one decision per matmul weight (quantized with which scheme, or dense and why).
 
     Everything (regexes, scheme names, shapes against schemes) is validated before any weight is quantized;
     errors are ModelErrors naming the rule or the module path. `params` is not modified. The same kernels are
@@ -442,8 +498,11 @@ def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example
     matcher = Matcher.from_rules(rules)  # a bad rule is reported before the model is run
     layouts = record_layouts(module, params, *example_args, **example_kwargs) if (example_args or example_kwargs) \
         else None
+    found = None
     if layouts is not None:
-        _check_reached(module, _root(params), matcher, layouts)
-    qparams, plan = _quantize(params, rules, weight_search, layouts)
+        usages = trace_params(module, params, *example_args, **example_kwargs)
+        found = traced.traced_candidates(usages, {f"{p}/kernel" for p in layouts})
+        _check_reached(module, _root(params), matcher, layouts, {p for p, u in usages.items() if u.dots})
+    qparams, plan, chosen = _quantize(params, rules, weight_search, layouts, found, strict)
     schemes = {p: ss for p, (_, _, ss) in plan.items()}
-    return QuantizedLinen(module, schemes, {p: lay for p, (lay, _, _) in plan.items()}), qparams
+    return QuantizedLinen(module, schemes, {p: lay for p, (lay, _, _) in plan.items()}, summary=chosen), qparams

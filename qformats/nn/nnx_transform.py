@@ -1,4 +1,5 @@
-"""quantize_model / convert: swap nnx.Linear (LinearGeneral, Einsum) for quantized layers in place by rules."""
+"""quantize_model / convert: swap nnx.Linear (LinearGeneral, Einsum) for quantized layers in place by rules, and pack
+any other matmul weight in place (found by one abstract trace: `qformats.nn.traced`, `qformats.nn.nnx_traced`)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from qformats.algorithms.gptq import DAMPENING_FRAC
 from qformats.algorithms.shared_scales import selected_groups, shared_global_scales
 from qformats.algorithms.weight_search import NEEDS_HESSIAN, RTN, calibrated_weight, quantize_weight, search_name
 from qformats.errors import ModelError
+from qformats.nn import nnx_traced, traced
 from qformats.nn.graph import module_references, replace_child
 from qformats.nn.experts import Experts, QExperts
 from qformats.nn.nnx_layers import QUANTIZED, QuantizedMatmul
 from qformats.nn.projection import check_einsum_acts, einsum_last_axis_error, einsum_layout
 from qformats.matching import Matcher
 from qformats.observers import get_observer
-from qformats.plan import Candidate, check_fits, plan_quantization, warn_unused_rules
+from qformats.plan import Candidate, Decision, check_fit, check_fits, plan_quantization, warn_unused_rules
 from qformats.quantize import quantize
 
 
@@ -47,7 +49,8 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
                    *, weight_search: Optional[str] = RTN, observer: Any = "minmax",
                    forward: Optional[Callable[[nnx.Module, Any], Any]] = None, jit: bool = True,
                    compare_rtn: bool = True, actorder: Optional[str] = "static", dampening_frac: float = DAMPENING_FRAC,
-                   fuse_global_scales: Union[bool, Sequence[Sequence[str]]] = True) -> nnx.Module:
+                   fuse_global_scales: Union[bool, Sequence[Sequence[str]]] = True, example: Any = _NOTHING,
+                   strict: bool = False, return_summary: bool = False):
     """Swap every `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Einsum` / `qformats.nn.experts.Experts` whose path
     matches a rule for its quantized counterpart (`QLinear` / `QLinearGeneral` / `QEinsum` / `QExperts`: each
     expert of the [E, K, N] stack quantized as its own [K, N] Linear would be), in place; returns `model`.
@@ -87,6 +90,24 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
         round-to-nearest PTQ (with or without calibration data); in QAT mode or with a weight search the
         layers keep their own global scales (a warning; a ModelError for explicit groups).
 
+      example: a batch for `forward(model, example)` (as calibration batches are given). With it the model is
+        traced once (abstractly: `qformats.nn.traced`) and every param fed to a matmul is a candidate, whatever
+        module holds it: flax's layer classes are swapped as above; any other matmul weight (a custom layer's
+        `jnp.einsum` / `jnp.dot` / `@` / `lax.dot_general` operand, plain, in `nnx.scan` stacks or `nnx.vmap`ped,
+        and flax's LinearGeneral / Einsum stacked by `nnx.vmap`) is packed in place as a
+        `traced.MatmulWeight` (W [K, N] along its contracted axes) and the modules that use it run through
+        `traced.run_packed` (`qformats.nn.nnx_traced`). Such a weight is named by its param path, or by its
+        module's path when the param is a `kernel` ("blocks/0/mlp/up"). Weight-only schemes fit every such
+        weight; W+A schemes need every matmul of it to contract the input's last axis alone (ModelError
+        otherwise). Weights a rule selects that stay dense (used outside a matmul too, e.g. a tied embedding
+        gathered and multiplied; shape misfit) are named in a warning. Without `example`, only flax's layer
+        classes are reached, and a rule that selects nothing but other 2-D params is a ModelError.
+        Not with calibration_data or mode="qat" (those reach flax's layer classes only: ModelError when a rule
+        selects another matmul weight).
+      strict: ModelError (before anything changes) when a weight a rule selects with a scheme would stay dense.
+      return_summary: return (model, plan) instead of model: the plan (`qformats.plan.Plan`) has one decision
+        per matmul weight (quantized with which scheme, or dense and why; `plan.summary()` as text).
+
     Everything (regexes, preset names, shapes against schemes) is checked before the first swap; on a
     bad rule or a layer that does not fit, ModelError names the rule or module path and the model is
     unchanged. A decoder to be rotated (SpinQuant) is rotated first, by one call before this one:
@@ -105,9 +126,23 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
     plan: List[Tuple[str, nnx.Linear, list, Any]] = []
     full_moments = {}
     refs = [(path, (lin, parents)) for path, lin, parents in module_references(model, tuple(_SWAPS)).values()]
-    chosen = plan_quantization([Candidate(path) for path, _ in refs], matcher)
+    traced_example = example is not _NOTHING
+    if traced_example:  # flax layers stacked by nnx.vmap beyond QLinear's reach go the traced way
+        refs = [(path, lp) for path, lp in refs if not _stacked_flax_layer(lp[0])]
+    generic, usage_dense, variables = (_traced_candidates(model, refs, forward or _default_forward, example)
+                                       if traced_example else ({}, {}, {}))
+    chosen = plan_quantization([Candidate(path) for path, _ in refs] + [Candidate(n) for n in generic], matcher)
+    chosen.decisions.extend(Decision(Candidate(n), None, why, traced.deciding_rule(matcher, n))
+                            for n, why in usage_dense.items())
+    chosen.unused = matcher.unused()
     warn_unused_rules(chosen)
     schemes = chosen.schemes()
+    if not traced_example:
+        _check_untraced(model, matcher, schemes)
+    traced_plan, misfit = traced.plan_traced(generic, schemes, calibrating=calibrating, mode=mode)
+    chosen = chosen.leave_dense(misfit)
+    schemes = chosen.schemes()
+    traced.warn_partial(chosen, strict, "quantize_model")
     selected = [(path, lp, schemes[path], _contracted_size(path, lp[0], schemes[path], calibrating))
                 for path, lp in refs if path in schemes]
     check_fits([(path, k, ss) for path, _, ss, k in selected], static_acts=calibrating)  # every misfit in one error
@@ -171,6 +206,8 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             replace_child(parent, key, new)
         swapped.append(new)
 
+    _pack_traced(model, traced_plan, variables, weight_search)
+    logger.info("qformats.nn: quantize_model:\n%s", chosen.summary())
     if calibrating:
         fwd = forward or _default_forward
         guard = weight_search != RTN and mode == "ptq" and compare_rtn
@@ -202,7 +239,54 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             q.set_weight(_pack_under(w, q.schemes.weights, g))
         if guard:
             _keep_better_of_search_and_rtn(model, swapped, floats, kept, reference, _jitted(fwd, jit))
-    return model
+    return (model, chosen) if return_summary else model
+
+
+# ---- matmul weights outside flax's layer classes (qformats.nn.traced) ------------------------------------------
+def _stacked_flax_layer(m) -> bool:
+    """A LinearGeneral / Einsum whose kernel has axes in front of its own (stacked by nnx.vmap)."""
+    k = m.kernel.get_value()
+    if isinstance(m, nnx.LinearGeneral):
+        return getattr(k, "ndim", 0) > len(m.in_features) + len(m.out_features)
+    if isinstance(m, nnx.Einsum):
+        return getattr(k, "ndim", 0) > len(tuple(m.kernel_shape))
+    return False
+
+
+def _traced_candidates(model, refs, forward, example):
+    """(generic, dense, variables): `traced.traced_candidates` over the model's float params outside the flax
+    layers that `refs` swaps (and outside quantized layers), and param path -> Variable."""
+    usages = nnx_traced.analyse(model, forward, example)
+    params = nnx_traced.float_params(model, skip=(QuantizedMatmul,))
+    taken = {f"{path}/kernel" for path, _ in refs}
+    generic, dense = traced.traced_candidates({p: u for p, u in usages.items() if p in params}, taken)
+    return generic, dense, params
+
+
+def _check_untraced(model, matcher: Matcher, schemes) -> None:
+    """Without example inputs: say loudly when the rules select 2-D params outside flax's layer classes."""
+    # nnx.Embed tables are gathered (their `attend` is a matmul only where a model calls it): not named here
+    outside = [traced.weight_name(p) for p in nnx_traced.float_params(model, skip=(nnx.Linear, nnx.LinearGeneral,
+                                                                                     nnx.Einsum, nnx.Embed, Experts,
+                                                                                     QuantizedMatmul))]
+    selected = [n for n in outside if matcher.match(n)[1] is not None]
+    if not selected:
+        return
+    shown = ", ".join(selected[:5]) + (f", ... ({len(selected)} in all)" if len(selected) > 5 else "")
+    msg = (f"the rules select {len(selected)} params outside nnx.Linear / LinearGeneral / Einsum ({shown}); "
+           "pass example=<a batch for forward(model, batch)> so the model is traced once to find which of them "
+           "its matmuls use")
+    if not schemes:
+        raise ModelError(f"quantize_model: nothing would be quantized: {msg}")
+    warnings.warn(f"qformats.nn: {msg}; they stay float", stacklevel=3)
+
+
+def _pack_traced(model, items, variables, weight_search: str) -> None:
+    """Pack each selected traced weight in place (one at a time) and let its users run packed."""
+    for name, ppath, u, ss in items:
+        var = variables[ppath]
+        mw = traced.pack(var.get_value(), u, ss, weight_search)
+        nnx_traced.install(model, var, mw, name)
 
 
 def _pack_under(kernel, scheme, g):

@@ -10,6 +10,7 @@ import pytest
 
 from qformats import presets
 from qformats.errors import ModelError
+from qformats.nn.traced import MatmulWeight
 from qformats.nn import Rule, quantize_linen, record_layouts
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
@@ -114,12 +115,20 @@ def test_wrappers_do_not_share_a_jitted_trace():
 
 
 class NoDense(nn.Module):
-    """A matmul quantize_linen cannot reach: a plain jnp.dot on a param."""
+    """A matmul in no flax layer class: a plain jnp.dot on a param (reached by the traced path)."""
 
     @nn.compact
     def __call__(self, x):
         w = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], 64))
         return x @ w
+
+
+class ConvOnly(nn.Module):
+    """No matmul on a param at all: a convolution."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Conv(8, (3,), name="conv")(x)
 
 
 class ConvAndDense(nn.Module):
@@ -128,20 +137,27 @@ class ConvAndDense(nn.Module):
         return nn.Dense(32, name="head")(nn.Conv(8, (3,), name="conv")(x).reshape(x.shape[0], -1))
 
 
-def test_discovery_that_reaches_no_layer_is_an_error():
+def test_a_matmul_on_a_bare_param_is_quantized():
     params = NoDense().init(jax.random.key(3), X)
-    with pytest.raises(ModelError, match="NoDense: module.apply on the example inputs reached no Dense / DenseGeneral "
-                                         "/ Einsum call, but its params hold 1 arrays .*the rules select kernel\\)"):
-        quantize_linen(NoDense(), params, [Rule(".*", "FP8_DYNAMIC")], X)
+    qmod, qparams = quantize_linen(NoDense(), params, [Rule(".*", "FP8_DYNAMIC")], X)
+    assert [d.path for d in qmod.summary.quantized] == ["kernel"]
+    assert isinstance(qparams["params"]["kernel"], MatmulWeight)
+
+
+def test_discovery_that_reaches_no_matmul_is_an_error():
+    x = jnp.ones((2, 16, 4))
+    params = ConvOnly().init(jax.random.key(3), x)
+    with pytest.raises(ModelError, match="ConvOnly: module.apply on the example inputs reached no matmul on a param, "
+                                         "but its params hold 2 arrays .*the rules select conv/kernel\\)"):
+        quantize_linen(ConvOnly(), params, [Rule(".*", "FP8_DYNAMIC")], x)
     with pytest.warns(UserWarning, match="matched no"):  # nothing asked for: only the rule warning
-        quantize_linen(NoDense(), params, [Rule(".*", None)], X)
+        quantize_linen(ConvOnly(), params, [Rule(".*", None)], x)
 
 
 def test_rule_selected_kernels_no_layer_reached_are_named():
     x = jnp.ones((2, 16, 4))
     params = ConvAndDense().init(jax.random.key(4), x)
-    with pytest.warns(UserWarning, match="no Dense / DenseGeneral / Einsum call reached the rule-selected "
-                                         "params conv/kernel; they stay float"):
+    with pytest.warns(UserWarning, match="no matmul reached the rule-selected params conv/kernel; they stay float"):
         qmod, qparams = quantize_linen(ConvAndDense(), params, [Rule(".*", "FP8_DYNAMIC")], x)
     assert set(qmod.schemes) == {"head"} and not isinstance(qparams["params"]["conv"]["kernel"], QArray)
 

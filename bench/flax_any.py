@@ -1,0 +1,226 @@
+"""Third-party-style Flax models (Gemma-style linen, EasyDeL-style NNX): quantize time, peak memory, error vs qwix.
+
+Usage: python bench/flax_any.py [--embed 512] [--hidden 2048] [--layers 4] [--vocab 8192] [--schemes ...] [--no-qwix]
+
+The models are the test suite's re-implementations of Google DeepMind's `gemma` layer style (`Gemma`: its own
+Einsum modules calling `jnp.einsum` on their params, a tied embedding, blocks under `nn.scan`) and of EasyDeL's
+(`NnxCustom`: `ParallelLinear` modules with `lax.dot_general`, an `nnx.scan` stack), sized by the flags, with
+random weights (tests/qformats/nn/gemma_style.py). For each scheme: `quantize_linen` / `quantize_model` time
+(including the one abstract trace that finds the matmul weights, and compilation), peak RSS growth while
+quantizing (sampled every 2 ms), each (model, tool, scheme) in a fresh process, relative L2 error of the logits against the float model (same tokens), and the packed param bytes.
+The same models are quantized by qwix 0.1.8 (`qwix.quantize_model` + `qwix.quantize_params` for linen,
+`qwix.quantize_model` for NNX, PtqProvider, the closest weight qtype: int8 and int4 with tile 128 (qformats' W8A16 / W4A16 groups), float8_e4m3fn,
+nvfp4 / float6_e3m2fn) in the same run; the tied embedding is left float on both sides (qwix cannot take a table used in a
+gather and a dot). Prints the markdown table of BENCHMARKS.md's section "Any Flax model: custom layers vs qwix".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests", "qformats", "nn"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from gemma_style import Gemma, NnxCustom  # noqa: E402
+from qformats.nn import Rule, quantize_linen, quantize_model  # noqa: E402
+
+SCHEMES = ["W8A16", "W4A16", "FP8_E4M3", "NVFP4A16", "FP6_E3M2"]
+QWIX = {"W8A16": ("int8", 128), "W4A16": ("int4", 128), "FP8_E4M3": ("float8_e4m3fn", None),
+        "NVFP4A16": ("nvfp4", 16), "FP6_E3M2": ("float6_e3m2fn", None)}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class _PeakRSS:
+    """Peak resident memory growth (MB) over a block, sampled every 2 ms by a thread."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss_mb()
+        self._stop = threading.Event()
+
+        def watch():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, _rss_mb())
+                time.sleep(0.002)
+        self._t = threading.Thread(target=watch, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss_mb())
+        self.growth = self.peak - self.base
+
+
+def _rel(a, b) -> float:
+    return float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+
+
+def _bytes(tree) -> float:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype")) / 2**20
+
+
+def _ready(tree):
+    jax.block_until_ready([x for x in jax.tree.leaves(tree) if hasattr(x, "block_until_ready")])
+
+
+def _gemma(args, scan):
+    return Gemma(vocab_size=args.vocab, embed_dim=args.embed, num_layers=args.layers, num_heads=args.heads,
+                 num_kv_heads=1, head_dim=args.embed // args.heads, hidden_dim=args.hidden, scan=scan)
+
+
+def _qwix_rules(name, path):
+    import qwix
+
+    qt, tile = QWIX[name]
+    return [qwix.QtRule(module_path=path, weight_qtype=qt, **({"tile_size": tile} if tile else {}))]
+
+
+def child(args) -> dict:
+    """One (model, tool, scheme) measured in this fresh process: quantize seconds, peak RSS growth, error."""
+    tokens = (jnp.arange(2 * args.tokens).reshape(2, args.tokens) * 7919) % args.vocab
+    name, tool = args.scheme, args.tool
+    warnings.simplefilter("ignore")
+    if args.model.startswith("gemma"):
+        model = _gemma(args, scan=args.model == "gemma-scan")
+        params = jax.jit(model.init)(jax.random.key(0), tokens)
+        ref = jax.jit(model.apply)(params, tokens)
+        _ready(params)
+        with _PeakRSS() as mem:
+            t = time.perf_counter()
+            if tool == "qformats":
+                qmod, qparams = quantize_linen(model, params, [Rule("embedder/.*", None), Rule(".*", name)], tokens)
+                run = lambda: qmod.apply(qparams, tokens)  # noqa: E731
+            else:
+                import qwix
+
+                qm = qwix.quantize_model(model, qwix.PtqProvider(_qwix_rules(name, "layer.*")))
+                abstract = jax.eval_shape(qm.init, jax.random.key(0), tokens)["params"]
+                qparams = qwix.quantize_params(params["params"], abstract)
+                qparams = {"params": qparams}
+                run = lambda: qm.apply(qparams, tokens)  # noqa: E731
+            _ready(qparams)
+            dt = time.perf_counter() - t
+        mb = _bytes(qparams)
+    else:
+        fwd = nnx.jit(lambda m, t: m(t))
+        model = NnxCustom(vocab=args.vocab, d=args.embed, hidden=args.hidden, layers=args.layers)
+        ref = fwd(model, tokens)
+        _ready(nnx.state(model))
+        with _PeakRSS() as mem:
+            t = time.perf_counter()
+            if tool == "qformats":
+                quantize_model(model, [Rule("embed", None), Rule(".*", name)], example=tokens)
+                qm = model
+            else:
+                import qwix
+
+                qm = qwix.quantize_model(model, qwix.PtqProvider(_qwix_rules(name, "blocks.*|proj")), tokens)
+            _ready(nnx.state(qm))
+            dt = time.perf_counter() - t
+        run = lambda: fwd(qm, tokens)  # noqa: E731
+        mb = _bytes(nnx.state(qm, nnx.Param))
+    return {"s": dt, "mb_peak": mem.growth, "params_mb": mb, "err": _rel(run(), ref)}
+
+
+def rows(args, model, schemes, use_qwix) -> list:
+    out = []
+    for name in schemes:
+        for tool in ("qformats", "qwix") if use_qwix else ("qformats",):
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--tool", tool,
+                   "--scheme", name] + [f"--{k}={getattr(args, k)}" for k in ("embed", "hidden", "heads", "layers",
+                                                                             "vocab", "tokens")]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            label = f"{tool} {name if tool == 'qformats' else QWIX[name][0]}"
+            line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+            if res.returncode == 0 and line:
+                r = json.loads(line[-1])
+                out.append((label, name, r["s"], r["mb_peak"], r["params_mb"], r["err"]))
+            else:
+                errs = [ln for ln in res.stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception): ", ln)]
+                why = (errs or res.stderr.strip().splitlines() or ["?"])[-1]
+                if "Check failed" in res.stderr:
+                    why = "XLA check failure: " + [ln for ln in res.stderr.splitlines() if "Check failed" in ln][0][-70:]
+                out.append((f"{label} failed: {why[:110]}", name, None, None, None, None))
+    return out
+
+
+def table(title, rows) -> str:
+    ours = {r[1]: r for r in rows if r[0].startswith("qformats")}
+    lines = [f"**{title}**", "",
+             "| model | quantize s | vs qwix | peak RSS growth MB | vs qwix | params MB | rel-L2 logits |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    qw = {r[1]: r for r in rows if r[0].startswith("qwix") and r[2] is not None}
+    for r in rows:
+        label, scheme, dt, mem, mb, err = r
+        if dt is None:
+            lines.append(f"| {label} | - | - | - | - | - | - |")
+            continue
+        ratio_t = ratio_m = ""
+        if r[0].startswith("qformats") and scheme in qw:
+            ratio_t = f"{dt / qw[scheme][2]:.2f}x"
+            ratio_m = f"{mem / max(qw[scheme][3], 1e-9):.2f}x"
+        lines.append(f"| {label} | {dt:.2f} | {ratio_t} | {mem:.0f} | {ratio_m} | {mb:.1f} | {err:.4f} |")
+    del ours
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--embed", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--schemes", default=",".join(SCHEMES))
+    p.add_argument("--no-qwix", action="store_true")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="gemma")
+    p.add_argument("--tool", default="qformats")
+    p.add_argument("--scheme", default="W8A16")
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    use_qwix = not args.no_qwix
+    if use_qwix:
+        try:
+            import qwix  # noqa: F401
+        except ImportError:
+            use_qwix = False
+    schemes = [s for s in args.schemes.split(",") if s]
+    print(f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, jax "
+          f"{jax.__version__}, {jax.devices()[0].platform}; embed {args.embed}, hidden {args.hidden}, {args.layers} "
+          f"layers, vocab {args.vocab}, {args.tokens} tokens x 2; each row a fresh process"
+          + ("" if use_qwix else "; qwix not run"))
+    print(table("Gemma-style linen (own Einsum modules, blocks in a list as gemma has them)",
+                rows(args, "gemma", schemes, use_qwix)))
+    print()
+    print(table("Gemma-style linen under nn.scan", rows(args, "gemma-scan", schemes[1:2], use_qwix)))
+    print()
+    print(table("EasyDeL-style NNX (ParallelLinear, HeadsEinsum, nnx.scan)",
+                rows(args, "nnx", [s for s in schemes if s in ("W8A16", "W4A16", "FP8_E4M3")], use_qwix)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
