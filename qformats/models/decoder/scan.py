@@ -107,7 +107,8 @@ def _structure(graphdef, leaves, treedef, index: int):
     attributes = getattr(graphdef, "attributes", None)
     graph = graphdef if attributes is None else (
         list(graphdef.nodes), [(name, _static_value(a, index)) for name, a in attributes])
-    return (graph, treedef, [(np.shape(x), np.result_type(x), getattr(x, "sharding", None)) for x in leaves])
+    return (graph, treedef, [(np.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None))
+                             for x in leaves])
 
 
 def layer_runs(model) -> List[Tuple[int, int]]:
