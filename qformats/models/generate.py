@@ -83,8 +83,8 @@ def generate(model: nnx.Module, prompt_ids, max_new_tokens: Union[int, Sequence[
     out_len = bucket_length(max(req.limits)) if buckets else max(req.limits)
     out = _generate(graphdef, state, req.ids, req.lens, req.limit_array, key if temperature > 0 else None,
                     max_len=req.max_len, out_len=out_len, per_row=req.per_row, eos=req.eos, **req.sampling)
-    out = out[:, :max(req.limits)]
-    return out[0] if req.single else out
+    out = np.asarray(out)[:, :max(req.limits)]  # on the host: no program per output length
+    return jax.device_put(out[0] if req.single else out)
 
 
 @functools.partial(jax.jit, static_argnums=(0,),
