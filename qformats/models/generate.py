@@ -87,6 +87,19 @@ def generate(model: nnx.Module, prompt_ids, max_new_tokens: Union[int, Sequence[
     return jax.device_put(out[0] if req.single else out)
 
 
+def lower_generate(model: nnx.Module, prompt_ids, max_new_tokens: Union[int, Sequence[int]], *,
+                   key: Optional[jax.Array] = None, temperature: float = 0.0, top_k: Optional[int] = None,
+                   top_p: Optional[float] = None, eos_id: Union[int, Sequence[int], None] = None,
+                   buckets: bool = True) -> "jax.stages.Lowered":
+    """The lowered program `generate` runs for these arguments (`.compile()` it for its `memory_analysis()` or
+    `cost_analysis()`, `.as_text()` for its HLO)."""
+    req = _check(model, prompt_ids, max_new_tokens, key, temperature, top_k, top_p, eos_id, buckets)
+    graphdef, state = nnx.split(model)
+    out_len = bucket_length(max(req.limits)) if buckets else max(req.limits)
+    return _generate.lower(graphdef, state, req.ids, req.lens, req.limit_array, key if temperature > 0 else None,
+                           max_len=req.max_len, out_len=out_len, per_row=req.per_row, eos=req.eos, **req.sampling)
+
+
 @functools.partial(jax.jit, static_argnums=(0,),
                    static_argnames=("max_len", "out_len", "per_row", "temperature", "top_k", "top_p", "eos"))
 def _generate(graphdef, state, ids, lens, limits, key, *, max_len, out_len, per_row, temperature, top_k, top_p,
