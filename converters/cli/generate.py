@@ -49,7 +49,9 @@ def add_parser(sub) -> None:
                         "devices are made before JAX starts. A shape N cannot divide is an error naming the layer")
     g.add_argument("--no-scan", action="store_true",
                    help="run the layers one by one in the compiled program instead of one lax.scan per run of "
-                        "identical layers (the default, whose compile time does not grow with depth; same tokens)")
+                        "identical layers (the default, whose compile time does not grow with depth; same tokens). "
+                        "On CPU the unrolled layers decode faster (XLA:CPU copies each layer's weights out of the "
+                        "stack at every step; see BENCHMARKS.md): use it for long generations")
     g.add_argument("--no-buckets", action="store_true",
                    help="compile for the exact prompt length and cache size instead of padding both to the next "
                         "power of two (>= 16; the default, so other prompt lengths and --max-new-tokens in the same "
