@@ -65,9 +65,7 @@ def _temp_bytes(model, prompt, new):
     made inside the executable (e.g. a dequantize hoisted out of the decode loop) would show here."""
     from qformats.models import generate as gen
 
-    graphdef, state = nnx.split(model)
-    compiled = gen._generate.lower(graphdef, state, jax.numpy.asarray(prompt), None, max_new_tokens=new,
-                                   temperature=0.0, top_k=None, top_p=None, eos=()).compile()
+    compiled = gen.lower_generate(model, prompt, new).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -54,6 +54,9 @@ def perplexity_parser() -> Parser:
                    help="leave dense the projections a scheme's group size does not divide (reported as 'skipped')")
     p.add_argument("--batch-size", type=int, default=4, help="windows per jit call (default 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object scheme -> {ppl, tokens, bytes}")
+    p.add_argument("--no-scan", action="store_true",
+                   help="run the layers one by one in the compiled program instead of one lax.scan per run of "
+                        "identical layers (the default, whose compile time does not grow with depth; same values)")
     add_compile_cache_argument(p)
     return p
 
@@ -154,7 +157,7 @@ def _perplexity(a) -> int:
     enable_compile_cache(not a.no_compile_cache)
     log = None if a.json else (lambda m: print(m, file=sys.stderr))
     r = evaluate_text(a.src, text, schemes, seq_len=a.seq_len, max_windows=a.max_windows, batch_size=a.batch_size,
-                      skip_indivisible=a.skip_indivisible, log=log)
+                      skip_indivisible=a.skip_indivisible, log=log, scan=not a.no_scan)
     if a.json:
         print(json.dumps(r))
     else:

@@ -21,9 +21,11 @@ def add_parser(sub) -> None:
                                                   "--chat, the user message)")
     g.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help='one request a line: {"prompt": TEXT} with an optional "max_new_tokens": N; prints one JSON '
-                        'line {"tokens", "text"} per request, in input order. Requests run one at a time (batches '
-                        'of prompts of different lengths are not supported yet); each new prompt length compiles '
-                        'once')
+                        'line {"tokens", "text"} per request, in input order, run --batch-size at a time')
+    g.add_argument("--batch-size", type=int, default=1, metavar="N",
+                   help="with --prompts: run up to N requests together, in input order (prompts of different lengths "
+                        "right-padded, each row with its own positions and cache length: each gets the tokens it "
+                        "gets alone when greedy; default 1)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32; fewer when an "
                                                                   "end-of-sequence token comes first); prompt + "
                                                                   "new tokens must fit max_position_embeddings")
@@ -45,6 +47,15 @@ def add_parser(sub) -> None:
                    help="run on N devices, Megatron-style (q/k/v/gate/up split by output channels, o/down by "
                         "input channels, embeddings by vocabulary, KV cache by heads); on a CPU-only host N CPU "
                         "devices are made before JAX starts. A shape N cannot divide is an error naming the layer")
+    g.add_argument("--no-scan", action="store_true",
+                   help="run the layers one by one in the compiled program instead of one lax.scan per run of "
+                        "identical layers (the default, whose compile time does not grow with depth; same tokens). "
+                        "On CPU the unrolled layers decode faster (XLA:CPU copies each layer's weights out of the "
+                        "stack at every step; see BENCHMARKS.md): use it for long generations")
+    g.add_argument("--no-buckets", action="store_true",
+                   help="compile for the exact prompt length and cache size instead of padding both to the next "
+                        "power of two (>= 16; the default, so other prompt lengths and --max-new-tokens in the same "
+                        "bucket reuse the compiled programs)")
     add_compile_cache_argument(g)
     g.add_argument("--json", action="store_true", help='print {"tokens": [new token ids], "text": ...} (with '
                                                        '--tensor-parallel also "param_bytes_per_device")')
@@ -62,6 +73,10 @@ def _check_usage(a) -> None:
         parse_schemes(a.scheme)
     elif a.skip_indivisible:
         raise Usage("qformats generate: error: --skip-indivisible needs --scheme")
+    if a.batch_size < 1:
+        raise Usage("qformats generate: error: --batch-size must be >= 1")
+    if a.batch_size > 1 and a.prompts is None:
+        raise Usage("qformats generate: error: --batch-size batches the requests of --prompts FILE.jsonl")
     if a.tensor_parallel is not None and a.tensor_parallel < 1:
         raise Usage("qformats generate: error: --tensor-parallel must be >= 1")
 
@@ -134,6 +149,14 @@ def run(a) -> int:
         print(skipped_text("qformats: ", skipped), file=sys.stderr)
     if tok is None:
         raise Usage(f"qformats generate: error: {a.src}: expected a tokenizer.json beside the checkpoint, found none")
+    if not a.no_scan:
+        from qformats.models.decoder.scan import scan_layers
+        t0 = time.perf_counter()
+        scan_layers(model)
+        runs = model.model.layers.runs
+        say(f"layers: {model.model.layers.num_layers} in {len(runs)} scanned run(s) "
+            f"({', '.join(f'{r.first}-{r.first + r.count - 1}' for r in runs)}), stacked in "
+            f"{time.perf_counter() - t0:.1f} s")
     eos = cfg.get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else [e for e in (eos or []) if isinstance(e, int)]
     chat = None
@@ -153,36 +176,51 @@ def run(a) -> int:
     for ids, n in todo:  # every request checked before any compute
         check_context(model, len(ids), n)
     key = jax.random.key(a.seed) if a.temperature > 0 else None
-    for ids, n in todo:
-        stream = TokenStream(model, np.asarray(ids, np.int32), n, key=key, temperature=a.temperature,
-                             top_k=a.top_k, top_p=a.top_p, eos_id=eos or None)
+    per_device = None
+    if mesh is not None and a.prompts is None:
+        from qformats.nn.sharding import param_bytes_per_device
+        per = param_bytes_per_device(model)
+        per_device = [int(per[d]) for d in mesh.devices.flat]
+    for first in range(0, len(todo), a.batch_size):
+        batch = todo[first:first + a.batch_size]
+        stream = TokenStream(model, [np.asarray(ids, np.int32) for ids, _ in batch], [n for _, n in batch], key=key,
+                             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, eos_id=eos or None,
+                             buckets=not a.no_buckets)
+        b, t, s = stream.shapes
         with CompileWatch() as watch:
             stream.compile()
-        say(f"compiled in {stream.compile_seconds:.1f} s ({watch.text(cache)})")
-        tokens, printed = [], ""
-        for step, t in enumerate(stream):
+        say(f"compiled prefill [{b} x {t} tokens] and decode (cache of {s} positions) in "
+            f"{stream.compile_seconds:.1f} s ({watch.text(cache)})")
+        rows = [[] for _ in batch]
+        done = [False] * len(batch)
+        printed = ""
+        for step, toks in enumerate(stream):
             if step == 0:
-                say(f"prefill: {len(ids)} tokens in {stream.prefill_seconds:.2f} s "
-                    f"({len(ids) / max(stream.prefill_seconds, 1e-9):.0f} tokens/s)")
-            tokens.append(int(t))
+                n_prompt = sum(len(ids) for ids, _ in batch)
+                say(f"prefill: {n_prompt} tokens in {stream.prefill_seconds:.2f} s "
+                    f"({n_prompt / max(stream.prefill_seconds, 1e-9):.0f} tokens/s)")
+            for r, (tokens, (_, n)) in enumerate(zip(rows, batch)):
+                if not done[r]:
+                    tokens.append(int(toks[r]))
+                    done[r] = int(toks[r]) in eos or len(tokens) >= n
             if a.stream:
-                printed = _print_new(tok.decode(tokens, skip_special_tokens=True), printed)
-            if int(t) in eos:
+                printed = _print_new(tok.decode(rows[0], skip_special_tokens=True), printed)
+            if all(done):
                 break
-        if len(tokens) > 1:
-            say(f"decode: {len(tokens) - 1} tokens in {stream.decode_seconds:.2f} s "
-                f"({(len(tokens) - 1) / max(stream.decode_seconds, 1e-9):.1f} tokens/s)")
-        text = tok.decode(tokens, skip_special_tokens=True)
-        if a.stream:
-            _print_new(text, printed, final=True)
-            print(flush=True)
-            continue
-        out = {"tokens": tokens, "text": text}
-        if mesh is not None and a.prompts is None:
-            from qformats.nn.sharding import param_bytes_per_device
-            per = param_bytes_per_device(model)
-            out["param_bytes_per_device"] = [int(per[d]) for d in mesh.devices.flat]
-        print(json.dumps(out) if a.json or a.prompts is not None else text, flush=True)
+        decoded = sum(len(tokens) - 1 for tokens in rows)
+        if decoded:
+            say(f"decode: {decoded} tokens in {stream.decode_seconds:.2f} s "
+                f"({decoded / max(stream.decode_seconds, 1e-9):.1f} tokens/s)")
+        for tokens in rows:
+            text = tok.decode(tokens, skip_special_tokens=True)
+            if a.stream:
+                _print_new(text, printed, final=True)
+                print(flush=True)
+                continue
+            out = {"tokens": tokens, "text": text}
+            if per_device is not None:
+                out["param_bytes_per_device"] = per_device
+            print(json.dumps(out) if a.json or a.prompts is not None else text, flush=True)
     return 0
 
 

@@ -332,11 +332,13 @@ def check_window(src: "str | os.PathLike", seq_len: int, batch_size: int, memory
 
 def evaluate_text(src: "str | os.PathLike", text: str, schemes: Sequence[str] = (STORED,), *, seq_len: int = 512,
                   max_windows: Optional[int] = None, batch_size: int = 4, skip_indivisible: bool = False,
-                  log: Optional[Callable[[str], None]] = None) -> Dict[str, Dict[str, float]]:
+                  log: Optional[Callable[[str], None]] = None, scan: bool = True) -> Dict[str, Dict[str, float]]:
     """scheme -> {"ppl", "tokens", "bytes"} of the causal LM at `src` on `text` (the module's protocol);
     bytes = Σ bytes of the model's parameters as held in memory (packed layers at their stored size,
     `qformats.nn.param_bytes`). The model is loaded afresh for each scheme. With `skip_indivisible` a scheme
-    that left projections dense also has "skipped": [their paths] (`load_for_scheme`).
+    that left projections dense also has "skipped": [their paths] (`load_for_scheme`). With `scan` (default) the
+    layers run as scanned runs (`qformats.models.decoder.scan.scan_layers`: the same values, one traced layer per
+    run of identical layers, so compile time does not grow with depth).
 
     Raises:
       CheckpointError: SRC has no tokenizer.json, or as `load_for_scheme`. ModelError: the text is shorter
@@ -363,6 +365,9 @@ def evaluate_text(src: "str | os.PathLike", text: str, schemes: Sequence[str] = 
         if log:
             log(f"{s}: {windows.shape[0]} windows of {seq_len} tokens")
         model, _, _, skipped = load_for_scheme(src, s, tokenizer=False, skip_indivisible=skip_indivisible)
+        if scan:
+            from qformats.models.decoder.scan import scan_layers
+            scan_layers(model)
         r = perplexity(model, windows, batch_size=batch_size, log=log)
         out[s] = {"ppl": r["ppl"], "tokens": r["tokens"], "bytes": param_bytes(model)}
         if skipped:

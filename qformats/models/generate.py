@@ -1,11 +1,13 @@
 """Autoregressive generation with a causal LM and its KV cache: one jit, prefill then a lax loop of decode steps
-(`generate`), or the same steps one at a time for streaming (`TokenStream`)."""
+(`generate`), or the same steps one at a time for streaming (`TokenStream`); ragged batches, shapes padded to
+buckets (`plan_shapes`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
-from typing import Iterator, Optional, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -16,69 +18,139 @@ from qformats.errors import ModelError
 from qformats.models.sampling import check_sampling, next_token
 
 
-def generate(model: nnx.Module, prompt_ids, max_new_tokens: int, *, key: Optional[jax.Array] = None,
-             temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-             eos_id: Union[int, Sequence[int], None] = None) -> jax.Array:
-    """The next `max_new_tokens` tokens after `prompt_ids`, greedy by default.
+MIN_BUCKET = 16
+
+
+def bucket_length(n: int, limit: Optional[int] = None, minimum: int = MIN_BUCKET) -> int:
+    """The compiled size for n positions: the next power of two >= max(n, minimum), capped at `limit` (the model's
+    context) when n <= limit. Prompt lengths 1..16 share one program, 17..32 the next, and so on."""
+    b = max(int(minimum), 1 << max(int(n) - 1, 0).bit_length())
+    return max(int(n), min(b, limit)) if limit is not None else b
+
+
+def plan_shapes(lengths: Sequence[int], max_new_tokens: Sequence[int], limit: Optional[int] = None,
+                buckets: bool = True) -> Tuple[int, int]:
+    """(T, S): the padded prompt length and the cache size a batch of prompts of `lengths` generating up to
+    `max_new_tokens` each compiles for. T = bucket_length(max lengths); S = bucket_length(max(T, max_b(lengths_b +
+    max_new_tokens_b))), both capped at the context `limit`. Without `buckets`: T = max lengths and S =
+    max(T, max_b(lengths_b + max_new_tokens_b)) exactly."""
+    need = max(int(t) + int(n) for t, n in zip(lengths, max_new_tokens))
+    if not buckets:
+        t = max(int(x) for x in lengths)
+        return t, max(t, need)
+    t = bucket_length(max(int(x) for x in lengths), limit)
+    return t, bucket_length(max(t, need), limit)
+
+
+def generate(model: nnx.Module, prompt_ids, max_new_tokens: Union[int, Sequence[int]], *,
+             key: Optional[jax.Array] = None, temperature: float = 0.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, eos_id: Union[int, Sequence[int], None] = None,
+             buckets: bool = True) -> jax.Array:
+    """The next `max_new_tokens` tokens after each prompt, greedy by default.
 
     Args:
-      model: a causal LM with `init_cache(batch, max_len)` and `__call__(ids, cache, last_only=True) ->
-        (logits, cache)` (`qformats.models.decoder.CausalLM`, dense or packed by `qformats.nn.quantize_model`).
-      prompt_ids: [B, T] int token ids (or [T], then the result is [max_new_tokens]); every row has T tokens.
-      max_new_tokens: how many tokens to produce (>= 1).
+      model: a causal LM with `init_cache(batch, max_len, per_row=...)` and `__call__(ids, cache, last_only=...,
+        logit_index=...) -> (logits, cache)` (`qformats.models.decoder.CausalLM`, dense or packed by
+        `qformats.nn.quantize_model`, per-layer or grouped by `scan_layers`).
+      prompt_ids: [B, T] int token ids, or [T] (then the result is 1-D), or a list of B 1-D prompts of different
+        lengths (a ragged batch).
+      max_new_tokens: how many tokens to produce (>= 1), for every row or one count per row.
       key: a jax PRNG key, needed when temperature > 0; step i samples with `jax.random.fold_in(key, i)`.
       temperature, top_k, top_p: token choice per step (`qformats.models.sampling.next_token`): 0 is argmax.
-      eos_id: an end token id (or several): a row that produced one is finished and its later places hold
-        the first eos id; the loop stops once every row is finished.
+      eos_id: an end token id (or several): a row that produced one is finished and its later places hold the
+        first eos id; the loop stops once every row is finished.
+      buckets: pad the prompt length and the cache size to `plan_shapes`' buckets (default), so prompts of other
+        lengths and other max_new_tokens reuse the compiled program; False compiles for the exact shapes.
 
-    Returns [B, max_new_tokens] int32. Compiled once per (model graph, B, T, max_new_tokens, sampling settings):
-    the prompt is run through the model into a cache of T + max_new_tokens positions (prefill), then a
-    `lax.while_loop` feeds back one token per step (decode), all in one `jax.jit`.
+    Returns [B, max(max_new_tokens)] int32; a row's places past its own max_new_tokens hold the pad (the first eos
+    id, else 0).
 
-    Raises ModelError before any compute for bad arguments and for T + max_new_tokens over the model's
+    Ragged batches are right-padded: row b's prompt fills positions 0 .. len_b - 1 of its cache rows, the cache
+    keeps one length per row (`KVCache.length` [B]) and each decode step writes row b's token at its own next
+    place, so a row's keys sit where they would sit alone and its greedy tokens are the ones it gets alone
+    (padding positions are masked by causality: no real query sees a later place). A dynamic fp8 KV-cache scheme
+    shares one scale per written block across rows, so there rows must have equal lengths (and no bucket padding
+    of the prompt is applied).
+
+    One `jax.jit` per (model graph, B, padded T, cache size S, output bucket, sampling settings): the prompts run
+    into a cache of S positions (prefill), then a `lax.while_loop` feeds back one token per step (decode).
+
+    Raises ModelError before any compute for bad arguments and for a prompt + max_new_tokens over the model's
     `config.max_position_embeddings` (`check_context`).
     """
-    ids, single, eos = _check(model, prompt_ids, max_new_tokens, key, temperature, top_k, top_p, eos_id)
+    req = _check(model, prompt_ids, max_new_tokens, key, temperature, top_k, top_p, eos_id, buckets)
     graphdef, state = nnx.split(model)
-    out = _generate(graphdef, state, ids.astype(jnp.int32), key if temperature > 0 else None,
-                    max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                    top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
-                    eos=eos)
-    return out[0] if single else out
+    out_len = bucket_length(max(req.limits)) if buckets else max(req.limits)
+    out = _generate(graphdef, state, req.ids, req.lens, req.limit_array, key if temperature > 0 else None,
+                    max_len=req.max_len, out_len=out_len, per_row=req.per_row, eos=req.eos, **req.sampling)
+    out = np.asarray(out)[:, :max(req.limits)]  # on the host: no program per output length
+    return jax.device_put(out[0] if req.single else out)
+
+
+def lower_generate(model: nnx.Module, prompt_ids, max_new_tokens: Union[int, Sequence[int]], *,
+                   key: Optional[jax.Array] = None, temperature: float = 0.0, top_k: Optional[int] = None,
+                   top_p: Optional[float] = None, eos_id: Union[int, Sequence[int], None] = None,
+                   buckets: bool = True) -> "jax.stages.Lowered":
+    """The lowered program `generate` runs for these arguments (`.compile()` it for its `memory_analysis()` or
+    `cost_analysis()`, `.as_text()` for its HLO)."""
+    req = _check(model, prompt_ids, max_new_tokens, key, temperature, top_k, top_p, eos_id, buckets)
+    graphdef, state = nnx.split(model)
+    out_len = bucket_length(max(req.limits)) if buckets else max(req.limits)
+    return _generate.lower(graphdef, state, req.ids, req.lens, req.limit_array, key if temperature > 0 else None,
+                           max_len=req.max_len, out_len=out_len, per_row=req.per_row, eos=req.eos, **req.sampling)
 
 
 @functools.partial(jax.jit, static_argnums=(0,),
-                   static_argnames=("max_new_tokens", "temperature", "top_k", "top_p", "eos"))
-def _generate(graphdef, state, ids, key, *, max_new_tokens, temperature, top_k, top_p, eos):
+                   static_argnames=("max_len", "out_len", "per_row", "temperature", "top_k", "top_p", "eos"))
+def _generate(graphdef, state, ids, lens, limits, key, *, max_len, out_len, per_row, temperature, top_k, top_p,
+              eos):
     model = nnx.merge(graphdef, state)
-    b, t = ids.shape
-    n = max_new_tokens
+    b = ids.shape[0]
+    pad = eos[0] if eos else 0
 
     def pick(logits, i):
         k = None if key is None else jax.random.fold_in(key, i)
         return next_token(logits[:, -1], k, temperature, top_k, top_p)
 
-    def finished(tok):
-        return jnp.isin(tok, jnp.asarray(eos, jnp.int32)) if eos else jnp.zeros(tok.shape, bool)
+    def finished(tok, i):
+        hit = jnp.isin(tok, jnp.asarray(eos, jnp.int32)) if eos else jnp.zeros(tok.shape, bool)
+        return hit | (i + 1 >= limits)
 
-    pad = eos[0] if eos else 0
-    logits, cache = model(ids, model.init_cache(b, t + n), last_only=True)
-    tok = pick(logits, 0)
-    out = jnp.full((b, n), pad, jnp.int32).at[:, 0].set(tok)
+    tok, cache = _prefill_step(model, ids, lens, max_len, per_row, key, temperature, top_k, top_p)
+    out = jnp.full((b, out_len), pad, jnp.int32).at[:, 0].set(tok)
 
     def cond(carry):
         i, _, _, _, done = carry
-        return (i < n) & ~jnp.all(done)
+        return (i < jnp.max(limits)) & ~jnp.all(done)
 
     def body(carry):
         i, tok, cache, out, done = carry
-        logits, cache = model(tok[:, None], cache, last_only=True)
+        logits, new = model(tok[:, None], cache, last_only=True)
+        cache = _advance(new, cache, done, per_row)
         nxt = jnp.where(done, pad, pick(logits, i))
         out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
-        return i + 1, nxt, cache, out, done | finished(nxt)
+        return i + 1, nxt, cache, out, done | finished(nxt, i)
 
-    carry = (jnp.asarray(1, jnp.int32), tok, cache, out, finished(tok))
+    carry = (jnp.asarray(1, jnp.int32), tok, cache, out, finished(tok, 0))
     return jax.lax.while_loop(cond, body, carry)[3]
+
+
+def _prefill_step(model, ids, lens, max_len, per_row, key, temperature, top_k, top_p):
+    """The first token of each row and the cache after the (right-padded) prompts: every row starts at position 0,
+    so the prompt runs with a scalar cache length; the length is then set to each row's own (`per_row`)."""
+    b = ids.shape[0]
+    logits, cache = model(ids, model.init_cache(b, max_len), logit_index=lens - 1)
+    if per_row:
+        cache = dataclasses.replace(cache, length=lens)
+    k = None if key is None else jax.random.fold_in(key, 0)
+    return next_token(logits[:, -1], k, temperature, top_k, top_p), cache
+
+
+def _advance(new, old, done, per_row):
+    """The cache after a decode step, where finished rows keep their length (their places are not written on)."""
+    if not per_row:
+        return new
+    return dataclasses.replace(new, length=jnp.where(done, old.length, new.length))
 
 
 def check_context(model: nnx.Module, prompt_len: int, max_new_tokens: int) -> None:
@@ -92,100 +164,164 @@ def check_context(model: nnx.Module, prompt_len: int, max_new_tokens: int) -> No
                          f"tokens or ask for at most {max(limit - prompt_len, 0)} new tokens")
 
 
-def _check(model, prompt_ids, max_new_tokens, key, temperature, top_k, top_p, eos_id):
-    """(ids [B, T] int32, whether the prompt was 1-D, eos ids tuple) after checking every argument."""
-    ids = jnp.asarray(prompt_ids)
-    single = ids.ndim == 1
-    if single:
-        ids = ids[None]
-    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] < 1:
-        raise ModelError(f"generate: expected prompt token ids [batch, time >= 1] of an integer dtype, got "
-                         f"shape {tuple(jnp.shape(prompt_ids))} dtype {ids.dtype}")
-    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise ModelError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+@dataclasses.dataclass
+class _Request:
+    """A checked generation request: padded ids [B, T] int32, lengths [B], per-row limits, the cache size."""
+
+    ids: jax.Array
+    lens: jax.Array
+    limits: Tuple[int, ...]
+    limit_array: jax.Array
+    max_len: int
+    per_row: bool
+    single: bool
+    eos: Tuple[int, ...]
+    sampling: dict
+
+
+def _rows(prompt_ids) -> Tuple[List[np.ndarray], bool]:
+    """The prompts as a list of 1-D integer arrays, and whether a single 1-D prompt was given."""
+    if isinstance(prompt_ids, (list, tuple)) and prompt_ids and not np.isscalar(prompt_ids[0]):
+        rows = [np.asarray(r) for r in prompt_ids]
+        single = False
+    else:
+        a = np.asarray(prompt_ids)
+        single = a.ndim == 1
+        rows = [a] if single else list(a) if a.ndim == 2 else [a]
+    for r in rows:
+        if r.ndim != 1 or not np.issubdtype(r.dtype, np.integer) or r.shape[0] < 1:
+            raise ModelError(f"generate: expected prompt token ids [batch, time >= 1] (or a list of 1-D prompts) of "
+                             f"an integer dtype, got shape {tuple(np.shape(prompt_ids))} dtype "
+                             f"{np.asarray(r).dtype}")
+    return rows, single
+
+
+def _check(model, prompt_ids, max_new_tokens, key, temperature, top_k, top_p, eos_id, buckets=True) -> _Request:
+    """The request after checking every argument (ModelError before any compute)."""
+    rows, single = _rows(prompt_ids)
+    counts = [max_new_tokens] * len(rows) if np.isscalar(max_new_tokens) else list(max_new_tokens)
+    if len(counts) != len(rows):
+        raise ModelError(f"generate: {len(counts)} max_new_tokens for {len(rows)} prompts")
+    for m in counts:
+        if isinstance(m, bool) or int(m) != m or m < 1:
+            raise ModelError(f"generate: max_new_tokens must be a positive integer, got {m!r}")
     check_sampling(temperature, top_k, top_p)
     if temperature > 0 and key is None:
         raise ModelError("generate: temperature > 0 needs a key (jax.random.key(seed))")
-    check_context(model, int(ids.shape[1]), int(max_new_tokens))
+    lens = [int(r.shape[0]) for r in rows]
+    for t, m in zip(lens, counts):
+        check_context(model, t, int(m))
     eos = () if eos_id is None else tuple(int(e) for e in ((eos_id,) if isinstance(eos_id, int) else eos_id))
-    return ids.astype(jnp.int32), single, eos
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    per_row = not _dynamic_kv(model)
+    if not per_row and len(set(lens)) > 1:
+        raise ModelError(f"generate: a dynamic fp8 KV-cache scheme shares one scale per written block across the "
+                         f"rows, so a batch must have prompts of one length; got lengths {sorted(set(lens))}: run "
+                         f"them one at a time")
+    t, s = plan_shapes(lens, counts, limit if isinstance(limit, int) else None, buckets and per_row)
+    if not per_row and buckets:  # the prompt is not padded, the cache still is
+        s = bucket_length(s, limit if isinstance(limit, int) else None)
+    ids = np.zeros((len(rows), t), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    sampling = dict(temperature=float(temperature), top_k=None if top_k is None else int(top_k),
+                    top_p=None if top_p is None else float(top_p))
+    return _Request(jnp.asarray(ids), jnp.asarray(lens, jnp.int32), tuple(int(m) for m in counts),
+                    jnp.asarray(counts, jnp.int32), s, per_row, single, eos, sampling)
+
+
+def _dynamic_kv(model) -> bool:
+    """Whether `model` quantizes its KV cache with a dynamic (per written block) scheme."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return False
+    first = layers.runs[0].layer if hasattr(layers, "runs") else (layers[0] if len(layers) else None)
+    scheme = getattr(getattr(first, "self_attn", None), "kv_scheme", None)
+    return bool(scheme is not None and scheme.dynamic)
 
 
 class TokenStream:
     """`generate` one step at a time: iterating yields each step's new tokens (numpy, [B], or a scalar array for a
     1-D prompt) as soon as they are produced, for streaming and for timing prefill and decode apart.
 
-    The steps are `generate`'s: a prefill program (the prompt into a cache of T + max_new_tokens positions, the
-    first token chosen with `jax.random.fold_in(key, 0)`) and a decode program (one token through the cache, step
-    i choosing with `fold_in(key, i)`), each jit-compiled once per (model graph, B, T, max_new_tokens, sampling
-    settings) and free of host callbacks, so JAX's persistent compilation cache keeps them. A finished row (it
-    produced an eos id) is fed and given the first eos id from then on; iteration ends once every row is
-    finished or after max_new_tokens steps.
+    Takes `generate`'s arguments (ragged batches, per-row max_new_tokens, `buckets`). The steps are `generate`'s: a
+    prefill program (the right-padded prompts into a cache of S positions, the first token chosen with
+    `jax.random.fold_in(key, 0)`) and a decode program (one token per row through the cache, step i choosing with
+    `fold_in(key, i)`), compiled once per (model graph, B, padded T, S, sampling settings) — `plan_shapes`' buckets,
+    so other prompt lengths and max_new_tokens in the same buckets reuse them — and free of host callbacks, so
+    JAX's persistent compilation cache keeps them. A finished row (it produced an eos id or its max_new_tokens) is
+    given the pad (the first eos id, else 0) from then on and its cache row is not advanced; iteration ends once
+    every row is finished.
 
     `compile()` lowers and compiles both programs ahead of time (iteration does it otherwise);
-    `compile_seconds`, `prefill_seconds` and `decode_seconds` hold the wall time of each phase so far.
+    `compile_seconds`, `prefill_seconds` and `decode_seconds` hold the wall time of each phase so far; `shapes`
+    is (B, padded T, S).
     """
 
-    def __init__(self, model: nnx.Module, prompt_ids, max_new_tokens: int, *, key: Optional[jax.Array] = None,
-                 temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 eos_id: Union[int, Sequence[int], None] = None):
-        self.ids, self.single, self.eos = _check(model, prompt_ids, max_new_tokens, key, temperature, top_k, top_p,
-                                                 eos_id)
-        self.max_new_tokens = int(max_new_tokens)
+    def __init__(self, model: nnx.Module, prompt_ids, max_new_tokens: Union[int, Sequence[int]], *,
+                 key: Optional[jax.Array] = None, temperature: float = 0.0, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, eos_id: Union[int, Sequence[int], None] = None, buckets: bool = True):
+        self.req = _check(model, prompt_ids, max_new_tokens, key, temperature, top_k, top_p, eos_id, buckets)
+        self.single, self.eos = self.req.single, self.req.eos
+        self.max_new_tokens = max(self.req.limits)
         self.key = key if temperature > 0 else None
-        self.sampling = dict(temperature=float(temperature), top_k=None if top_k is None else int(top_k),
-                             top_p=None if top_p is None else float(top_p))
         self.graphdef, self.state = nnx.split(model)
         self._programs: Optional[Tuple] = None
         self.compile_seconds = self.prefill_seconds = self.decode_seconds = 0.0
 
+    @property
+    def shapes(self) -> Tuple[int, int, int]:
+        return (int(self.req.ids.shape[0]), int(self.req.ids.shape[1]), self.req.max_len)
+
     def compile(self) -> "TokenStream":
         """Lowers and compiles the prefill and decode programs (once); returns self."""
         if self._programs is None:
+            r = self.req
             t0 = time.perf_counter()
-            pre = _prefill.lower(self.graphdef, self.state, self.ids, self.key, max_new_tokens=self.max_new_tokens,
-                                 **self.sampling).compile()
+            pre = _prefill.lower(self.graphdef, self.state, r.ids, r.lens, self.key, max_len=r.max_len,
+                                 per_row=r.per_row, **r.sampling).compile()
             # the decode program takes the prefill's outputs as they come out of it, layout (mesh) included
             tok, cache = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                       pre.out_info, pre.output_shardings)
-            dec = _decode.lower(self.graphdef, self.state, tok, cache, jnp.int32(1), self.key,
-                                **self.sampling).compile()
+            done = jax.ShapeDtypeStruct(tok.shape, jnp.bool_)
+            dec = _decode.lower(self.graphdef, self.state, tok, cache, done, jnp.int32(1), self.key,
+                                per_row=r.per_row, **r.sampling).compile()
             self._programs = (pre, dec)
             self.compile_seconds += time.perf_counter() - t0
         return self
 
     def __iter__(self) -> Iterator[np.ndarray]:
         pre, dec = self.compile()._programs
+        r = self.req
         pad = self.eos[0] if self.eos else 0
+        limits = np.asarray(r.limits)
         t0 = time.perf_counter()
-        tok, cache = pre(self.state, self.ids, self.key)
+        tok, cache = pre(self.state, r.ids, r.lens, self.key)
         host = np.asarray(tok)
         self.prefill_seconds += time.perf_counter() - t0
-        done = np.isin(host, self.eos)
+        done = np.isin(host, self.eos) | (limits <= 1)
         yield host[0] if self.single else host
         for i in range(1, self.max_new_tokens):
             if done.all():
                 return
             t0 = time.perf_counter()
-            tok, cache = dec(self.state, jnp.asarray(host), cache, jnp.int32(i), self.key)
+            tok, cache = dec(self.state, jnp.asarray(host), cache, jnp.asarray(done), jnp.int32(i), self.key)
             host = np.where(done, pad, np.asarray(tok)).astype(np.int32)
             self.decode_seconds += time.perf_counter() - t0
-            done |= np.isin(host, self.eos)
+            done |= np.isin(host, self.eos) | (limits <= i + 1)
             yield host[0] if self.single else host
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_new_tokens", "temperature", "top_k", "top_p"))
-def _prefill(graphdef, state, ids, key, *, max_new_tokens, temperature, top_k, top_p):
+@functools.partial(jax.jit, static_argnums=(0,),
+                   static_argnames=("max_len", "per_row", "temperature", "top_k", "top_p"))
+def _prefill(graphdef, state, ids, lens, key, *, max_len, per_row, temperature, top_k, top_p):
     model = nnx.merge(graphdef, state)
-    b, t = ids.shape
-    logits, cache = model(ids, model.init_cache(b, t + max_new_tokens), last_only=True)
-    k = None if key is None else jax.random.fold_in(key, 0)
-    return next_token(logits[:, -1], k, temperature, top_k, top_p), cache
+    return _prefill_step(model, ids, lens, max_len, per_row, key, temperature, top_k, top_p)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("temperature", "top_k", "top_p"))
-def _decode(graphdef, state, tok, cache, i, key, *, temperature, top_k, top_p):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("per_row", "temperature", "top_k", "top_p"))
+def _decode(graphdef, state, tok, cache, done, i, key, *, per_row, temperature, top_k, top_p):
     model = nnx.merge(graphdef, state)
-    logits, cache = model(tok[:, None], cache, last_only=True)
+    logits, new = model(tok[:, None], cache, last_only=True)
     k = None if key is None else jax.random.fold_in(key, i)
-    return next_token(logits[:, -1], k, temperature, top_k, top_p), cache
+    return next_token(logits[:, -1], k, temperature, top_k, top_p), _advance(new, cache, done, per_row)

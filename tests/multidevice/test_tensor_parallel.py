@@ -55,6 +55,13 @@ def test_kv_cache_is_split_by_kv_heads(tp8, scheme):
     assert tp8[scheme]["cache_spec"] == ['[null, "tp", null, null]']
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_scanned_layers_keep_the_layout_and_the_tokens(tp8, scheme):
+    r = tp8[scheme]["scanned"]
+    assert r["out"] == tp8[scheme]["ref"] and r["layout_kept"]
+    assert r["cache_spec"] == ['[null, null, "tp", null, null]']  # [layers, batch, kv_heads, max_len, head_dim]
+
+
 def test_quantize_model_on_a_sharded_model_keeps_each_weights_layout(tp8):
     r = tp8["quantize_sharded"]
     assert r["checked"] == 2 * 14  # codes and scale of the 7 projections of 2 layers

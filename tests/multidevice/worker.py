@@ -68,6 +68,7 @@ def case_tp(n: int, workdir: str):
 
     from converters.pipelines.mesh_load import tensor_parallel_setup
     from qformats.models.decoder import CausalLM, DecoderConfig, quantization_rules, tensor_parallel_rules
+    from qformats.models.decoder.scan import scan_layers
     from qformats.models.generate import generate
     from qformats.nn import quantize_model
     from qformats.presets import parse_scheme
@@ -101,7 +102,17 @@ def case_tp(n: int, workdir: str):
         cache_spec = [json.dumps(list(a.sharding.spec) + [None] * (a.ndim - len(a.sharding.spec)))
                       for a in cache.keys + cache.values]
         replicated = sum(a.nbytes for a in jax.tree.leaves(nnx.state(tp, nnx.Param)) if a.sharding.is_fully_replicated)
-        res[scheme or "dense"] = dict(ref=ref.tolist(), out=out.tolist(), total=total, replicated=replicated,
+        # the same sharded model with its layers scanned: each stacked leaf keeps its layer's layout (layer axis
+        # replicated), the cache is stacked per run and split by KV heads, the tokens are the same
+        sc = scan_layers(shard_model(build(), mesh, rules))
+        spec = lambda a: list(a.sharding.spec) + [None] * (a.ndim - len(a.sharding.spec))  # noqa: E731
+        layout_kept = all(spec(st) == [None] + spec(lt) for st, lt in zip(
+            jax.tree.leaves(nnx.state(sc.model.layers.runs[0].layer)), jax.tree.leaves(nnx.state(tp.model.layers[0]))))
+        gd2, st2 = nnx.split(sc)
+        cache2 = jax.jit(lambda s, i: (lambda m: m(i, m.init_cache(2, 8))[1])(nnx.merge(gd2, s)))(st2, ids)
+        scanned = dict(out=np.asarray(generate(sc, ids, 6)).tolist(), layout_kept=layout_kept,
+                       cache_spec=sorted({json.dumps(spec(a)) for a in cache2.keys + cache2.values}))
+        res[scheme or "dense"] = dict(scanned=scanned, ref=ref.tolist(), out=out.tolist(), total=total, replicated=replicated,
                                       per_device=sorted(per.values()), devices=len(per),
                                       collectives=collectives(hlo), leaf_shapes=leaf_shapes(tp),
                                       cache_spec=sorted(set(cache_spec)))

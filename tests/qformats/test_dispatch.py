@@ -97,9 +97,7 @@ def test_prefill_holds_about_one_layer_of_dense_weights():
         model = CausalLM(cfg, rngs=nnx.Rngs(0))
         if scheme:
             quantize_model(model, quantization_rules(scheme))
-        graphdef, state = nnx.split(model)
-        compiled = gen._generate.lower(graphdef, state, prompt, None, max_new_tokens=4, temperature=0.0,
-                                       top_k=None, top_p=None, eos=()).compile()
+        compiled = gen.lower_generate(model, prompt, 4).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qformats.errors import ModelError
-from qformats.models.decoder.model import RMSNorm, RopeConfig, _project, apply_rope, yarn_mscale
+from qformats.models.decoder.model import RMSNorm, RopeConfig, _project, apply_rope, write_cache, yarn_mscale
 
 #: eps of MLA's q_a_layernorm / kv_a_layernorm: transformers builds them with RMSNorm's default, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
@@ -123,8 +123,9 @@ class MLAttention(nnx.Module):
         self.rotations = nnx.data(None)
 
     def __call__(self, x, cos, sin, mask, kv=None, start=0):
-        """x [B, T, d]; cos/sin [T, qk_rope_head_dim]; mask [T, S] (True = visible); kv: this layer's cache buffers
-        (latent [B, 1, S, kv_lora_rank], rope key [B, 1, S, qk_rope_head_dim]), written at `start`, or None
+        """x [B, T, d]; cos/sin [T, qk_rope_head_dim] ([B, T, ...] per row); mask [T, S] or [B, T, S] (True =
+        visible); kv: this layer's cache buffers
+        (latent [B, 1, S, kv_lora_rank], rope key [B, 1, S, qk_rope_head_dim]), written at `start` (an int32 scalar, or [B] per row), or None
         (S = T). Returns (output [B, T, d], (latent, rope key) — the buffers, or this call's states)."""
         m, h = self.mla, self.num_heads
         b, t, _ = x.shape
@@ -142,8 +143,8 @@ class MLAttention(nnx.Module):
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
         k_rot = k_rot.transpose(0, 2, 1, 3)                                    # [B, 1, T, p]
         if kv is not None:
-            latent = jax.lax.dynamic_update_slice(kv[0], latent.astype(kv[0].dtype), (0, 0, start, 0))
-            k_rot = jax.lax.dynamic_update_slice(kv[1], k_rot.astype(kv[1].dtype), (0, 0, start, 0))
+            latent = write_cache(kv[0], latent.astype(kv[0].dtype), start)
+            k_rot = write_cache(kv[1], k_rot.astype(kv[1].dtype), start)
         s = latent.shape[2]
         expanded = _project(self, "kv_b_proj", latent[:, 0].astype(x.dtype))
         expanded = expanded.reshape(b, s, h, m.qk_nope_head_dim + m.v_head_dim)
@@ -152,7 +153,8 @@ class MLAttention(nnx.Module):
                                                       (b, s, h, m.qk_rope_head_dim))], axis=-1)
         q = jnp.concatenate([q_pass, q_rot], axis=-1)
         scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
-        scores = jnp.where(mask[None, None], scores * jnp.float32(m.scale), jnp.finfo(jnp.float32).min)
+        mask = mask[None, None] if mask.ndim == 2 else mask[:, None]  # [T, S], or [B, T, S] per row
+        scores = jnp.where(mask, scores * jnp.float32(m.scale), jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, h * m.v_head_dim)
         return _project(self, "o_proj", out), (latent, k_rot)

@@ -38,6 +38,7 @@ from flax import nnx
 from qformats.errors import ModelError
 from qformats.kv_cache import KVCacheScheme, dequantize_kv, dynamic_scale, quantize_kv
 from qformats.models.decoder.moe import MOE_MODEL_TYPES, MoEBlock, MoEConfig, moe_from_hf
+from qformats.models.decoder.scan import ScannedLayers
 from qformats.models.decoder.sharding import KV_CACHE_AXES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + MOE_MODEL_TYPES + ("deepseek_v3",)
@@ -391,12 +392,18 @@ def _windows_from_hf(cfg: Mapping[str, Any], mt: str, layers: int) -> Tuple[Opti
 class KVCache:
     """Keys and values of every layer for positions 0 .. length-1, in buffers of `max_len` positions.
 
-    keys[i], values[i]: [batch, num_kv_heads, max_len, head_dim] (after RoPE, for keys); length: int32 scalar,
-    the number of positions filled, i.e. the position of the next token (the same for every row).
+    keys[i], values[i]: [batch, num_kv_heads, max_len, head_dim] (after RoPE, for keys); length: the number of
+    positions filled, i.e. the position of the next token: an int32 scalar (the same for every row) or int32
+    [batch] (per row: a ragged batch, each row's tokens at cache places 0 .. length[b] - 1, as it would be alone).
+
+    A model whose layers were grouped by `qformats.models.decoder.scan.scan_layers` holds one entry per run of
+    layers instead, stacked on a leading axis: keys[r], values[r] [layers_in_run, batch, num_kv_heads, max_len,
+    head_dim] (`CausalLM.init_cache` makes the right kind).
 
     With KV-cache quantization (`enable_kv_cache_quantization`) keys/values hold uint8 fp8_e4m3fn codes
-    (`qformats.kv_cache`); a dynamic scheme adds key_scales[i] / value_scales[i]: float32 [max_len, 1], the
-    scale of the block each position was written in. Static scales live on the attention modules.
+    (`qformats.kv_cache`); a dynamic scheme adds key_scales[i] / value_scales[i]: float32 [max_len, 1] (stacked:
+    [layers_in_run, max_len, 1]), the scale of the block each position was written in (scalar length only: the
+    block's scale is shared by its rows). Static scales live on the attention modules.
 
     Multi-head latent attention (deepseek_v3, `mla`): keys[i] holds the normed latent [batch, 1, max_len,
     kv_lora_rank] and values[i] the post-RoPE shared rope key [batch, 1, max_len, qk_rope_head_dim], as
@@ -417,7 +424,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return int(self.keys[0].shape[2])
+        return int(self.keys[0].shape[-2])
 
 
 # ----------------------------------------------------------------------------------------------- modules
@@ -436,9 +443,10 @@ class RMSNorm(nnx.Module):
 
 
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> Tuple[jax.Array, jax.Array]:
-    """cos, sin [T, head_dim] of angles positions_t * inv_freq_j, the half-table repeated (HF's layout), times
-    `scale` (the rope's `attention_scaling`: YaRN's attention factor, 1 otherwise)."""
-    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    """cos, sin [T, head_dim] (or [B, T, head_dim] for per-row positions [B, T]) of angles positions_t * inv_freq_j,
+    the half-table repeated (HF's layout), times `scale` (the rope's `attention_scaling`: YaRN's attention factor,
+    1 otherwise)."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     ang = jnp.concatenate([ang, ang], axis=-1)
     if scale == 1.0:
         return jnp.cos(ang), jnp.sin(ang)
@@ -446,10 +454,13 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) 
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x * cos + rotate_half(x) * sin for x [B, T, H, D], rotate_half(x) = [-x2, x1] (HF's rotate-half convention)."""
+    """x * cos + rotate_half(x) * sin for x [B, T, H, D], rotate_half(x) = [-x2, x1] (HF's rotate-half convention);
+    cos, sin [T, D] (shared by the rows) or [B, T, D] (per-row positions)."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rot = jnp.concatenate([-x2, x1], axis=-1)
-    return (x.astype(jnp.float32) * cos[None, :, None] + rot * sin[None, :, None]).astype(x.dtype)
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
+    return (x.astype(jnp.float32) * cos[:, :, None] + rot * sin[:, :, None]).astype(x.dtype)
 
 
 class Rotation(nnx.Variable):
@@ -538,8 +549,9 @@ class Attention(nnx.Module):
         self.rotations = nnx.data(None)
 
     def __call__(self, x, cos, sin, mask, kv=None, start=0):
-        """x [B, T, d]; cos/sin [T, D]; mask [T, S] (True = visible); kv: this layer's (keys, values) cache buffers
-        [B, G, S, D] (written at `start`) or None (S = T). Returns (output [B, T, d], (keys, values))."""
+        """x [B, T, d]; cos/sin [T, D] or [B, T, D]; mask [T, S] or [B, T, S] (True = visible); kv: this layer's
+        (keys, values) cache buffers [B, G, S, D] (written at `start`: a scalar, or [B] per row) or None (S = T).
+        Returns (output [B, T, d], (keys, values))."""
         b, t, _ = x.shape
         g, hd = self.num_kv_heads, self.head_dim
         q = _project(self, "q_proj", x).reshape(b, t, self.num_heads, hd)
@@ -558,13 +570,14 @@ class Attention(nnx.Module):
         if self.kv_scheme is not None and (kv is None or kv[0].dtype == jnp.uint8):
             k, v, kv = self._quantized_kv(k, v, kv, start)
         elif kv is not None:
-            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, 0, start, 0))
-            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, 0, start, 0))
+            k = write_cache(kv[0], k.astype(kv[0].dtype), start)
+            v = write_cache(kv[1], v.astype(kv[1].dtype), start)
             kv = (k, v)
         r = self.num_heads // g
         q = q.reshape(b, t, g, r, hd).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, hd)  # rows (r, t)
         scores = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
-        scores = jnp.where(jnp.tile(mask, (r, 1)), scores * (hd ** -0.5), jnp.finfo(jnp.float32).min)
+        mask = jnp.tile(mask, (r, 1)) if mask.ndim == 2 else jnp.tile(mask, (1, r, 1))[:, None]  # rows (r, t)
+        scores = jnp.where(mask, scores * (hd ** -0.5), jnp.finfo(jnp.float32).min)
         if self.sinks is not None:  # head g * r + j owns rows (j, t) of group g
             sink = self.sinks.get_value().astype(jnp.float32).reshape(g, r, 1, 1)
             sink = jnp.broadcast_to(sink, (g, r, t, 1)).reshape(1, g, r * t, 1)
@@ -587,14 +600,21 @@ class Attention(nnx.Module):
         kc, vc = quantize_kv(k, ks), quantize_kv(v, vs)
         if kv is None:
             return dequantize_kv(kc, ks), dequantize_kv(vc, vs), None
-        kc = jax.lax.dynamic_update_slice(kv[0], kc, (0, 0, start, 0))
-        vc = jax.lax.dynamic_update_slice(kv[1], vc, (0, 0, start, 0))
+        kc, vc = write_cache(kv[0], kc, start), write_cache(kv[1], vc, start)
         if not self.kv_scheme.dynamic:
             return dequantize_kv(kc, ks), dequantize_kv(vc, vs), (kc, vc)
         t = k.shape[2]
         kp = jax.lax.dynamic_update_slice(kv[2], jnp.broadcast_to(ks.astype(jnp.float32), (t, 1)), (start, 0))
         vp = jax.lax.dynamic_update_slice(kv[3], jnp.broadcast_to(vs.astype(jnp.float32), (t, 1)), (start, 0))
         return (dequantize_kv(kc, kp.astype(ks.dtype)), dequantize_kv(vc, vp.astype(vs.dtype)), (kc, vc, kp, vp))
+
+
+def write_cache(buf: jax.Array, new: jax.Array, start) -> jax.Array:
+    """buf [B, G, S, D] with new [B, G, T, D] written at places start .. start + T - 1: one dynamic_update_slice for
+    a scalar start, one per row (vmapped) for start [B]."""
+    if jnp.ndim(start) == 0:
+        return jax.lax.dynamic_update_slice(buf, new, (0, 0, start, 0))
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (0, s, 0)))(buf, new, start)
 
 
 class MLP(nnx.Module):
@@ -663,11 +683,12 @@ class DecoderModel(nnx.Module):
 
 
 def attention_mask(q_pos: jax.Array, s: int, window: Optional[int]) -> jax.Array:
-    """[T, S] visibility: key position k is seen by query position p iff k <= p and (no window or k > p - window)."""
-    k_pos = jnp.arange(s)[None, :]
-    mask = k_pos <= q_pos[:, None]
+    """[T, S] visibility (or [B, T, S] for per-row query positions q_pos [B, T]): key position k is seen by query
+    position p iff k <= p and (no window or k > p - window)."""
+    k_pos = jnp.arange(s)
+    mask = k_pos <= q_pos[..., None]
     if window is not None:
-        mask &= k_pos > q_pos[:, None] - window
+        mask &= k_pos > q_pos[..., None] - window
     return mask
 
 
@@ -710,47 +731,64 @@ class CausalLM(nnx.Module):
         `mesh` by the logical axes `KV_CACHE_AXES` (split by KV heads under `tensor_parallel_rules`)."""
         self.sharding = (mesh, rules)
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """An empty KVCache for `batch` rows and up to `max_len` positions (dtype: the compute dtype by default).
+    def init_cache(self, batch: int, max_len: int, dtype=None, *, per_row: bool = False) -> KVCache:
+        """An empty KVCache for `batch` rows and up to `max_len` positions (dtype: the compute dtype by default);
+        its length is an int32 scalar 0, or zeros [batch] with `per_row` (a ragged batch: each row advances on its
+        own, see `KVCache`). A model grouped by `scan_layers` gets one stacked buffer per run of layers.
 
         With KV-cache quantization enabled the buffers hold uint8 fp8 codes (plus float32 per-position scales
         for a dynamic scheme) unless `dtype` asks for a float cache, which then holds the unquantized states."""
         c = self.config
-        shape = (batch, c.num_kv_heads, max_len, c.head_dim)
-        if c.mla is not None:  # the latent and the rope key (mla.py)
-            shape, vshape = (batch, 1, max_len, c.mla.kv_lora_rank), (batch, 1, max_len, c.mla.qk_rope_head_dim)
-            dtype = dtype or self.dtype
-            n = c.num_layers
-            return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(n)),
-                           tuple(jnp.zeros(vshape, dtype) for _ in range(n)), jnp.zeros((), jnp.int32))
-        scheme = self.model.layers[0].self_attn.kv_scheme  # the same on every layer (kv_cache_scheme)
+        layers = self.model.layers
+        scanned = isinstance(layers, ScannedLayers)
+        first = layers.runs[0].layer if scanned else layers[0]
+        scheme = first.self_attn.kv_scheme  # the same on every layer (kv_cache_scheme)
         if scheme is not None and dtype is None:
             dtype = jnp.uint8
         dtype = dtype or self.dtype
-        n = c.num_layers
-        scales = None
-        if dtype == jnp.uint8 and scheme is not None and scheme.dynamic:
-            scales = tuple(jnp.zeros((max_len, 1), jnp.float32) for _ in range(n))
-        zeros = functools.partial(jnp.zeros, shape, dtype)
-        if self.sharding is not None:  # placed on a mesh: pin the buffers' layout (XLA would pick its own)
-            from jax.sharding import NamedSharding
+        counts = [run.count for run in layers.runs] if scanned else [None] * c.num_layers
+        lead = lambda n: () if n is None else (n,)  # noqa: E731
+        dynamic = dtype == jnp.uint8 and scheme is not None and scheme.dynamic
+        if dynamic and per_row:
+            raise ModelError("CausalLM.init_cache: a dynamic fp8 KV-cache scheme shares one scale per written block "
+                             "across the rows, so a cache with per-row lengths (a ragged batch) cannot be kept; "
+                             "run the rows one at a time or use a static KV-cache scheme")
+        scales = tuple(jnp.zeros(lead(n) + (max_len, 1), jnp.float32) for n in counts) if dynamic else None
+
+        kshape = vshape = (batch, c.num_kv_heads, max_len, c.head_dim)
+        if c.mla is not None:  # the latent and the rope key (mla.py)
+            kshape, vshape = (batch, 1, max_len, c.mla.kv_lora_rank), (batch, 1, max_len, c.mla.qk_rope_head_dim)
+
+        def zeros(n, per_layer):
+            shape = lead(n) + per_layer
+            if self.sharding is None or c.mla is not None:
+                return jnp.zeros(shape, dtype)
+            # placed on a mesh: pin the buffers' layout (XLA would pick its own)
+            from jax.sharding import NamedSharding, PartitionSpec
 
             from qformats.sharding import logical_spec
 
-            layout = NamedSharding(self.sharding[0], logical_spec(KV_CACHE_AXES, self.sharding[1]))
-            zeros = lambda: jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), layout)  # noqa: E731
-        return KVCache(tuple(zeros() for _ in range(n)), tuple(zeros() for _ in range(n)),
-                       jnp.zeros((), jnp.int32), scales, scales)
+            spec = logical_spec(KV_CACHE_AXES, self.sharding[1])
+            layout = NamedSharding(self.sharding[0], PartitionSpec(*((None,) * len(lead(n))), *spec))
+            return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), layout)
 
-    def __call__(self, ids: jax.Array, cache: Optional[KVCache] = None, *,
-                 last_only: bool = False) -> Tuple[jax.Array, Optional[KVCache]]:
-        """ids [B, T] at positions cache.length .. cache.length + T - 1 (0 .. T - 1 without a cache) ->
-        (logits [B, T, vocab] float32 — [B, 1, vocab] for the last position only with `last_only` —, the cache
-        with these T positions written and length + T; None without a cache).
+        length = jnp.zeros((batch,) if per_row else (), jnp.int32)
+        return KVCache(tuple(zeros(n, kshape) for n in counts), tuple(zeros(n, vshape) for n in counts), length,
+                       scales, scales)
+
+    def __call__(self, ids: jax.Array, cache: Optional[KVCache] = None, *, last_only: bool = False,
+                 logit_index: Optional[jax.Array] = None) -> Tuple[jax.Array, Optional[KVCache]]:
+        """ids [B, T] at positions cache.length .. cache.length + T - 1 (0 .. T - 1 without a cache; per row for a
+        per-row length [B]) -> (logits [B, T, vocab] float32, the cache with these T positions written and
+        length + T; None without a cache).
+
+        `last_only`: logits [B, 1, vocab] of the last position only; `logit_index` [B] (int): logits [B, 1, vocab]
+        of position logit_index[b] of each row only (the last real token of a right-padded prompt).
 
         Attention is causal (and windowed on sliding-window layers) by position; the cache buffers have a fixed
         size, so prefill and decode steps compile once per (B, T, max_len). The cache must hold length + T
-        positions (checked when length is concrete; under jit it is the caller's contract).
+        positions (checked when length is concrete; under jit it is the caller's contract). A model grouped by
+        `scan_layers` runs each run of layers with one `jax.lax.scan` (the same operations, so the same values).
         """
         if ids.ndim != 2:
             raise ModelError(f"CausalLM: expected token ids [batch, time], got shape {tuple(ids.shape)}")
@@ -759,25 +797,40 @@ class CausalLM(nnx.Module):
             start, s = 0, t
         else:
             start, s = cache.length, cache.max_len
-            n = _concrete_int(start)
+            n = _concrete_int(jnp.max(start)) if jnp.ndim(start) else _concrete_int(start)
             if n is not None and n + t > s:
                 raise ModelError(f"CausalLM: the cache holds {s} positions; {n} are filled and {t} more were given")
-        positions = start + jnp.arange(t, dtype=jnp.int32)
+            if jnp.ndim(start) and (jnp.shape(start) != (b,) or cache.key_scales is not None):
+                raise ModelError(f"CausalLM: a per-row cache length needs shape ({b},) and no dynamic KV-cache "
+                                 f"scales, got shape {jnp.shape(start)}"
+                                 + (" with dynamic scales" if cache.key_scales is not None else ""))
+        positions = (start[:, None] if jnp.ndim(start) else start) + jnp.arange(t, dtype=jnp.int32)
         cos, sin = rope_tables(positions, inv_freq(self.config), self.config.rope.attention_scaling)
         masks = {w: attention_mask(positions, s, w) for w in set(self.config.sliding_windows)}
         x = self.model.embed_tokens(ids)
-        entries = []
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        if isinstance(layers, ScannedLayers):
             kv = None
             if cache is not None:
-                kv = (cache.keys[i], cache.values[i])
-                if cache.key_scales is not None:
-                    kv += (cache.key_scales[i], cache.value_scales[i])
-            with jax.named_scope(f"layers_{i}"):
-                x, kv = layer(x, cos, sin, masks[self.config.sliding_windows[i]], kv, start)
-            entries.append(kv)
+                kv = [(k, v) if cache.key_scales is None else (k, v, ks, vs)
+                      for k, v, ks, vs in zip(cache.keys, cache.values, cache.key_scales or cache.keys,
+                                              cache.value_scales or cache.values)]
+            x, entries = layers(x, cos, sin, masks, kv, start)
+        else:
+            entries = []
+            for i, layer in enumerate(layers):
+                kv = None
+                if cache is not None:
+                    kv = (cache.keys[i], cache.values[i])
+                    if cache.key_scales is not None:
+                        kv += (cache.key_scales[i], cache.value_scales[i])
+                with jax.named_scope(f"layers_{i}"):
+                    x, kv = layer(x, cos, sin, masks[self.config.sliding_windows[i]], kv, start)
+                entries.append(kv)
         h = self.model.norm(x)
-        if last_only:
+        if logit_index is not None:
+            h = jnp.take_along_axis(h, jnp.asarray(logit_index, jnp.int32)[:, None, None], axis=1)
+        elif last_only:
             h = h[:, -1:]
         with jax.named_scope("lm_head"):
             logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)

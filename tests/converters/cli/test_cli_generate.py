@@ -93,9 +93,11 @@ def test_json_tokens_equal_the_library_and_the_process_talks(tiny, capsys):
     lines = err.splitlines()
     assert lines[0].startswith(f"qformats: loading {tiny} (") and lines[1].startswith("qformats: loaded ")
     assert lines[1].endswith("/s)")
-    assert lines[2].startswith("qformats: compiled in ") and "cache" in lines[2]
-    assert lines[3].startswith("qformats: prefill: 3 tokens in ") and lines[3].endswith("tokens/s)")
-    assert lines[4].startswith(f"qformats: decode: {len(got['tokens']) - 1} tokens in ") and "tokens/s" in lines[4]
+    assert lines[2].startswith("qformats: layers: 2 in 1 scanned run(s) (0-1), stacked in ")
+    assert lines[3].startswith("qformats: compiled prefill [1 x 16 tokens] and decode (cache of 16 positions) in ")
+    assert "cache" in lines[3]
+    assert lines[4].startswith("qformats: prefill: 3 tokens in ") and lines[4].endswith("tokens/s)")
+    assert lines[5].startswith(f"qformats: decode: {len(got['tokens']) - 1} tokens in ") and "tokens/s" in lines[5]
 
 
 def test_sampled_tokens_equal_the_library(tiny, capsys):
@@ -206,6 +208,12 @@ def test_prompts_file_in_input_order(tiny, tmp_path, capsys):
         rc, o, _ = _run(capsys, tiny, "--prompt", p, "--max-new-tokens", n, "--json")
         singles.append(json.loads(o))
     assert got == singles and len(got[1]["tokens"]) <= 3 and len(got[2]["tokens"]) <= 5
+    # a ragged batch of all three (one prefill), and the layers unscanned: the same lines
+    rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 2)
+    assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and err.count("qformats: prefill:") == 2
+    assert "compiled prefill [2 x 16 tokens]" in err
+    rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 3, "--no-scan")
+    assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and "scanned" not in err
 
 
 @pytest.mark.parametrize("line, msg", [
@@ -236,6 +244,7 @@ def test_prompts_file_line_size_bound(tiny, tmp_path, capsys, monkeypatch):
 def test_prompt_or_prompts(tiny, tmp_path, capsys):
     assert _run(capsys, tiny)[0] == 2
     assert _run(capsys, tiny, "--prompt", "w1", "--prompts", tmp_path / "x.jsonl")[0] == 2
+    assert _run(capsys, tiny, "--prompt", "w1", "--batch-size", 2)[0] == 2
     rc, _, err = _run(capsys, tiny, "--prompts", tmp_path / "none.jsonl")
     assert rc == 2 and "no such file" in err
 
@@ -287,7 +296,7 @@ def test_help_names_the_cache_directory(capsys, monkeypatch, tmp_path):
     assert main(["generate", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "--no-compile-cache" in out and str(tmp_path / "qformats" / "jax") in out.replace(" ", "")
-    assert "not supported yet" in out  # --prompts runs requests one at a time, and says so
+    assert "--batch-size" in out and "--no-scan" in out and "--no-buckets" in out
 
 
 def test_eval_takes_no_compile_cache_for_both_measures(monkeypatch, tmp_path, capsys):

@@ -160,3 +160,56 @@ def test_context_is_checked_before_compute(model):
         check_context(model, 2041, 8)
     with pytest.raises(ModelError, match="max_position_embeddings"):
         TokenStream(model, np.zeros((1, 2047), np.int32), 2)
+
+
+# ---- ragged batches and shape buckets ------------------------------------------------------------------------
+from qformats.models.generate import bucket_length, plan_shapes  # noqa: E402
+
+RAGGED = [np.random.RandomState(3).randint(0, 128, n) for n in (3, 21, 9, 14)]
+COUNTS = [6, 4, 9, 7]
+
+
+def test_ragged_batch_rows_equal_each_prompt_alone(model):
+    batch = np.asarray(generate(model, RAGGED, COUNTS))
+    assert batch.shape == (4, 9)
+    for row, p, n in zip(batch, RAGGED, COUNTS):
+        alone = np.asarray(generate(model, p, n))
+        np.testing.assert_array_equal(row[:n], alone)
+        assert (row[n:] == 0).all()  # past its own max_new_tokens: the pad
+        np.testing.assert_array_equal(alone, np.asarray(generate(model, p, n, buckets=False)))
+    np.testing.assert_array_equal(_streamed(model, RAGGED, COUNTS), batch)
+
+
+def test_ragged_prefill_logits_equal_each_prompt_alone(model):
+    """The right-padded batch's logits at each row's last token are the row's own: bit for bit against the row
+    alone in a batch of the same shape (the other rows and the padding do not leak), and within accumulation order
+    against the row run at its own shape [1, len] (XLA:CPU picks its matmul blocking by shape)."""
+    def padded(rows):
+        ids = np.zeros((4, 32), np.int32)
+        for i, p in enumerate(rows):
+            ids[i, :len(p)] = p
+        return jnp.asarray(ids)
+
+    lens = jnp.asarray([len(p) for p in RAGGED])
+    step = nnx.jit(lambda m, ids, idx: m(ids, m.init_cache(ids.shape[0], 64), logit_index=idx)[0])
+    got = np.asarray(step(model, padded(RAGGED), lens - 1))
+    for i, p in enumerate(RAGGED):
+        same_shape = np.asarray(step(model, padded([np.zeros(1, np.int32)] * i + [p]), lens - 1))
+        np.testing.assert_array_equal(got[i], same_shape[i])
+        own = np.asarray(step(model, jnp.asarray(p)[None], jnp.asarray([len(p) - 1])))
+        np.testing.assert_allclose(got[i], own[0], rtol=0, atol=1e-5)
+
+
+def test_buckets():
+    assert [bucket_length(n) for n in (1, 16, 17, 32, 33, 100)] == [16, 16, 32, 32, 64, 128]
+    assert bucket_length(3000, limit=2048) == 3000 and bucket_length(1500, limit=2048) == 2048
+    assert plan_shapes([3, 21], [6, 4]) == (32, 32) and plan_shapes([3, 30], [6, 4]) == (32, 64)
+    assert plan_shapes([3, 21], [6, 4], buckets=False) == (21, 25)
+
+
+def test_prompt_lengths_and_counts_in_one_bucket_do_not_recompile(model, caplog):
+    generate(model, RAGGED[0], 5)
+    with jax.log_compiles(True), caplog.at_level(logging.DEBUG, logger="jax"):
+        generate(model, RAGGED[2], 3)  # 9 tokens, 3 new: still prompt bucket 16, cache bucket 16
+    traced = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("Compiling", "Finished tracing"))]
+    assert not traced, traced

