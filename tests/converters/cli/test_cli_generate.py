@@ -212,7 +212,7 @@ def test_prompts_file_in_input_order(tiny, tmp_path, capsys):
     rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 2)
     assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and err.count("qformats: prefill:") == 2
     assert "compiled prefill [2 x 16 tokens]" in err
-    rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 3, "--no-scan")
+    rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 3)
     assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and "scanned" not in err
 
 
@@ -296,7 +296,7 @@ def test_help_names_the_cache_directory(capsys, monkeypatch, tmp_path):
     assert main(["generate", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "--no-compile-cache" in out and str(tmp_path / "qformats" / "jax") in out.replace(" ", "")
-    assert "--batch-size" in out and "--no-scan" in out and "--no-buckets" in out
+    assert "--batch-size" in out and "--scan" in out and "--no-buckets" in out
 
 
 def test_eval_takes_no_compile_cache_for_both_measures(monkeypatch, tmp_path, capsys):
