@@ -182,7 +182,7 @@ class DecoderConfig:
     def __post_init__(self):
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
-        if not self.moe_layers:
+        if not self.moe_layers or (self.moe is None and not any(self.moe_layers)):  # dense: one flag per layer
             object.__setattr__(self, "moe_layers", (self.moe is not None,) * self.num_layers)
         if len(self.moe_layers) != self.num_layers or (any(self.moe_layers) and self.moe is None):
             raise ModelError(f"DecoderConfig: moe_layers {self.moe_layers} must flag each of the {self.num_layers} "
