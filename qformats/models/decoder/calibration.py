@@ -38,6 +38,7 @@ Takes a `CausalLM` and token arrays, quantizes it in place; no file I/O (convert
 from __future__ import annotations
 
 import functools
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import jax
@@ -168,7 +169,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                       tokens_per_batch: int = 2048, bucket: int = 32, max_padding: float = 0.125,
                       embed: Optional[Callable] = None, load_layer: Optional[Callable] = None,
                       store_layer: Optional[Callable] = None, between_phases: Optional[Callable[[], None]] = None,
-                      log: Callable[[str], None] = lambda m: None) -> dict:
+                      timings: Optional[Dict[str, float]] = None, log: Callable[[str], None] = lambda m: None) -> dict:
     """Quantize the seven projections of every decoder layer of `model` in place, layer by layer (module docstring).
 
     Args:
@@ -200,6 +201,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         each of its input groups (q/k/v, o, gate/up, down) and its propagation (e.g.
         `converters.process.trim_malloc`: the temporaries of one phase, its first compilation included, handed back
         before the next).
+      timings: optional dict; the wall seconds of each phase are added to it under "embed", "load layer",
+        "transform", "calibration pass", "weight search", "propagation", "store layer" (compilations included:
+        each phase waits for its results before the clock is read, so the figures add up to the call's time).
       log: progress messages.
 
     Returns {"layers": L, "searched": projections whose search won, "projections": 7 L, "tokens": n}.
@@ -239,8 +243,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             tables[(t, window)] = _layer_inputs(cfg, t, window)
         return tables[(t, window)]
 
+    clock = _Clock(timings)
     xs = [_embed(model, jnp.asarray(ids)) if embed is None else jnp.asarray(embed(ids)) for ids in batches.ids]
     valid = [jnp.asarray(v) for v in batches.valid]
+    clock("embed", xs)
     searched = 0
     groups = input_groups(PROJECTIONS)
     kv_static = kv_cache is not None and not kv_cache.dynamic
@@ -249,8 +255,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         window = cfg.sliding_windows[i]
         if load_layer is not None:
             load_layer(i, layer)
+            clock("load layer")
         if transform is not None:
             transform(layer, i, xs, valid, lambda t: layer_inputs(t, window))
+            clock("transform", nnx.state(layer))
         floats = {}
         for group in groups:
             for rel in group:
@@ -277,6 +285,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 xs[j] = out
         if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
+        clock("calibration pass", (nnx.state(layer), xs))
         if between_phases is not None:
             between_phases()
         shared = fused_global_scales(floats, ss.weights) if weight_search in (RTN, "gptq") else {}
@@ -303,19 +312,39 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             inner.weight_method = method
             searched += method != RTN
             _set(layer, rel, inner)
+        clock("weight search", nnx.state(layer))
         if propagate == "quantized":
             _propagate(layer, xs, lambda t: layer_inputs(t, window))
+            clock("propagation", xs)
             if between_phases is not None:
                 between_phases()
         for rel in PROJECTIONS:  # full paths for messages and exports, now that layer i runs no more
             _get(layer, rel).path = f"model/layers/{i}/{rel}"
         if store_layer is not None:
             store_layer(i, layer)
+            clock("store layer")
         log(f"layer {i + 1}/{len(layers)}: {weight_search}")
     if kv_cache is not None:
         enable_kv_cache_quantization(model, kv_cache, kv_scales if kv_static else None)
     return {"layers": len(layers), "searched": searched, "projections": len(layers) * len(PROJECTIONS),
             "tokens": batches.tokens}
+
+
+class _Clock:
+    """Adds the wall seconds since its last reading to `timings[phase]` (after waiting for `arrays`); no-op on None."""
+
+    def __init__(self, timings: Optional[Dict[str, float]]):
+        self.timings = timings
+        self.t = time.perf_counter()
+
+    def __call__(self, phase: str, arrays=None) -> None:
+        if self.timings is None:
+            return
+        if arrays is not None:
+            jax.block_until_ready(arrays)
+        now = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self.t
+        self.t = now
 
 
 # ---- AWQ on the decoder's modules --------------------------------------------------------------------------
