@@ -202,8 +202,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         `converters.process.trim_malloc`: the temporaries of one phase, its first compilation included, handed back
         before the next).
       timings: optional dict; the wall seconds of each phase are added to it under "embed", "load layer",
-        "transform", "calibration pass", "weight search", "propagation", "store layer" (compilations included:
-        each phase waits for its results before the clock is read, so the figures add up to the call's time).
+        "transform", "calibration pass", "weight search", "propagation", "store layer", and the process's CPU
+        seconds under the same name + " cpu" (compilations included: each phase waits for its results before
+        the clock is read, so the figures add up to the call's time).
       log: progress messages.
 
     Returns {"layers": L, "searched": projections whose search won, "projections": 7 L, "tokens": n}.
@@ -331,20 +332,22 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
 
 
 class _Clock:
-    """Adds the wall seconds since its last reading to `timings[phase]` (after waiting for `arrays`); no-op on None."""
+    """Adds the wall seconds since its last reading to `timings[phase]` and the process's CPU seconds (all threads)
+    to `timings[phase + " cpu"]`, after waiting for `arrays`; a no-op when `timings` is None."""
 
     def __init__(self, timings: Optional[Dict[str, float]]):
         self.timings = timings
-        self.t = time.perf_counter()
+        self.t, self.c = time.perf_counter(), time.process_time()
 
     def __call__(self, phase: str, arrays=None) -> None:
         if self.timings is None:
             return
         if arrays is not None:
             jax.block_until_ready(arrays)
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self.timings[phase] = self.timings.get(phase, 0.0) + now - self.t
-        self.t = now
+        self.timings[phase + " cpu"] = self.timings.get(phase + " cpu", 0.0) + cpu - self.c
+        self.t, self.c = now, cpu
 
 
 # ---- AWQ on the decoder's modules --------------------------------------------------------------------------
