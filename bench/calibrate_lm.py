@@ -111,12 +111,14 @@ import json, resource, sys, time
 _t0 = time.perf_counter()
 from converters.pipelines.calibrate import quantize_calibrated_lm
 from converters.process import lean_calibration
-src, dst, text, seq_len, tokens, scheme, kind = sys.argv[1:8]
+src, dst, text, seq_len, tokens, scheme, kind, seed = sys.argv[1:9]
 phases = {"imports": time.perf_counter() - _t0}
 with lean_calibration() as between_phases:  # the process tuning `qformats quantize --calibrate` applies
     info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),
+                                  seed=int(seed),
                                   awq=kind == "awq", smooth=0.5 if kind == "smoothquant-gptq" else None,
-                                  between_phases=between_phases, timings=phases)
+                                  between_phases=between_phases, timings=phases,
+                                  log=lambda m: print(f"{time.perf_counter() - _t0:7.1f} s  {m}", file=sys.stderr))
 print(json.dumps({"cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), **memory(),
                   "samples": info["samples"], "tokens": info["tokens"], "phases": phases}))
 """
@@ -197,6 +199,8 @@ def _run(cmd, env, what):
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    if what == "ours":
+        print("\n".join(line for line in r.stderr.splitlines() if " s  " in line), file=sys.stderr)
     if r.returncode:
         raise SystemExit(f"{what} failed: {r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1]), wall
@@ -215,6 +219,7 @@ def main():
     ap.add_argument("--side", choices=("ours", "theirs", "both", "none"), default="both",
                     help="which side to (re)measure; 'none': only print the table from WORK")
     ap.add_argument("--runs", type=int, default=1, help="llm-compressor runs (their result varies run to run)")
+    ap.add_argument("--seeds", default="0", help="our runs: the calibration sample order's seeds, comma-separated")
     ap.add_argument("--shuffle", action="store_true",
                     help="their side with oneshot's default shuffle_calibration_samples=True (an unseeded "
                          "RandomSampler: the sample order changes from run to run)")
@@ -242,7 +247,9 @@ def main():
 
     scheme, title = (x.format(group=a.group) for x in RECIPES[a.recipe])
     tag = f"{a.data}-{a.recipe}"
-    runs = {"ours": [work / f"{tag}-ours"], "theirs": [work / f"{tag}-theirs-{k}" for k in range(a.runs)]}
+    seeds = [int(x) for x in a.seeds.split(",")]
+    runs = {"ours": [work / (f"{tag}-ours" if k == 0 else f"{tag}-ours-s{k}") for k in seeds],
+            "theirs": [work / f"{tag}-theirs-{k}" for k in range(a.runs)]}
     for side in ("ours", "theirs"):
         if a.side not in (side, "both"):
             continue
@@ -253,8 +260,9 @@ def main():
                 shutil.rmtree(dst)
             load = os.getloadavg()[0]
             if side == "ours":
+                seed = 0 if dst.name.endswith("-ours") else int(dst.name.rsplit("-s", 1)[1])
                 r, wall = _run([sys.executable, "-c", OURS, str(src), str(dst), str(text), str(a.seq_len),
-                                str(total), scheme, a.recipe], env, "ours")
+                                str(total), scheme, a.recipe, str(seed)], env, "ours")
                 r["wall_s"] = wall
                 if r["tokens"] != total:
                     raise SystemExit(f"calibration tokens differ: ours {r['tokens']}, theirs {total}")
@@ -272,7 +280,7 @@ def main():
         return
     got = {}
     for side in ("ours", "theirs"):
-        pattern = f"{tag}-ours.json" if side == "ours" else f"{tag}-theirs-*.json"
+        pattern = f"{tag}-ours*.json" if side == "ours" else f"{tag}-theirs-*.json"
         got[side] = {Path(f).name[:-5]: json.loads(Path(f).read_text()) for f in sorted(work.glob(pattern))}
 
     if a.data == "numpy":
@@ -317,14 +325,23 @@ def main():
     if med is not None:
         rows += ["", f"llm-compressor: median {med:.3f}, min {min(theirs):.3f}, max {max(theirs):.3f} "
                      f"({len(theirs)} runs)."]
+        ours = [ppl[n] for n in sorted(got["ours"])]
+        if len(ours) > 1:
+            rows.append(f"qformats: median {statistics.median(ours):.3f}, min {min(ours):.3f}, max {max(ours):.3f} "
+                        f"({len(ours)} sample orders); median / their median "
+                        f"{statistics.median(ours) / med:.4f} (goal <= 1.005).")
+        t_med = statistics.median(x["oneshot_s"] for x in got["theirs"].values())
+        c_med = statistics.median(x["oneshot_cpu_s"] for x in got["theirs"].values())
+        m_med = statistics.median(x["vmhwm_mib"] for x in got["theirs"].values())
         for n, r in sorted(got["ours"].items()):
-            t_med = statistics.median(x["oneshot_s"] for x in got["theirs"].values())
-            m_med = statistics.median(x["vmhwm_mib"] for x in got["theirs"].values())
             rows.append(f"{n}: perplexity / their median {ppl[n] / med:.4f} (goal <= 1.005); whole process / their "
-                        f"median oneshot call {r['wall_s'] / t_med:.3f} (goal <= 0.5); VmHWM {r['vmhwm_mib'] / m_med:.2f} "
-                        f"(goal <= 0.5)")
+                        f"median oneshot call: wall {r['wall_s'] / t_med:.3f}, CPU {r['cpu_s'] / c_med:.3f} "
+                        f"(goal <= 0.5); VmHWM {r['vmhwm_mib'] / m_med:.2f} (goal <= 0.5)")
             if "phases" in r:
-                rows.append("phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items()))
+                ph = r["phases"]
+                rows.append("phases, wall / CPU s: " + ", ".join(
+                    f"{k} {v:.1f} / {ph.get(k + ' cpu', float('nan')):.1f}" for k, v in ph.items()
+                    if not k.endswith(" cpu")))
     print("\n".join(rows))
 
 
