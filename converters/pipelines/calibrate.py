@@ -112,7 +112,8 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                            awq: bool = False, smooth: Optional[float] = None, calibration_tokens: int = 65536,
                            seq_len: int = 512, seed: Optional[int] = 0, dampening_frac: float = DAMPENING_FRAC,
                            block_size: int = 128, actorder: Optional[str] = "static",
-                           propagate: Optional[str] = None, overwrite: bool = False, awq_n_grid: int = 20,
+                           propagate: Optional[str] = None, guard: bool = False, overwrite: bool = False,
+                           awq_n_grid: int = 20,
                            awq_duo_scaling=True, kv_cache=None, rotate: Optional[str] = None,
                            rotate_seed: int = 0, between_phases: Optional[Callable[[], object]] = None,
                            timings: Optional[dict] = None, log: Callable[[str], None] = lambda m: None) -> dict:
@@ -136,6 +137,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
       smooth: SmoothQuant migration strength alpha in [0, 1] (`qformats.algorithms.smoothquant`), or None.
       calibration_tokens, seq_len, seed: the token budget, the longest sample, the sample order's seed.
       dampening_frac, block_size, actorder: GPTQ's options (llm-compressor 0.14's names and defaults).
+      guard: keep round-to-nearest for a projection where the search does not lower tr(dW^T H dW) (`calibrate_decoder`'s
+        guard). Off by default, as llm-compressor keeps every GPTQ result: on SmolLM2 it never fired (210 of 210
+        projections kept GPTQ's codes) and its error products cost a quarter of the weight search.
       propagate: "quantized" or "float" (`qformats.models.decoder.calibration`); default "quantized", except with
         round-to-nearest weights: "float", as llm-compressor runs such a recipe (its pipeline keeps quantization
         disabled and RTN leaves the weights float until the checkpoint is written, so layer i+1 sees float outputs:
@@ -195,7 +199,7 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         return _quantize_streamed(Path(src), dst, scheme, calibration, weight_search=weight_search, gptq=gptq,
                                   propagate=propagate, transform=transform, seq_len=seq_len,
                                   calibration_tokens=calibration_tokens, seed=seed, overwrite=overwrite, t0=t0,
-                                  between_phases=between_phases, timings=timings, log=log)
+                                  between_phases=between_phases, timings=timings, guard=guard, log=log)
     with tempfile.TemporaryDirectory(prefix="qformats-rotated-") as rot_dir:
         rotated = None
         if rotate is not None:  # before calibration: the rotated model is the one calibrated
@@ -214,7 +218,7 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     t1 = time.perf_counter()
     info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq, propagate=propagate,
                              transform=transform, kv_cache=kv_cache, between_phases=between_phases, timings=timings,
-                             log=log)
+                             guard=guard, log=log)
     t2 = time.perf_counter()
     names = {n: ("/".join(str(p) for p in slot.path), slot.transpose)
              for n, slot in hf_tensor_names(model.config).items()}
@@ -296,7 +300,7 @@ def _release(module) -> None:
 
 def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_search: str, gptq, propagate: str,
                        transform, seq_len: int, calibration_tokens: int, seed, overwrite: bool, t0: float,
-                       between_phases: Optional[Callable[[], object]], timings: Optional[dict],
+                       between_phases: Optional[Callable[[], object]], timings: Optional[dict], guard: bool,
                        log: Callable[[str], None]) -> dict:
     """`quantize_calibrated_lm` for a dense checkpoint directory, streamed: the model is built abstract
     (shapes only), each decoder layer's tensors are read from the memory-mapped checkpoint just before its
@@ -399,7 +403,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
             info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq,
                                      propagate=propagate, transform=transform, embed=embed, load_layer=load_layer,
                                      store_layer=store_layer, between_phases=between_phases, timings=timings,
-                                     log=log)
+                                     guard=guard, log=log)
             t3 = time.perf_counter()
             for n in outside:
                 w.add_dense(n, np.asarray(ck.get(n), np.float32))

@@ -67,6 +67,10 @@ PROJECTIONS = ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self
                "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
 """The seven projections of a decoder layer, by path relative to the layer (HF's module names)."""
 PROPAGATE = ("quantized", "float")
+SHAPE_COST_PARAMS = 20_000_000_000
+"""`calibrate_decoder`'s default shape_cost numerator: the cost of compiling the layer passes for one more batch
+shape, as token positions times (layers * parameters per layer) run through them (measured on XLA:CPU, SmolLM2-135M:
+~1.7 CPU s per shape, ~0.28 ms per position per layer of 3.3M parameters)."""
 
 
 class _Masked(nnx.Module):
@@ -167,6 +171,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                       gptq: GPTQOptions = GPTQOptions(), propagate: str = "quantized", guard: bool = True,
                       transform: Optional[Callable] = None, kv_cache: Optional[KVCacheScheme] = None,
                       tokens_per_batch: int = 2048, bucket: int = 32, max_padding: float = 0.125,
+                      shape_cost: Optional[int] = None,
                       embed: Optional[Callable] = None, load_layer: Optional[Callable] = None,
                       store_layer: Optional[Callable] = None, between_phases: Optional[Callable[[], None]] = None,
                       timings: Optional[Dict[str, float]] = None, log: Callable[[str], None] = lambda m: None) -> dict:
@@ -189,7 +194,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         tensor or per KV head) over the real tokens of every layer's calibration pass, i.e. from that layer's
         float projections fed by the propagated (quantized-weight) outputs of the layers below, as
         llm-compressor 0.14 observes them; a dynamic scheme is enabled as is.
-      tokens_per_batch, bucket, max_padding: batching (`make_batches`). A layer pass's temporaries grow with the
+      tokens_per_batch, bucket, max_padding, shape_cost: batching (`make_batches`). shape_cost None: the
+        layer passes' compilation cost in token positions, SHAPE_COST_PARAMS / (layers * parameters per layer)
+        (one [B, T] shape's two compilations cost about what running that many positions through every layer
+        does: measured on SmolLM2, ~200 positions); 0: bucket merging by max_padding only. A layer pass's temporaries grow with the
         batch ([B, heads, T, T] attention scores, [B, T, intermediate] MLP activations): 2048 tokens a batch keep
         them to a few tens of MiB on SmolLM2-sized layers.
       embed, load_layer, store_layer: streaming (the model need not be resident: `converters.pipelines.calibrate` reads
@@ -221,8 +229,12 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
     ss = resolve_scheme(scheme)
     if ss is None or ss.weights is None:
         raise ModelError(f"calibrate_decoder: scheme {scheme!r} quantizes no weights")
+    if shape_cost is None:
+        per_layer = sum(int(np.prod(_get(model.model.layers[0], rel).kernel.get_value().shape)) for rel in PROJECTIONS)
+        shape_cost = SHAPE_COST_PARAMS // max(1, len(model.model.layers) * per_layer)
     batches = samples if isinstance(samples, Batches) else make_batches(samples, tokens_per_batch=tokens_per_batch,
-                                                                      bucket=bucket, max_padding=max_padding)
+                                                                      bucket=bucket, max_padding=max_padding,
+                                                                      shape_cost=shape_cost)
     cfg = model.config
     layers = model.model.layers
     fits = []
