@@ -214,14 +214,14 @@ def _prepare(w, scheme, h, block_size, dampening_frac, axis, qparams, actorder, 
                           f"{int(jnp.sum(~jnp.isfinite(h)))} non-finite entries")
 
     if qparams is None:
-        qparams = quantize(w, scheme, axis)
+        qparams = _quantize_jit(w, scheme, axis)
     elif not isinstance(qparams, QArray) or qparams.scheme != scheme or qparams.shape != tuple(w.shape) \
             or qparams.axis != axis:
         raise SchemeError(f"{fn}: qparams must be a QArray of scheme {scheme.describe()!r}, shape "
                           f"{tuple(w.shape)}, axis {axis}; got {qparams!r}")
     # [K, N] working view (input rows; N = every other axis flattened, in QArray.tshape order).
     w2 = jnp.moveaxis(w, axis, 0).reshape(k, -1)
-    s_rows, z_rows = _row_qparams(qparams, k, w2.shape[1])
+    s_rows, z_rows = _row_qparams_jit(qparams, k, w2.shape[1])
     return w2.astype(jnp.float32), s_rows, z_rows, qparams, concrete
 
 
@@ -263,7 +263,7 @@ def _requantize(q2, w, scheme, qparams: QArray) -> QArray:
     k = w.shape[axis]
     rest = tuple(s for i, s in enumerate(w.shape) if i != axis)
     q = jnp.moveaxis(q2.reshape((k,) + rest), 0, axis).astype(w.dtype)
-    return quantize(q, scheme, axis, scale=qparams.scale, zero_point=qparams.zero_point,
+    return _quantize_jit(q, scheme, axis, scale=qparams.scale, zero_point=qparams.zero_point,
                     global_scale=qparams.global_scale)
 
 
@@ -331,6 +331,11 @@ def _row_qparams(qa: QArray, k: int, n: int):
 
     z = None if qa.zero_point is None else rows(qa.zero_point)
     return rows(qa.scale), z
+
+
+# jitted: op by op, every primitive of these would compile once per weight shape (dozens of small compilations)
+_quantize_jit = jax.jit(quantize, static_argnames=("scheme", "axis"))
+_row_qparams_jit = jax.jit(_row_qparams, static_argnums=(1, 2))
 
 
 def _qdq_row(x, s, z, g, scheme: QuantScheme, sdt):
