@@ -281,7 +281,8 @@ def main():
     got = {}
     for side in ("ours", "theirs"):
         pattern = f"{tag}-ours*.json" if side == "ours" else f"{tag}-theirs-*.json"
-        got[side] = {Path(f).name[:-5]: json.loads(Path(f).read_text()) for f in sorted(work.glob(pattern))}
+        got[side] = {Path(f).name[:-5]: json.loads(Path(f).read_text()) for f in sorted(work.glob(pattern))
+                     if ".ppl-" not in Path(f).name}
 
     if a.data == "numpy":
         import pydoc_data.topics as topics
