@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # ~50 s on the loaded 2-core machine (one calibration of the tiny decoder)
+
 DATA = Path(__file__).parent / "data" / "gptq_llmc_tiny.npz"
 _GEN = Path(__file__).resolve().parents[4] / "bench" / "gptq_llmc_fixture.py"
 
