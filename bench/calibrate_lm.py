@@ -6,8 +6,10 @@ actorder "static"); "awq" = W4A16:g64 AWQ then round-to-nearest, as llm-compress
 propagation); "smoothquant-gptq" = SmoothQuant (alpha 0.5) then GPTQ W8A8 (int8 per-channel weights, per-token
 dynamic int8 activations: llm-compressor's W8A8 preset; SmoothQuantModifier + GPTQModifier).
 
-Source: a dense float32 SmolLM2 HF directory (--src, or the embedded GGUF converted once). Calibration text: the
-docstrings of numpy's public functions (numpy ships them; BSD-3-Clause), one docstring per line (whitespace
+Source: a dense float32 SmolLM2 HF directory (--src, or the embedded GGUF converted once). Data (`--data`): "numpy"
+(below) or "prose": the paragraphs of scikit-learn's dataset descriptions as calibration (`prose_lines`: variable-
+length documents, one per line, ~4k tokens) and IDLE's user guide as evaluation (`idle_guide_text`, ~9k tokens).
+Calibration text ("numpy"): the docstrings of numpy's public functions (numpy ships them; BSD-3-Clause), one docstring per line (whitespace
 collapsed), tokenized with the checkpoint's tokenizer.json, each sample cut to --seq-len tokens; the first
 --samples lines are used whole by both sides: llm-compressor gets the token ids as a pre-tokenized dataset (in
 order, unshuffled), ours the text file with a token budget equal to their count (checked: the run stops if our
@@ -22,12 +24,16 @@ imports, model load and save excluded); CPU seconds (user + system, all threads)
 of each whole process as VmHWM (the kernel's high-water mark of the resident set: anonymous and file-backed pages,
 so memory-mapped checkpoint pages count while resident) and as the peak of RssAnon (anonymous pages only: heap,
 torch / XLA buffers), sampled every 20 ms. Their process runs with OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads
-otherwise spin while waiting, which on a shared, loaded machine multiplies its CPU seconds. `--side ours|theirs|both` runs one side (its figures are kept in
-WORK/<recipe>-<side>.json, so the two sides can be measured in separate runs, ours under the bench lock with
---no-table); the table (and the perplexities) is printed from whatever WORK holds.
+otherwise spin while waiting, which on a shared, loaded machine multiplies its CPU seconds. Ours also reports the
+wall and CPU seconds of each phase (`quantize_calibrated_lm(timings=...)`). `--side ours|theirs|both` runs one side
+(its figures are kept in WORK/<data>-<recipe>-ours[-sSEED].json and -theirs-K.json, so the sides can be measured
+in separate runs); `--runs K` runs llm-compressor K times (with `--shuffle`, its default unseeded sample order: the
+result varies run to run) and `--seeds` ours over several sample orders; the table (perplexities, their median and
+spread) is printed from whatever WORK holds.
 
-    python bench/calibrate_lm.py [--recipe gptq|awq|smoothquant-gptq] [--samples 64] [--seq-len 256]
-        [--side both|ours|theirs|none] [--no-table] [--src DIR] [--work DIR] [--llmc-python /work/lcvenv/bin/python]
+    python bench/calibrate_lm.py [--recipe gptq|awq|smoothquant-gptq] [--data numpy|prose] [--samples 64]
+        [--seq-len 256] [--side both|ours|theirs|none] [--runs 1] [--shuffle] [--seeds 0,1,2] [--no-table]
+        [--src DIR] [--work DIR] [--llmc-python /work/oneshot/bin/python]
 """
 
 from __future__ import annotations

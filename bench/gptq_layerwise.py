@@ -33,7 +33,6 @@ import numpy as np
 
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
         "mlp.up_proj", "mlp.down_proj")
-H_OF = {"self_attn.q_proj": "qkv", "self_attn.o_proj": "o", "mlp.gate_proj": "gate_up", "mlp.down_proj": "down"}
 
 
 # ---- torch side (llm-compressor venv) ---------------------------------------------------------------------------
@@ -117,8 +116,6 @@ def torch_side(src: str, ids_file: str, out: str, layers, group: int, shuffle: b
 
 # ---- our side ---------------------------------------------------------------------------------------------------
 def our_side(src: Path, text: Path, tokens: int, out: Path, layers, group: int) -> dict:
-    import jax.numpy as jnp
-
     import qformats.models.decoder.calibration as cal
     from converters.pipelines.calibrate import quantize_calibrated_lm
 
@@ -147,7 +144,7 @@ def our_side(src: Path, text: Path, tokens: int, out: Path, layers, group: int) 
                                       calibration_tokens=tokens, seed=None, overwrite=True)
     finally:
         cal.calibrate_decoder, cal.quantize_group = orig_cd, orig_qg
-    return {"inputs": inputs, "h": hs, "info": info, "jnp": jnp}
+    return {"inputs": inputs, "h": hs, "info": info}
 
 
 def _codes(ck, name):
@@ -194,7 +191,7 @@ def main() -> None:
     import jax.numpy as jnp
     from safetensors import safe_open
 
-    from qformats import QuantScheme
+    from qformats import QuantScheme, quantize
     from qformats.algorithms.gptq import gptq_quantize
 
     scheme = QuantScheme("int4", "group", group_size=a.group)
@@ -237,8 +234,6 @@ def main() -> None:
                 m = f"model.layers.{i}.{p}"
                 w = th[f"{m}:w"]  # [out, in]
                 q = gptq_quantize(jnp.asarray(w.T), scheme, jnp.asarray(th[f"{m}:h"]), actorder="static")
-                mine = np.asarray(q.element_codes()).reshape(w.shape[0], -1) if False else None
-                from qformats import quantize
                 ref = quantize(jnp.asarray(th[f"{m}:q"].T), scheme, 0, scale=q.scale)
                 iso.append(float(np.mean(np.asarray(q.element_codes()) == np.asarray(ref.element_codes()))))
             cells[1] = " / ".join(hd)
