@@ -6,8 +6,10 @@ actorder "static"); "awq" = W4A16:g64 AWQ then round-to-nearest, as llm-compress
 propagation); "smoothquant-gptq" = SmoothQuant (alpha 0.5) then GPTQ W8A8 (int8 per-channel weights, per-token
 dynamic int8 activations: llm-compressor's W8A8 preset; SmoothQuantModifier + GPTQModifier).
 
-Source: a dense float32 SmolLM2 HF directory (--src, or the embedded GGUF converted once). Calibration text: the
-docstrings of numpy's public functions (numpy ships them; BSD-3-Clause), one docstring per line (whitespace
+Source: a dense float32 SmolLM2 HF directory (--src, or the embedded GGUF converted once). Data (`--data`): "numpy"
+(below) or "prose": the paragraphs of scikit-learn's dataset descriptions as calibration (`prose_lines`: variable-
+length documents, one per line, ~4k tokens) and IDLE's user guide as evaluation (`idle_guide_text`, ~9k tokens).
+Calibration text ("numpy"): the docstrings of numpy's public functions (numpy ships them; BSD-3-Clause), one docstring per line (whitespace
 collapsed), tokenized with the checkpoint's tokenizer.json, each sample cut to --seq-len tokens; the first
 --samples lines are used whole by both sides: llm-compressor gets the token ids as a pre-tokenized dataset (in
 order, unshuffled), ours the text file with a token budget equal to their count (checked: the run stops if our
@@ -22,12 +24,16 @@ imports, model load and save excluded); CPU seconds (user + system, all threads)
 of each whole process as VmHWM (the kernel's high-water mark of the resident set: anonymous and file-backed pages,
 so memory-mapped checkpoint pages count while resident) and as the peak of RssAnon (anonymous pages only: heap,
 torch / XLA buffers), sampled every 20 ms. Their process runs with OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads
-otherwise spin while waiting, which on a shared, loaded machine multiplies its CPU seconds. `--side ours|theirs|both` runs one side (its figures are kept in
-WORK/<recipe>-<side>.json, so the two sides can be measured in separate runs, ours under the bench lock with
---no-table); the table (and the perplexities) is printed from whatever WORK holds.
+otherwise spin while waiting, which on a shared, loaded machine multiplies its CPU seconds. Ours also reports the
+wall and CPU seconds of each phase (`quantize_calibrated_lm(timings=...)`). `--side ours|theirs|both` runs one side
+(its figures are kept in WORK/<data>-<recipe>-ours[-sSEED].json and -theirs-K.json, so the sides can be measured
+in separate runs); `--runs K` runs llm-compressor K times (with `--shuffle`, its default unseeded sample order: the
+result varies run to run) and `--seeds` ours over several sample orders; the table (perplexities, their median and
+spread) is printed from whatever WORK holds.
 
-    python bench/calibrate_lm.py [--recipe gptq|awq|smoothquant-gptq] [--samples 64] [--seq-len 256]
-        [--side both|ours|theirs|none] [--no-table] [--src DIR] [--work DIR] [--llmc-python /work/lcvenv/bin/python]
+    python bench/calibrate_lm.py [--recipe gptq|awq|smoothquant-gptq] [--data numpy|prose] [--samples 64]
+        [--seq-len 256] [--side both|ours|theirs|none] [--runs 1] [--shuffle] [--seeds 0,1,2] [--no-table]
+        [--src DIR] [--work DIR] [--llmc-python /work/oneshot/bin/python]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -80,7 +87,8 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 # AWQ pins its cached batches for faster host->GPU copies; a CPU-only torch cannot pin ("Cannot access accelerator
 # device"): pinning moves no value, so it is skipped
 IntermediatesCache.pin_memory = lambda self, batch_index: None
-src, dst, ids_file, seq_len, group, kind = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+src, dst, ids_file, seq_len, group, kind, shuffle = (sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]),
+                                                    int(sys.argv[5]), sys.argv[6], sys.argv[7] == "1")
 ids = json.load(open(ids_file))
 ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -97,7 +105,7 @@ else:
 cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 t0, c0 = time.perf_counter(), cpu()
 oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=seq_len, num_calibration_samples=len(ids),
-        shuffle_calibration_samples=False)
+        shuffle_calibration_samples=shuffle)
 t, c = time.perf_counter() - t0, cpu() - c0
 mem = memory()
 model.save_pretrained(dst, save_compressed=True)
@@ -106,32 +114,68 @@ print(json.dumps({"oneshot_s": t, "oneshot_cpu_s": c, "threads": torch.get_num_t
 
 OURS = MEASURE + r"""
 import json, resource, sys, time
+_t0 = time.perf_counter()
 from converters.pipelines.calibrate import quantize_calibrated_lm
 from converters.process import lean_calibration
-src, dst, text, seq_len, tokens, scheme, kind = sys.argv[1:8]
+src, dst, text, seq_len, tokens, scheme, kind, seed = sys.argv[1:9]
+phases = {"imports": time.perf_counter() - _t0}
 with lean_calibration() as between_phases:  # the process tuning `qformats quantize --calibrate` applies
     info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),
+                                  seed=int(seed),
                                   awq=kind == "awq", smooth=0.5 if kind == "smoothquant-gptq" else None,
-                                  between_phases=between_phases)
+                                  between_phases=between_phases, timings=phases,
+                                  log=lambda m: print(f"{time.perf_counter() - _t0:7.1f} s  {m}", file=sys.stderr))
 print(json.dumps({"cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), **memory(),
-                  "samples": info["samples"], "tokens": info["tokens"]}))
+                  "samples": info["samples"], "tokens": info["tokens"], "phases": phases}))
 """
 
 
-def write_calibration(src: Path, work: Path, samples: int, seq_len: int, ids_name: str):
-    """The calibration text (`calibration_lines(samples)`, one per line) as work/calib.txt and its token ids, each
-    sample cut at seq_len, as work/<ids_name> (JSON) -- the same ids for both sides. Returns (text path, ids, tokens)."""
+def write_calibration(src: Path, work: Path, lines, seq_len: int, ids_name: str, data: str):
+    """The calibration text (`lines`, one per line) as work/calib-<data>.txt and its token ids, each sample cut at
+    seq_len, as work/<ids_name> (JSON) -- the same ids for both sides. Returns (text path, ids, tokens)."""
     from converters.pipelines.causal_lm import load_tokenizer
 
     tok = load_tokenizer(src)
-    lines = calibration_lines(samples)
-    text = work / "calib.txt"
+    text = work / f"calib-{data}.txt"
     text.write_text("\n".join(lines) + "\n", encoding="utf-8")
     ids = [tok.encode(t).ids[:seq_len] for t in lines]
     total = sum(len(x) for x in ids)
     (work / ids_name).write_text(json.dumps(ids))
-    print(f"calibration: {len(ids)} numpy docstrings, {total} tokens (seq_len {seq_len})", file=sys.stderr)
+    print(f"calibration: {len(ids)} {data} samples, {total} tokens (seq_len {seq_len})", file=sys.stderr)
     return text, ids, total
+
+
+def prose_lines(n: int = 0):
+    """Variable-length prose documents, one per line: the paragraphs (>= 25 words, whitespace collapsed; no tables,
+    directives, titles or list items) of scikit-learn's dataset descriptions (`sklearn/datasets/descr/*.rst`,
+    BSD-3-Clause), files in name order; the first n (0: all)."""
+    import glob
+
+    import sklearn
+
+    out = []
+    for f in sorted(glob.glob(str(Path(sklearn.__file__).parent / "datasets" / "descr" / "*.rst"))):
+        for para in re.split(r"\n\s*\n", Path(f).read_text(encoding="utf-8")):
+            line = " ".join(para.split())
+            if len(line.split()) >= 25 and not line.startswith(("..", ":", "=", "|", "*", "-", "+")) \
+                    and "====" not in line and line not in out:
+                out.append(line)
+    return out[:n] if n else out
+
+
+def idle_guide_text():
+    """The text of IDLE's user guide (`idlelib/help.html`, CPython's; Python Software Foundation License 2): from its
+    first sentence to the end of its last section (the sidebar's table of contents cut), tags stripped, entities unescaped, blank runs collapsed."""
+    import html
+    import idlelib
+
+    h = (Path(idlelib.__file__).parent / "help.html").read_text(encoding="utf-8")
+    h = re.sub(r"<(script|style).*?</\1>", "", h, flags=re.S)
+    txt = html.unescape(re.sub(r"<[^>]+>", "", h))
+    start = txt.index("IDLE is Python")
+    end = txt.rfind("Table of Contents")  # the sidebar that follows the last section
+    end = end if end > start else len(txt)
+    return re.sub(r"\n\s*\n+", "\n\n", txt[start:end]).strip() + "\n"
 
 
 def calibration_lines(n: int):
@@ -161,6 +205,8 @@ def _run(cmd, env, what):
     t0 = time.perf_counter()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    if what == "ours":
+        print("\n".join(line for line in r.stderr.splitlines() if " s  " in line), file=sys.stderr)
     if r.returncode:
         raise SystemExit(f"{what} failed: {r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1]), wall
@@ -169,17 +215,25 @@ def _run(cmd, env, what):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="gptq")
+    ap.add_argument("--data", choices=("numpy", "prose"), default="numpy",
+                    help="numpy: numpy docstrings, eval pydoc_data.topics; prose: scikit-learn's dataset descriptions "
+                         "(paragraphs), eval IDLE's user guide")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--eval-windows", type=int, default=32)
     ap.add_argument("--side", choices=("ours", "theirs", "both", "none"), default="both",
                     help="which side to (re)measure; 'none': only print the table from WORK")
+    ap.add_argument("--runs", type=int, default=1, help="llm-compressor runs (their result varies run to run)")
+    ap.add_argument("--seeds", default="0", help="our runs: the calibration sample order's seeds, comma-separated")
+    ap.add_argument("--shuffle", action="store_true",
+                    help="their side with oneshot's default shuffle_calibration_samples=True (an unseeded "
+                         "RandomSampler: the sample order changes from run to run)")
     ap.add_argument("--no-table", action="store_true",
                     help="measure only (e.g. under the bench lock); the perplexities and the table come from a later "
                          "--side none run")
     ap.add_argument("--src", default=None, help="a dense SmolLM2 HF directory (default: converted from the GGUF)")
-    ap.add_argument("--llmc-python", default="/work/lcvenv/bin/python")
+    ap.add_argument("--llmc-python", default="/work/oneshot/bin/python")
     ap.add_argument("--work", default=None)
     a = ap.parse_args()
     root = Path(__file__).resolve().parents[1]
@@ -194,76 +248,107 @@ def main():
     src = Path(a.src) if a.src else work / "smollm2-f32"
     if not src.exists():
         convert_gguf(smollm2_gguf(), src)
-    text, ids, total = write_calibration(src, work, a.samples, a.seq_len, "ids.json")
+    lines = calibration_lines(a.samples) if a.data == "numpy" else prose_lines(a.samples if a.samples != 64 else 0)
+    text, ids, total = write_calibration(src, work, lines, a.seq_len, f"ids-{a.data}.json", a.data)
 
     scheme, title = (x.format(group=a.group) for x in RECIPES[a.recipe])
-    dst = {side: work / f"{a.recipe}-{side}" for side in ("ours", "theirs")}
-    res = {side: work / f"{a.recipe}-{side}.json" for side in ("ours", "theirs")}
+    tag = f"{a.data}-{a.recipe}"
+    seeds = [int(x) for x in a.seeds.split(",")]
+    runs = {"ours": [work / (f"{tag}-ours" if k == 0 else f"{tag}-ours-s{k}") for k in seeds],
+            "theirs": [work / f"{tag}-theirs-{k}" for k in range(a.runs)]}
     for side in ("ours", "theirs"):
         if a.side not in (side, "both"):
             continue
-        if dst[side].exists():
-            import shutil
+        for dst in runs[side]:
+            if dst.exists():
+                import shutil
 
-            shutil.rmtree(dst[side])
-        load = os.getloadavg()[0]
-        if side == "ours":
-            r, wall = _run([sys.executable, "-c", OURS, str(src), str(dst[side]), str(text), str(a.seq_len),
-                            str(total), scheme, a.recipe], env, "ours")
-            r["wall_s"] = wall
-            if r["tokens"] != total:
-                raise SystemExit(f"calibration tokens differ: ours {r['tokens']}, theirs {total}")
-        else:
-            r, wall = _run([a.llmc_python, "-c", THEIRS, str(src), str(dst[side]), str(work / "ids.json"),
-                            str(a.seq_len), str(a.group), a.recipe], dict(env, OMP_WAIT_POLICY="PASSIVE"),
-                           "llm-compressor")
-            r["process_s"] = wall
-        r["load_before"], r["load_after"] = load, os.getloadavg()[0]
-        r["nice"] = os.nice(0)
-        r["date"] = time.strftime("%Y-%m-%d %H:%M")
-        res[side].write_text(json.dumps(r))
-        print(side, r, file=sys.stderr)
+                shutil.rmtree(dst)
+            load = os.getloadavg()[0]
+            if side == "ours":
+                seed = 0 if dst.name.endswith("-ours") else int(dst.name.rsplit("-s", 1)[1])
+                r, wall = _run([sys.executable, "-c", OURS, str(src), str(dst), str(text), str(a.seq_len),
+                                str(total), scheme, a.recipe, str(seed)], env, "ours")
+                r["wall_s"] = wall
+                if r["tokens"] != total:
+                    raise SystemExit(f"calibration tokens differ: ours {r['tokens']}, theirs {total}")
+            else:
+                r, wall = _run([a.llmc_python, "-c", THEIRS, str(src), str(dst), str(work / f"ids-{a.data}.json"),
+                                str(a.seq_len), str(a.group), a.recipe, str(int(a.shuffle))],
+                               dict(env, OMP_WAIT_POLICY="PASSIVE"), "llm-compressor")
+                r["process_s"] = wall
+            r["load_before"], r["load_after"] = load, os.getloadavg()[0]
+            r["nice"] = os.nice(0)
+            r["date"] = time.strftime("%Y-%m-%d %H:%M")
+            Path(f"{dst}.json").write_text(json.dumps(r))
+            print(side, dst.name, r, file=sys.stderr)
     if a.no_table:
         return
-    got = {side: json.loads(res[side].read_text()) for side in res if res[side].exists()}
+    got = {}
+    for side in ("ours", "theirs"):
+        pattern = f"{tag}-ours*.json" if side == "ours" else f"{tag}-theirs-*.json"
+        got[side] = {Path(f).name[:-5]: json.loads(Path(f).read_text()) for f in sorted(work.glob(pattern))
+                     if ".ppl-" not in Path(f).name}
 
-    import pydoc_data.topics as topics
+    if a.data == "numpy":
+        import pydoc_data.topics as topics
 
-    eval_text = "\n".join(topics.topics[k] for k in sorted(topics.topics))
+        eval_text, eval_name = "\n".join(topics.topics[k] for k in sorted(topics.topics)), "pydoc_data.topics"
+    else:
+        eval_text, eval_name = idle_guide_text(), "IDLE's user guide (idlelib/help.html)"
     import shutil
 
-    for f in ("tokenizer.json", "tokenizer_config.json"):  # save_pretrained writes no tokenizer: the source's
-        if "theirs" in got and (src / f).exists() and not (dst["theirs"] / f).exists():
-            shutil.copy(src / f, dst["theirs"] / f)
     ppl = {}
-    for name, path in (("dense", src), ("ours", dst["ours"]), ("theirs", dst["theirs"])):
-        if name == "dense" or name in got:
+    for name in ["dense"] + sorted(got["ours"]) + sorted(got["theirs"]):
+        path = src if name == "dense" else work / name
+        if name != "dense" and "theirs" in name:  # save_pretrained writes no tokenizer: the source's
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                if (src / f).exists() and not (path / f).exists():
+                    shutil.copy(src / f, path / f)
+        cache = work / f"{name}.ppl-{a.eval_windows}.json" if name != "dense" else work / f"dense-{a.data}.ppl-{a.eval_windows}.json"
+        if cache.exists() and cache.stat().st_mtime > path.stat().st_mtime:
+            ppl[name] = json.loads(cache.read_text())["ppl"]
+        else:
             ppl[name] = evaluate_text(path, eval_text, seq_len=512, max_windows=a.eval_windows)["stored"]["ppl"]
-            print(name, ppl[name], file=sys.stderr)
-    cell = lambda side, key, f: f.format(got[side][key]) if side in got and key in got[side] else "—"  # noqa: E731
-    pp = lambda side: f"{ppl[side]:.3f}" if side in ppl else "—"  # noqa: E731
+            cache.write_text(json.dumps({"ppl": ppl[name]}))
+        print(name, ppl[name], file=sys.stderr)
+    import statistics
+
+    theirs = [ppl[n] for n in sorted(got["theirs"])]
+    med = statistics.median(theirs) if theirs else None
     rows = [
-        f"### SmolLM2-135M {title}: qformats vs llm-compressor 0.14 oneshot ({os.cpu_count()} CPUs, CPU only)", "",
-        f"Calibration: {len(ids)} numpy docstrings ({total} tokens, samples cut at {a.seq_len}), the same token ids "
-        f"on both sides. Perplexity: pydoc_data.topics, {a.eval_windows} windows of 512 tokens; dense float32 "
-        f"{ppl['dense']:.3f}. Peak RSS: VmHWM (anonymous + file-backed pages) and the peak of RssAnon (sampled "
-        f"every 20 ms) of each process.", "",
-        "| | perplexity | wall s | CPU s (all threads) | VmHWM MiB | RssAnon peak MiB | load avg (before / after) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-        f"| qformats `quantize_calibrated_lm` (whole process: imports, load, calibrate, save) | {pp('ours')} | "
-        f"{cell('ours', 'wall_s', '{:.1f}')} | {cell('ours', 'cpu_s', '{:.1f}')} | "
-        f"{cell('ours', 'vmhwm_mib', '{:.0f}')} | {cell('ours', 'rss_anon_peak_mib', '{:.0f}')} | "
-        f"{cell('ours', 'load_before', '{:.1f}')} / {cell('ours', 'load_after', '{:.1f}')} |",
-        f"| llm-compressor `oneshot` (time: the call alone; memory: its whole process) | {pp('theirs')} | "
-        f"{cell('theirs', 'oneshot_s', '{:.1f}')} | {cell('theirs', 'oneshot_cpu_s', '{:.1f}')} | "
-        f"{cell('theirs', 'vmhwm_mib', '{:.0f}')} | {cell('theirs', 'rss_anon_peak_mib', '{:.0f}')} | "
-        f"{cell('theirs', 'load_before', '{:.1f}')} / {cell('theirs', 'load_after', '{:.1f}')} |", ""]
-    if len(got) == 2:
-        o, t = got["ours"], got["theirs"]
-        rows += [f"ppl ratio {ppl['ours'] / ppl['theirs']:.4f} (goal <= 1.005); time ratio "
-                 f"{o['wall_s'] / t['oneshot_s']:.3f} wall, {o['cpu_s'] / t['oneshot_cpu_s']:.3f} CPU (goal <= 0.2); "
-                 f"memory ratio {o['vmhwm_mib'] / t['vmhwm_mib']:.2f} VmHWM, "
-                 f"{o['rss_anon_peak_mib'] / t['rss_anon_peak_mib']:.2f} RssAnon (goal <= 0.5).", ""]
+        f"### SmolLM2-135M {title}, {a.data}: qformats vs llm-compressor 0.14 oneshot ({os.cpu_count()} CPUs)", "",
+        f"Calibration: {len(ids)} {'numpy docstrings' if a.data == 'numpy' else 'scikit-learn dataset-description paragraphs'} "
+        f"({total} tokens, samples cut at {a.seq_len}), the same token ids on both sides"
+        f"{' (theirs shuffled by oneshot)' if a.shuffle else ''}. Perplexity: {eval_name}, up to {a.eval_windows} "
+        f"windows of 512 tokens; dense float32 {ppl['dense']:.3f}.", "",
+        "| run | perplexity | wall s | CPU s | VmHWM MiB | RssAnon peak MiB | load before / after |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for side, key in (("ours", "wall_s"), ("theirs", "oneshot_s")):
+        for n, r in sorted(got[side].items()):
+            cpu = r.get("cpu_s", r.get("oneshot_cpu_s", 0))
+            rows.append(f"| {n} | {ppl[n]:.3f} | {r[key]:.1f} | {cpu:.1f} | {r['vmhwm_mib']:.0f} | "
+                        f"{r['rss_anon_peak_mib']:.0f} | {r['load_before']:.1f} / {r['load_after']:.1f} |")
+    if med is not None:
+        rows += ["", f"llm-compressor: median {med:.3f}, min {min(theirs):.3f}, max {max(theirs):.3f} "
+                     f"({len(theirs)} runs)."]
+        ours = [ppl[n] for n in sorted(got["ours"])]
+        if len(ours) > 1:
+            rows.append(f"qformats: median {statistics.median(ours):.3f}, min {min(ours):.3f}, max {max(ours):.3f} "
+                        f"({len(ours)} sample orders); median / their median "
+                        f"{statistics.median(ours) / med:.4f} (goal <= 1.005).")
+        t_med = statistics.median(x["oneshot_s"] for x in got["theirs"].values())
+        c_med = statistics.median(x["oneshot_cpu_s"] for x in got["theirs"].values())
+        m_med = statistics.median(x["vmhwm_mib"] for x in got["theirs"].values())
+        for n, r in sorted(got["ours"].items()):
+            rows.append(f"{n}: perplexity / their median {ppl[n] / med:.4f} (goal <= 1.005); whole process / their "
+                        f"median oneshot call: wall {r['wall_s'] / t_med:.3f}, CPU {r['cpu_s'] / c_med:.3f} "
+                        f"(goal <= 0.5); VmHWM {r['vmhwm_mib'] / m_med:.2f} (goal <= 0.5)")
+            if "phases" in r:
+                ph = r["phases"]
+                rows.append("phases, wall / CPU s: " + ", ".join(
+                    f"{k} {v:.1f} / {ph.get(k + ' cpu', float('nan')):.1f}" for k, v in ph.items()
+                    if not k.endswith(" cpu")))
     print("\n".join(rows))
 
 

@@ -112,10 +112,11 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                            awq: bool = False, smooth: Optional[float] = None, calibration_tokens: int = 65536,
                            seq_len: int = 512, seed: Optional[int] = 0, dampening_frac: float = DAMPENING_FRAC,
                            block_size: int = 128, actorder: Optional[str] = "static",
-                           propagate: Optional[str] = None, overwrite: bool = False, awq_n_grid: int = 20,
+                           propagate: Optional[str] = None, guard: bool = False, overwrite: bool = False,
+                           awq_n_grid: int = 20,
                            awq_duo_scaling=True, kv_cache=None, rotate: Optional[str] = None,
                            rotate_seed: int = 0, between_phases: Optional[Callable[[], object]] = None,
-                           log: Callable[[str], None] = lambda m: None) -> dict:
+                           timings: Optional[dict] = None, log: Callable[[str], None] = lambda m: None) -> dict:
     """Quantize a causal LM's decoder projections with `scheme`, calibrated layer by layer, and write a
     compressed-tensors checkpoint at `dst`. Returns {"layers", "projections", "searched", "tokens", "samples",
     "seconds", "path"}.
@@ -136,6 +137,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
       smooth: SmoothQuant migration strength alpha in [0, 1] (`qformats.algorithms.smoothquant`), or None.
       calibration_tokens, seq_len, seed: the token budget, the longest sample, the sample order's seed.
       dampening_frac, block_size, actorder: GPTQ's options (llm-compressor 0.14's names and defaults).
+      guard: keep round-to-nearest for a projection where the search does not lower tr(dW^T H dW) (`calibrate_decoder`'s
+        guard). Off by default, as llm-compressor keeps every GPTQ result: on SmolLM2 it never fired (210 of 210
+        projections kept GPTQ's codes) and its error products cost a quarter of the weight search.
       propagate: "quantized" or "float" (`qformats.models.decoder.calibration`); default "quantized", except with
         round-to-nearest weights: "float", as llm-compressor runs such a recipe (its pipeline keeps quantization
         disabled and RTN leaves the weights float until the checkpoint is written, so layer i+1 sees float outputs:
@@ -149,6 +153,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
       between_phases: called with no arguments between the phases of each layer's calibration
         (`qformats.models.decoder.calibration.calibrate_decoder`'s), e.g. `converters.process.trim_malloc`; the process
         tuning of the `qformats` CLI is `converters.process.lean_calibration`, which this function does not apply.
+      timings: optional dict receiving the wall seconds of each phase: "read calibration" (tokenizing the file),
+        "load" (the model, or the streamed checkpoint's checks), "write" (the checkpoint's last tensors and files),
+        and `calibrate_decoder`'s phases.
 
     Raises:
       CheckpointError: unreadable src / calibration file, dst exists without overwrite. ModelError / SchemeError:
@@ -192,7 +199,7 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         return _quantize_streamed(Path(src), dst, scheme, calibration, weight_search=weight_search, gptq=gptq,
                                   propagate=propagate, transform=transform, seq_len=seq_len,
                                   calibration_tokens=calibration_tokens, seed=seed, overwrite=overwrite, t0=t0,
-                                  between_phases=between_phases, log=log)
+                                  between_phases=between_phases, timings=timings, guard=guard, log=log)
     with tempfile.TemporaryDirectory(prefix="qformats-rotated-") as rot_dir:
         rotated = None
         if rotate is not None:  # before calibration: the rotated model is the one calibrated
@@ -209,8 +216,11 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     log(f"loaded {src} ({model.config.model_type}, {model.config.num_layers} layers) in "
         f"{time.perf_counter() - t0:.1f} s; {len(samples)} calibration samples, "
         f"{sum(len(s) for s in samples)} tokens from {calibration}")
+    t1 = time.perf_counter()
     info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq, propagate=propagate,
-                             transform=transform, kv_cache=kv_cache, between_phases=between_phases, log=log)
+                             transform=transform, kv_cache=kv_cache, between_phases=between_phases, timings=timings,
+                             guard=guard, log=log)
+    t2 = time.perf_counter()
     names = {n: ("/".join(str(p) for p in slot.path), slot.transpose)
              for n, slot in hf_tensor_names(model.config).items()}
     names.update(kv_scale_name_map(model))
@@ -231,6 +241,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                         ignore=ignore, kv_cache_scheme=kv_cache,
                         transform_config=None if rotated is None else rotated.transform_config)
     seconds = time.perf_counter() - t0
+    if timings is not None:
+        timings["load"] = timings.get("load", 0.0) + t1 - t0
+        timings["write"] = timings.get("write", 0.0) + time.perf_counter() - t2
     log(f"wrote {dst}: {info['projections']} projections "
         f"({search_text(info['projections'], info['searched'], weight_search)}) in {seconds:.1f} s")
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}
@@ -288,7 +301,8 @@ def _release(module) -> None:
 
 def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_search: str, gptq, propagate: str,
                        transform, seq_len: int, calibration_tokens: int, seed, overwrite: bool, t0: float,
-                       between_phases: Optional[Callable[[], object]], log: Callable[[str], None]) -> dict:
+                       between_phases: Optional[Callable[[], object]], timings: Optional[dict], guard: bool,
+                       log: Callable[[str], None]) -> dict:
     """`quantize_calibrated_lm` for a dense checkpoint directory, streamed: the model is built abstract
     (shapes only), each decoder layer's tensors are read from the memory-mapped checkpoint just before its
     calibration (`calibrate_decoder`'s load_layer) and its packed result goes to the checkpoint writer right
@@ -315,9 +329,11 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
         raise CheckpointError(f"{src / 'config.json'}: {e}") from None
     model = nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
     tok = load_tokenizer(src)
+    t1 = time.perf_counter()
     samples = load_calibration(calibration, None if tok is None else (lambda text, t=tok: t.encode(text).ids),
                                seq_len=seq_len, max_tokens=calibration_tokens, seed=seed, vocab_size=cfg.vocab_size)
     del tok  # the tokenizer's tables (~50 MiB) are not needed while calibrating
+    t2 = time.perf_counter()
     slots = hf_tensor_names(cfg)
 
     with open_checkpoint(src) as ck:
@@ -352,6 +368,9 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
         # embeddings, final norm, an untied lm_head: written last, as the checkpoint has them
         outside = [n for n, slot in slots.items() if slot.path[:2] != ("model", "layers")]
         plan = _stream_plan(ck, scheme, slots, per_layer, outside)
+        if timings is not None:
+            timings["read calibration"] = timings.get("read calibration", 0.0) + t2 - t1
+            timings["load"] = timings.get("load", 0.0) + time.perf_counter() - t0 - (t2 - t1)
         with CompressedWriter(dst, overwrite=overwrite, plan=plan, sources=(src,)) as w:
             def load_layer(i, layer):
                 for n in per_layer[i]:
@@ -384,11 +403,15 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
 
             info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq,
                                      propagate=propagate, transform=transform, embed=embed, load_layer=load_layer,
-                                     store_layer=store_layer, between_phases=between_phases, log=log)
+                                     store_layer=store_layer, between_phases=between_phases, timings=timings,
+                                     guard=guard, log=log)
+            t3 = time.perf_counter()
             for n in outside:
                 w.add_dense(n, np.asarray(ck.get(n), np.float32))
             w.finish(dict(hf_config), ignore=[] if cfg.tie_word_embeddings else ["lm_head"], copy_from=src)
     seconds = time.perf_counter() - t0
+    if timings is not None:
+        timings["write"] = timings.get("write", 0.0) + time.perf_counter() - t3
     log(f"wrote {dst}: {info['projections']} projections "
         f"({search_text(info['projections'], info['searched'], weight_search)}) in {seconds:.1f} s")
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}

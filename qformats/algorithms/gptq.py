@@ -18,6 +18,7 @@ from typing import List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qformats import rounding as R
 from qformats.codec import decode
@@ -28,7 +29,7 @@ from qformats.quantize import check_input, quantize
 from qformats.scales import compute_scales
 from qformats.schemes import QuantScheme
 
-__all__ = ["DAMPENING_FRAC", "GPTQOptions", "gptq_quantize", "gptq_quantize_shared", "gptq_hinv"]
+__all__ = ["DAMPENING_FRAC", "GPTQOptions", "gptq_quantize", "gptq_quantize_shared", "gptq_hinv", "gptq_hinv_host"]
 
 DAMPENING_FRAC = 0.01
 """GPTQ's default relative dampening, H += 0.01 * mean(diag H) * I: llm-compressor 0.14's GPTQModifier default."""
@@ -213,23 +214,41 @@ def _prepare(w, scheme, h, block_size, dampening_frac, axis, qparams, actorder, 
                           f"{int(jnp.sum(~jnp.isfinite(h)))} non-finite entries")
 
     if qparams is None:
-        qparams = quantize(w, scheme, axis)
+        qparams = _quantize_jit(w, scheme, axis)
     elif not isinstance(qparams, QArray) or qparams.scheme != scheme or qparams.shape != tuple(w.shape) \
             or qparams.axis != axis:
         raise SchemeError(f"{fn}: qparams must be a QArray of scheme {scheme.describe()!r}, shape "
                           f"{tuple(w.shape)}, axis {axis}; got {qparams!r}")
     # [K, N] working view (input rows; N = every other axis flattened, in QArray.tshape order).
     w2 = jnp.moveaxis(w, axis, 0).reshape(k, -1)
-    s_rows, z_rows = _row_qparams(qparams, k, w2.shape[1])
+    s_rows, z_rows = _row_qparams_jit(qparams, k, w2.shape[1])
     return w2.astype(jnp.float32), s_rows, z_rows, qparams, concrete
 
 
 def _run(w2, h, s_rows, z_rows, qparams: QArray, scheme, block_size, dampening_frac, actorder, concrete, shape):
     """The jitted column loop on the [K, N] float32 view -> Q [K, N] float32; warns (when called eagerly) that
-    GPTQ fell back to round-to-nearest when H' is not positive definite."""
+    GPTQ fell back to round-to-nearest when H' is not positive definite.
+
+    A concrete H is ordered and factorized on the host by LAPACK (`gptq_hinv_host`: the routines torch's
+    `cholesky_ex` / `cholesky_inverse` / `cholesky` call, blocked, where XLA:CPU's Cholesky and triangular
+    solves run unblocked and cost more than the whole sweep); under a trace (jit, vmap) by `gptq_hinv`."""
     sdt = qparams.scale.dtype if qparams.scale.dtype in R.FLOAT_DTYPES else jnp.dtype(jnp.float32)
-    q2, fallback = _gptq_jit(w2, h.astype(jnp.float32), s_rows, z_rows, qparams.global_scale,
-                             jnp.float32(dampening_frac), scheme, block_size, sdt.name, actorder is not None)
+    act_order = actorder is not None
+    if concrete:
+        hn = np.asarray(h, np.float32)
+        perm = np.argsort(-np.diagonal(hn), kind="stable") if act_order else None
+        if perm is not None:
+            hn = hn[perm][:, perm]
+        u, dead, fallback = gptq_hinv_host(hn, dampening_frac)
+        perm = None if perm is None else jnp.asarray(perm, jnp.int32)
+    else:
+        h = h.astype(jnp.float32)
+        perm = None
+        if act_order:
+            perm = jnp.argsort(jnp.diagonal(h), descending=True, stable=True)
+            h = jnp.take(jnp.take(h, perm, axis=0), perm, axis=1)
+        u, dead, fallback = gptq_hinv(h, dampening_frac)
+    q2 = _gptq_sweep(w2, u, dead, perm, s_rows, z_rows, qparams.global_scale, scheme, block_size, sdt.name)
     if concrete and not isinstance(fallback, jax.core.Tracer) and bool(fallback):
         k = h.shape[0]
         warnings.warn(f"gptq_quantize: the dampened Hessian ({k}x{k}) is not positive definite; weight of "
@@ -244,7 +263,7 @@ def _requantize(q2, w, scheme, qparams: QArray) -> QArray:
     k = w.shape[axis]
     rest = tuple(s for i, s in enumerate(w.shape) if i != axis)
     q = jnp.moveaxis(q2.reshape((k,) + rest), 0, axis).astype(w.dtype)
-    return quantize(q, scheme, axis, scale=qparams.scale, zero_point=qparams.zero_point,
+    return _quantize_jit(q, scheme, axis, scale=qparams.scale, zero_point=qparams.zero_point,
                     global_scale=qparams.global_scale)
 
 
@@ -272,6 +291,34 @@ def gptq_hinv(h, dampening_frac: float = DAMPENING_FRAC):
     return jnp.where(fallback, eye, u), dead, fallback
 
 
+def gptq_hinv_host(h, dampening_frac: float = DAMPENING_FRAC):
+    """`gptq_hinv` for a concrete H, on the host with LAPACK in float32, step for step as llm-compressor's
+    `factorize_hessian` calls torch: L = potrf(H', lower) (`torch.linalg.cholesky_ex`), H'^-1 = potri(L)
+    (`torch.cholesky_inverse`, its lower triangle mirrored), U = potrf(H'^-1, upper) (`torch.linalg.cholesky(...,
+    upper=True)`). H' as in `gptq_hinv` (dead diagonal entries set to 1; + dampening_frac * mean(diag H') * I).
+    Returns (U, dead, fallback) as jax arrays; U = I and fallback True where a factorization fails."""
+    from scipy.linalg import lapack
+
+    h = np.array(h, np.float32)  # a copy: modified in place
+    n = h.shape[0]
+    idx = np.arange(n)
+    dead = h[idx, idx] == 0
+    h[idx[dead], idx[dead]] = 1.0
+    h[idx, idx] += np.float32(dampening_frac) * np.mean(h[idx, idx], dtype=np.float32)
+    lower, info = lapack.spotrf(h, lower=1, clean=1)
+    u = None
+    if info == 0:
+        hinv, info = lapack.spotri(lower, lower=1)
+        if info == 0:
+            hinv = np.tril(hinv) + np.tril(hinv, -1).T
+            u, info = lapack.spotrf(hinv, lower=0, clean=1)
+            if info != 0 or not np.all(np.isfinite(u)):
+                u = None
+    fallback = u is None
+    u = np.eye(n, dtype=np.float32) if fallback else np.asarray(u, np.float32)
+    return jnp.asarray(u), jnp.asarray(dead), jnp.asarray(fallback)
+
+
 # ---- internals ----------------------------------------------------------------------------------------------
 def _row_qparams(qa: QArray, k: int, n: int):
     """Scale and zero point of every element of the [K, N] view, as float32 [K, N] (E8M0: the codes).
@@ -284,6 +331,11 @@ def _row_qparams(qa: QArray, k: int, n: int):
 
     z = None if qa.zero_point is None else rows(qa.zero_point)
     return rows(qa.scale), z
+
+
+# jitted: op by op, every primitive of these would compile once per weight shape (dozens of small compilations)
+_quantize_jit = jax.jit(quantize, static_argnames=("scheme", "axis"))
+_row_qparams_jit = jax.jit(_row_qparams, static_argnums=(1, 2))
 
 
 def _qdq_row(x, s, z, g, scheme: QuantScheme, sdt):
@@ -303,17 +355,15 @@ def _qdq_row(x, s, z, g, scheme: QuantScheme, sdt):
     return R.mul(vals, scale, sdt)
 
 
-@functools.partial(jax.jit, static_argnames=("scheme", "block_size", "sdt", "act_order"))
-def _gptq_jit(w, h, s_rows, z_rows, g, dampening_frac, scheme: QuantScheme, block_size: int, sdt: str,
-              act_order: bool = False):
+@functools.partial(jax.jit, static_argnames=("scheme", "block_size", "sdt"))
+def _gptq_sweep(w, u, dead, perm, s_rows, z_rows, g, scheme: QuantScheme, block_size: int, sdt: str):
+    """GPTQ's column sweep (`gptq_quantize` step 5) on W [K, N], given U [K, K] and the dead inputs of the
+    (permuted, when `perm` is not None) H; rows processed in `perm` order and returned in the original order."""
     k, n = w.shape
-    if act_order:  # llm-compressor's apply_activation_ordering, on the raw H; rows keep their own qparams
-        perm = jnp.argsort(jnp.diagonal(h), descending=True, stable=True)
-        h = jnp.take(jnp.take(h, perm, axis=0), perm, axis=1)
+    if perm is not None:  # llm-compressor's apply_activation_ordering; rows keep their own qparams
         w, s_rows = jnp.take(w, perm, axis=0), jnp.take(s_rows, perm, axis=0)
         if z_rows is not None:
             z_rows = jnp.take(z_rows, perm, axis=0)
-    u, dead, fallback = gptq_hinv(h, dampening_frac)
     w = jnp.where(dead[:, None], 0.0, w)
 
     b = min(block_size, k)
@@ -354,6 +404,6 @@ def _gptq_jit(w, h, s_rows, z_rows, g, dampening_frac, scheme: QuantScheme, bloc
         return jax.lax.dynamic_update_slice(wq, q1, (i1, 0))
 
     wq = jax.lax.fori_loop(0, kp // b, block, w)[:k]
-    if act_order:
+    if perm is not None:
         wq = jnp.take(wq, jnp.argsort(perm), axis=0)  # restore the original order (torch.gather by invperm)
-    return wq, fallback
+    return wq

@@ -29,14 +29,24 @@ class Batches:
 
 
 def make_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 8192, bucket: int = 32,
-                 max_padding: float = 0.0) -> Batches:
+                 max_padding: float = 0.0, shape_cost: int = 0) -> Batches:
     """Samples (1-D int token arrays) -> Batches: each sample right-padded (with id 0) to its bucket length
     T = bucket * ceil(len / bucket); samples of one bucket batched B = max(1, tokens_per_batch // T) rows at a
     time, in order, the last batch of a bucket filled with all-padding rows (so each bucket has one shape).
 
     `max_padding` > 0 merges buckets, shortest first, into the next longer one while the padding of all the
     batches stays <= max_padding * (real tokens): fewer shapes, so fewer compilations of the layer passes (each
-    distinct [B, T] compiles once), for a little padded compute (masked out of every statistic)."""
+    distinct [B, T] compiles once), for a little padded compute (masked out of every statistic).
+
+    `shape_cost` > 0 (in token positions) chooses the merging instead, by cost: the bucket lengths, sorted, are
+    split into runs, each run's samples padded to its longest length, so as to minimise
+
+        sum over runs of (positions computed: batches * B * T, empty rows of the last batch included)
+        + shape_cost * (number of runs, i.e. of distinct shapes)
+
+    (exact, by dynamic programming over the bucket lengths). A compilation of the layer passes costs about as
+    much as `shape_cost` token positions run through every layer: with few calibration tokens this gives one or
+    two shapes, with many it keeps the buckets apart."""
     if not samples:
         raise ModelError("calibration needs at least one sample")
     if bucket < 1 or tokens_per_batch < 1:
@@ -48,7 +58,9 @@ def make_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 8192,
             raise ModelError(f"calibration sample {i}: expected a non-empty 1-D integer token array, got "
                              f"{s.dtype} of shape {s.shape}")
         groups.setdefault(bucket * -(-s.size // bucket), []).append(s)
-    if max_padding > 0:
+    if shape_cost > 0:
+        groups = _merge_by_cost(groups, tokens_per_batch, shape_cost)
+    elif max_padding > 0:
         real = sum(r.size for rows in groups.values() for r in rows)
         pad = sum(t * len(rows) for t, rows in groups.items()) - real
         lengths = sorted(groups)
@@ -71,6 +83,35 @@ def make_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 8192,
             ids.append(a)
             valid.append(v)
     return Batches(tuple(ids), tuple(valid), int(sum(np.asarray(s).size for s in samples)))
+
+
+def _positions(t: int, n: int, tokens_per_batch: int) -> int:
+    """Token positions computed for n rows of length t batched as `make_batches` does."""
+    b = max(1, min(n, tokens_per_batch // t))
+    return -(-n // b) * b * t
+
+
+def _merge_by_cost(groups: Dict[int, List[np.ndarray]], tokens_per_batch: int, shape_cost: int):
+    """`make_batches`' shape_cost partition of the buckets (runs of consecutive lengths, each padded to its last)."""
+    lengths = sorted(groups)
+    counts = [len(groups[t]) for t in lengths]
+    m = len(lengths)
+    best = [0] + [None] * m  # best[j]: cost of the first j buckets; cut[j]: where its last run starts
+    cut = [0] * (m + 1)
+    for j in range(1, m + 1):
+        n = 0
+        for i in range(j, 0, -1):  # last run = buckets i-1 .. j-1
+            n += counts[i - 1]
+            c = best[i - 1] + _positions(lengths[j - 1], n, tokens_per_batch) + shape_cost
+            if best[j] is None or c < best[j]:
+                best[j], cut[j] = c, i - 1
+    out: Dict[int, List[np.ndarray]] = {}
+    j = m
+    while j > 0:
+        i = cut[j]
+        out[lengths[j - 1]] = [r for t in lengths[i:j] for r in groups[t]]
+        j = i
+    return out
 
 
 def input_groups(projections: Sequence[str], sep: str = "/") -> List[Tuple[str, ...]]:

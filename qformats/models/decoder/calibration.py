@@ -38,6 +38,7 @@ Takes a `CausalLM` and token arrays, quantizes it in place; no file I/O (convert
 from __future__ import annotations
 
 import functools
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import jax
@@ -66,6 +67,10 @@ PROJECTIONS = ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self
                "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
 """The seven projections of a decoder layer, by path relative to the layer (HF's module names)."""
 PROPAGATE = ("quantized", "float")
+SHAPE_COST_PARAMS = 20_000_000_000
+"""`calibrate_decoder`'s default shape_cost numerator: the cost of compiling the layer passes for one more batch
+shape, as token positions times (layers * parameters per layer) run through them (measured on XLA:CPU, SmolLM2-135M:
+~1.7 CPU s per shape, ~0.28 ms per position per layer of 3.3M parameters)."""
 
 
 class _Masked(nnx.Module):
@@ -166,9 +171,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                       gptq: GPTQOptions = GPTQOptions(), propagate: str = "quantized", guard: bool = True,
                       transform: Optional[Callable] = None, kv_cache: Optional[KVCacheScheme] = None,
                       tokens_per_batch: int = 2048, bucket: int = 32, max_padding: float = 0.125,
+                      shape_cost: Optional[int] = None,
                       embed: Optional[Callable] = None, load_layer: Optional[Callable] = None,
                       store_layer: Optional[Callable] = None, between_phases: Optional[Callable[[], None]] = None,
-                      log: Callable[[str], None] = lambda m: None) -> dict:
+                      timings: Optional[Dict[str, float]] = None, log: Callable[[str], None] = lambda m: None) -> dict:
     """Quantize the seven projections of every decoder layer of `model` in place, layer by layer (module docstring).
 
     Args:
@@ -188,7 +194,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         tensor or per KV head) over the real tokens of every layer's calibration pass, i.e. from that layer's
         float projections fed by the propagated (quantized-weight) outputs of the layers below, as
         llm-compressor 0.14 observes them; a dynamic scheme is enabled as is.
-      tokens_per_batch, bucket, max_padding: batching (`make_batches`). A layer pass's temporaries grow with the
+      tokens_per_batch, bucket, max_padding, shape_cost: batching (`make_batches`). shape_cost None: the
+        layer passes' compilation cost in token positions, SHAPE_COST_PARAMS / (layers * parameters per layer)
+        (one [B, T] shape's two compilations cost about what running that many positions through every layer
+        does: measured on SmolLM2, ~200 positions); 0: bucket merging by max_padding only. A layer pass's temporaries grow with the
         batch ([B, heads, T, T] attention scores, [B, T, intermediate] MLP activations): 2048 tokens a batch keep
         them to a few tens of MiB on SmolLM2-sized layers.
       embed, load_layer, store_layer: streaming (the model need not be resident: `converters.pipelines.calibrate` reads
@@ -200,6 +209,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         each of its input groups (q/k/v, o, gate/up, down) and its propagation (e.g.
         `converters.process.trim_malloc`: the temporaries of one phase, its first compilation included, handed back
         before the next).
+      timings: optional dict; the wall seconds of each phase are added to it under "embed", "load layer",
+        "transform", "calibration pass", "weight search", "propagation", "store layer", and the process's CPU
+        seconds under the same name + " cpu" (compilations included: each phase waits for its results before
+        the clock is read, so the figures add up to the call's time).
       log: progress messages.
 
     Returns {"layers": L, "searched": projections whose search won, "projections": 7 L, "tokens": n}.
@@ -224,8 +237,12 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
     ss = resolve_scheme(scheme)
     if ss is None or ss.weights is None:
         raise ModelError(f"calibrate_decoder: scheme {scheme!r} quantizes no weights")
+    if shape_cost is None:
+        per_layer = sum(int(np.prod(_get(model.model.layers[0], rel).kernel.get_value().shape)) for rel in PROJECTIONS)
+        shape_cost = SHAPE_COST_PARAMS // max(1, len(model.model.layers) * per_layer)
     batches = samples if isinstance(samples, Batches) else make_batches(samples, tokens_per_batch=tokens_per_batch,
-                                                                      bucket=bucket, max_padding=max_padding)
+                                                                      bucket=bucket, max_padding=max_padding,
+                                                                      shape_cost=shape_cost)
     cfg = model.config
     layers = model.model.layers
     fits = []
@@ -247,8 +264,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             tables[(t, window)] = _layer_inputs(cfg, t, window)
         return tables[(t, window)]
 
+    clock = _Clock(timings)
     xs = [_embed(model, jnp.asarray(ids)) if embed is None else jnp.asarray(embed(ids)) for ids in batches.ids]
     valid = [jnp.asarray(v) for v in batches.valid]
+    clock("embed", xs)
     searched = 0
     groups = input_groups(PROJECTIONS)
     kv_static = kv_cache is not None and not kv_cache.dynamic
@@ -257,8 +276,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         window = cfg.sliding_windows[i]
         if load_layer is not None:
             load_layer(i, layer)
+            clock("load layer")
         if transform is not None:
             transform(layer, i, xs, valid, lambda t: layer_inputs(t, window))
+            clock("transform", nnx.state(layer))
         floats = {}
         for group in groups:
             for rel in group:
@@ -285,6 +306,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 xs[j] = out
         if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
+        clock("calibration pass", (nnx.state(layer), xs))
         if between_phases is not None:
             between_phases()
         shared = fused_global_scales(floats, ss.weights) if weight_search in (RTN, "gptq") else {}
@@ -311,19 +333,41 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             inner.weight_method = method
             searched += method != RTN
             _set(layer, rel, inner)
+        clock("weight search", nnx.state(layer))
         if propagate == "quantized":
             _propagate(layer, xs, lambda t: layer_inputs(t, window))
+            clock("propagation", xs)
             if between_phases is not None:
                 between_phases()
         for rel in PROJECTIONS:  # full paths for messages and exports, now that layer i runs no more
             _get(layer, rel).path = f"model/layers/{i}/{rel}"
         if store_layer is not None:
             store_layer(i, layer)
+            clock("store layer")
         log(f"layer {i + 1}/{len(layers)}: {weight_search}")
     if kv_cache is not None:
         enable_kv_cache_quantization(model, kv_cache, kv_scales if kv_static else None)
     return {"layers": len(layers), "searched": searched, "projections": len(layers) * len(PROJECTIONS),
             "tokens": batches.tokens}
+
+
+class _Clock:
+    """Adds the wall seconds since its last reading to `timings[phase]` and the process's CPU seconds (all threads)
+    to `timings[phase + " cpu"]`, after waiting for `arrays`; a no-op when `timings` is None."""
+
+    def __init__(self, timings: Optional[Dict[str, float]]):
+        self.timings = timings
+        self.t, self.c = time.perf_counter(), time.process_time()
+
+    def __call__(self, phase: str, arrays=None) -> None:
+        if self.timings is None:
+            return
+        if arrays is not None:
+            jax.block_until_ready(arrays)
+        now, cpu = time.perf_counter(), time.process_time()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self.t
+        self.timings[phase + " cpu"] = self.timings.get(phase + " cpu", 0.0) + cpu - self.c
+        self.t, self.c = now, cpu
 
 
 # ---- AWQ on the decoder's modules --------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def test_checkpoint_holds_the_sequential_codes(tiny, tmp_path):
     assert qc["ignore"] == ["lm_head"] and qc["format"] == "pack-quantized"
     loaded, _, _ = load_causal_lm(dst, tokenizer=False)
     ref, _, _ = load_causal_lm(tiny / "src", tokenizer=False)
-    calibrate_decoder(ref, samples, "W4A16:g32")
+    calibrate_decoder(ref, samples, "W4A16:g32", guard=False)  # the pipeline keeps every GPTQ result
     a, b = quantized_layers(loaded), quantized_layers(ref)
     assert set(a) == set(b) and len(a) == 14 and all(isinstance(m, QLinear) for m in a.values())
     for p in a:

@@ -27,3 +27,31 @@ def test_input_groups_of_a_decoder_layer():
     projs = ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self_attn/o_proj", "mlp/gate_proj",
              "mlp/up_proj", "mlp/down_proj")
     assert input_groups(projs) == [projs[:3], (projs[3],), projs[4:6], (projs[6],)]
+
+
+def test_make_batches_shape_cost_is_the_cheapest_partition():
+    """shape_cost: the buckets split into runs minimising positions computed + shape_cost * shapes, checked against
+    every partition of the sorted bucket lengths."""
+    import itertools
+
+    from qformats.algorithms.sequential import _positions
+
+    rng = np.random.default_rng(0)
+    s = [np.arange(1, int(n) + 1) for n in rng.integers(1, 200, 40)]
+    buckets = {}
+    for x in s:
+        t = 32 * -(-x.size // 32)
+        buckets[t] = buckets.get(t, 0) + 1
+    lengths = sorted(buckets)
+    for cost in (1, 64, 512, 4096, 1 << 20):
+        best = None
+        for k in range(len(lengths)):
+            for cuts in itertools.combinations(range(1, len(lengths)), k):
+                edges = (0,) + cuts + (len(lengths),)
+                c = sum(_positions(lengths[b - 1], sum(buckets[t] for t in lengths[a:b]), 256) + cost
+                        for a, b in zip(edges, edges[1:]))
+                best = c if best is None else min(best, c)
+        got = make_batches(s, tokens_per_batch=256, bucket=32, shape_cost=cost)
+        assert sum(a.size for a in got.ids) + cost * len({a.shape for a in got.ids}) == best
+        assert got.tokens == sum(x.size for x in s) and sum(int(v.sum()) for v in got.valid) == got.tokens
+    assert len({a.shape for a in make_batches(s, tokens_per_batch=256, bucket=32, shape_cost=1 << 20).ids}) == 1
