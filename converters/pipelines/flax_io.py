@@ -262,7 +262,8 @@ def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: O
         if name in tensors:
             raise CheckpointError(f"{dst}: extra tensor {name!r} is also one of the model's tensors")
         tensors[name] = np.asarray(value)
-    _refuse_unquantized(tensors, dst)
+    if kv_cache_scheme is None:  # a KV-cache scheme alone is a quantized checkpoint (its scales are the point)
+        _refuse_unquantized(tensors, dst)
     if config is None and copy_from is not None and (Path(copy_from) / "config.json").exists():
         config = read_json(Path(copy_from) / "config.json", copy_from)
     if layouts:

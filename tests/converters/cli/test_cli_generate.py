@@ -93,11 +93,10 @@ def test_json_tokens_equal_the_library_and_the_process_talks(tiny, capsys):
     lines = err.splitlines()
     assert lines[0].startswith(f"qformats: loading {tiny} (") and lines[1].startswith("qformats: loaded ")
     assert lines[1].endswith("/s)")
-    assert lines[2].startswith("qformats: layers: 2 in 1 scanned run(s) (0-1), stacked in ")
-    assert lines[3].startswith("qformats: compiled prefill [1 x 16 tokens] and decode (cache of 16 positions) in ")
-    assert "cache" in lines[3]
-    assert lines[4].startswith("qformats: prefill: 3 tokens in ") and lines[4].endswith("tokens/s)")
-    assert lines[5].startswith(f"qformats: decode: {len(got['tokens']) - 1} tokens in ") and "tokens/s" in lines[5]
+    assert lines[2].startswith("qformats: compiled prefill [1 x 16 tokens] and decode (cache of 16 positions) in ")
+    assert "cache" in lines[2]
+    assert lines[3].startswith("qformats: prefill: 3 tokens in ") and lines[3].endswith("tokens/s)")
+    assert lines[4].startswith(f"qformats: decode: {len(got['tokens']) - 1} tokens in ") and "tokens/s" in lines[4]
 
 
 def test_sampled_tokens_equal_the_library(tiny, capsys):
@@ -208,12 +207,12 @@ def test_prompts_file_in_input_order(tiny, tmp_path, capsys):
         rc, o, _ = _run(capsys, tiny, "--prompt", p, "--max-new-tokens", n, "--json")
         singles.append(json.loads(o))
     assert got == singles and len(got[1]["tokens"]) <= 3 and len(got[2]["tokens"]) <= 5
-    # a ragged batch of all three (one prefill), and the layers unscanned: the same lines
+    # ragged batches (one prefill each), the layers unrolled (the default) and scanned: the same lines
     rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 2)
     assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and err.count("qformats: prefill:") == 2
     assert "compiled prefill [2 x 16 tokens]" in err
-    rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 3)
-    assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and "scanned" not in err
+    rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 3, "--scan")
+    assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and "in 1 scanned run(s)" in err
 
 
 @pytest.mark.parametrize("line, msg", [
