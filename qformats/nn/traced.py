@@ -334,22 +334,23 @@ def _packer(keys: Tuple[Tuple, ...]) -> Callable:
 def pack(value, usage: WeightUsage, schemes: SchemeSet, weight_search: str = "rtn") -> MatmulWeight:
     """`value` packed as a MatmulWeight: W [*stacked, K, N] (`matrix_of`) quantized along K by
     `qformats.algorithms.weight_search.quantize_weight(W, schemes, weight_search)` (stacked axes vmapped). The
-    transpose and the quantization run as one jitted function per layout, shape and scheme (cached), so the
-    transposed float copy is never materialised on its own and equal layers compile once."""
+    transpose and the quantization run as one jitted function (`pack_many`), so the transposed float copy is
+    never materialised on its own."""
     return pack_many([(value, usage, schemes)], weight_search)[0]
 
 
 def pack_many(items: Sequence[Tuple[Any, WeightUsage, SchemeSet]], weight_search: str = "rtn",
-              budget_bytes: int = PACK_BUDGET_BYTES, done: Optional[Callable[[int, MatmulWeight], None]] = None,
+              budget_bytes: Optional[int] = None, done: Optional[Callable[[int, MatmulWeight], None]] = None,
               release: bool = False) -> List[MatmulWeight]:
     """[pack(value, usage, schemes) for each item], bit for bit, with fewer compilations: the items are grouped
     by key (layout, shape, dtype, scheme), and round r packs the r-th item of every key in one jitted function
-    (cached by its tuple of keys), cut into chunks of at most `budget_bytes` of dense input (a single larger
-    weight is a chunk of its own). A model of L equal layers thus compiles one function, called L times,
+    (cached by its tuple of keys), cut into chunks of at most `budget_bytes` (default `PACK_BUDGET_BYTES`) of
+    dense input (a single larger weight is a chunk of its own). A model of L equal layers thus compiles one function, called L times,
     instead of one per key: XLA's fixed cost per compilation dominates the quantization of small weights. Only
     one chunk's weights are being packed at a time. `done(i, mw)` is called as item i is packed (e.g. to put
     it in place of the dense param); `release=True` sets `items[i]` (a list) to None then, so that the dense
     value can be freed before the other chunks are packed."""
+    budget_bytes = PACK_BUDGET_BYTES if budget_bytes is None else budget_bytes
     by_key: Dict[Tuple, List[int]] = {}
     meta = []
     for i, (value, usage, schemes) in enumerate(items):
