@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     print(table("Gemma-style linen under nn.scan", rows(args, "gemma-scan", schemes[1:2], use_qwix)))
     print()
     print(table("EasyDeL-style NNX (ParallelLinear, HeadsEinsum, nnx.scan)",
-                rows(args, "nnx", [s for s in schemes if s in ("W8A16", "W4A16", "FP8_E4M3")], use_qwix)))
+                rows(args, "nnx", [s for s in schemes if s in ("W8A16", "W4A16", "FP8_E4M3", "NVFP4A16")], use_qwix)))
     return 0
 
 

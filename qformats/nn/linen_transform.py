@@ -258,6 +258,7 @@ def _quantize(params: Mapping, rules: Sequence, weight_search, layouts, traced_f
     plan, chosen, traced_items = _plan(root, Matcher.from_rules(rules), layouts, traced_found)
     traced.warn_partial(chosen, strict, "quantize_linen", stacklevel=5)
     packs = {ppath: (u, ss) for _, ppath, u, ss in traced_items}
+    packed = _pack_traced(root, packs, weight_search)
 
     def rebuild(tree, prefix=()):
         out = {}
@@ -269,9 +270,8 @@ def _quantize(params: Mapping, rules: Sequence, weight_search, layouts, traced_f
             elif name == "kernel" and path in plan:
                 layout, lead, ss = plan[path]
                 out[name] = quantize_weight(einsum_matrix(sub, layout.perm, layout.k, lead), ss, weight_search)
-            elif "/".join(here) in packs:
-                u, ss = packs["/".join(here)]
-                out[name] = traced.pack(sub, u, ss, weight_search)
+            elif "/".join(here) in packed:
+                out[name] = packed["/".join(here)]
             else:
                 out[name] = sub
         return out
@@ -279,6 +279,20 @@ def _quantize(params: Mapping, rules: Sequence, weight_search, layouts, traced_f
     new_root = rebuild(root)
     new = dict(params, params=new_root) if root is not params else new_root
     return new, plan, chosen
+
+
+def _pack_traced(root: Mapping, packs: Mapping, weight_search: str) -> Dict[str, traced.MatmulWeight]:
+    """{param path: MatmulWeight} of the traced matmul weights `packs` ({param path: (usage, SchemeSet)}) of the
+    params tree `root`, packed together (`traced.pack_many`: one compilation per distinct set of layouts)."""
+    paths = list(packs)
+    values = []
+    for ppath in paths:
+        node = root
+        for part in ppath.split("/"):
+            node = node[part]
+        values.append(node)
+    mws = traced.pack_many([(v, *packs[p]) for p, v in zip(paths, values)], weight_search)
+    return dict(zip(paths, mws))
 
 
 def quantize_params(params: Mapping, rules: Sequence, *, weight_search: Optional[str] = RTN,

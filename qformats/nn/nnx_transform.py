@@ -282,11 +282,16 @@ def _check_untraced(model, matcher: Matcher, schemes) -> None:
 
 
 def _pack_traced(model, items, variables, weight_search: str) -> None:
-    """Pack each selected traced weight in place (one at a time) and let its users run packed."""
-    for name, ppath, u, ss in items:
-        var = variables[ppath]
-        mw = traced.pack(var.get_value(), u, ss, weight_search)
-        nnx_traced.install(model, var, mw, name)
+    """Pack each selected traced weight in place and let its users run packed (`traced.pack_many`: weights
+    of equal layout share one compilation; each is installed as soon as its chunk is packed)."""
+    items = list(items)
+
+    def done(i, mw):
+        name, ppath, _, _ = items[i]
+        nnx_traced.install(model, variables[ppath], mw, name)
+
+    traced.pack_many([(variables[ppath].get_value(), u, ss) for _, ppath, u, ss in items], weight_search,
+                     done=done, release=True)
 
 
 def _pack_under(kernel, scheme, g):

@@ -102,3 +102,23 @@ def test_weight_names_follow_the_module_for_kernels():
     assert traced.weight_name("blocks/0/up/kernel") == "blocks/0/up"
     assert traced.weight_name("embedder/input_embedding") == "embedder/input_embedding"
     assert traced.weight_name("kernel") == "kernel"
+
+
+@pytest.mark.parametrize("scheme", ["FP8_E4M3", "NVFP4A16"])
+def test_pack_many_packs_bit_for_bit_as_one_weight_at_a_time_in_any_chunking(scheme):
+    """Equal layers share one compiled function per round; the packed QArrays are those of the reference
+    quantizer on each matrix W = transpose(param, perm).reshape(K, N), whatever the chunk budget."""
+    u = usages()
+    ss = resolve_scheme(scheme)
+    w2 = P["w"] * 3.0  # a second weight of w's key: two rounds
+    items = [(P["w"], u["w"], ss), (P["e"], u["e"], ss), (w2, u["w"], ss), (P["head"], u["head"], ss)]
+    want = [quantize(traced.matrix_of(v, uu), ss.weights, 0) for v, uu, _ in items]
+    for budget in (None, 0, 10**9):
+        seen = []
+        live = list(items)
+        got = traced.pack_many(live, budget_bytes=budget, done=lambda i, mw: seen.append(i), release=True)
+        assert sorted(seen) == [0, 1, 2, 3] and live == [None] * 4
+        for mw, q, (_, uu, _) in zip(got, want, items):
+            assert mw.perm == uu.layout()[0] and mw.shape == uu.per_layer
+            for a, b in zip(jax.tree.leaves(mw.q), jax.tree.leaves(q)):
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
