@@ -20,9 +20,10 @@ Rotate, then quantize (`qformats.nn.quantize_model` takes no rotation):
 
 from qformats.models.decoder.kv_cache import (KVScale, calibrate_kv_cache, enable_kv_cache_quantization,
                                               kv_cache_scheme, kv_scale_tensors, kv_states)
-from qformats.models.decoder.model import (SUPPORTED_MODEL_TYPES, Attention, CausalLM, DecoderConfig, HadamardRotation,
-                                           KVCache, RMSNorm, RopeConfig, Rotation, apply_rope, attention_mask,
-                                           inv_freq, rope_tables, rotate)
+from qformats.models.decoder.layers import (HadamardRotation, RMSNorm, RopeConfig, Rotation, apply_rope, rope_tables,
+                                            rotate)
+from qformats.models.decoder.model import (SUPPORTED_MODEL_TYPES, Attention, CausalLM, DecoderConfig, KVCache,
+                                           attention_mask, inv_freq)
 from qformats.models.decoder.params import TensorSlot, hf_tensor_names, hf_tensors, load_hf_tensors, module_path
 from qformats.models.decoder.rotate import ATTENTION_SITES, ROTATION_SITES, rotate_decoder, set_rotation
 from qformats.models.decoder.rules import quantization_rules

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qformats.errors import ModelError
-from qformats.models.decoder.model import RMSNorm, RopeConfig, _project, apply_rope, write_cache, yarn_mscale
+from qformats.models.decoder.layers import RMSNorm, RopeConfig, _project, apply_rope, write_cache, yarn_mscale
 
 #: eps of MLA's q_a_layernorm / kv_a_layernorm: transformers builds them with RMSNorm's default, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6

@@ -22,7 +22,8 @@ from flax import nnx
 
 from qformats.errors import ModelError
 from qformats.models.decoder.kv_cache import kv_cache_scheme
-from qformats.models.decoder.model import CausalLM, HadamardRotation, Rotation
+from qformats.models.decoder.layers import HadamardRotation, Rotation
+from qformats.models.decoder.model import CausalLM
 from qformats.models.decoder.params import hf_tensor_names, hf_tensors, resolve_path
 from qformats.nn.nnx_layers import QuantizedMatmul
 from qformats.rotation import (SPINQUANT_MODEL_TYPES, Rotated, factors_matrix, fused_norm_name, spinquant_matrices,
