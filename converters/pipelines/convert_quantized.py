@@ -1,14 +1,17 @@
-"""A quantized checkpoint of another format (HF FP8, ModelOpt NVFP4, AutoGPTQ, AutoAWQ: `converters.formats.quantized`)
-written as the compressed-tensors checkpoint that holds the same values, without a detour through float."""
+"""A quantized checkpoint of another format (HF FP8, ModelOpt NVFP4, AutoGPTQ, AutoAWQ: `converters.formats.quantized`;
+a GGUF file's block types: `convert_gguf_compressed`) written as the compressed-tensors checkpoint that holds the same
+values, without a detour through float."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
+from typing import Dict, List, Mapping, Set, Tuple
 
 from qformats.errors import CheckpointError
 
-__all__ = ["convert_quantized"]
+__all__ = ["GGUFConversion", "GGUF_OFFSET_TYPES", "convert_gguf_compressed", "convert_quantized", "gguf_ct_qarray"]
 
 
 def convert_quantized(src: "str | os.PathLike", dst: "str | os.PathLike", *, max_shard_size: "int | str" = "5GB",
@@ -39,3 +42,157 @@ def convert_quantized(src: "str | os.PathLike", dst: "str | os.PathLike", *, max
     return write_compressed(dst, tensors, schemes, ignore=list(cm.quant.ignore), config=config,
                             copy_from=src if src.is_dir() else src.parent, max_shard_size=max_shard_size,
                             overwrite=overwrite)
+
+
+# ---- GGUF -> compressed-tensors -------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class GGUFConversion:
+    """What `convert_gguf_compressed` wrote: `path`, and GGML type -> HF tensor names for the Linear weights kept
+    quantized (`quantized`, with the compressed-tensors format of each type in `formats`), the Linear weights
+    written dense because compressed-tensors cannot hold their type (`dequantized`, only with dequantize=True), and
+    the other tensors written dense (`dense`: embeddings, norms, biases, float-stored weights)."""
+
+    path: Path
+    quantized: Dict[str, List[str]]
+    formats: Dict[str, str]
+    dequantized: Dict[str, List[str]]
+    dense: Dict[str, List[str]]
+
+    def summary(self) -> List[str]:
+        """One line per GGML type and outcome, for people (the CLI prints these)."""
+        lines = [f"{t}: {len(n)} Linear weight(s) kept quantized as {self.formats[t]}" for t, n in self.quantized.items()]
+        lines += [f"{t}: {len(n)} Linear weight(s) written dense (float32, gguf's dequantization; "
+                  f"compressed-tensors cannot hold {t} exactly)" for t, n in self.dequantized.items()]
+        lines += [f"{t}: {len(n)} other tensor(s) written dense (float32)" for t, n in self.dense.items()]
+        return lines
+
+
+#: GGML types whose float offset (w = d q + m) compressed-tensors' integer zero point cannot hold.
+GGUF_OFFSET_TYPES = ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")
+
+
+def gguf_ct_qarray(q):
+    """The compressed-tensors form of a GGUF QArray without an offset (`converters.formats.gguf_packed.gguf_qarray`),
+    the same codes and scales under the scheme compressed-tensors 0.20 names:
+
+      integer types (Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS): `pack-quantized`, type int, num_bits b,
+        symmetric, strategy group (32, or 16 for Q6_K / Q3_K), scale_dtype torch.float32. The codes are the
+        file's u = q + 2^(b-1) packed densely little-endian, which is compressed-tensors' own packing
+        (`pack_to_int32` of q + 2^(b-1)); its decompression computes (q) * s in the scale's dtype, float32, where
+        every product is exact (`gguf_packed`'s module docstring), so w = q s equals gguf's dequantization bit
+        for bit. (float16 scales would hold Q4_0 / Q8_0's d exactly but round d (q - 8) in float16.)
+      MXFP4: `mxfp4-pack-quantized`, E2M1 codes and the E8M0 exponent codes as stored: w = v 2^(e - 127).
+
+    Returns None for a QArray with an offset (GGUF_OFFSET_TYPES): compressed-tensors cannot hold it."""
+    from qformats.formats import IntFormat
+    from qformats.qarray import QArray
+    from qformats.schemes import QuantScheme
+
+    if q.offset is not None:
+        return None
+    s = q.scheme
+    if s.format.name == "fp4_e2m1":
+        scheme = QuantScheme("fp4_e2m1", "group", group_size=32, scale_format="e8m0", scale_rule="ct")
+    else:
+        scheme = QuantScheme(IntFormat(s.bits, signed=True), "group", group_size=s.group_size, symmetric=True,
+                             scale_format="float32")
+    return QArray(q.codes, q.scale, None, None, scheme=scheme, shape=q.shape, dtype=q.dtype, axis=q.axis)
+
+
+def _gguf_plan(g) -> Tuple[Dict[str, str], Set[str]]:
+    """(HF name -> GGML type, the names that are Linear weights) of an open GGUF model."""
+    from qformats.models import decoder
+
+    cfg = decoder.DecoderConfig.from_hf(g.config)
+    linear = {n for n, slot in decoder.hf_tensor_names(cfg).items() if slot.transpose}
+    return {n: g.tensor_type(n) for n in g.keys()}, linear
+
+
+def _grouped(names_by_type: Mapping[str, List[str]], shown: int = 4) -> str:
+    return "; ".join(f"{t} ({len(n)}): {', '.join(n[:shown])}" + (" ..." if len(n) > shown else "")
+                     for t, n in names_by_type.items())
+
+
+def convert_gguf_compressed(src: "str | os.PathLike", dst: "str | os.PathLike", *, dequantize: bool = False,
+                            tokenizer: bool = True, max_shard_size: "int | str" = "5GB",
+                            overwrite: bool = False, progress: bool = False) -> GGUFConversion:
+    """Write a GGUF causal LM (`converters.formats.gguf_convert.open_gguf`: llama / mistral / qwen2 / qwen3) as a
+    compressed-tensors checkpoint at `dst` that holds the file's values exactly, as transformers + compressed-tensors
+    load it (`AutoModelForCausalLM.from_pretrained`; `CompressedTensorsConfig(run_compressed=False)` decompresses).
+
+    Each Linear weight (q/k/v/o, gate/up/down, an untied lm_head) in a block type without a float offset keeps the
+    file's codes and scales (`gguf_ct_qarray`: Q8_0 / Q4_0 / Q5_0 / Q6_K / Q3_K / IQ4_NL / IQ4_XS ->
+    pack-quantized int groups with float32 scales, MXFP4 -> mxfp4-pack-quantized; llama's Q/K rows un-permuted as
+    transformers expects), so its decompressed weight equals `gguf.quants.dequantize` bit for bit. Every other
+    tensor (embedding, norms, biases, float-stored weights) is written dense as float32 (`GGUFModel.get`, exact).
+    Linear modules written dense and a tied lm_head go to `quantization_config.ignore`; one config group per
+    scheme targets its modules by name. Other files: config.json (`GGUFModel.config` + quantization_config),
+    generation_config.json, the tokenizer files (with `tokenizer`). Atomic (a temp directory renamed into place).
+
+    A Linear weight whose type compressed-tensors cannot hold (`GGUF_OFFSET_TYPES`, w = d q + m, since its zero
+    point is an integer in code units; or a type not packed exactly, such as the IQ1/IQ2/IQ3 grids) is refused
+    before anything is written, the tensors named and grouped by type; with `dequantize` those weights are written
+    dense instead (float32, gguf's dequantization) and the others stay quantized. Returns a `GGUFConversion`
+    (`.summary()` says which tensors went which way).
+
+    Raises:
+      CheckpointError: an unreadable / unsupported GGUF file, a type compressed-tensors cannot hold without
+        `dequantize`, or a destination that exists (without `overwrite`) or lies inside the source.
+    """
+    import json
+    import sys
+    import tempfile
+
+    from converters.formats.compressed_tensors.write import CompressedWriter
+    from converters.formats.gguf_convert import open_gguf
+    from converters.formats.gguf_packed import DENSE_TYPES, PACKED_TYPES
+
+    g = open_gguf(src)
+    types, linear = _gguf_plan(g)
+    quantized: Dict[str, List[str]] = {}
+    refused: Dict[str, List[str]] = {}
+    dense: Dict[str, List[str]] = {}
+    for n, t in types.items():
+        if n in linear and t not in DENSE_TYPES:
+            kept = t in PACKED_TYPES and t not in GGUF_OFFSET_TYPES
+            (quantized if kept else refused).setdefault(t, []).append(n)
+        else:
+            dense.setdefault(t, []).append(n)
+    if refused and not dequantize:
+        raise CheckpointError(
+            f"{src}: pass --dequantize (dequantize=True) to write these Linear weights dense (float32, gguf's "
+            f"dequantization) and keep the others quantized, or convert with --dense: compressed-tensors cannot hold "
+            f"their values exactly (" + ", ".join(sorted(refused)) + ": "
+            + ("a float offset w = d q + m, which its integer zero point cannot store"
+               if set(refused) <= set(GGUF_OFFSET_TYPES) else "types with a float offset or a non-linear grid")
+            + f"): {_grouped(refused)}")
+    formats: Dict[str, str] = {}
+    kept = {n for v in quantized.values() for n in v}
+    # every Linear module left dense, and lm_head when it is tied (no tensor of its own) or dense: the config
+    # groups target their modules by name, and ignore tells transformers which Linear modules hold plain weights
+    ignore = sorted({n[: -len(".weight")] for n in linear if n in types and n not in kept}
+                    | ({"lm_head"} if "lm_head.weight" not in kept else set()))
+    src_p = Path(src)
+    files = g.tokenizer_files() if tokenizer else {}
+    with tempfile.TemporaryDirectory(prefix="qformats-gguf-") as extra:
+        (Path(extra) / "generation_config.json").write_text(json.dumps(g.generation_config(), indent=2))
+        for filename, content in files.items():
+            text = content if isinstance(content, str) else json.dumps(content, indent=2, ensure_ascii=False)
+            (Path(extra) / filename).write_text(text, encoding="utf-8")
+        with CompressedWriter(dst, max_shard_size, overwrite=overwrite, sources=(src_p,)) as w:
+            names = list(types)
+            for i, n in enumerate(names):
+                t = types[n]
+                if n in kept:
+                    ct = gguf_ct_qarray(g.get_packed(n))
+                    formats[t] = w.add_qarray(n[: -len(".weight")], ct)
+                else:
+                    w.add_dense(n, g.get(n))
+                if progress:
+                    print(f"\r  {i + 1}/{len(names)} tensors", end="", file=sys.stderr, flush=True)
+            if progress:
+                print(file=sys.stderr)
+            config = {k: v for k, v in g.config.items() if k != "quantization_config"}
+            w.finish(config, ignore=ignore, copy_from=extra)
+    dequantized = refused if dequantize else {}
+    return GGUFConversion(Path(dst), quantized, formats, dequantized, dense)

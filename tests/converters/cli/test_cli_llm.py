@@ -89,7 +89,7 @@ def _hf_ppl(path, text_file, seq_len, windows, model=None):
 
 # ---- convert --------------------------------------------------------------------------------------------------
 def test_convert_writes_what_convert_gguf_writes(tmp_path, capsys):
-    """`qformats convert` of a tiny GGUF file: the same files, byte for byte, as
+    """`qformats convert --dense` of a tiny GGUF file: the same files, byte for byte, as
     converters.formats.gguf_convert.convert_gguf (whose output equals transformers' own GGUF loading: test_gguf_convert,
     on the embedded SmolLM2 too)."""
     from converters.formats.gguf_convert import convert_gguf
@@ -100,7 +100,7 @@ def test_convert_writes_what_convert_gguf_writes(tmp_path, capsys):
     from test_gguf_convert import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    assert main(["convert", str(path), str(tmp_path / "cli")]) == 0
+    assert main(["convert", str(path), str(tmp_path / "cli"), "--dense"]) == 0
     ref = convert_gguf(path, tmp_path / "lib")
     names = sorted(p.name for p in ref.iterdir())
     assert "model.safetensors" in names and "tokenizer.json" in names
