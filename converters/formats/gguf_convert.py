@@ -410,6 +410,25 @@ class GGUFModel:
         rows = None if heads is None else (lambda a: unpermute_rope_rows(a, heads))
         return gguf_qarray(t.data, t.tensor_type.name, shape, f"{self.path}: tensor {t.name!r}", rows=rows)
 
+    def raw(self, name: str) -> tuple[np.ndarray, str]:
+        """(stored data, GGML type name) of tensor `name`, memory-mapped, rows in the file's order: a block type
+        as uint8 [rows, bytes per row], a float type as [rows, K] (or [K] for a vector) of its dtype. Reading a
+        slice of it reads only those bytes (`converters.pipelines.mesh_load`'s GGUF placement)."""
+        if name not in self._tensors:
+            raise CheckpointError(f"{self.path}: expected one of the model's tensors, found {name!r}")
+        t = self._tensors[name]
+        return t.data, t.tensor_type.name
+
+    def row_order(self, name: str) -> np.ndarray | None:
+        """The stored row of each HF row of tensor `name` (HF row r = stored row order[r]): llama's Q / K rows
+        un-permuted as `get` does (`unpermute_rope_rows` of the row indices); None when rows are stored in HF
+        order."""
+        heads = self._rope_heads(name)
+        if heads is None:
+            return None
+        n = self.shape(name)[0]
+        return unpermute_rope_rows(np.arange(n, dtype=np.int64).reshape(n, 1), heads)[:, 0]
+
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float32 array) one tensor at a time, in the file's order."""
         for name in self._tensors:

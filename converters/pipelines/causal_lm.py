@@ -19,7 +19,8 @@
 With `mesh=` the same checkpoints load onto a jax Mesh: a directory shard by shard (every parameter a global
 jax.Array laid out by sharding rules, each device's slice read from the memory map straight to it,
 `converters.pipelines.mesh_load`; quantized weights decoded by the same `converters.formats.compressed_tensors.read.decode_weight`), a `.gguf`
-file on one device and then laid out (`qformats.nn.sharding.shard_model`).
+file slice by slice from its memory map with its block types kept packed, and the other quantized formats from
+their readers' QArrays, each device's slice placed.
 
 A parameter the checkpoint does not fill, a tensor the model has no place for, or a shape that differs is an
 error; nothing is left at an initial value.
@@ -165,7 +166,11 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         slices. Compressed layouts whose values span slices (asymmetric pack-quantized zero points, the
         pre-0.18 int32 layout for 3/5/6/7 bits, int-quantized codes under 8 bits, activation-ordered g_idx) and
         online rotations are CheckpointErrors there: load them on one device and `qformats.nn.sharding.shard_model`.
-        A `.gguf` file is read whole on one device, then laid out by `shard_model`.
+        A `.gguf` file is placed slice by slice from its memory map, its block types kept packed (`packed`) as on
+        one device (`mesh_load.load_gguf_on_mesh`); a checkpoint of another quantized format (HF FP8, ModelOpt,
+        GPTQ, AWQ, torchao) is read by its reader and each device's slice of its QArrays placed
+        (`mesh_load.load_native_on_mesh`). A split that would cut a scale group, block or packed byte is a
+        ModelError naming the parameter.
       rules: with `mesh`, a `qformats.sharding.ShardingRules`; default `decoder.tensor_parallel_rules(config,
         axis)` for a 1-D mesh of axis `axis` (ModelError for a mesh of several axes without rules).
       stats: with `mesh` and a directory, a `converters.pipelines.mesh_load.ReadStats` to fill with the bytes this process
@@ -201,6 +206,12 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         hf_config = dict(g.config)
         model, cfg = _abstract_model(hf_config, dtype, param_dtype, where)
         names = g.keys()
+        if mesh is not None:
+            from converters.pipelines.mesh_load import load_gguf_on_mesh
+
+            load_gguf_on_mesh(g, model, cfg, mesh, _mesh_rules(cfg, mesh, rules), stats, packed)
+            _check_filled(model, where)
+            return model, hf_config, tok
         try:
             if packed:
                 names = _load_gguf_packed(g, model, cfg)
@@ -208,10 +219,6 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         except ModelError as e:
             raise CheckpointError(f"{where}: {e}") from None
         _check_filled(model, where)
-        if mesh is not None:
-            from qformats.nn.sharding import shard_model
-
-            model = shard_model(model, mesh, _mesh_rules(cfg, mesh, rules))
         return model, hf_config, tok
     if not p.is_dir():
         raise CheckpointError(f"{p}: expected a checkpoint directory or a .gguf file, found "
@@ -220,7 +227,13 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{p / 'config.json'}: expected a JSON object, found {type(hf_config).__name__}")
     model, cfg = _abstract_model(hf_config, dtype, param_dtype, str(p / "config.json"))
-    if mesh is not None:
+    from converters.formats.quantized import quant_method
+
+    if mesh is not None and quant_method(hf_config) not in ("dense", "compressed-tensors", "sparseml"):
+        from converters.pipelines.mesh_load import load_native_on_mesh
+
+        load_native_on_mesh(p, model, cfg, mesh, _mesh_rules(cfg, mesh, rules), stats)
+    elif mesh is not None:
         _load_on_mesh(p, hf_config, model, cfg, param_dtype, mesh, _mesh_rules(cfg, mesh, rules), stats)
     elif is_quantized(hf_config):
         from converters.formats.compressed_tensors.transforms import applying_online_transforms

@@ -61,6 +61,8 @@ class GGUFConversion:
     def summary(self) -> List[str]:
         """One line per GGML type and outcome, for people (the CLI prints these)."""
         lines = [f"{t}: {len(n)} Linear weight(s) kept quantized as {self.formats[t]}" for t, n in self.quantized.items()]
+        if not self.quantized:
+            lines.append("no Linear weight kept quantized: the checkpoint is dense (no quantization_config)")
         lines += [f"{t}: {len(n)} Linear weight(s) written dense (float32, gguf's dequantization; "
                   f"compressed-tensors cannot hold {t} exactly)" for t, n in self.dequantized.items()]
         lines += [f"{t}: {len(n)} other tensor(s) written dense (float32)" for t, n in self.dense.items()]

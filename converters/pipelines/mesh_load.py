@@ -21,8 +21,9 @@ import numpy as np
 from converters.formats.compressed_tensors.read import Index, StoredWeight, TensorSource
 from qformats.errors import CheckpointError, ModelError
 
-__all__ = ["ReadStats", "SliceSource", "dense_reader", "equal_by_rows", "place", "place_weight",
-           "tensor_parallel_setup"]
+__all__ = ["ReadStats", "SliceSource", "SlicedQArray", "dense_reader", "equal_by_rows", "gguf_dense_reader",
+           "gguf_sliced", "host_sliced", "load_gguf_on_mesh", "load_native_on_mesh", "place", "place_sliced",
+           "place_weight", "tensor_parallel_setup"]
 
 
 @dataclasses.dataclass
@@ -154,3 +155,261 @@ def equal_by_rows(ck, a: str, b: str, chunk_bytes: int = 1 << 22) -> bool:
         if not np.array_equal(ck.get(a, rows=slice(r, r + step)), ck.get(b, rows=slice(r, r + step))):
             return False
     return True
+
+
+# ---- formats other than compressed-tensors: GGUF kept packed, and the HF-native quantized formats ------------------
+# (`converters.formats.quantized.READERS`). Separate from the compressed-tensors path above; both end in `place`.
+
+_QARRAY_LEAVES = ("codes", "scale", "zero_point", "global_scale", "offset")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicedQArray:
+    """A QArray to place on a mesh: `abstract` (its scheme, shapes and dtypes, leaves `jax.ShapeDtypeStruct`) and,
+    for each leaf it has (`codes`, `scale`, `zero_point`, `global_scale`, `offset`), `reads[leaf](index)` giving
+    that leaf's slice `leaf[index]` (one slice per dimension) as a host array."""
+
+    abstract: object
+    reads: dict
+
+
+def place_sliced(w: SlicedQArray, mesh, rules, fpath: str, stats: Optional[ReadStats] = None):
+    """The QArray of `w`, each leaf a global jax.Array placed device slice by device slice (`place`), laid out as
+    the float kernel `fpath`/kernel would be (`qformats.sharding.qarray_specs`: output rows split with their codes,
+    scales and offsets; a split reduction axis takes whole packed bytes and whole scale groups).
+
+    Raises ModelError naming the kernel when the layout cannot be split that way (a group or packed byte cut)."""
+    from jax.sharding import NamedSharding
+
+    from qformats.qarray import QArray
+    from qformats.sharding import qarray_specs, spec_for
+
+    a = w.abstract
+    kpath = f"{fpath}/kernel"
+    specs = qarray_specs(a, spec_for(kpath, a.shape, mesh, rules), mesh, kpath)
+    placed = {}
+    for leaf in _QARRAY_LEAVES:
+        x = getattr(a, leaf)
+        placed[leaf] = None if x is None else place(x.shape, x.dtype, NamedSharding(mesh, getattr(specs, leaf)),
+                                                    w.reads[leaf], stats)
+    return QArray(placed["codes"], placed["scale"], placed["zero_point"], placed["global_scale"], scheme=a.scheme,
+                  shape=a.shape, dtype=a.dtype, axis=a.axis, offset=placed["offset"])
+
+
+def host_sliced(q) -> SlicedQArray:
+    """A `SlicedQArray` over a QArray whose leaves are host (numpy) arrays: each device's slice is cut from them."""
+    import jax
+
+    from qformats.qarray import QArray
+
+    leaves = {leaf: getattr(q, leaf) for leaf in _QARRAY_LEAVES}
+    sds = {k: None if v is None else jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in leaves.items()}
+    abstract = QArray(sds["codes"], sds["scale"], sds["zero_point"], sds["global_scale"], scheme=q.scheme,
+                      shape=q.shape, dtype=q.dtype, axis=q.axis, offset=sds["offset"])
+    reads = {k: (lambda ix, v=v: np.asarray(v)[tuple(ix)]) for k, v in leaves.items() if v is not None}
+    return SlicedQArray(abstract, reads)
+
+
+def gguf_sliced(g, name: str) -> SlicedQArray:
+    """Tensor `name` of an open GGUF model (`converters.formats.gguf_convert.GGUFModel`, a block type of
+    `converters.formats.gguf_packed.PACKED_TYPES`) as a `SlicedQArray` equal to `g.get_packed(name)`, each slice
+    decoded from only its bytes of the memory map: the stored rows of the requested HF rows (`g.row_order`, llama's
+    Q / K un-permutation), and of those only the blocks covering the requested range of K, decoded by
+    `gguf_packed.decode_blocks` and cut to the range (codes re-packed from a whole byte: `qarray_specs` splits
+    packed codes on byte boundaries)."""
+    import jax
+    import jax.numpy as jnp
+
+    from converters.formats.gguf_packed import PACKED_TYPES, decode_blocks, gguf_qarray
+    from qformats.packing import pack
+    from qformats.qarray import QArray
+
+    data, type_name = g.raw(name)
+    n, k = g.shape(name)
+    where = f"{g.path}: tensor {name!r}"
+    probe = gguf_qarray(np.asarray(data[:1]), type_name, (1, k), where)  # scheme and leaf dtypes of one row
+    block, _, group, _ = PACKED_TYPES[type_name]
+    bits = probe.scheme.bits
+    row_bytes = data.shape[-1] // (k // block)
+    order = g.row_order(name)
+
+    def rows_of(ix) -> np.ndarray:
+        r = np.arange(n)[ix]
+        return r if order is None else order[r]
+
+    def decoded(rix, k0: int, k1: int):
+        b0, b1 = k0 // block, -(-k1 // block)
+        raw = np.asarray(data[rows_of(rix), b0 * row_bytes:b1 * row_bytes])
+        u, s, o = decode_blocks(raw, type_name, (raw.shape[0], (b1 - b0) * block), where)
+        lo = k0 - b0 * block
+        return u[:, lo:lo + k1 - k0], s[:, lo // group:(lo + k1 - k0) // group], \
+            None if o is None else o[:, lo // group:(lo + k1 - k0) // group]
+
+    def codes(ix):
+        rix, cix = ix
+        c0, c1, _ = cix.indices(-(-k * bits // 8) if bits < 8 else k)
+        if bits == 8:
+            return decoded(rix, c0, c1)[0]
+        u = decoded(rix, c0 * 8 // bits, min(k, c1 * 8 // bits))[0]
+        return np.asarray(pack(jnp.asarray(u), bits))
+
+    def part(i):
+        def read(ix):
+            rix, gix = ix
+            g0, g1, _ = gix.indices(k // group)
+            return decoded(rix, g0 * group, g1 * group)[i]
+        return read
+
+    sds = lambda a, rows=n: None if a is None else jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype)  # noqa: E731
+    abstract = QArray(sds(probe.codes), sds(probe.scale), None, None, scheme=probe.scheme, shape=(k, n),
+                      dtype=probe.dtype, axis=0, offset=sds(probe.offset))
+    reads = {"codes": codes, "scale": part(1)}
+    if probe.offset is not None:
+        reads["offset"] = part(2)
+    return SlicedQArray(abstract, reads)
+
+
+def gguf_dense_reader(g, name: str, transpose: bool) -> Callable[[Index], np.ndarray]:
+    """read(index) of a dense parameter from GGUF tensor `name` (float or block type): the stored rows of the
+    requested HF rows, dequantized by gguf (`gguf.quants.dequantize`, as `GGUFModel.get`) then cut to the requested
+    columns; for a Linear kernel (`transpose`: Flax [in, out] = HF [out, in].T) HF rows index[1], columns index[0]."""
+    import gguf
+
+    data, type_name = g.raw(name)
+    shape = g.shape(name)
+    order = g.row_order(name)
+
+    def read(index: Index) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
+        rix, rest = (index[1], index[:1]) if transpose else (index[0], index[1:])
+        r = np.arange(shape[0])[rix]
+        rows = np.asarray(data[r if order is None else order[r]])
+        w = np.asarray(gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[type_name]), np.float32)
+        w = w.reshape((len(r),) + tuple(shape[1:]))[(slice(None),) + tuple(rest)]
+        return w.T if transpose else w
+    return read
+
+
+def load_gguf_on_mesh(g, model, cfg, mesh, rules, stats: Optional[ReadStats] = None, packed: bool = True) -> None:
+    """Fills the abstract decoder `model` from an open GGUF model `g` onto `mesh`, every parameter placed slice by
+    slice from the memory map: with `packed`, each Linear weight in a block type of `gguf_packed.PACKED_TYPES` as
+    the packed QArray `g.get_packed` gives (`gguf_sliced`, swapped in by `qformats.nn.load_quantized`), every other
+    tensor dequantized by gguf (`gguf_dense_reader`).
+
+    Raises CheckpointError naming the tensor for a quantized Linear weight of a type not packed (with `packed`), and
+    ModelError naming the parameter for a layout the mesh cannot split."""
+    from jax.sharding import NamedSharding
+
+    from converters.formats.gguf_packed import DENSE_TYPES, PACKED_TYPES
+    from qformats.models import decoder
+    from qformats.models.decoder.params import resolve_path
+    from qformats.nn import load_quantized
+    from qformats.sharding import spec_for
+
+    if cfg.moe is not None:
+        raise CheckpointError(f"{g.path}: loading a mixture-of-experts GGUF onto a mesh is not supported")
+    slots = decoder.hf_tensor_names(cfg)
+    quantized, dense = {}, []
+    for name in g.keys():
+        slot = slots.get(name)
+        if slot is None:
+            raise CheckpointError(f"{g.path}: tensor {name!r}: the model has no place for it")
+        t = g.tensor_type(name)
+        if packed and slot.transpose and t not in DENSE_TYPES:
+            if t not in PACKED_TYPES:
+                raise CheckpointError(f"{g.path}: tensor {name!r}: GGML type {t} is not packed by qformats (packed "
+                                      f"exactly: {', '.join(PACKED_TYPES)}); load it with packed=False")
+            fpath = "/".join(str(x) for x in slot.path[:-1])
+            quantized[fpath] = {"weight": place_sliced(gguf_sliced(g, name), mesh, rules, fpath, stats)}
+        else:
+            dense.append((name, slot))
+    placed = []
+    for name, slot in dense:
+        v = resolve_path(model, slot.path)
+        a = v.get_value()
+        path = "/".join(str(x) for x in slot.path)
+        if slot.transpose is False and path.rsplit("/", 1)[0] in quantized and path.endswith("/bias"):
+            quantized[path.rsplit("/", 1)[0]]["bias"] = place(
+                a.shape, a.dtype, NamedSharding(mesh, spec_for(path, a.shape, mesh, rules)),
+                gguf_dense_reader(g, name, False), stats)
+            continue
+        placed.append((v, place(a.shape, a.dtype, NamedSharding(mesh, spec_for(path, a.shape, mesh, rules)),
+                                gguf_dense_reader(g, name, slot.transpose), stats)))
+    try:
+        load_quantized(model, quantized)
+    except ModelError as e:
+        raise CheckpointError(f"{g.path}: {e}") from None
+    for v, a in placed:
+        v.set_value(a)
+
+
+def load_native_on_mesh(path, model, cfg, mesh, rules, stats: Optional[ReadStats] = None) -> None:
+    """Fills the abstract decoder `model` from a quantized checkpoint directory of another format than
+    compressed-tensors (`converters.formats.quantized.READERS`: HF fine-grained FP8, ModelOpt NVFP4, AutoGPTQ,
+    AutoAWQ, torchao) onto `mesh`. The format's reader (`read_quantized`) gives each quantized Linear's QArray of
+    the checkpoint's own codes and scales (FP8 codes and block scales as memory-mapped views; GPTQ / AWQ re-packed
+    into host arrays) and every other tensor as stored; each parameter is then placed device slice by device slice
+    from those host arrays (`host_sliced` + `place_sliced`, `place`), laid out by `rules`, nothing dequantized and
+    nothing put on one device first. A GPTQ layer with activation-ordered groups is a dense weight (as the reader
+    gives it) and is placed dense.
+
+    Raises CheckpointError naming the tensor for one the model has no place for or a missing one; ModelError naming
+    the parameter for a layout the mesh cannot split (e.g. an FP8 block of 128 rows cut by the split)."""
+    from jax.sharding import NamedSharding
+
+    from converters.formats.quantized import read_quantized
+    from qformats.models import decoder
+    from qformats.models.decoder.params import resolve_path
+    from qformats.nn import load_quantized
+    from qformats.qarray import QArray
+    from qformats.sharding import spec_for
+
+    if cfg.moe is not None:
+        raise CheckpointError(f"{path}: loading a mixture-of-experts checkpoint of another format onto a mesh is not "
+                              f"supported")
+    cm = read_quantized(path)
+    slots = decoder.hf_tensor_names(cfg)
+    groups = {gr.name: gr for gr in (cm.quant.groups if cm.quant is not None else ())}
+    quantized, schemes, placed, unknown = {}, {}, [], []
+    for mod, tensors in cm.modules.items():
+        q = tensors.get("weight")
+        for local, arr in tensors.items():
+            full = f"{mod}.{local}" if mod else local
+            slot = slots.get(full if local != "input_scale" else f"{mod}.weight")
+            if slot is None:
+                if full.endswith(".rotary_emb.inv_freq") or (full == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue
+                unknown.append(full)
+                continue
+            vpath = "/".join(str(x) for x in slot.path)
+            if isinstance(arr, QArray):
+                fpath = vpath.rsplit("/", 1)[0]
+                quantized.setdefault(fpath, {})["weight"] = place_sliced(host_sliced(arr), mesh, rules, fpath, stats)
+                gr = groups.get(cm.groups.get(mod, ""))
+                schemes[fpath] = gr.input_activations if gr is not None else None
+            elif local in ("input_scale", "input_global_scale"):
+                quantized.setdefault(vpath.rsplit("/", 1)[0], {})[local] = np.asarray(arr)
+            else:
+                v = resolve_path(model, slot.path)
+                a = v.get_value()
+                host = np.asarray(arr)
+                want = a.shape[::-1] if slot.transpose else a.shape
+                if tuple(host.shape) != tuple(want):
+                    raise CheckpointError(f"{path}: tensor {full!r}: expected shape {tuple(want)}, found "
+                                          f"{tuple(host.shape)}")
+                read = (lambda ix, h=host: h[ix[1], ix[0]].T) if slot.transpose else (lambda ix, h=host: h[tuple(ix)])
+                target = (v, place(a.shape, a.dtype, NamedSharding(mesh, spec_for(vpath, a.shape, mesh, rules)),
+                                   read, stats))
+                fpath = vpath.rsplit("/", 1)[0]
+                if local == "bias" and isinstance(q, QArray):
+                    quantized.setdefault(fpath, {})["bias"] = target[1]
+                else:
+                    placed.append(target)
+    if unknown:
+        raise CheckpointError(f"{path}: {len(unknown)} tensor(s) the model has no place for: {', '.join(unknown[:8])}")
+    try:
+        load_quantized(model, quantized, schemes)
+    except ModelError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    for v, a in placed:
+        v.set_value(a)

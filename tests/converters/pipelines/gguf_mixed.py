@@ -34,14 +34,16 @@ def random_blocks(type_name: str, n: int, k: int, rng, scale=(2e-4, 2e-3)) -> np
 
 
 def mixed_gguf(path: Path, types: dict, *, hidden=256, heads=4, kv_heads=2, inter=512, layers=2, embed="F32",
-               tied=True, seed=0) -> Path:
+               tied=True, vocab=None, seed=0) -> Path:
     """Writes a llama GGUF at `path`: projection `p` of every layer (names in PROJ, "output" for an untied
-    lm_head) stored as GGML type `types.get(p, "F32")`, the embedding as `embed`."""
+    lm_head) stored as GGML type `types.get(p, "F32")`, the embedding as `embed`; `vocab` pads the 260 tokens of the
+    byte-level vocabulary with unused ones."""
     import gguf
 
     q = gguf.GGMLQuantizationType
     rng = np.random.default_rng(seed)
     tokens = ["<s>", "</s>"] + byte_alphabet() + ["he", "Ġt"]
+    tokens += [f"<unused_{i}>" for i in range((vocab or 0) - len(tokens))]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(layers)
     w.add_context_length(64)

@@ -171,21 +171,24 @@ def test_cli_convert_gguf(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_smollm2_refused_then_mixed_with_dequantize(tmp_path):
-    """The real SmolLM2 GGUF (Q4_1 projections, Q8_0 others): refused naming its Q4_1 tensors; with dequantize the
-    Q8_0 Linear weights stay int8 groups of 32 and transformers decompresses every weight to gguf's values."""
+def test_smollm2_refused_then_dense_with_dequantize(tmp_path):
+    """The real SmolLM2 GGUF: every projection is Q4_1 and only the tied embedding Q8_0. Refused naming the Q4_1
+    tensors; with dequantize every Linear weight is written dense (nothing compressed-tensors can hold is left, so
+    the checkpoint carries no quantization_config, and the summary says so), equal to gguf's values bit for bit."""
     from converters.evaluation.embedded import smollm2_gguf
 
     src = smollm2_gguf()
     g = open_gguf(src)
     types = {n: g.tensor_type(n) for n in g.keys()}
     q41 = [n for n, t in types.items() if t == "Q4_1"]
-    assert q41
-    with pytest.raises(CheckpointError, match=r"pass --dequantize.*Q4_1 \(%d\)" % len(q41)):
+    assert len(q41) == 7 * g.config["num_hidden_layers"] and types["model.embed_tokens.weight"] == "Q8_0"
+    with pytest.raises(CheckpointError, match=r"pass --dequantize.*Q4_1 \(%d\): model\.layers\.0\." % len(q41)):
         convert_gguf_compressed(src, tmp_path / "no")
     r = convert_gguf_compressed(src, tmp_path / "ct", dequantize=True)
-    assert r.dequantized == {"Q4_1": q41}
-    assert sorted(r.quantized) == ["Q8_0"] and r.formats == {"Q8_0": "pack-quantized"}
-    sd = _load_torch(r.path, dequantize=True).state_dict()
+    assert r.dequantized == {"Q4_1": q41} and r.quantized == {}
+    assert r.dense["Q8_0"] == ["model.embed_tokens.weight"]
+    assert r.summary()[0].startswith("no Linear weight kept quantized")
+    assert "quantization_config" not in json.loads((r.path / "config.json").read_text())
+    sd = _load_torch(r.path).state_dict()
     for n in g.keys():
         np.testing.assert_array_equal(_bits(sd[n].numpy()), _bits(g.get(n)), err_msg=n)
