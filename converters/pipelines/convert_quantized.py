@@ -57,10 +57,18 @@ class GGUFConversion:
     formats: Dict[str, str]
     dequantized: Dict[str, List[str]]
     dense: Dict[str, List[str]]
+    num_bits: Dict[str, int] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> List[str]:
         """One line per GGML type and outcome, for people (the CLI prints these)."""
-        lines = [f"{t}: {len(n)} Linear weight(s) kept quantized as {self.formats[t]}" for t, n in self.quantized.items()]
+        lines = []
+        for t, n in self.quantized.items():
+            fmt, bits = self.formats[t], self.num_bits.get(t)
+            note = ""
+            if fmt == "pack-quantized" and bits not in VLLM_WNA16_BITS:
+                note = (f" (num_bits {bits}: transformers + compressed-tensors load it; vLLM's compressed-tensors "
+                        f"WNA16 scheme takes num_bits {' and '.join(map(str, VLLM_WNA16_BITS))} only)")
+            lines.append(f"{t}: {len(n)} Linear weight(s) kept quantized as {fmt}{note}")
         if not self.quantized:
             lines.append("no Linear weight kept quantized: the checkpoint is dense (no quantization_config)")
         lines += [f"{t}: {len(n)} Linear weight(s) written dense (float32, gguf's dequantization; "
@@ -68,6 +76,9 @@ class GGUFConversion:
         lines += [f"{t}: {len(n)} other tensor(s) written dense (float32)" for t, n in self.dense.items()]
         return lines
 
+
+#: num_bits of the pack-quantized weights vLLM's compressed-tensors WNA16 scheme serves (its WNA16_SUPPORTED_BITS).
+VLLM_WNA16_BITS = (4, 8)
 
 #: GGML types whose float offset (w = d q + m) compressed-tensors' integer zero point cannot hold.
 GGUF_OFFSET_TYPES = ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")
@@ -127,8 +138,14 @@ def convert_gguf_compressed(src: "str | os.PathLike", dst: "str | os.PathLike", 
     pack-quantized int groups with float32 scales, MXFP4 -> mxfp4-pack-quantized; llama's Q/K rows un-permuted as
     transformers expects), so its decompressed weight equals `gguf.quants.dequantize` bit for bit. Every other
     tensor (embedding, norms, biases, float-stored weights) is written dense as float32 (`GGUFModel.get`, exact).
-    Linear modules written dense and a tied lm_head go to `quantization_config.ignore`; one config group per
-    scheme targets its modules by name. Other files: config.json (`GGUFModel.config` + quantization_config),
+    Config groups: one scheme targets "Linear", with the Linear modules written dense and a tied lm_head in
+    `quantization_config.ignore`; several schemes (a file mixing types) give one group per scheme targeting its
+    modules by name (`re:^module$`), format "mixed-precision". transformers loads both with its default compressed
+    path (each module decompressed under its own group's scheme); its `CompressedTensorsConfig(dequantize=True)`
+    path (transformers 5.24, `get_dense_scheme`) applies the first group's scheme to every dense module, so it
+    loads the one-scheme checkpoints only. pack-quantized num_bits other than 4 and 8 (Q5_0, Q6_K, Q3_K) load in
+    transformers + compressed-tensors but not in vLLM's WNA16 scheme (`VLLM_WNA16_BITS`; the summary says so).
+    Other files: config.json (`GGUFModel.config` + quantization_config),
     generation_config.json, the tokenizer files (with `tokenizer`). Atomic (a temp directory renamed into place).
 
     A Linear weight whose type compressed-tensors cannot hold (`GGUF_OFFSET_TYPES`, w = d q + m, since its zero
@@ -169,6 +186,7 @@ def convert_gguf_compressed(src: "str | os.PathLike", dst: "str | os.PathLike", 
                if set(refused) <= set(GGUF_OFFSET_TYPES) else "types with a float offset or a non-linear grid")
             + f"): {_grouped(refused)}")
     formats: Dict[str, str] = {}
+    bits: Dict[str, int] = {}
     kept = {n for v in quantized.values() for n in v}
     # every Linear module left dense, and lm_head when it is tied (no tensor of its own) or dense: the config
     # groups target their modules by name, and ignore tells transformers which Linear modules hold plain weights
@@ -188,6 +206,7 @@ def convert_gguf_compressed(src: "str | os.PathLike", dst: "str | os.PathLike", 
                 if n in kept:
                     ct = gguf_ct_qarray(g.get_packed(n))
                     formats[t] = w.add_qarray(n[: -len(".weight")], ct)
+                    bits[t] = ct.scheme.bits
                 else:
                     w.add_dense(n, g.get(n))
                 if progress:
@@ -197,4 +216,4 @@ def convert_gguf_compressed(src: "str | os.PathLike", dst: "str | os.PathLike", 
             config = {k: v for k, v in g.config.items() if k != "quantization_config"}
             w.finish(config, ignore=ignore, copy_from=extra)
     dequantized = refused if dequantize else {}
-    return GGUFConversion(Path(dst), quantized, formats, dequantized, dense)
+    return GGUFConversion(Path(dst), quantized, formats, dequantized, dense, bits)

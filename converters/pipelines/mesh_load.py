@@ -347,11 +347,11 @@ def load_native_on_mesh(path, model, cfg, mesh, rules, stats: Optional[ReadStats
     """Fills the abstract decoder `model` from a quantized checkpoint directory of another format than
     compressed-tensors (`converters.formats.quantized.READERS`: HF fine-grained FP8, ModelOpt NVFP4, AutoGPTQ,
     AutoAWQ, torchao) onto `mesh`. The format's reader (`read_quantized`) gives each quantized Linear's QArray of
-    the checkpoint's own codes and scales (FP8 codes and block scales as memory-mapped views; GPTQ / AWQ re-packed
-    into host arrays) and every other tensor as stored; each parameter is then placed device slice by device slice
-    from those host arrays (`host_sliced` + `place_sliced`, `place`), laid out by `rules`, nothing dequantized and
+    the checkpoint's own codes and scales (GPTQ / AWQ re-packed by the reader) and every other tensor as stored, all
+    on the host; each parameter is then placed device slice by device slice from those host arrays (`host_sliced` + `place_sliced`, `place`), laid out by `rules`, nothing dequantized and
     nothing put on one device first. A GPTQ layer with activation-ordered groups is a dense weight (as the reader
-    gives it) and is placed dense.
+    gives it) and is placed dense. Unlike the compressed-tensors path, the reader holds the whole checkpoint on the
+    host while placing (each process reads every tensor), since these layouts are re-packed on reading.
 
     Raises CheckpointError naming the tensor for one the model has no place for or a missing one; ModelError naming
     the parameter for a layout the mesh cannot split (e.g. an FP8 block of 128 rows cut by the split)."""
