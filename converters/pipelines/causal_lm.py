@@ -173,8 +173,8 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         ModelError naming the parameter.
       rules: with `mesh`, a `qformats.sharding.ShardingRules`; default `decoder.tensor_parallel_rules(config,
         axis)` for a 1-D mesh of axis `axis` (ModelError for a mesh of several axes without rules).
-      stats: with `mesh` and a directory, a `converters.pipelines.mesh_load.ReadStats` to fill with the bytes this process
-        read.
+      stats: with `mesh`, a `converters.pipelines.mesh_load.ReadStats` to fill with the bytes this process read (a
+        directory of another quantized format: only the largest shard, its reader reads the files).
       packed: for a `.gguf` file, keep the block-quantized projections packed (default; module docstring); a
         projection in another quantized GGML type (the IQ1/IQ2/IQ3 grids, TQ, GGUF NVFP4) is then a
         CheckpointError naming it. False: dequantize every tensor to float. Directories ignore it.

@@ -210,13 +210,14 @@ def host_sliced(q) -> SlicedQArray:
     return SlicedQArray(abstract, reads)
 
 
-def gguf_sliced(g, name: str) -> SlicedQArray:
+def gguf_sliced(g, name: str, stats: Optional[ReadStats] = None) -> SlicedQArray:
     """Tensor `name` of an open GGUF model (`converters.formats.gguf_convert.GGUFModel`, a block type of
     `converters.formats.gguf_packed.PACKED_TYPES`) as a `SlicedQArray` equal to `g.get_packed(name)`, each slice
     decoded from only its bytes of the memory map: the stored rows of the requested HF rows (`g.row_order`, llama's
     Q / K un-permutation), and of those only the blocks covering the requested range of K, decoded by
     `gguf_packed.decode_blocks` and cut to the range (codes re-packed from a whole byte: `qarray_specs` splits
-    packed codes on byte boundaries)."""
+    packed codes on byte boundaries). Each leaf's read decodes its blocks again (codes, scales and offsets of one
+    slice read the same bytes up to three times, from the page cache after the first); `stats` counts every read."""
     import jax
     import jax.numpy as jnp
 
@@ -240,6 +241,9 @@ def gguf_sliced(g, name: str) -> SlicedQArray:
     def decoded(rix, k0: int, k1: int):
         b0, b1 = k0 // block, -(-k1 // block)
         raw = np.asarray(data[rows_of(rix), b0 * row_bytes:b1 * row_bytes])
+        if stats is not None:
+            stats.bytes += raw.nbytes
+            stats.reads += 1
         u, s, o = decode_blocks(raw, type_name, (raw.shape[0], (b1 - b0) * block), where)
         lo = k0 - b0 * block
         return u[:, lo:lo + k1 - k0], s[:, lo // group:(lo + k1 - k0) // group], \
@@ -269,7 +273,8 @@ def gguf_sliced(g, name: str) -> SlicedQArray:
     return SlicedQArray(abstract, reads)
 
 
-def gguf_dense_reader(g, name: str, transpose: bool) -> Callable[[Index], np.ndarray]:
+def gguf_dense_reader(g, name: str, transpose: bool, stats: Optional[ReadStats] = None) \
+        -> Callable[[Index], np.ndarray]:
     """read(index) of a dense parameter from GGUF tensor `name` (float or block type): the stored rows of the
     requested HF rows, dequantized by gguf (`gguf.quants.dequantize`, as `GGUFModel.get`) then cut to the requested
     columns; for a Linear kernel (`transpose`: Flax [in, out] = HF [out, in].T) HF rows index[1], columns index[0]."""
@@ -284,6 +289,9 @@ def gguf_dense_reader(g, name: str, transpose: bool) -> Callable[[Index], np.nda
         rix, rest = (index[1], index[:1]) if transpose else (index[0], index[1:])
         r = np.arange(shape[0])[rix]
         rows = np.asarray(data[r if order is None else order[r]])
+        if stats is not None:
+            stats.bytes += rows.nbytes
+            stats.reads += 1
         w = np.asarray(gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[type_name]), np.float32)
         w = w.reshape((len(r),) + tuple(shape[1:]))[(slice(None),) + tuple(rest)]
         return w.T if transpose else w
@@ -320,7 +328,7 @@ def load_gguf_on_mesh(g, model, cfg, mesh, rules, stats: Optional[ReadStats] = N
                 raise CheckpointError(f"{g.path}: tensor {name!r}: GGML type {t} is not packed by qformats (packed "
                                       f"exactly: {', '.join(PACKED_TYPES)}); load it with packed=False")
             fpath = "/".join(str(x) for x in slot.path[:-1])
-            quantized[fpath] = {"weight": place_sliced(gguf_sliced(g, name), mesh, rules, fpath, stats)}
+            quantized[fpath] = {"weight": place_sliced(gguf_sliced(g, name, stats), mesh, rules, fpath, stats)}
         else:
             dense.append((name, slot))
     placed = []
@@ -331,10 +339,10 @@ def load_gguf_on_mesh(g, model, cfg, mesh, rules, stats: Optional[ReadStats] = N
         if slot.transpose is False and path.rsplit("/", 1)[0] in quantized and path.endswith("/bias"):
             quantized[path.rsplit("/", 1)[0]]["bias"] = place(
                 a.shape, a.dtype, NamedSharding(mesh, spec_for(path, a.shape, mesh, rules)),
-                gguf_dense_reader(g, name, False), stats)
+                gguf_dense_reader(g, name, False, stats), stats)
             continue
         placed.append((v, place(a.shape, a.dtype, NamedSharding(mesh, spec_for(path, a.shape, mesh, rules)),
-                                gguf_dense_reader(g, name, slot.transpose), stats)))
+                                gguf_dense_reader(g, name, slot.transpose, stats), stats)))
     try:
         load_quantized(model, quantized)
     except ModelError as e:

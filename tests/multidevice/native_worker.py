@@ -109,7 +109,8 @@ def main(n: int, workdir: str):
         offsets = sum(1 for _, m in nnx.iter_modules(got) if getattr(getattr(m, "kernel", None), "offset", None)
                       is not None)
         res[name] = dict(same=same, leaves=len(b), sharded=sum(1 for y in b if not y.sharding.is_fully_replicated),
-                         ref=want, out=out, packed=packed, reads=st.reads, largest=st.largest)
+                         ref=want, out=out, packed=packed, reads=st.reads, bytes=st.bytes, largest=st.largest,
+                         file_bytes=sum(f.stat().st_size for f in ([src] if src.is_file() else src.glob("*.safetensors"))))
         res[name]["offsets"] = offsets
         del ref, got, a, b
     try:

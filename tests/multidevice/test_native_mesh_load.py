@@ -41,6 +41,13 @@ def test_gguf_offsets_stay_packed_on_the_mesh(result):
     assert result["gguf"]["offsets"] == 6  # Q4_K k_proj, Q4_1 o_proj, Q5_K down_proj in each of 2 layers
 
 
+def test_gguf_reads_each_devices_blocks_from_the_map(result):
+    r = result["gguf"]
+    # every device reads its own slices only: about the file once for split tensors (norms once per device, and
+    # a quantized slice's blocks once per leaf: codes, scales, offsets), never a tensor whole per device
+    assert r["reads"] > 8 * 14 and r["bytes"] <= 3 * r["file_bytes"], r
+
+
 def test_a_split_that_cuts_an_fp8_block_is_a_typed_error(result):
     kind, msg = result["fp8_128"]
     assert kind == "ModelError"
