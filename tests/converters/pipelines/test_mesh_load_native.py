@@ -93,3 +93,40 @@ def test_gguf_type_not_packed_on_a_mesh_is_refused_naming_it(tmp_path):
     model, cfg = _abstract_model(g.config, jax.numpy.float32, jax.numpy.float32, str(src))
     with pytest.raises(CheckpointError, match=r"q_proj.weight'.*IQ2_XXS is not packed"):
         load_gguf_on_mesh(g, model, cfg, mesh, _mesh_rules(cfg, mesh, None))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "awq", "gptq_act_order"])
+def test_native_formats_on_a_one_device_mesh_equal_load_causal_lm(tmp_path, fmt):
+    """HF FP8, AWQ and GPTQ with activation-ordered groups (a dense weight, as its reader gives it) go through
+    load_native_on_mesh: the same parameters as the one-device load (8 devices: tests/multidevice)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    import test_gptq_awq as GA
+    from test_hf_fp8 import write_fp8_llama
+
+    if fmt == "fp8":
+        src = write_fp8_llama(tmp_path / "fp8")
+    else:
+        dense = tmp_path / "dense"
+        torch.manual_seed(0)
+        cfg = transformers.AutoConfig.for_model("llama", **GA.TINY)
+        transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32).save_pretrained(dense)
+        src = tmp_path / fmt
+        if fmt == "awq":
+            GA.make_awq(src, dense)
+        else:
+            GA.make_gptq(src, dense, permute=True)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ref, _, _ = load_causal_lm(src, tokenizer=False)
+        got, _, _ = load_causal_lm(src, mesh=Mesh(np.array(jax.devices()[:1]), ("tp",)), tokenizer=False)
+    if fmt == "gptq_act_order":  # loaded dense on both paths, said so
+        assert any("activation-ordered" in str(w.message) for w in caught)
+    a, b = jax.tree.leaves(nnx.state(ref, nnx.Param)), jax.tree.leaves(nnx.state(got, nnx.Param))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
