@@ -95,7 +95,7 @@ def test_gguf_type_not_packed_on_a_mesh_is_refused_naming_it(tmp_path):
         load_gguf_on_mesh(g, model, cfg, mesh, _mesh_rules(cfg, mesh, None))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "awq", "gptq_act_order"])
+@pytest.mark.parametrize("fmt", [pytest.param("fp8", marks=pytest.mark.slow), "awq", "gptq_act_order"])
 def test_native_formats_on_a_one_device_mesh_equal_load_causal_lm(tmp_path, fmt):
     """HF FP8, AWQ and GPTQ with activation-ordered groups (a dense weight, as its reader gives it) go through
     load_native_on_mesh: the same parameters as the one-device load (8 devices: tests/multidevice)."""
