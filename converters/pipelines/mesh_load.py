@@ -383,7 +383,8 @@ def load_native_on_mesh(path, model, cfg, mesh, rules, stats: Optional[ReadStats
         q = tensors.get("weight")
         for local, arr in tensors.items():
             full = f"{mod}.{local}" if mod else local
-            slot = slots.get(full if local != "input_scale" else f"{mod}.weight")
+            scale_of_input = local in ("input_scale", "input_global_scale")
+            slot = slots.get(f"{mod}.weight" if scale_of_input else full)
             if slot is None:
                 if full.endswith(".rotary_emb.inv_freq") or (full == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
@@ -395,7 +396,7 @@ def load_native_on_mesh(path, model, cfg, mesh, rules, stats: Optional[ReadStats
                 quantized.setdefault(fpath, {})["weight"] = place_sliced(host_sliced(arr), mesh, rules, fpath, stats)
                 gr = groups.get(cm.groups.get(mod, ""))
                 schemes[fpath] = gr.input_activations if gr is not None else None
-            elif local in ("input_scale", "input_global_scale"):
+            elif scale_of_input:
                 quantized.setdefault(vpath.rsplit("/", 1)[0], {})[local] = np.asarray(arr)
             else:
                 v = resolve_path(model, slot.path)

@@ -95,9 +95,9 @@ def test_gguf_type_not_packed_on_a_mesh_is_refused_naming_it(tmp_path):
         load_gguf_on_mesh(g, model, cfg, mesh, _mesh_rules(cfg, mesh, None))
 
 
-@pytest.mark.parametrize("fmt", [pytest.param("fp8", marks=pytest.mark.slow), "awq", "gptq_act_order"])
+@pytest.mark.parametrize("fmt", [pytest.param("fp8", marks=pytest.mark.slow), "awq", "gptq_act_order", "modelopt"])
 def test_native_formats_on_a_one_device_mesh_equal_load_causal_lm(tmp_path, fmt):
-    """HF FP8, AWQ and GPTQ with activation-ordered groups (a dense weight, as its reader gives it) go through
+    """HF FP8, AWQ, ModelOpt NVFP4 and GPTQ with activation-ordered groups (a dense weight, as its reader gives it) go through
     load_native_on_mesh: the same parameters as the one-device load (8 devices: tests/multidevice)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -107,6 +107,10 @@ def test_native_formats_on_a_one_device_mesh_equal_load_causal_lm(tmp_path, fmt)
 
     if fmt == "fp8":
         src = write_fp8_llama(tmp_path / "fp8")
+    elif fmt == "modelopt":  # NVFP4 with static input scales (their input_scale / input_global_scale tensors)
+        from test_modelopt import _write_modelopt
+
+        src = _write_modelopt(tmp_path / "modelopt")
     else:
         dense = tmp_path / "dense"
         torch.manual_seed(0)
