@@ -42,12 +42,17 @@ def _config():
                     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
 
 
-def _tensors(seed=0):
+def _tensors(seed=0, runnable=False):
     """A tiny gpt-oss MXFP4 state dict written by hand following transformers' reader: random codes (every byte),
-    E8M0 scales 100..140 plus a few edge bytes (2, 254; 0 only with zero codes)."""
+    E8M0 scales 100..140 plus a few edge bytes (2, 254; 0 only with zero codes). `runnable`: scales 119..123 only
+    (weights up to 6 * 2^-4), a model whose activations stay finite, and a final norm and lm_head
+    scaled up for a spread of logits."""
     rng = np.random.default_rng(seed)
     bf = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32) * 0.05).to(torch.bfloat16)  # noqa
     t = {"model.embed_tokens.weight": bf(V, H), "model.norm.weight": bf(H), "lm_head.weight": bf(V, H)}
+    if runnable:  # a spread of logits, so that greedy decoding does not repeat one token
+        t["model.norm.weight"] = t["model.norm.weight"] * 20 + 1
+        t["lm_head.weight"] = t["lm_head.weight"] * 20
     for n in range(LAYERS):
         p = f"model.layers.{n}."
         t[p + "input_layernorm.weight"] = bf(H)
@@ -60,10 +65,12 @@ def _tensors(seed=0):
         x = EXPERTS.format(n) + "."
         for proj, rows, cols in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
             blocks = rng.integers(0, 256, (E, rows, cols // 32, 16), dtype=np.uint8)
-            scales = rng.integers(100, 141, (E, rows, cols // 32), dtype=np.uint8)
-            scales[0, 0, 0], scales[0, 1, 0] = 2, 254
-            scales[0, 2, 0] = 0
-            blocks[0, 2, 0] = 0x88  # -0 in both nibbles: 2^-127 (a float32 subnormal) times -0
+            scales = rng.integers(119, 124, (E, rows, cols // 32), dtype=np.uint8) if runnable else \
+                rng.integers(100, 141, (E, rows, cols // 32), dtype=np.uint8)
+            if not runnable:
+                scales[0, 0, 0], scales[0, 1, 0] = 2, 254
+                scales[0, 2, 0] = 0
+                blocks[0, 2, 0] = 0x88  # -0 in both nibbles: 2^-127 (a float32 subnormal) times -0
             t[x + f"{proj}_blocks"] = torch.from_numpy(blocks)
             t[x + f"{proj}_scales"] = torch.from_numpy(scales)
         t[x + "gate_up_proj_bias"], t[x + "down_proj_bias"] = bf(E, 2 * I), bf(E, H)
