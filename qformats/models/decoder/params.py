@@ -195,8 +195,8 @@ def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping
         gate_up[e][:, 2j] = gate_e[:, j],  gate_up[e][:, 2j + 1] = up_e[:, j],  down[e] = down_e
 
     gpt_oss's interleaved gate / up columns (transformers' `gate_up[..., ::2]` / `[..., 1::2]`). Packed weights stay
-    packed: the QArray leaves' rows are interleaved and stacked along a new leading expert axis (codes and scales
-    copied byte for byte, a `qformats.nn.QExperts` stack); dense weights are transposed and interleaved. Returns
+    packed: the QArray leaves' rows are interleaved and stacked along a new leading expert axis into jax arrays
+    (codes and scales copied byte for byte, a `qformats.nn.QExperts` stack); dense weights are transposed and interleaved. Returns
     (modules with the per-expert entries replaced, fused module -> the per-expert modules it came from). Other
     families, and layers whose experts are stored fused already, are returned unchanged.
 
@@ -259,7 +259,7 @@ def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping
                 if len(metas) != 1:
                     raise ModelError(f"{name}: the experts' packed weights differ in scheme or shape: "
                                      f"{sorted(map(str, metas))[:3]}")
-                w = jax.tree.map(lambda *leaves: np.stack([np.asarray(x) for x in leaves]), *parts)
+                w = jax.tree.map(lambda *leaves: jnp.stack([jnp.asarray(x) for x in leaves]), *parts)
             else:
                 if len({p.shape for p in parts}) != 1:
                     raise ModelError(f"{name}: the experts' weights differ in shape: {sorted({p.shape for p in parts})}")
