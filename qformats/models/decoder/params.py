@@ -259,7 +259,7 @@ def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping
                 if len(metas) != 1:
                     raise ModelError(f"{name}: the experts' packed weights differ in scheme or shape: "
                                      f"{sorted(map(str, metas))[:3]}")
-                w = jax.tree.map(lambda *leaves: jnp.stack([jnp.asarray(x) for x in leaves]), *parts)
+                w = jax.tree.map(lambda *leaves: jnp.asarray(np.stack([np.asarray(x) for x in leaves])), *parts)
             else:
                 if len({p.shape for p in parts}) != 1:
                     raise ModelError(f"{name}: the experts' weights differ in shape: {sorted({p.shape for p in parts})}")
