@@ -1,5 +1,6 @@
-"""A quantized checkpoint of another format (HF FP8, gpt-oss MXFP4, ModelOpt NVFP4, AutoGPTQ, AutoAWQ: `converters.formats.quantized`)
-written as the compressed-tensors checkpoint that holds the same values, without a detour through float."""
+"""A quantized checkpoint of another format (HF FP8, gpt-oss MXFP4, ModelOpt NVFP4, AutoGPTQ, AutoAWQ:
+`converters.formats.quantized`) written as the compressed-tensors checkpoint that holds the same values, without a
+detour through float."""
 
 from __future__ import annotations
 

@@ -196,9 +196,9 @@ def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping
 
     gpt_oss's interleaved gate / up columns (transformers' `gate_up[..., ::2]` / `[..., 1::2]`). Packed weights stay
     packed: the QArray leaves' rows are interleaved and stacked along a new leading expert axis into jax arrays
-    (codes and scales copied byte for byte, a `qformats.nn.QExperts` stack); dense weights are transposed and interleaved. Returns
-    (modules with the per-expert entries replaced, fused module -> the per-expert modules it came from). Other
-    families, and layers whose experts are stored fused already, are returned unchanged.
+    (codes and scales copied byte for byte, a `qformats.nn.QExperts` stack); dense weights are transposed and
+    interleaved. Returns (modules with the per-expert entries replaced, fused module -> the per-expert modules it
+    came from). Other families, and layers whose experts are stored fused already, are returned unchanged.
 
     Raises ModelError naming the module: some but not all 3·E per-expert modules of a layer, tensors other than
     weight / bias, packed and dense experts mixed, experts packed differently, or a packed layout whose rows
@@ -262,7 +262,8 @@ def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping
                 w = jax.tree.map(lambda *leaves: jnp.asarray(np.stack([np.asarray(x) for x in leaves])), *parts)
             else:
                 if len({p.shape for p in parts}) != 1:
-                    raise ModelError(f"{name}: the experts' weights differ in shape: {sorted({p.shape for p in parts})}")
+                    raise ModelError(f"{name}: the experts' weights differ in shape: "
+                                     f"{sorted({p.shape for p in parts})}")
                 w = np.stack(parts)
             out[name] = {"weight": w}
             if biases:
