@@ -18,8 +18,8 @@ That is OCP MXFP4 exactly: compressed-tensors' `mxfp4-pack-quantized` (weight_pa
 [N, K/32]) and qformats' MXFP4A16 weights (`presets["MXFP4A16"]`). So the codes and scales become QArray leaves as
 stored, without a detour through float.
 
-Experts are given per expert, by llm-compressor's linearized module names (`converters.formats.moe_layout`;
-qformats has no stacked expert QArray yet): for expert e,
+Experts are given per expert, by llm-compressor's linearized module names (`converters.formats.moe_layout`), the
+view `convert`, `inspect` and `dequantize` take: for expert e,
 
     <P>.experts.{e}.gate_proj: codes = gate_up_proj_blocks[e, 0::2] (gate: even rows), bias gate_up_proj_bias[e, 0::2]
     <P>.experts.{e}.up_proj:   codes = gate_up_proj_blocks[e, 1::2] (up: odd rows),    bias gate_up_proj_bias[e, 1::2]
@@ -29,7 +29,10 @@ each {"weight": QArray of the Flax kernel's shape [in, out] along axis 0, dtype 
 `read_compressed` gives for the compressed-tensors checkpoint llm-compressor 0.14 writes for gpt-oss. Every other
 tensor (attention, router, embeddings, norms, sinks: `modules_to_not_convert`) stays dense under its own name.
 `converters.formats.moe_layout.fused_gpt_oss_experts` puts dequantized experts back into the fused gpt-oss layout, as
-transformers' dequantize=True loads it (`qformats dequantize` writes that).
+transformers' dequantize=True loads it (`qformats dequantize` writes that). `load_causal_lm` puts the packed experts
+back into the model's stacked MXFP4 QExperts (`qformats.models.decoder.params.fuse_linearized_experts`: rows
+re-interleaved, so each stack's codes / scales are gate_up_proj_blocks / _scales and down_proj_blocks / _scales
+byte for byte).
 
 Not read (a CheckpointError naming the file, tensor and what is supported, from the headers, before any tensor
 data is read, except the scale check): a model_type other than "gpt_oss"; quantization_config keys other than

@@ -8,7 +8,9 @@
 - a compressed-tensors directory (config.json with a compressed-tensors `quantization_config`, any format
   `converters.formats.compressed_tensors.read` reads): `converters.pipelines.flax_io.load_compressed` swaps every quantized projection for a
   packed `qformats.nn.QLinear` holding the checkpoint's codes and scales as they are (nothing dequantized);
-  the rest (embedding, norms, dense layers such as lm_head) is filled dense;
+  the rest (embedding, norms, dense layers such as lm_head) is filled dense; mixture-of-experts projections become
+  stacked `qformats.nn.QExperts` (gpt_oss's per-expert Linears, e.g. its MXFP4 checkpoint, fused back into its
+  interleaved gate_up / down stacks);
 - a `.gguf` file: `converters.formats.gguf_convert.open_gguf`. By default every projection stored in a block type
   that is one of ours (`converters.formats.gguf_packed.PACKED_TYPES`: Q4_0/Q5_0/Q8_0, Q4_1/Q5_1 with their float
   minimum as the QArray's offset, the K-quants, IQ4_NL/IQ4_XS, MXFP4) becomes a packed `QLinear` holding the file's
