@@ -1,7 +1,9 @@
 """load_causal_lm on a DeepSeek-V3 HF fine-grained FP8 checkpoint (quant_method "fp8", 128x128-style blocks, here
 8x8 on a tiny model): the routed experts stay packed as stacked FP8-block QExperts holding the file's
 float8_e4m3fn codes and float32 weight_scale_inv byte for byte; with activations left in float, the logits are
-transformers' FineGrainedFP8Config(dequantize=True) model's within float32 accumulation order."""
+transformers' FineGrainedFP8Config(dequantize=True) model's within float32 accumulation order and the 32 greedy
+tokens those of the dequantized weights. (The packed run's default, dynamic FP8 activations per token group as
+FineGrainedFP8's kernels compute them, has no CPU reference: transformers dequantizes on the CPU.)"""
 
 import dataclasses
 import sys
@@ -47,7 +49,7 @@ def test_routed_experts_are_fp8_block_qexperts_of_the_files_bytes(fp8):
         assert np.array_equal(np.asarray(q.codes), codes) and np.array_equal(np.asarray(q.scale), scales), p
 
 
-@pytest.mark.slow  # a forward compilation and a transformers model, ~25 s on a busy 2-core machine
+@pytest.mark.slow  # a forward and two generate compilations, a transformers model: ~80 s on a busy 2-core machine
 def test_weight_only_logits_equal_transformers_dequantized(fp8):
     path = fp8
     model, _, _ = load_causal_lm(path, tokenizer=False)
@@ -62,3 +64,10 @@ def test_weight_only_logits_equal_transformers_dequantized(fp8):
     with torch.no_grad():
         want = ref(torch.from_numpy(ds.IDS)).logits.numpy()
     np.testing.assert_allclose(got, want, rtol=0, atol=ds.LOGITS_ATOL)
+    # 32 greedy tokens: those of our dense model holding transformers' dequantized weights
+    from qformats.models.generate import generate
+
+    dense = ds.flax_model(ref)
+    prompt = np.asarray(ds.IDS[0, :5], np.int32)
+    a, b = (np.asarray(generate(mm, prompt, 32)) for mm in (model, dense))
+    assert a.tolist() == b.tolist() and len(set(a.tolist())) > 2
