@@ -71,3 +71,29 @@ def test_weight_only_logits_equal_transformers_dequantized(fp8):
     prompt = np.asarray(ds.IDS[0, :5], np.int32)
     a, b = (np.asarray(generate(mm, prompt, 32)) for mm in (model, dense))
     assert a.tolist() == b.tolist() and len(set(a.tolist())) > 2
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("model.layers.2.mlp.experts.5.down_proj.weight_scale_inv"),
+     r"tensor 'model.layers.2.mlp.experts.5.down_proj.weight' \(F8_E4M3\) without a weight_scale_inv"),
+    (lambda t: t.__setitem__("model.layers.1.mlp.experts.0.up_proj.weight_scale_inv",
+                             t["model.layers.1.mlp.experts.0.up_proj.weight_scale_inv"].half()),
+     r"tensor 'model.layers.1.mlp.experts.0.up_proj.weight_scale_inv': expected F32 \[4, 8\]"),
+    (lambda t: t.__setitem__("model.layers.1.mlp.experts.3.gate_proj.weight",
+                             t["model.layers.1.mlp.experts.3.gate_proj.weight"][:16]),
+     r"tensor 'model.layers.1.mlp.experts.3.gate_proj.weight_scale_inv': expected F32 \[2, 8\]"),
+])
+def test_malformed_expert_tensors_are_refused_by_name(fp8, tmp_path, edit, message):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from qformats.errors import CheckpointError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    edit(t)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=message):
+        load_causal_lm(bad, tokenizer=False)
