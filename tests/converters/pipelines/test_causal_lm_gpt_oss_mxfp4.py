@@ -172,3 +172,31 @@ def test_incomplete_or_mixed_experts_are_refused_by_name(ckpt, tmp_path):
     with pytest.raises(CheckpointError, match=rf"{x}: 1 of its {3 * mx.E} per-expert modules missing: "
                                               rf"\['{x}.3.down_proj'\]"):
         load_causal_lm(out, tokenizer=False)
+
+
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "W4A16:g32"])
+def test_llm_compressor_layout_gpt_oss_checkpoints_load_as_stacks(tmp_path, scheme):
+    """A compressed-tensors gpt-oss checkpoint in llm-compressor's per-expert layout (`qformats quantize`, byte-identical
+    to oneshot; NVFP4's gate / up global scales shared as llm-compressor shares them) loads as packed QExperts: each
+    fused expert decodes exactly to the interleave of its gate_proj / up_proj modules' own decodings."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "qformats" / "models" / "decoder"))
+    from moe_tiny import write_checkpoint
+
+    from converters.formats.quantized import read_quantized
+    from converters.pipelines.quantize_checkpoint import quantize_checkpoint
+    from qformats.quantize import dequantize
+
+    write_checkpoint("gpt_oss", tmp_path / "dense")
+    out = tmp_path / "ct"
+    quantize_checkpoint(tmp_path / "dense", out, scheme, progress=False)
+    model = load_causal_lm(out, tokenizer=False)[0]
+    mods = read_quantized(out).modules
+    layers = quantized_layers(model)
+    x = "model.layers.2.mlp.experts"
+    gu, dn = layers[x.replace(".", "/") + "/gate_up_proj"], layers[x.replace(".", "/") + "/down_proj"]
+    assert isinstance(gu, QExperts) and gu.kernel.get_value().scheme == mods[f"{x}.0.gate_proj"]["weight"].scheme
+    f32 = lambda q: np.asarray(dequantize(q, jnp.float32))  # noqa: E731
+    for e in (0, gu.num_experts - 1):
+        g, u = f32(mods[f"{x}.{e}.gate_proj"]["weight"]), f32(mods[f"{x}.{e}.up_proj"]["weight"])
+        np.testing.assert_array_equal(f32(gu.expert_weight(e)), np.stack([g, u], -1).reshape(g.shape[0], -1))
+        np.testing.assert_array_equal(f32(dn.expert_weight(e)), f32(mods[f"{x}.{e}.down_proj"]["weight"]))
