@@ -177,8 +177,8 @@ def test_incomplete_or_mixed_experts_are_refused_by_name(ckpt, tmp_path):
 @pytest.mark.parametrize("scheme", ["NVFP4A16", "W4A16:g32"])
 def test_llm_compressor_layout_gpt_oss_checkpoints_load_as_stacks(tmp_path, scheme):
     """A compressed-tensors gpt-oss checkpoint in llm-compressor's per-expert layout (`qformats quantize`,
-    byte-identical to oneshot; NVFP4's gate / up global scales shared as llm-compressor shares them) loads as packed QExperts: each
-    fused expert decodes exactly to the interleave of its gate_proj / up_proj modules' own decodings."""
+    byte-identical to oneshot; NVFP4's gate / up global scales shared as llm-compressor shares them) loads as packed
+    QExperts: each fused expert decodes exactly to the interleave of its gate_proj / up_proj modules' decodings."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "qformats" / "models" / "decoder"))
     from moe_tiny import write_checkpoint
 
