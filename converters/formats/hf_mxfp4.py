@@ -18,8 +18,8 @@ That is OCP MXFP4 exactly: compressed-tensors' `mxfp4-pack-quantized` (weight_pa
 [N, K/32]) and qformats' MXFP4A16 weights (`presets["MXFP4A16"]`). So the codes and scales become QArray leaves as
 stored, without a detour through float.
 
-Experts are given per expert, by llm-compressor's linearized module names (`converters.formats.moe_layout`;
-qformats has no stacked expert QArray yet): for expert e,
+Experts are given per expert, by llm-compressor's linearized module names (`converters.formats.moe_layout`), the
+view `convert`, `inspect` and `dequantize` take: for expert e,
 
     <P>.experts.{e}.gate_proj: codes = gate_up_proj_blocks[e, 0::2] (gate: even rows), bias gate_up_proj_bias[e, 0::2]
     <P>.experts.{e}.up_proj:   codes = gate_up_proj_blocks[e, 1::2] (up: odd rows),    bias gate_up_proj_bias[e, 1::2]
@@ -29,7 +29,10 @@ each {"weight": QArray of the Flax kernel's shape [in, out] along axis 0, dtype 
 `read_compressed` gives for the compressed-tensors checkpoint llm-compressor 0.14 writes for gpt-oss. Every other
 tensor (attention, router, embeddings, norms, sinks: `modules_to_not_convert`) stays dense under its own name.
 `converters.formats.moe_layout.fused_gpt_oss_experts` puts dequantized experts back into the fused gpt-oss layout, as
-transformers' dequantize=True loads it (`qformats dequantize` writes that).
+transformers' dequantize=True loads it (`qformats dequantize` writes that). `load_causal_lm` puts the packed experts
+back into the model's stacked MXFP4 QExperts (`qformats.models.decoder.params.fuse_linearized_experts`: rows
+re-interleaved, so each stack's codes / scales are gate_up_proj_blocks / _scales and down_proj_blocks / _scales
+byte for byte).
 
 Not read (a CheckpointError naming the file, tensor and what is supported, from the headers, before any tensor
 data is read, except the scale check): a model_type other than "gpt_oss"; quantization_config keys other than
@@ -38,7 +41,8 @@ another projection; a blocks tensor without its scales (or the reverse); shapes 
 layout above or from each other (hidden, inter, E); a missing bias; E8M0 scale 255 (NaN in OCP MX, which
 transformers' ldexp turns into ±inf / NaN instead); and a group whose scale makes one of its values a float32
 subnormal (scale byte 0 with any nonzero code, whose scale 2^-127 is one, or 1 with |FP4| = 0.5: below 2^-126,
-which transformers keeps and XLA:CPU flushes to zero, so the values could not be read exactly).
+which transformers keeps and XLA:CPU flushes to zero, so the values could not be read exactly; refused only where
+the values are computed: `qformats convert` copies such groups' bytes as they are).
 """
 
 from __future__ import annotations
@@ -132,15 +136,18 @@ def _layout(ck, mod: str, t: Dict[str, str]) -> Tuple[int, int, int]:
     return e, hidden, inter
 
 
-def _scales(ck, name: str, blocks: np.ndarray) -> np.ndarray:
+def _scales(ck, name: str, blocks: np.ndarray, computed: bool = True) -> np.ndarray:
     """The scales of tensor `name`, checked against the values qformats decodes exactly (module docstring):
-    no 255 (NaN), and no group whose scale or value is a float32 subnormal, which XLA:CPU flushes to zero while
-    transformers keeps it: s = 0 (2^-127 itself) with a nonzero code, s = 1 with |FP4| = 0.5."""
+    no 255 (NaN), and, when the values are to be `computed` (run or dequantized by XLA), no group whose scale or
+    value is a float32 subnormal, which XLA:CPU flushes to zero while transformers keeps it: s = 0 (2^-127
+    itself) with a nonzero code, s = 1 with |FP4| = 0.5."""
     s = ck.get(name)
     bad = np.argwhere(s == 255)
     if bad.size:
         raise CheckpointError(f"{ck.file_of(name)}: tensor {name!r}: E8M0 scale 255 at index {bad[0].tolist()} "
                               f"({len(bad)} in all): NaN in OCP MX (transformers' ldexp makes it inf); not supported")
+    if not computed:
+        return s
     low = np.argwhere(s <= 1)
     for ix in low:
         b = blocks[tuple(ix)]
@@ -153,10 +160,12 @@ def _scales(ck, name: str, blocks: np.ndarray) -> np.ndarray:
     return s
 
 
-def read_hf_mxfp4(path: "str | os.PathLike"):
+def read_hf_mxfp4(path: "str | os.PathLike", *, computed: bool = True):
     """Read a gpt-oss MXFP4 checkpoint directory into a `CompressedModel` (module docstring): per expert e of each
     `<P>.experts`, modules `<P>.experts.{e}.{gate,up,down}_proj` = {"weight": MXFP4 QArray [in, out] with codes and
     E8M0 scales as stored, "bias": ...}; other tensors dense under their local names. W = FP4(code) · 2^(s − 127).
+    `computed=False` (the bytes are only copied, e.g. into a compressed-tensors checkpoint, never decoded by XLA):
+    groups whose values are float32 subnormals are read too (compressed-tensors holds them exactly).
 
     Raises CheckpointError naming the file, module / tensor and what is supported (module docstring)."""
     from converters.formats.compressed_tensors.config import parse_quantization_config, serialize_quantization_config
@@ -196,7 +205,8 @@ def read_hf_mxfp4(path: "str | os.PathLike"):
                 continue
             e_n, hidden, inter = experts[m]
             gub, dnb = ck.get(t["gate_up_proj_blocks"]), ck.get(t["down_proj_blocks"])
-            gus, dns = _scales(ck, t["gate_up_proj_scales"], gub), _scales(ck, t["down_proj_scales"], dnb)
+            gus = _scales(ck, t["gate_up_proj_scales"], gub, computed)
+            dns = _scales(ck, t["down_proj_scales"], dnb, computed)
             gbias, dbias = ck.get(t["gate_up_proj_bias"]), ck.get(t["down_proj_bias"])
             for e in range(e_n):
                 parts = {"gate_proj": (gub[e, 0::2], gus[e, 0::2], gbias[e, 0::2], hidden, inter, "gate_up_proj"),

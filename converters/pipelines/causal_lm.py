@@ -8,7 +8,9 @@
 - a compressed-tensors directory (config.json with a compressed-tensors `quantization_config`, any format
   `converters.formats.compressed_tensors.read` reads): `converters.pipelines.flax_io.load_compressed` swaps every quantized projection for a
   packed `qformats.nn.QLinear` holding the checkpoint's codes and scales as they are (nothing dequantized);
-  the rest (embedding, norms, dense layers such as lm_head) is filled dense;
+  the rest (embedding, norms, dense layers such as lm_head) is filled dense; mixture-of-experts projections become
+  stacked `qformats.nn.QExperts` (gpt_oss's per-expert Linears, e.g. its MXFP4 checkpoint, fused back into its
+  interleaved gate_up / down stacks);
 - a `.gguf` file: `converters.formats.gguf_convert.open_gguf`. By default every projection stored in a block type
   that is one of ours (`converters.formats.gguf_packed.PACKED_TYPES`: Q4_0/Q5_0/Q8_0, Q4_1/Q5_1 with their float
   minimum as the QArray's offset, the K-quants, IQ4_NL/IQ4_XS, MXFP4) becomes a packed `QLinear` holding the file's
@@ -424,7 +426,7 @@ def _load_compressed(path: Path, model, cfg) -> None:
     rotations = ([], []) if qc is None else _online_rotations(path, cfg, qc)
     ignore += tuple(rotations[1])
     try:
-        load_compressed(path, model, table, ignore=ignore)
+        load_compressed(path, model, table, ignore=ignore, checkpoint=_fused_experts(path, cfg, table))
     except ModelError as e:
         raise CheckpointError(f"{path}: {e}") from None
     if cfg.tie_word_embeddings:
@@ -437,6 +439,37 @@ def _load_compressed(path: Path, model, cfg) -> None:
             decoder.set_rotation(model, r.module, r.location, m)
         except ModelError as e:
             raise CheckpointError(f"{path}: transform_config group {r.group!r}: {e}") from None
+
+
+def _fused_experts(path: Path, cfg, table: dict):
+    """For gpt_oss, whose model holds fused gate_up / down expert stacks: the checkpoint read
+    (`converters.formats.quantized.read_quantized`) with its per-expert Linears (llm-compressor's linearized
+    layout, the MXFP4 reader's view) fused back into those stacks, packed weights staying packed
+    (`decoder.params.fuse_linearized_experts`), and `table` extended with the fused stacks' names. None (read by
+    `load_compressed` itself) for other families."""
+    import dataclasses
+
+    from converters.formats.quantized import read_quantized
+    from qformats.models.decoder.params import fuse_linearized_experts, fused_expert_names
+
+    extra = fused_expert_names(cfg)
+    if not extra:
+        return None
+    cm = read_quantized(path)
+    modules, sources = fuse_linearized_experts(cfg, cm.modules)
+    formats, groups = dict(cm.formats), dict(cm.groups)
+    for fused, parts in sources.items():
+        for key, d in (("formats", formats), ("groups", groups)):
+            vals = {d[p] for p in parts if p in d}
+            if len(vals) > 1:
+                raise CheckpointError(f"{path}: {fused}: its per-expert modules belong to different config {key} "
+                                      f"{sorted(vals)}; expected one")
+            for p in parts:
+                d.pop(p, None)
+            if vals:
+                d[fused] = vals.pop()
+    table.update({n: ("/".join(str(x) for x in slot.path), slot.transpose) for n, slot in extra.items()})
+    return dataclasses.replace(cm, modules=modules, formats=formats, groups=groups)
 
 
 def _online_rotations(path: Path, cfg, qc):

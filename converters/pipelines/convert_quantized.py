@@ -1,6 +1,6 @@
-"""A quantized checkpoint of another format (HF FP8, ModelOpt NVFP4, AutoGPTQ, AutoAWQ: `converters.formats.quantized`;
-a GGUF file's block types: `convert_gguf_compressed`) written as the compressed-tensors checkpoint that holds the same
-values, without a detour through float."""
+"""A quantized checkpoint of another format (HF FP8, gpt-oss MXFP4, ModelOpt NVFP4, AutoGPTQ, AutoAWQ:
+`converters.formats.quantized`; a GGUF file's block types: `convert_gguf_compressed`) written as the compressed-tensors
+checkpoint that holds the same values, without a detour through float."""
 
 from __future__ import annotations
 
@@ -34,7 +34,12 @@ def convert_quantized(src: "str | os.PathLike", dst: "str | os.PathLike", *, max
     if method in ("dense", "compressed-tensors", "sparseml"):
         raise CheckpointError(f"{cfg_path}: expected a quantized checkpoint of another format to convert "
                               f"(quant_method fp8, mxfp4, modelopt, gptq, awq), found {method}")
-    cm = read_quantized(src)
+    if method == "mxfp4":  # bytes copied, never decoded: subnormal groups are held exactly too
+        from converters.formats.hf_mxfp4 import read_hf_mxfp4
+
+        cm = read_hf_mxfp4(src, computed=False)
+    else:
+        cm = read_quantized(src)
     tensors = {f"{m}.{local}" if m else local: a for m, t in cm.modules.items() for local, a in t.items()}
     by_name = {g.name: g for g in cm.quant.groups}
     schemes = {m: by_name[name].scheme_set for m, name in cm.groups.items()}  # targets may be regexes

@@ -58,7 +58,7 @@ def hf_name(path: Sequence[str], ndim: int) -> Optional[Tuple[str, bool]]:
     return ".".join(mod + [local]), leaf == "kernel" and ndim == 2
 
 
-def load_compressed(path, model, name_map: Optional[NameMap] = None, *, ignore: Iterable[str] = ()):
+def load_compressed(path, model, name_map: Optional[NameMap] = None, *, ignore: Iterable[str] = (), checkpoint=None):
     """Fill an NNX model in place from a compressed-tensors (or dense) checkpoint; returns the model.
 
     Every tensor is mapped by `name_map` (HF name -> (Flax variable path, transpose); default
@@ -69,7 +69,8 @@ def load_compressed(path, model, name_map: Optional[NameMap] = None, *, ignore: 
     ones into the [E, ...] parameter, quantized ones (every expert's QArray of one scheme) into one packed QArray
     whose leaves carry the expert axis, for a `qformats.nn.QExperts`. Raises CheckpointError naming the file and
     the tensors the model does not have (except `ignore`), a tensor whose shape differs, or an incomplete expert
-    stack; nothing is swapped unless everything fits.
+    stack; nothing is swapped unless everything fits. `checkpoint`: the `CompressedModel` of `path` already read (e.g.
+    with its experts re-laid out by the caller); default `converters.formats.quantized.read_quantized(path)`.
     """
     import jax.numpy as jnp
 
@@ -77,7 +78,7 @@ def load_compressed(path, model, name_map: Optional[NameMap] = None, *, ignore: 
     from qformats.nn import load_quantized
     from qformats.qarray import QArray
 
-    cm = read_quantized(path)
+    cm = read_quantized(path) if checkpoint is None else checkpoint
     entries = _read_entries(cm, path)
     table = dict(name_map if name_map is not None else default_name_map(model))
     if name_map is None:  # every other param, under its own path (as save_compressed writes them)

@@ -3,6 +3,8 @@
 Mixture-of-experts layers: per-expert tensors (qwen2_moe / qwen3_moe "mlp.experts.{e}.gate_proj.weight", mixtral
 "block_sparse_moe.experts.{e}.w1.weight") are slices of one stacked [E, in, out] kernel (`TensorSlot.expert`);
 gpt_oss's fused 3-D tensors ("mlp.experts.gate_up_proj" [E, hidden, 2 inter], already [E, in, out]) are the stack.
+gpt_oss checkpoints whose experts are per-expert Linears (llm-compressor's linearized layout, and qformats' reading of
+the MXFP4 checkpoint) are put back into those fused stacks, packed weights staying packed (`fuse_linearized_experts`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -17,6 +20,7 @@ from flax import nnx
 from qformats.errors import ModelError
 from qformats.models.decoder.model import CausalLM, DecoderConfig, inv_freq
 from qformats.nn import QuantizedMatmul
+from qformats.qarray import QArray
 
 
 class TensorSlot(NamedTuple):
@@ -119,6 +123,156 @@ def _moe_names(out: Dict[str, TensorSlot], c: DecoderConfig, lp: Tuple, linear) 
             linear(bp + (m.shared_name, proj), c.mlp_bias)
         if m.shared_expert_gated:
             linear(bp + ("shared_expert_gate",), False)
+
+
+def fused_expert_names(config: DecoderConfig) -> Dict[str, TensorSlot]:
+    """gpt_oss: the names `fuse_linearized_experts` gives its fused stacks, as a Linear's ->
+    "<P>.experts.gate_up_proj.weight" / ".bias" (and down_proj's) -> the stacked kernel [E, in, out] as is (no
+    transpose) and the bias [E, out]. {} for other families."""
+    m = config.moe
+    if m is None or not m.fused_gate_up:
+        return {}
+    out: Dict[str, TensorSlot] = {}
+    for i in range(config.num_layers):
+        if not config.moe_layers[i]:
+            continue
+        xp = ("model", "layers", i, m.block_name, "experts")
+        for proj in m.projections[1:]:
+            base = ".".join(str(p) for p in xp + (proj,))
+            out[base + ".weight"] = TensorSlot(xp + (proj, "kernel"))
+            if m.expert_bias:
+                out[base + ".bias"] = TensorSlot(xp + (proj, "bias"))
+    return out
+
+
+#: QArray strategies whose leaves (codes, scale, zero point, offset) hold one row per output feature (axis 0 of a
+#: Flax kernel [in, out]: the leaves' leading axis), so rows of two such arrays interleave exactly.
+_ROW_STRATEGIES = ("channel", "group", "tensor_group")
+
+
+def _interleave_rows(gate: QArray, up: QArray, where: str) -> QArray:
+    """The QArray of the kernel [K, 2N] whose column 2j is gate's column j and 2j+1 up's (gpt_oss's interleaved
+    gate_up): every per-row leaf interleaved along its leading axis (bytes copied, nothing decoded); per-tensor
+    leaves (a "tensor" scale, a tensor_group global scale) must be equal in gate and up."""
+    s = gate.scheme
+    if (s, gate.shape, gate.axis, gate.dtype) != (up.scheme, up.shape, up.axis, up.dtype) or gate.ndim != 2 \
+            or gate.axis != 0:
+        raise ModelError(f"{where}: gate_proj and up_proj must be packed alike (same scheme, [in, out] along axis "
+                         f"0) to fuse into gate_up_proj; found {gate!r} and {up!r}")
+    block_rows = s.strategy == "block" and tuple(s.block)[0] == 1
+    if s.strategy not in _ROW_STRATEGIES + ("tensor",) and not block_rows:
+        raise ModelError(f"{where}: strategy {s.strategy!r} (block {s.block}) scales span output rows, so gate_proj "
+                         f"and up_proj cannot be interleaved into gpt_oss's fused gate_up_proj exactly; supported: "
+                         f"{', '.join(_ROW_STRATEGIES)}, tensor (equal scales), block with one-row blocks")
+
+    def rows(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        return np.stack([a, b], axis=1).reshape((2 * a.shape[0],) + a.shape[1:])
+
+    def same(a, b, what):
+        if not np.array_equal(np.asarray(a), np.asarray(b)):
+            raise ModelError(f"{where}: gate_proj and up_proj have different {what}s ({np.asarray(a).ravel()[:4]} "
+                             f"vs {np.asarray(b).ravel()[:4]}); gpt_oss's fused gate_up_proj holds one")
+        return np.asarray(a)
+
+    per_tensor_scale = s.strategy == "tensor"
+    scale = same(gate.scale, up.scale, "per-tensor scale") if per_tensor_scale else rows(gate.scale, up.scale)
+    zp = None if gate.zero_point is None else (same(gate.zero_point, up.zero_point, "per-tensor zero point")
+                                               if per_tensor_scale else rows(gate.zero_point, up.zero_point))
+    gs = None if gate.global_scale is None else same(gate.global_scale, up.global_scale, "global scale")
+    off = None if gate.offset is None else rows(gate.offset, up.offset)
+    return QArray(rows(gate.codes, up.codes), scale, zp, gs, scheme=s, shape=(gate.shape[0], 2 * gate.shape[1]),
+                  dtype=gate.dtype, axis=0, offset=off)
+
+
+def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping[str, Any]]
+                            ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, List[str]]]:
+    """gpt_oss: per-expert Linear modules (llm-compressor's linearized names "<P>.experts.{e}.gate_proj" /
+    "up_proj" / "down_proj", each {"weight": QArray [in, out] along axis 0, or a dense torch [out, in] array;
+    "bias"?: [out]}) -> the fused stacks of the model, "<P>.experts.gate_up_proj" and "<P>.experts.down_proj"
+    (`fused_expert_names`), each {"weight": [E, in, out], "bias"?: [E, out]}:
+
+        gate_up[e][:, 2j] = gate_e[:, j],  gate_up[e][:, 2j + 1] = up_e[:, j],  down[e] = down_e
+
+    gpt_oss's interleaved gate / up columns (transformers' `gate_up[..., ::2]` / `[..., 1::2]`). Packed weights stay
+    packed: the QArray leaves' rows are interleaved and stacked along a new leading expert axis into jax arrays
+    (codes and scales copied byte for byte, a `qformats.nn.QExperts` stack); dense weights are transposed and
+    interleaved. Returns (modules with the per-expert entries replaced, fused module -> the per-expert modules it
+    came from). Other families, and layers whose experts are stored fused already, are returned unchanged.
+
+    Raises ModelError naming the module: some but not all 3·E per-expert modules of a layer, tensors other than
+    weight / bias, packed and dense experts mixed, experts packed differently, or a packed layout whose rows
+    cannot interleave exactly (`_interleave_rows`)."""
+    m = config.moe
+    out = {k: dict(v) for k, v in modules.items()}
+    sources: Dict[str, List[str]] = {}
+    if m is None or not m.fused_gate_up:
+        return out, sources
+    e_n = m.num_experts
+    for i in range(config.num_layers):
+        if not config.moe_layers[i]:
+            continue
+        base = f"model.layers.{i}.{m.block_name}.experts"
+        want = [f"{base}.{e}.{p}" for e in range(e_n) for p in ("gate_proj", "up_proj", "down_proj")]
+        have = [n for n in want if n in out]
+        stray = sorted(n for n in out if n.startswith(base + ".") and n not in want
+                       and n.split(".")[len(base.split("."))].isdigit())
+        if stray:
+            raise ModelError(f"{base}: per-expert modules {stray[:4]} are not gpt_oss experts (expected "
+                             f"experts 0..{e_n - 1} with gate_proj, up_proj, down_proj)")
+        if not have:
+            continue
+        if len(have) != len(want):
+            miss = [n for n in want if n not in out]
+            raise ModelError(f"{base}: {len(miss)} of its {len(want)} per-expert modules missing: {miss[:6]}")
+        for n in want:
+            extra = sorted(set(out[n]) - {"weight", "bias"})
+            if extra or "weight" not in out[n] or (("bias" in out[n]) != m.expert_bias):
+                raise ModelError(f"{n}: expected tensors weight{' and bias' if m.expert_bias else ''} (a gpt_oss "
+                                 f"expert), found {sorted(out[n])}")
+        packed = {isinstance(out[n]["weight"], QArray) for n in want}
+        if len(packed) != 1:
+            raise ModelError(f"{base}: some experts are packed, others dense; expected all of one kind")
+        fused_gu, fused_dn, bias_gu, bias_dn = [], [], [], []
+        for e in range(e_n):
+            g, u, d = (out.pop(f"{base}.{e}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
+            if True in packed:
+                fused_gu.append(_interleave_rows(g["weight"], u["weight"], f"{base}.{e}"))
+                fused_dn.append(d["weight"])
+            else:
+                gt, ut = np.asarray(g["weight"]).T, np.asarray(u["weight"]).T  # [in, out]
+                if gt.shape != ut.shape:
+                    raise ModelError(f"{base}.{e}: gate_proj {gt.shape[::-1]} and up_proj {ut.shape[::-1]} differ")
+                fused_gu.append(np.stack([gt, ut], axis=2).reshape(gt.shape[0], 2 * gt.shape[1]))
+                fused_dn.append(np.asarray(d["weight"]).T)
+            if m.expert_bias:
+                gb, ub = np.asarray(g["bias"]), np.asarray(u["bias"])
+                if gb.shape != ub.shape or gb.ndim != 1:
+                    raise ModelError(f"{base}.{e}: gate_proj bias {gb.shape} and up_proj bias {ub.shape}: expected "
+                                     f"two [out] vectors")
+                bias_gu.append(np.stack([gb, ub], axis=1).reshape(-1))
+                bias_dn.append(np.asarray(d["bias"]))
+        for proj, parts, biases in (("gate_up_proj", fused_gu, bias_gu), ("down_proj", fused_dn, bias_dn)):
+            name = f"{base}.{proj}"
+            if True in packed:
+                metas = {(q.scheme, q.shape, q.axis, q.dtype) for q in parts}
+                if len(metas) != 1:
+                    raise ModelError(f"{name}: the experts' packed weights differ in scheme or shape: "
+                                     f"{sorted(map(str, metas))[:3]}")
+                w = jax.tree.map(lambda *leaves: jnp.asarray(np.stack([np.asarray(x) for x in leaves])), *parts)
+            else:
+                if len({p.shape for p in parts}) != 1:
+                    raise ModelError(f"{name}: the experts' weights differ in shape: "
+                                     f"{sorted({p.shape for p in parts})}")
+                w = np.stack(parts)
+            out[name] = {"weight": w}
+            if biases:
+                if len({b.shape for b in biases}) != 1:
+                    raise ModelError(f"{name}: the experts' biases differ in shape")
+                out[name]["bias"] = np.stack(biases)
+            sources[name] = [f"{base}.{e}.{p}" for e in range(e_n)
+                             for p in (("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",))]
+    return out, sources
 
 
 def module_path(hf_module: str) -> str:

@@ -42,12 +42,17 @@ def _config():
                     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
 
 
-def _tensors(seed=0):
+def _tensors(seed=0, runnable=False):
     """A tiny gpt-oss MXFP4 state dict written by hand following transformers' reader: random codes (every byte),
-    E8M0 scales 100..140 plus a few edge bytes (2, 254; 0 only with zero codes)."""
+    E8M0 scales 100..140 plus a few edge bytes (2, 254; 0 only with zero codes). `runnable`: scales 119..123 only
+    (weights up to 6 * 2^-4), a model whose activations stay finite, and a final norm and lm_head
+    scaled up for a spread of logits."""
     rng = np.random.default_rng(seed)
     bf = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32) * 0.05).to(torch.bfloat16)  # noqa
     t = {"model.embed_tokens.weight": bf(V, H), "model.norm.weight": bf(H), "lm_head.weight": bf(V, H)}
+    if runnable:  # a spread of logits, so that greedy decoding does not repeat one token
+        t["model.norm.weight"] = t["model.norm.weight"] * 20 + 1
+        t["lm_head.weight"] = t["lm_head.weight"] * 20
     for n in range(LAYERS):
         p = f"model.layers.{n}."
         t[p + "input_layernorm.weight"] = bf(H)
@@ -60,10 +65,12 @@ def _tensors(seed=0):
         x = EXPERTS.format(n) + "."
         for proj, rows, cols in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
             blocks = rng.integers(0, 256, (E, rows, cols // 32, 16), dtype=np.uint8)
-            scales = rng.integers(100, 141, (E, rows, cols // 32), dtype=np.uint8)
-            scales[0, 0, 0], scales[0, 1, 0] = 2, 254
-            scales[0, 2, 0] = 0
-            blocks[0, 2, 0] = 0x88  # -0 in both nibbles: 2^-127 (a float32 subnormal) times -0
+            scales = rng.integers(119, 124, (E, rows, cols // 32), dtype=np.uint8) if runnable else \
+                rng.integers(100, 141, (E, rows, cols // 32), dtype=np.uint8)
+            if not runnable:
+                scales[0, 0, 0], scales[0, 1, 0] = 2, 254
+                scales[0, 2, 0] = 0
+                blocks[0, 2, 0] = 0x88  # -0 in both nibbles: 2^-127 (a float32 subnormal) times -0
             t[x + f"{proj}_blocks"] = torch.from_numpy(blocks)
             t[x + f"{proj}_scales"] = torch.from_numpy(scales)
         t[x + "gate_up_proj_bias"], t[x + "down_proj_bias"] = bf(E, 2 * I), bf(E, H)
@@ -206,6 +213,20 @@ def _broken(tmp_path, edit, config=None):
     (lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.weight_blocks",
                              torch.zeros((4, 2, 16), dtype=torch.uint8)), "supported only as gpt-oss's"),
     (lambda t: t.pop(f"{EXPERTS.format(0)}.gate_up_proj_bias"), "gate_up_proj_bias"),
+    # wrong dtypes / ranks, named with the expected layout
+    (lambda t: t.__setitem__(f"{EXPERTS.format(1)}.gate_up_proj_blocks",
+                             t[f"{EXPERTS.format(1)}.gate_up_proj_blocks"].view(torch.int8)),
+     r"tensor 'model.layers.1.mlp.experts.gate_up_proj_blocks': expected U8 \[E, 2\*inter, hidden/32, 16\], found I8"),
+    (lambda t: t.__setitem__(f"{EXPERTS.format(1)}.gate_up_proj_blocks",
+                             t[f"{EXPERTS.format(1)}.gate_up_proj_blocks"].reshape(E, 2 * I, H // 2)),
+     r"gate_up_proj_blocks': expected U8 \[E, 2\*inter, hidden/32, 16\], found U8 \[4, 128, 32\]"),
+    (lambda t: t.__setitem__(f"{EXPERTS.format(0)}.down_proj_scales",
+                             t[f"{EXPERTS.format(0)}.down_proj_scales"].float()),
+     r"tensor 'model.layers.0.mlp.experts.down_proj_scales': expected U8 \[4, 64, 2\], found F32"),
+    (lambda t: t.__setitem__(f"{EXPERTS.format(0)}.down_proj_bias", torch.zeros((E, H), dtype=torch.int32)),
+     r"expected a float bias|down_proj_bias': expected BF16"),
+    (lambda t: t.__setitem__(f"{EXPERTS.format(0)}.gate_up_proj_bias", torch.zeros((E, I), dtype=torch.bfloat16)),
+     r"tensor 'model.layers.0.mlp.experts.gate_up_proj_bias': expected BF16 \[4, 128\], found BF16 \[4, 64\]"),
 ])
 def test_malformed_checkpoints_are_refused_by_name(tmp_path, edit, message):
     d = _broken(tmp_path, edit)
@@ -253,3 +274,35 @@ def test_convert_writes_mxfp4_pack_quantized_per_expert(ckpt, tmp_path):
         for p, ref in (("gate_proj", gu[e][:, 0::2].T), ("up_proj", gu[e][:, 1::2].T), ("down_proj", dn[e].T)):
             d = dec[f"{x}.{e}.{p}"]
             assert d.dtype == torch.bfloat16 and torch.equal(d.view(torch.int16), ref.contiguous().view(torch.int16))
+
+
+def test_convert_copies_subnormal_groups_that_running_refuses(tmp_path):
+    """Groups whose values are float32 subnormals (scale byte 0 or 1) cannot be run exactly by XLA:CPU (refused by
+    load_causal_lm, naming the tensor), but their bytes convert as they are: compressed-tensors' decompression of
+    the result equals transformers' dequantization bit for bit, subnormals included."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ct_oracle import decompress_dir
+
+    from converters.pipelines.causal_lm import load_causal_lm
+    from converters.pipelines.convert_quantized import convert_quantized
+
+    t = _tensors()
+    x = EXPERTS.format(0)
+    t[f"{x}.gate_up_proj_scales"][1, 4, 0] = 0
+    t[f"{x}.gate_up_proj_blocks"][1, 4, 0] = 0x7F  # 6 and -6 times 2^-127
+    t[f"{x}.down_proj_scales"][2, 3, 1] = 1
+    t[f"{x}.down_proj_blocks"][2, 3, 1] = 0x19  # 0.5 * 2^-126 and -0.5 * 2^-126
+    src = _write(tmp_path / "sub", t)
+    with pytest.raises(CheckpointError, match=rf"tensor '{x}.gate_up_proj_scales': E8M0 scale 0 .* subnormal"):
+        load_causal_lm(src, tokenizer=False)
+    out = convert_quantized(src, tmp_path / "ct")
+    got = load_file(str(out / "model.safetensors"))
+    assert torch.equal(got[f"{x}.1.gate_proj.weight_scale"], t[f"{x}.gate_up_proj_scales"][1, 0::2])
+    dec = decompress_dir(out)
+    gu = convert_moe_packed_tensors(t[f"{x}.gate_up_proj_blocks"], t[f"{x}.gate_up_proj_scales"], dtype=torch.bfloat16)
+    dn = convert_moe_packed_tensors(t[f"{x}.down_proj_blocks"], t[f"{x}.down_proj_scales"], dtype=torch.bfloat16)
+    assert gu[1][:, 0::2].T[2, :2].abs().min() > 0  # expert 1's gate row 2 = stored row 4: subnormal, not flushed
+    for e, p, ref in ((1, "gate_proj", gu[1][:, 0::2].T), (2, "down_proj", dn[2].T)):
+        d = dec[f"{x}.{e}.{p}"]
+        assert torch.equal(d.view(torch.int16), ref.contiguous().view(torch.int16)), (e, p)
