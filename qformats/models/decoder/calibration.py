@@ -25,7 +25,13 @@ leaves the weights float until saving, which is propagate="float" here. Static a
 NVFP4 input observer `static_minmax` (max |x| over every calibration token); the KV-cache ranges too (its own
 default for `kv_cache_scheme` is the moving-average `minmax`, which depends on the sample order).
 
-So only one layer's activations (its inputs and outputs for every sample) and its seven Hessians are alive at
+Mixture-of-experts layers (qwen2_moe, qwen3_moe, mixtral): the attention's and the shared expert's projections as
+above; the router and the shared expert's gate stay float; every expert's gate / up / down is quantized like its own
+Linear with its own H, recorded with llm-compressor's `moe_calibrate_all_experts` semantics by default (every token
+through every expert for the statistics, the routed experts only for the layer's output: `MOE_STATISTICS`), and the
+stack becomes a `QExperts`.
+
+So only one layer's activations (its inputs and outputs for every sample) and its Hessians are alive at
 once: peak memory grows with one layer, not with the model. Samples of different lengths are right-padded to
 a bucket length and padding rows are zeroed at every projection's input, so they add nothing to H (causal
 attention: a real position never sees a padded one, so the real tokens' activations are those of the
@@ -63,7 +69,7 @@ from qformats.plan import check_fits
 from qformats.observers import get_observer
 from qformats.schemes import SchemeSet
 
-__all__ = ["PROJECTIONS", "MOE_STATISTICS", "expert_moments", "quantized_paths", "moe_ignored", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder", "awq_transform",
+__all__ = ["PROJECTIONS", "MOE_STATISTICS", "expert_moments", "quantized_paths", "moe_ignored", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "MOE_SMOOTHQUANT_MAPPINGS", "calibrate_decoder", "awq_transform",
            "smoothquant_transform"]
 
 PROJECTIONS = ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self_attn/o_proj",
@@ -223,8 +229,19 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         seconds under the same name + " cpu" (compilations included: each phase waits for its results before
         the clock is read, so the figures add up to the call's time).
       log: progress messages.
+      moe_statistics: mixture-of-experts layers (`MOE_STATISTICS`): "all" (default, llm-compressor 0.14's
+        `moe_calibrate_all_experts=True`): in the calibration pass every real token goes through every expert for
+        the statistics (expert e's gate / up H = the block input's E[x x^T], its down H = E[a_e a_e^T] over all
+        tokens, `expert_moments`) while the layer's output, and so what the next layer sees, uses the routed
+        experts only; "routed": each expert's statistics over the tokens routed to it, an expert that receives
+        none is a ModelError naming layer and expert; "routed-or-all": such an expert takes the all-token
+        statistics instead. Each expert is then quantized like a Linear with its H (`_quantize_experts`); routers
+        and the shared expert's gate stay float.
+      moe_record: optional list; per sparse layer one dict {"layer", "statistics", "tokens" (routed real tokens per
+        expert), "h_in", "h_mid" (and "h_in_all", "h_mid_all")}: the `expert_moments` sums (not divided).
 
-    Returns {"layers": L, "searched": projections whose search won, "projections": 7 L, "tokens": n}.
+    Returns {"layers": L, "searched": projections whose search won, "projections": quantized projections (each
+    expert's three counted apart), "tokens": n}.
 
     Raises:
       ModelError: a scheme that does not fit a projection, a bad weight_search / propagate, no samples, or a
@@ -715,6 +732,10 @@ def _awq_mappings(layer, index: int) -> List[AWQMapping]:
     """The mappings that apply to this layer: v_proj -> o_proj is dropped when v_proj's output size differs from
     o_proj's input size (llm-compressor's `_check_layers_are_compatible`)."""
     where = f"model/layers/{index}"
+    if _moe_block(layer) is not None:
+        raise ModelError(f"{where}: AWQ on a mixture-of-experts layer is not supported (llm-compressor's MoE mappings "
+                         "balance the router and every expert's gate / up against post_attention_layernorm, and each "
+                         "expert's up_proj against its down_proj; not implemented here): use GPTQ or SmoothQuant")
     for mod in ("self_attn", "mlp"):
         if getattr(_get(layer, mod), "rotations", None) is not None:
             raise ModelError(f"{where}/{mod}: AWQ cannot scale projections that carry online rotations")
@@ -816,6 +837,10 @@ SMOOTHQUANT_MAPPINGS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("post_attention_layernorm", ("mlp/gate_proj", "mlp/up_proj")),
 )
 """(norm, projections reading its output) of a decoder layer: llm-compressor's DEFAULT_SMOOTHQUANT_MAPPINGS."""
+MOE_SMOOTHQUANT_MAPPINGS: Tuple[Tuple[str, Tuple[str, ...]], ...] = SMOOTHQUANT_MAPPINGS[:1]
+"""The attention's mapping only: llm-compressor's QWEN_MOE_SMOOTHQUANT_MAPPINGS / MIXTRAL_SMOOTHQUANT_MAPPINGS (one
+smoothing scale across all experts unbalances them, so post_attention_layernorm is not smoothed), on every layer of
+a mixture-of-experts model."""
 
 
 class _RangeTap(nnx.Module):
@@ -839,21 +864,25 @@ class _RangeTap(nnx.Module):
 @nnx.jit
 def _range_pass(layer, x, valid, cos, sin, mask):
     """Records the mapped norms' output ranges; returns nothing, so XLA drops what they do not need (the MLP)."""
-    for norm, _ in SMOOTHQUANT_MAPPINGS:
-        getattr(layer, norm).valid.set_value(valid)
+    for _, m in nnx.iter_modules(layer):
+        if isinstance(m, _RangeTap):
+            m.valid.set_value(valid)
     layer(x, cos, sin, mask)
 
 
-def smoothquant_transform(alpha: float) -> Callable:
+def smoothquant_transform(alpha: float, moe: Optional[bool] = None) -> Callable:
     """A `calibrate_decoder` transform: per decoder layer, one float pass over the calibration batches records each
-    mapped norm's output range (`SMOOTHQUANT_MAPPINGS`), then the SmoothQuant factors
+    mapped norm's output range (`SMOOTHQUANT_MAPPINGS`; `MOE_SMOOTHQUANT_MAPPINGS` on every layer when `moe`, and
+    on a sparse layer when `moe` is None), then the SmoothQuant factors
     (`qformats.algorithms.smoothquant.smoothing_scales`) are folded into the norm and its projections (float
     nnx.Linear kernels and the norm's weight: `smoothquant.fold_scales`)."""
     alpha = smoothquant.check_alpha(alpha)
 
     def transform(layer, index: int, xs, valid, layer_inputs) -> None:
+        sparse = _moe_block(layer) is not None if moe is None else moe
+        mappings = MOE_SMOOTHQUANT_MAPPINGS if sparse else SMOOTHQUANT_MAPPINGS
         norms = {}
-        for norm, _ in SMOOTHQUANT_MAPPINGS:
+        for norm, _ in mappings:
             inner = getattr(layer, norm)
             norms[norm] = inner
             setattr(layer, norm, _RangeTap(inner, int(inner.weight.get_value().shape[0])))
@@ -864,7 +893,7 @@ def smoothquant_transform(alpha: float) -> Callable:
         finally:
             for n, inner in norms.items():
                 setattr(layer, n, inner)
-        for norm, projs in SMOOTHQUANT_MAPPINGS:
+        for norm, projs in mappings:
             lins = [_get(layer, p) for p in projs]
             for p, lin in zip(projs, lins):
                 if not isinstance(lin, nnx.Linear):
