@@ -79,9 +79,9 @@ def _samples(n, lo, hi, seed=1):
     return [rng.integers(0, 256, int(rng.integers(lo, hi))).astype(np.int32) for _ in range(n)]
 
 
-def _hf_block_inputs(hf, samples, block: str):
+def _hf_block_inputs(hf, samples):
     """transformers' layer-0 MoE block inputs for every sample (each run alone, unpadded) and its router's choice."""
-    mlp = getattr(hf.model.layers[0], block)
+    mlp = hf.model.layers[0].mlp  # transformers 5 names the block "mlp" in memory (mixtral too)
     seen = []
     h = mlp.register_forward_pre_hook(lambda mod, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
     with torch.no_grad():
@@ -116,7 +116,7 @@ def test_calibration_statistics_and_codes_follow_transformers(arch, tmp_path):
     floats = _expert_weights(tmp_path / "src", block, c.projections, c.num_experts)
     rec = []
     calibrate_decoder(model, samples, SCHEME, moe_statistics="routed-or-all", moe_record=rec, guard=False)
-    x, idx = _hf_block_inputs(hf, samples, block)
+    x, idx = _hf_block_inputs(hf, samples)
     valid = np.ones(len(x), np.float32)
     all_in, all_mid, tokens = _naive(x, valid, idx, floats[0], floats[1], c, routed=False)
     r_in, r_mid, _ = _naive(x, valid, idx, floats[0], floats[1], c, routed=True)
