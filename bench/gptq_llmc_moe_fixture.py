@@ -82,7 +82,12 @@ def tiny_qwen3_moe(seed: int = 0) -> dict:
     return {k: np.asarray(a, np.float32) for k, a in t.items()}
 
 
-def tiny_samples() -> list:
+def tiny_samples(kind: str = "varied") -> list:
+    """"varied": the dense fixture's 12 sequences of 3..47 tokens; "single": 96 one-token samples (default_rng(2)),
+    whose attention output is v itself whatever the positions and mask (see BENCHMARKS.md, MoE section)."""
+    if kind == "single":
+        rng = np.random.default_rng(2)
+        return [rng.integers(3, CONFIG["vocab_size"], 1).astype(np.int32) for _ in range(96)]
     return _dense().tiny_samples()
 
 
@@ -139,12 +144,15 @@ np.savez(out, **res)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llmc-python", default="/work/oneshot/bin/python")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "qformats" / "models" /
-                                         "decoder" / "data" / "gptq_llmc_moe_tiny.npz"))
+    ap.add_argument("--samples", choices=("varied", "single"), default="varied")
+    ap.add_argument("--out", default=None, help="default: tests/qformats/models/decoder/data/"
+                                                "gptq_llmc_moe_tiny[_single].npz")
     a = ap.parse_args()
+    a.out = a.out or str(Path(__file__).resolve().parents[1] / "tests" / "qformats" / "models" / "decoder" / "data" /
+                         f"gptq_llmc_moe_tiny{'_single' if a.samples == 'single' else ''}.npz")
     dense = _dense()
     tensors = tiny_qwen3_moe()
-    samples = tiny_samples()
+    samples = tiny_samples(a.samples)
     with tempfile.TemporaryDirectory() as d:
         src = write_checkpoint(Path(d) / "tiny", tensors)
         ids = Path(d) / "ids.json"
