@@ -387,7 +387,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                 unexpected.append(n)
         for n, slot in slots.items():
             if n in names:
-                want = tuple(resolve_path(model, slot.path).get_value().shape)
+                want = tuple(resolve_path(model, slot.path).get_value().shape)[(0 if slot.expert is None else 1):]
                 want = want[::-1] if slot.transpose else want
                 if tuple(ck.info(n).shape) != want:
                     bad.append(f"{n} (shape {tuple(ck.info(n).shape)}, expected {want})")

@@ -16,11 +16,11 @@ test_decoder_gptq_llmc.py). Measured when the fixtures were made (BENCHMARKS.md,
     heads sharing a KV head give o_proj identical input columns, i.e. exactly tied diag(H) entries, which torch's
     unstable argsort orders differently: the documented actorder caveat); layer 1 87-97% (layer 0's differences
     propagated). Bounds: layer-0 experts and q/k/v >= 99%, the rest >= 70%.
-  "varied": layer 0's q/k/v 100%, its o_proj 74% and experts 68-92%: on multi-token samples llm-compressor's layer-0
-    o_proj input differs from transformers' own forward on the same samples (their H from transformers 5.17 and
-    5.24 agree exactly, and GPTQ with it gives our codes: 74.3% against llm-compressor's too), so every later
-    statistic differs; the cause inside llm-compressor's pipeline is not known. Bounds: q/k/v of layer 0 >= 99%,
-    the rest >= 60%.
+  "varied": layer 0's q/k/v 100%, its o_proj 74% and experts 68-92%: llm-compressor's calibration forward of this
+    Qwen3-MoE attends without the causal mask (GPTQ with o_proj's H from transformers' own forward with the causal
+    mask removed gives exactly its layer-0 o_proj codes, 100%; with the mask, transformers 5.17 and 5.24 agree with
+    ours), so every later statistic differs. Ours keeps the causal attention the model computes. Bounds: q/k/v of
+    layer 0 >= 99%, the rest >= 60%.
 """
 
 import importlib.util
