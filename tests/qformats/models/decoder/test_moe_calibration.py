@@ -181,7 +181,7 @@ def test_routed_statistics_refuse_an_expert_without_tokens(tmp_path):
         calibrate_decoder(model, samples, SCHEME, moe_statistics="routed")
 
 
-@pytest.mark.slow  # ~25 s on the loaded 2-core machine
+@pytest.mark.slow  # ~80 s on the loaded 2-core machine
 def test_qwen2_moe_shared_expert_and_dense_layers_calibrated(tmp_path):
     """qwen2_moe: the shared expert's projections are calibrated QLinears, the router and the shared expert's gate
     stay float, the dense layer (mlp_only_layers) is calibrated as in a dense decoder; the output stays close."""
@@ -226,3 +226,29 @@ def test_refusals(tmp_path):
     model, _, _ = load_causal_lm(tmp_path / "g", tokenizer=False)
     with pytest.raises(ModelError, match="fused interleaved gate_up_proj"):
         calibrate_decoder(model, samples, SCHEME)
+
+
+@pytest.mark.slow  # ~60 s on the loaded 2-core machine: one calibration of a one-layer model
+def test_smoothquant_w8a8_on_moe_smooths_the_attention_only(tmp_path):
+    """SmoothQuant on an MoE layer follows llm-compressor's Qwen-MoE / Mixtral mappings: input_layernorm -> q/k/v
+    smoothed, post_attention_layernorm (feeding the router and every expert) left alone; W8A8's dynamic per-token
+    activation quantization is kept on the experts, and the output stays close to the float model's."""
+    from converters.pipelines.causal_lm import load_causal_lm
+    from qformats.models.decoder.calibration import smoothquant_transform
+
+    moe_tiny.write_checkpoint("qwen3_moe", tmp_path / "src", num_hidden_layers=1)
+    model, _, _ = load_causal_lm(tmp_path / "src", tokenizer=False)
+    ids = jnp.asarray(moe_tiny.ids(1, 12))
+    ref = model(ids)
+    ref = np.asarray(ref[0] if isinstance(ref, tuple) else ref)
+    layer = model.model.layers[0]
+    pre = np.asarray(layer.input_layernorm.weight.get_value())
+    post = np.asarray(layer.post_attention_layernorm.weight.get_value())
+    calibrate_decoder(model, _samples(4, 8, 24), "W8A8", transform=smoothquant_transform(0.5), guard=False)
+    assert not np.array_equal(np.asarray(layer.input_layernorm.weight.get_value()), pre)
+    np.testing.assert_array_equal(np.asarray(layer.post_attention_layernorm.weight.get_value()), post)
+    gp = layer.mlp.experts.gate_proj
+    assert isinstance(gp, QExperts) and gp.schemes.input_activations.dynamic is True
+    out = model(ids)
+    out = np.asarray(out[0] if isinstance(out, tuple) else out)
+    assert np.all(np.isfinite(out)) and np.corrcoef(out.ravel(), ref.ravel())[0, 1] > 0.99
