@@ -100,7 +100,7 @@ def _expert_weights(path, block, names, n):
     return stack(g), stack(u), stack(dn)
 
 
-@pytest.mark.slow  # ~40 s on the loaded 2-core machine: two calibrations of a one-layer model and a transformers run
+@pytest.mark.slow  # 50-80 s on the loaded 2-core machine: two calibrations of a one-layer model, a transformers run
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_calibration_statistics_and_codes_follow_transformers(arch, tmp_path):
     """Layer 0's expert statistics recorded by `calibrate_decoder` equal the naive per-expert sums over transformers'
@@ -181,7 +181,7 @@ def test_routed_statistics_refuse_an_expert_without_tokens(tmp_path):
         calibrate_decoder(model, samples, SCHEME, moe_statistics="routed")
 
 
-@pytest.mark.slow  # ~80 s on the loaded 2-core machine
+@pytest.mark.slow  # ~80 s on the loaded 2-core machine: one calibration of a three-layer model
 def test_qwen2_moe_shared_expert_and_dense_layers_calibrated(tmp_path):
     """qwen2_moe: the shared expert's projections are calibrated QLinears, the router and the shared expert's gate
     stay float, the dense layer (mlp_only_layers) is calibrated as in a dense decoder; the output stays close."""
