@@ -84,3 +84,30 @@ def test_cli_routed_statistics_refuse_empty_experts_and_awq(tmp_path, capsys):
         from converters.pipelines.calibrate import quantize_calibrated_lm
 
         quantize_calibrated_lm(src, tmp_path / "d2", "W4A16:g16", ids, awq=True)
+
+
+@pytest.mark.slow  # ~60 s on the loaded 2-core machine: one calibration of a two-layer model
+def test_in_memory_path_qwen2_moe_with_static_kv_cache(tmp_path):
+    """A static FP8 KV cache takes the in-memory path (`save_compressed` with the per-expert name map): qwen2_moe's
+    experts and shared expert quantized, routers and shared-expert gates dense and ignored, k/v scales calibrated,
+    and the checkpoint loads back packed."""
+    from converters.pipelines.calibrate import quantize_calibrated_lm
+    from qformats.nn import QLinear
+
+    src = tmp_path / "src"
+    moe_tiny.write_checkpoint("qwen2_moe", src, num_hidden_layers=2)
+    ids = tmp_path / "c.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 256, 300).astype(np.int32))
+    r = quantize_calibrated_lm(src, tmp_path / "dst", "W4A16:g16", ids, kv_cache="fp8", seq_len=40,
+                               calibration_tokens=150)
+    assert r["projections"] == 2 * (4 + 3 + 3 * 10)
+    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    assert set(qc["ignore"]) == {"lm_head"} | {f"model.layers.{i}.mlp.{m}" for i in range(2)
+                                               for m in ("gate", "shared_expert_gate")}
+    assert qc["kv_cache_scheme"]["dynamic"] is False
+    back, _, _ = load_causal_lm(tmp_path / "dst", tokenizer=False)
+    for i in range(2):
+        assert isinstance(back.model.layers[i].mlp.experts.down_proj, QExperts)
+        assert isinstance(back.model.layers[i].mlp.shared_expert.down_proj, QLinear)
+    out = back(np.asarray(moe_tiny.ids(1, 8)))
+    assert np.all(np.isfinite(np.asarray(out[0] if isinstance(out, tuple) else out)))
