@@ -233,8 +233,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                              transform=transform, kv_cache=kv_cache, between_phases=between_phases, timings=timings,
                              guard=guard, moe_statistics=moe_statistics, log=log)
     t2 = time.perf_counter()
+    # an expert's slice of a stacked parameter carries its index
     names = {n: ("/".join(str(p) for p in slot.path), slot.transpose) + (() if slot.expert is None else (slot.expert,))
-             for n, slot in hf_tensor_names(model.config).items()}  # an expert's slice of a stacked parameter: its index
+             for n, slot in hf_tensor_names(model.config).items()}
     names.update(kv_scale_name_map(model))
     from qformats.models.decoder.calibration import moe_ignored
 

@@ -69,8 +69,10 @@ from qformats.plan import check_fits
 from qformats.observers import get_observer
 from qformats.schemes import SchemeSet
 
-__all__ = ["PROJECTIONS", "MOE_STATISTICS", "expert_moments", "quantized_paths", "moe_ignored", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "MOE_SMOOTHQUANT_MAPPINGS", "calibrate_decoder", "awq_transform",
-           "smoothquant_transform"]
+__all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder", "awq_transform",
+           "smoothquant_transform",
+           # mixture-of-experts layers
+           "MOE_STATISTICS", "MOE_SMOOTHQUANT_MAPPINGS", "expert_moments", "quantized_paths", "moe_ignored"]
 
 PROJECTIONS = ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self_attn/o_proj",
                "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
@@ -550,7 +552,8 @@ class _CalibMoE(nnx.Module):
         shapes = jax.eval_shape(functools.partial(expert_moments, cfg=c, statistics=statistics),
                                 jax.ShapeDtypeStruct((1, d), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
                                 jax.ShapeDtypeStruct((1, c.top_k), jnp.int32),
-                                getattr(block.experts, g).kernel.get_value(), getattr(block.experts, u).kernel.get_value())
+                                getattr(block.experts, g).kernel.get_value(),
+                                getattr(block.experts, u).kernel.get_value())
         self.sums = CalibStat({k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()} if record else {})
 
     def __call__(self, x):
@@ -619,7 +622,8 @@ def _quantize_experts(layer, stats: Dict[str, jax.Array], ss: SchemeSet, weight_
             empty = [e for e in range(n) if counts[e] == 0]
             if empty and statistics == "routed":
                 raise ModelError(f"{where}/{name}/experts: expert{'s' if len(empty) > 1 else ''} "
-                                 f"{', '.join(map(str, empty))} of {n} received no calibration tokens under routed-only "
+                                 f"{', '.join(map(str, empty))} of {n} received no calibration tokens under "
+                                 f"routed-only "
                                  f"statistics (moe_statistics='routed'); their GPTQ Hessians would be empty. Calibrate "
                                  "every expert on every token (moe_statistics='all', llm-compressor's default), use "
                                  "all tokens for the empty ones (moe_statistics='routed-or-all'), or add samples")

@@ -86,7 +86,7 @@ def test_cli_routed_statistics_refuse_empty_experts_and_awq(tmp_path, capsys):
         quantize_calibrated_lm(src, tmp_path / "d2", "W4A16:g16", ids, awq=True)
 
 
-@pytest.mark.slow  # ~60 s on the loaded 2-core machine: one calibration of a two-layer model
+@pytest.mark.slow  # ~110 s on the loaded 2-core machine: one calibration of a two-layer model
 def test_in_memory_path_qwen2_moe_with_static_kv_cache(tmp_path):
     """A static FP8 KV cache takes the in-memory path (`save_compressed` with the per-expert name map): qwen2_moe's
     experts and shared expert quantized, routers and shared-expert gates dense and ignored, k/v scales calibrated,
