@@ -38,6 +38,10 @@ def add_parser(sub) -> None:
     q.add_argument("--awq", action="store_true",
                    help="with --calibrate SRC DST (causal LM): AWQ scales (llm-compressor's AWQModifier arithmetic) "
                         "folded into each layer before the weight search (default then: rtn); not with --smooth")
+    q.add_argument("--moe-statistics", choices=("all", "routed", "routed-or-all"), default=None,
+                   help="with --calibrate SRC DST (mixture-of-experts LM): each expert's statistics over every token "
+                        "(all: llm-compressor's moe_calibrate_all_experts default), only its routed tokens (routed: "
+                        "an expert that gets none is an error) or routed with every token for empty experts")
     q.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
                    help="with --calibrate SRC DST (causal LM): SmoothQuant with migration strength ALPHA in [0, 1] "
                         "before the weight search (for W8A8)")
@@ -122,6 +126,8 @@ def _quantize_calibrated_lm(a) -> int:
         kw["seq_len"] = a.seq_len
     if a.dampening is not None:
         kw["dampening_frac"] = a.dampening
+    if a.moe_statistics is not None:
+        kw["moe_statistics"] = a.moe_statistics
     with lean_calibration() as between_phases:
         r = quantize_calibrated_lm(a.paths[0], a.paths[1], a.scheme, a.calibrate, weight_search=search, awq=a.awq,
                                    smooth=a.smooth, overwrite=a.overwrite, kv_cache=a.kv_cache, rotate=a.rotate,

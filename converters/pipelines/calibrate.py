@@ -8,7 +8,8 @@ under the HF tensor names, next to the packaged tokenizer and sentence-transform
 compressed-tensors checkpoint: GPTQ changes the codes, not the format (transformers / vLLM load a W4A16 GPTQ
 checkpoint like an RTN one).
 
-Causal LMs (llama / mistral / qwen2 / qwen3: `quantize_calibrated_lm`): the checkpoint is loaded into the Flax
+Causal LMs (llama / mistral / qwen2 / qwen3, and the qwen2_moe / qwen3_moe / mixtral mixtures of experts, every
+expert calibrated: `quantize_calibrated_lm`): the checkpoint is loaded into the Flax
 decoder (`converters.pipelines.causal_lm`), calibrated layer by layer on samples from a text / jsonl / .npy file
 (`converters.evaluation.calibration_data`, `qformats.models.decoder.calibration`), optionally after SmoothQuant or AWQ scales are
 folded into each layer, and written with `converters.pipelines.flax_io.save_compressed` (lm_head left dense and listed
@@ -116,13 +117,15 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                            awq_n_grid: int = 20,
                            awq_duo_scaling=True, kv_cache=None, rotate: Optional[str] = None,
                            rotate_seed: int = 0, between_phases: Optional[Callable[[], object]] = None,
-                           timings: Optional[dict] = None, log: Callable[[str], None] = lambda m: None) -> dict:
+                           timings: Optional[dict] = None, moe_statistics: str = "all",
+                           log: Callable[[str], None] = lambda m: None) -> dict:
     """Quantize a causal LM's decoder projections with `scheme`, calibrated layer by layer, and write a
     compressed-tensors checkpoint at `dst`. Returns {"layers", "projections", "searched", "tokens", "samples",
     "seconds", "path"}.
 
     Args:
-      src: a dense HF checkpoint directory (llama / mistral / qwen2 / qwen3) or a .gguf file.
+      src: a dense HF checkpoint directory (llama / mistral / qwen2 / qwen3 / qwen2_moe / qwen3_moe / mixtral) or a
+        .gguf file.
       dst: the output directory (atomic write; tokenizer and other files of a directory `src` copied, a .gguf
         file's tokenizer written as tokenizer.json / tokenizer_config.json).
       scheme: a scheme string ("W4A16", "W4A16:g64", "W8A8", ...) for every projection; lm_head stays dense.
@@ -156,6 +159,12 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
       timings: optional dict receiving the wall seconds of each phase: "read calibration" (tokenizing the file),
         "load" (the model, or the streamed checkpoint's checks), "write" (the checkpoint's last tensors and files),
         and `calibrate_decoder`'s phases.
+      moe_statistics: mixture-of-experts models (qwen2_moe, qwen3_moe, mixtral): what each expert's statistics are
+        taken over (`qformats.models.decoder.calibration.MOE_STATISTICS`): "all" (every token through every expert,
+        llm-compressor's `moe_calibrate_all_experts=True` default), "routed" (routed tokens only; an expert that
+        receives none is refused, naming layer and expert) or "routed-or-all". Routers and the shared expert's gate
+        stay dense and are listed in `ignore`, as llm-compressor's MoE recipes do. AWQ is refused on MoE models;
+        SmoothQuant smooths the attention only (llm-compressor's Qwen-MoE / Mixtral mappings).
 
     Raises:
       CheckpointError: unreadable src / calibration file, dst exists without overwrite. ModelError / SchemeError:
@@ -178,6 +187,8 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         raise ModelError("quantize_calibrated_lm: AWQ and SmoothQuant (smooth=ALPHA / --smooth) both fold per-channel "
                          "scales into the same norms and projections, and llm-compressor does not combine them: "
                          "choose one")
+    if awq:
+        _refuse_moe_awq(src)
     if isinstance(kv_cache, str):
         kv_cache = parse_kv_cache(kv_cache)
     if weight_search is None:
@@ -193,13 +204,14 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     if smooth is not None:
         from qformats.models.decoder.calibration import smoothquant_transform
 
-        transform = smoothquant_transform(smooth)
+        transform = smoothquant_transform(smooth, moe=_is_moe(src))
     t0 = time.perf_counter()
     if rotate is None and kv_cache is None and _streamable(Path(src)):  # one layer resident at a time
         return _quantize_streamed(Path(src), dst, scheme, calibration, weight_search=weight_search, gptq=gptq,
                                   propagate=propagate, transform=transform, seq_len=seq_len,
                                   calibration_tokens=calibration_tokens, seed=seed, overwrite=overwrite, t0=t0,
-                                  between_phases=between_phases, timings=timings, guard=guard, log=log)
+                                  between_phases=between_phases, timings=timings, guard=guard,
+                                  moe_statistics=moe_statistics, log=log)
     with tempfile.TemporaryDirectory(prefix="qformats-rotated-") as rot_dir:
         rotated = None
         if rotate is not None:  # before calibration: the rotated model is the one calibrated
@@ -219,12 +231,15 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     t1 = time.perf_counter()
     info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq, propagate=propagate,
                              transform=transform, kv_cache=kv_cache, between_phases=between_phases, timings=timings,
-                             guard=guard, log=log)
+                             guard=guard, moe_statistics=moe_statistics, log=log)
     t2 = time.perf_counter()
-    names = {n: ("/".join(str(p) for p in slot.path), slot.transpose)
+    # an expert's slice of a stacked parameter carries its index
+    names = {n: ("/".join(str(p) for p in slot.path), slot.transpose) + (() if slot.expert is None else (slot.expert,))
              for n, slot in hf_tensor_names(model.config).items()}
     names.update(kv_scale_name_map(model))
-    ignore = [] if model.lm_head is None else ["lm_head"]
+    from qformats.models.decoder.calibration import moe_ignored
+
+    ignore = ([] if model.lm_head is None else ["lm_head"]) + moe_ignored(model.config)
     src_path = Path(src)
     with tempfile.TemporaryDirectory() as extra:
         copy_from = src_path if src_path.is_dir() else None
@@ -249,6 +264,26 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}
 
 
+def _is_moe(src) -> bool:
+    """Whether `src` (a checkpoint directory) holds a mixture-of-experts model (by its config.json model_type)."""
+    from converters.formats.safetensors_io import read_json
+    from qformats.models.decoder.moe import MOE_MODEL_TYPES
+
+    src = Path(src)
+    cfg = read_json(src / "config.json") if src.is_dir() and (src / "config.json").is_file() else {}
+    return isinstance(cfg, dict) and cfg.get("model_type") in MOE_MODEL_TYPES + ("deepseek_v3",)
+
+
+def _refuse_moe_awq(src) -> None:
+    """ModelError for AWQ on a mixture-of-experts checkpoint directory (before any work): llm-compressor's MoE AWQ
+    mappings (the router and every expert's gate / up balanced against post_attention_layernorm, each expert's
+    up_proj against its down_proj) are not implemented by `awq_transform`."""
+    if _is_moe(src):
+        raise ModelError(f"{src}: AWQ on mixture-of-experts models is not supported (llm-compressor's MoE "
+                         "mappings balance the router and every expert against one norm); use GPTQ "
+                         "(--weight-search gptq) or SmoothQuant")
+
+
 def _streamable(src: Path) -> bool:
     """A dense (not compressed-tensors) HF checkpoint directory: calibrated streaming, one layer resident."""
     from converters.formats.safetensors_io import read_json
@@ -259,7 +294,7 @@ def _streamable(src: Path) -> bool:
     return isinstance(cfg, dict) and "quantization_config" not in cfg
 
 
-def _stream_plan(ck, scheme, slots, per_layer, outside):
+def _stream_plan(ck, scheme, slots, per_layer, outside, model):
     """The output tensors of `_quantize_streamed`, in the order it writes them (layer by layer: each layer's
     tensors in `per_layer` order, its seven projections packed, the rest float32; then the tensors `outside` the
     layers), so the writer puts each one straight to disk (`ShardedWriter`'s planned mode) instead of holding
@@ -269,7 +304,7 @@ def _stream_plan(ck, scheme, slots, per_layer, outside):
 
     from converters.pipelines.quantize_checkpoint import packed_specs
     from converters.formats.shard_writer import TensorSpec
-    from qformats.models.decoder.calibration import PROJECTIONS
+    from qformats.models.decoder.calibration import quantized_paths
     from qformats.nn import resolve_scheme
 
     ss = resolve_scheme(scheme)
@@ -277,10 +312,11 @@ def _stream_plan(ck, scheme, slots, per_layer, outside):
     if a is not None and a.dynamic is not True:
         return None
     plan, cache = [], {}
-    for names in per_layer.values():
+    for i, names in per_layer.items():
+        quantized = set(quantized_paths(model.model.layers[i]))
         for n in names:
             slot = slots[n]
-            if slot.path[-1] == "kernel" and "/".join(str(p) for p in slot.path[3:-1]) in PROJECTIONS:
+            if slot.path[-1] == "kernel" and "/".join(str(p) for p in slot.path[3:-1]) in quantized:
                 plan += packed_specs(ss, n.rsplit(".", 1)[0], tuple(ck.info(n).shape), np.float32, cache)
             else:
                 plan.append(TensorSpec(n, np.dtype(np.float32), tuple(ck.info(n).shape)))
@@ -302,7 +338,7 @@ def _release(module) -> None:
 def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_search: str, gptq, propagate: str,
                        transform, seq_len: int, calibration_tokens: int, seed, overwrite: bool, t0: float,
                        between_phases: Optional[Callable[[], object]], timings: Optional[dict], guard: bool,
-                       log: Callable[[str], None]) -> dict:
+                       log: Callable[[str], None], moe_statistics: str = "all") -> dict:
     """`quantize_calibrated_lm` for a dense checkpoint directory, streamed: the model is built abstract
     (shapes only), each decoder layer's tensors are read from the memory-mapped checkpoint just before its
     calibration (`calibrate_decoder`'s load_layer) and its packed result goes to the checkpoint writer right
@@ -318,7 +354,9 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
     from converters.formats.compressed_tensors.write import CompressedWriter
     from converters.formats.safetensors_io import open_checkpoint, read_json
     from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names, inv_freq
-    from qformats.models.decoder.calibration import calibrate_decoder
+    import jax
+
+    from qformats.models.decoder.calibration import calibrate_decoder, moe_ignored
     from qformats.models.decoder.params import resolve_path
     from qformats.nn import export_quantized
 
@@ -352,7 +390,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                 unexpected.append(n)
         for n, slot in slots.items():
             if n in names:
-                want = tuple(resolve_path(model, slot.path).get_value().shape)
+                want = tuple(resolve_path(model, slot.path).get_value().shape)[(0 if slot.expert is None else 1):]
                 want = want[::-1] if slot.transpose else want
                 if tuple(ck.info(n).shape) != want:
                     bad.append(f"{n} (shape {tuple(ck.info(n).shape)}, expected {want})")
@@ -367,17 +405,24 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                      for i in range(cfg.num_layers)}
         # embeddings, final norm, an untied lm_head: written last, as the checkpoint has them
         outside = [n for n, slot in slots.items() if slot.path[:2] != ("model", "layers")]
-        plan = _stream_plan(ck, scheme, slots, per_layer, outside)
+        plan = _stream_plan(ck, scheme, slots, per_layer, outside, model)
         if timings is not None:
             timings["read calibration"] = timings.get("read calibration", 0.0) + t2 - t1
             timings["load"] = timings.get("load", 0.0) + time.perf_counter() - t0 - (t2 - t1)
         with CompressedWriter(dst, overwrite=overwrite, plan=plan, sources=(src,)) as w:
             def load_layer(i, layer):
+                experts = {}  # stacked [E, ...] parameters, filled expert by expert (mixture-of-experts layers)
                 for n in per_layer[i]:
                     slot = slots[n]
                     v = resolve_path(layer, slot.path[3:])
                     a = ck.get(n)
-                    v.set_value(jnp.asarray(a.T if slot.transpose else a, dtype=jnp.float32))
+                    a = np.asarray(a.T if slot.transpose else a, dtype=np.float32)
+                    if slot.expert is None:
+                        v.set_value(jnp.asarray(a))
+                    else:
+                        experts.setdefault(id(v), (v, {}))[1][slot.expert] = a
+                for v, parts in experts.values():
+                    v.set_value(jnp.asarray(np.stack([parts[e] for e in range(len(parts))])))
                 ck.drop_pages()
 
             def store_layer(i, layer):
@@ -387,12 +432,16 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                     rel = "/".join(str(p) for p in slot.path[3:-1])
                     if rel in packed and slot.path[-1] == "kernel":
                         mod = n.rsplit(".", 1)[0]
-                        w.add_qarray(mod, packed[rel]["weight"], packed[rel]["schemes"])
+                        q = packed[rel]["weight"]
+                        if slot.expert is not None:  # one expert of a stacked QExperts: every leaf indexed
+                            q = jax.tree.map(lambda leaf, e=slot.expert: leaf[e], q)
+                        w.add_qarray(mod, q, packed[rel]["schemes"])
                         for local in ("input_scale", "input_global_scale"):
                             if local in packed[rel]:
                                 w.add_dense(f"{mod}.{local}", np.asarray(packed[rel][local]))
                     else:
                         a = np.asarray(resolve_path(layer, slot.path[3:]).get_value())
+                        a = a if slot.expert is None else a[slot.expert]
                         w.add_dense(n, a.T if slot.transpose else a)
                 _release(layer)
 
@@ -404,11 +453,12 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
             info = calibrate_decoder(model, samples, scheme, weight_search=weight_search, gptq=gptq,
                                      propagate=propagate, transform=transform, embed=embed, load_layer=load_layer,
                                      store_layer=store_layer, between_phases=between_phases, timings=timings,
-                                     guard=guard, log=log)
+                                     guard=guard, moe_statistics=moe_statistics, log=log)
             t3 = time.perf_counter()
             for n in outside:
                 w.add_dense(n, np.asarray(ck.get(n), np.float32))
-            w.finish(dict(hf_config), ignore=[] if cfg.tie_word_embeddings else ["lm_head"], copy_from=src)
+            w.finish(dict(hf_config), ignore=([] if cfg.tie_word_embeddings else ["lm_head"]) + moe_ignored(cfg),
+                     copy_from=src)
     seconds = time.perf_counter() - t0
     if timings is not None:
         timings["write"] = timings.get("write", 0.0) + time.perf_counter() - t3

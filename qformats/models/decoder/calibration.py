@@ -25,7 +25,13 @@ leaves the weights float until saving, which is propagate="float" here. Static a
 NVFP4 input observer `static_minmax` (max |x| over every calibration token); the KV-cache ranges too (its own
 default for `kv_cache_scheme` is the moving-average `minmax`, which depends on the sample order).
 
-So only one layer's activations (its inputs and outputs for every sample) and its seven Hessians are alive at
+Mixture-of-experts layers (qwen2_moe, qwen3_moe, mixtral): the attention's and the shared expert's projections as
+above; the router and the shared expert's gate stay float; every expert's gate / up / down is quantized like its own
+Linear with its own H, recorded with llm-compressor's `moe_calibrate_all_experts` semantics by default (every token
+through every expert for the statistics, the routed experts only for the layer's output: `MOE_STATISTICS`), and the
+stack becomes a `QExperts`.
+
+So only one layer's activations (its inputs and outputs for every sample) and its Hessians are alive at
 once: peak memory grows with one layer, not with the model. Samples of different lengths are right-padded to
 a bucket length and padding rows are zeroed at every projection's input, so they add nothing to H (causal
 attention: a real position never sees a padded one, so the real tokens' activations are those of the
@@ -50,18 +56,23 @@ from qformats.algorithms import awq, smoothquant
 from qformats.algorithms.gptq import GPTQOptions
 from qformats.algorithms.sequential import Batches, input_groups, make_batches
 from qformats.algorithms.shared_scales import fused_global_scales
-from qformats.algorithms.weight_search import RTN, quantize_group, search_name
+from qformats.algorithms.weight_search import RTN, quantize_group, quantize_projection, search_name
 from qformats.errors import ModelError
 from qformats.kv_cache import KVCacheScheme, amax_of, scale_from_amax
 from qformats.models.decoder import CausalLM, attention_mask, enable_kv_cache_quantization, inv_freq, rope_tables
+from qformats.models.decoder.moe import MoEBlock, MoEConfig, activation, route
 from qformats.matching import resolve_scheme
 from qformats.nn import CalibStat, QLinear
+from qformats.nn.experts import Experts, QExperts
+from qformats.qarray import QArray
 from qformats.plan import check_fits
 from qformats.observers import get_observer
 from qformats.schemes import SchemeSet
 
 __all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder", "awq_transform",
-           "smoothquant_transform"]
+           "smoothquant_transform",
+           # mixture-of-experts layers
+           "MOE_STATISTICS", "MOE_SMOOTHQUANT_MAPPINGS", "expert_moments", "quantized_paths", "moe_ignored"]
 
 PROJECTIONS = ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self_attn/o_proj",
                "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
@@ -82,7 +93,7 @@ class _Masked(nnx.Module):
         self.valid = CalibStat(jnp.ones((1, 1), jnp.float32))
 
     def __call__(self, x):
-        v = self.valid.get_value()
+        v = self.valid.get_value().reshape(x.shape[:-1])  # [B, T], or [M] inside an MoE block (flattened tokens)
         return self.inner(x * v[..., None].astype(x.dtype))
 
 
@@ -99,12 +110,18 @@ def _set(layer, rel: str, new) -> None:
     setattr(_get(layer, "/".join(head)) if head else layer, last, new)
 
 
+def _set_valid(layer, valid) -> None:
+    """Hands the batch's [B, T] real-token mask to every calibrating module of the layer (`_Masked`, `_CalibMoE`)."""
+    for _, m in nnx.iter_modules(layer):
+        if isinstance(m, (_Masked, _CalibMoE)):
+            m.valid.set_value(valid.astype(jnp.float32))
+
+
 @functools.partial(nnx.jit, static_argnames=("keep_output",))
 def _calibration_pass(layer, x, valid, cos, sin, mask, keep_output):
     """Runs the calibrating layer (its projections record their statistics); returns its output only with
     `keep_output`: otherwise XLA drops what no statistic needs (down_proj's product and the residual after it)."""
-    for rel in PROJECTIONS:
-        _get(layer, rel).valid.set_value(valid.astype(jnp.float32))
+    _set_valid(layer, valid)
     out = layer(x, cos, sin, mask)[0]
     return out if keep_output else None
 
@@ -113,8 +130,7 @@ def _calibration_pass(layer, x, valid, cos, sin, mask, keep_output):
 def _calibration_pass_kv(layer, x, valid, cos, sin, mask, kv_scheme, keep_output):
     """The calibration pass, plus max |state| of the keys / values this batch's real tokens put into the cache
     (shapes `kv_scheme.scale_shape`: per tensor or per KV head)."""
-    for rel in PROJECTIONS:
-        _get(layer, rel).valid.set_value(valid.astype(jnp.float32))
+    _set_valid(layer, valid)
     out, (k, v) = layer(x, cos, sin, mask)
     real = valid[:, None, :, None]
     amax = tuple(amax_of(jnp.where(real, s, jnp.zeros((), s.dtype)), kv_scheme) for s in (k, v))
@@ -132,7 +148,7 @@ def _propagate(layer, xs, layer_inputs) -> None:
     DisableQuantization, the weights GPTQ wrote back, unquantized inputs). In place, so a batch's input is freed
     as its output is made."""
     saved = {}
-    for rel in PROJECTIONS:
+    for rel in _linear_projections(layer) + _expert_paths(layer):
         lin = _get(layer, rel)
         if lin.schemes.input_activations is not None or lin.schemes.output_activations is not None:
             saved[rel] = lin.schemes
@@ -174,7 +190,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                       shape_cost: Optional[int] = None,
                       embed: Optional[Callable] = None, load_layer: Optional[Callable] = None,
                       store_layer: Optional[Callable] = None, between_phases: Optional[Callable[[], None]] = None,
-                      timings: Optional[Dict[str, float]] = None, log: Callable[[str], None] = lambda m: None) -> dict:
+                      timings: Optional[Dict[str, float]] = None, log: Callable[[str], None] = lambda m: None,
+                      moe_statistics: str = "all", moe_record: Optional[list] = None) -> dict:
     """Quantize the seven projections of every decoder layer of `model` in place, layer by layer (module docstring).
 
     Args:
@@ -214,8 +231,19 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         seconds under the same name + " cpu" (compilations included: each phase waits for its results before
         the clock is read, so the figures add up to the call's time).
       log: progress messages.
+      moe_statistics: mixture-of-experts layers (`MOE_STATISTICS`): "all" (default, llm-compressor 0.14's
+        `moe_calibrate_all_experts=True`): in the calibration pass every real token goes through every expert for
+        the statistics (expert e's gate / up H = the block input's E[x x^T], its down H = E[a_e a_e^T] over all
+        tokens, `expert_moments`) while the layer's output, and so what the next layer sees, uses the routed
+        experts only; "routed": each expert's statistics over the tokens routed to it, an expert that receives
+        none is a ModelError naming layer and expert; "routed-or-all": such an expert takes the all-token
+        statistics instead. Each expert is then quantized like a Linear with its H (`_quantize_experts`); routers
+        and the shared expert's gate stay float.
+      moe_record: optional list; per sparse layer one dict {"layer", "statistics", "tokens" (routed real tokens per
+        expert), "h_in", "h_mid" (and "h_in_all", "h_mid_all")}: the `expert_moments` sums (not divided).
 
-    Returns {"layers": L, "searched": projections whose search won, "projections": 7 L, "tokens": n}.
+    Returns {"layers": L, "searched": projections whose search won, "projections": quantized projections (each
+    expert's three counted apart), "tokens": n}.
 
     Raises:
       ModelError: a scheme that does not fit a projection, a bad weight_search / propagate, no samples, or a
@@ -227,18 +255,16 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         raise ModelError(f"calibrate_decoder: the {model.config.model_type} model's multi-head latent attention "
                          "projections are not calibrated by this driver yet; quantize it data-free "
                          "(qformats.nn.quantize_model)")
-    if model.config.moe is not None:
-        raise ModelError(f"calibrate_decoder: layer-by-layer calibration of mixture-of-experts decoders "
-                         f"({model.config.model_type}) is not supported yet; quantize them round-to-nearest "
-                         "(qformats.nn.quantize_model with quantization_rules)")
     weight_search = search_name(weight_search)
     if propagate not in PROPAGATE:
         raise ModelError(f"calibrate_decoder: propagate must be one of {PROPAGATE}, got {propagate!r}")
     ss = resolve_scheme(scheme)
     if ss is None or ss.weights is None:
         raise ModelError(f"calibrate_decoder: scheme {scheme!r} quantizes no weights")
+    _check_moe(model, ss, moe_statistics)
     if shape_cost is None:
-        per_layer = sum(int(np.prod(_get(model.model.layers[0], rel).kernel.get_value().shape)) for rel in PROJECTIONS)
+        per_layer = sum(int(np.prod(_get(model.model.layers[0], rel).kernel.get_value().shape))
+                        for rel in _linear_projections(model.model.layers[0]) + _expert_paths(model.model.layers[0]))
         shape_cost = SHAPE_COST_PARAMS // max(1, len(model.model.layers) * per_layer)
     batches = samples if isinstance(samples, Batches) else make_batches(samples, tokens_per_batch=tokens_per_batch,
                                                                       bucket=bucket, max_padding=max_padding,
@@ -247,12 +273,18 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
     layers = model.model.layers
     fits = []
     for i, layer in enumerate(layers):
-        for rel in PROJECTIONS:
+        for rel in _linear_projections(layer):
             lin = _get(layer, rel)
             if type(lin) is not nnx.Linear:
                 raise ModelError(f"model/layers/{i}/{rel}: expected a float nnx.Linear to calibrate, found "
                                  f"{type(lin).__name__}")
             fits.append((f"model/layers/{i}/{rel}", int(lin.kernel.get_value().shape[0]), ss))
+        for rel in _expert_paths(layer):
+            ex = _get(layer, rel)
+            if type(ex) is not Experts:
+                raise ModelError(f"model/layers/{i}/{rel}: expected float Experts to calibrate, found "
+                                 f"{type(ex).__name__}")
+            fits.append((f"model/layers/{i}/{rel}", int(ex.kernel.get_value().shape[1]), ss))
     a = ss.input_activations
     static = a is not None and a.dynamic is not True
     check_fits(fits, static_acts=static)
@@ -268,8 +300,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
     xs = [_embed(model, jnp.asarray(ids)) if embed is None else jnp.asarray(embed(ids)) for ids in batches.ids]
     valid = [jnp.asarray(v) for v in batches.valid]
     clock("embed", xs)
-    searched = 0
-    groups = input_groups(PROJECTIONS)
+    searched = projections = 0
     kv_static = kv_cache is not None and not kv_cache.dynamic
     kv_scales = []
     for i, layer in enumerate(layers):
@@ -280,6 +311,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         if transform is not None:
             transform(layer, i, xs, valid, lambda t: layer_inputs(t, window))
             clock("transform", nnx.state(layer))
+        projs = _linear_projections(layer)
+        groups = input_groups(projs)
         floats = {}
         for group in groups:
             for rel in group:
@@ -291,6 +324,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 # the group's members read the same input: its first member records H and the input range
                 cal.record_inputs = rel == group[0]
                 _set(layer, rel, _Masked(cal))
+        moe = _moe_calibrating(layer, weight_search, moe_statistics)
         # the calibration pass's outputs are the next layer's inputs only with float propagation; otherwise
         # the propagation pass makes them, and this pass keeps none (nor computes what only they need)
         keep = propagate == "float"
@@ -306,6 +340,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 xs[j] = out
         if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
+        moe_stats = None if moe is None else moe.finish(layer)  # the MoE block back in place, its statistics out
         clock("calibration pass", (nnx.state(layer), xs))
         if between_phases is not None:
             between_phases()
@@ -321,7 +356,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             del h
             if between_phases is not None:
                 between_phases()
-        for rel in PROJECTIONS:
+        for rel in projs:
             inner = _get(layer, rel).inner
             q, method = results[rel]
             if static:
@@ -333,13 +368,19 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             inner.weight_method = method
             searched += method != RTN
             _set(layer, rel, inner)
+        projections += len(projs)
+        if moe is not None:
+            n_searched, n_experts = _quantize_experts(layer, moe_stats, ss, weight_search, gptq, guard, moe_statistics,
+                                                      batches.tokens, f"model/layers/{i}", moe_record, i)
+            searched += n_searched
+            projections += n_experts
         clock("weight search", nnx.state(layer))
         if propagate == "quantized":
             _propagate(layer, xs, lambda t: layer_inputs(t, window))
             clock("propagation", xs)
             if between_phases is not None:
                 between_phases()
-        for rel in PROJECTIONS:  # full paths for messages and exports, now that layer i runs no more
+        for rel in projs + _expert_paths(layer):  # full paths for messages and exports, now that layer i runs no more
             _get(layer, rel).path = f"model/layers/{i}/{rel}"
         if store_layer is not None:
             store_layer(i, layer)
@@ -347,7 +388,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         log(f"layer {i + 1}/{len(layers)}: {weight_search}")
     if kv_cache is not None:
         enable_kv_cache_quantization(model, kv_cache, kv_scales if kv_static else None)
-    return {"layers": len(layers), "searched": searched, "projections": len(layers) * len(PROJECTIONS),
+    return {"layers": len(layers), "searched": searched, "projections": projections,
             "tokens": batches.tokens}
 
 
@@ -368,6 +409,256 @@ class _Clock:
         self.timings[phase] = self.timings.get(phase, 0.0) + now - self.t
         self.timings[phase + " cpu"] = self.timings.get(phase + " cpu", 0.0) + cpu - self.c
         self.t, self.c = now, cpu
+
+
+# ---- Mixture-of-experts layers -----------------------------------------------------------------------------
+MOE_STATISTICS = ("all", "routed", "routed-or-all")
+"""What each expert's calibration statistics (GPTQ / MSE Hessians) are taken over, `calibrate_decoder`'s
+moe_statistics: "all" (every real token goes through every expert for its statistics while the layer's output uses
+only the routed experts: llm-compressor 0.14's `moe_calibrate_all_experts=True`, its default), "routed" (only the
+tokens routed to the expert; an expert that receives none is refused with a ModelError naming layer and expert) or
+"routed-or-all" (routed tokens, and every token for an expert that receives none)."""
+
+
+def _moe_block(layer):
+    """(attribute name, MoEBlock) of a sparse decoder layer (also while `_CalibMoE` wraps it), else None."""
+    name = getattr(layer, "ffn_name", "mlp")
+    blk = getattr(layer, name, None)
+    if isinstance(blk, _CalibMoE):
+        blk = blk.block
+    return (name, blk) if isinstance(blk, MoEBlock) else None
+
+
+def _linear_projections(layer) -> Tuple[str, ...]:
+    """The nnx.Linear projections a layer's calibration quantizes, by path relative to the layer: `PROJECTIONS` for a
+    dense layer; in a sparse one the attention's four and the shared expert's gate / up / down (qwen2_moe). The
+    router and the shared expert's sigmoid gate stay float (llm-compressor's MoE recipes ignore `mlp.gate` and
+    `shared_expert_gate`)."""
+    found = _moe_block(layer)
+    if found is None:
+        return PROJECTIONS
+    name, blk = found
+    c = blk.cfg
+    out = PROJECTIONS[:4]
+    if c.shared_expert_intermediate_size:
+        out += tuple(f"{name}/{c.shared_name}/{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+    return out
+
+
+def _expert_paths(layer) -> Tuple[str, ...]:
+    """The stacked expert projections (`Experts` [E, in, out]) of a sparse layer, by path relative to the layer, in
+    (gate, up, down) order; () for a dense layer."""
+    found = _moe_block(layer)
+    if found is None:
+        return ()
+    name, blk = found
+    return tuple(f"{name}/experts/{p}" for p in blk.cfg.projections if p is not None)
+
+
+def quantized_paths(layer) -> Tuple[str, ...]:
+    """Every weight `calibrate_decoder` quantizes in a decoder layer, by module path relative to the layer: its
+    nnx.Linear projections, then its stacked experts (sparse layers)."""
+    return _linear_projections(layer) + _expert_paths(layer)
+
+
+def moe_ignored(config) -> List[str]:
+    """HF module names of the float Linears `calibrate_decoder` leaves in sparse layers (routers, the shared expert's
+    gate): the compressed-tensors `ignore` entries llm-compressor's MoE recipes give them."""
+    m = config.moe
+    if m is None:
+        return []
+    out = []
+    for i, sparse in enumerate(config.moe_layers):
+        if sparse:
+            out.append(f"model.layers.{i}.{m.block_name}.{m.router_name}")
+            if m.shared_expert_intermediate_size and m.shared_expert_gated:
+                out.append(f"model.layers.{i}.{m.block_name}.shared_expert_gate")
+    return out
+
+
+def _check_moe(model, ss: SchemeSet, statistics: str) -> None:
+    """ModelError for MoE calibrations this driver does not do (before any work)."""
+    if statistics not in MOE_STATISTICS:
+        raise ModelError(f"calibrate_decoder: moe_statistics must be one of {MOE_STATISTICS}, got {statistics!r}")
+    m = model.config.moe
+    if m is None:
+        return
+    if m.fused_gate_up:
+        raise ModelError(f"calibrate_decoder: the {model.config.model_type} experts' fused interleaved gate_up_proj "
+                         "is not calibrated by this driver; quantize the model data-free (qformats quantize without "
+                         "--calibrate)")
+    a = ss.input_activations
+    if a is not None and a.dynamic is not True:
+        raise ModelError(f"calibrate_decoder: scheme {ss.name!r} has static activation scales, which stacked experts "
+                         f"({model.config.model_type}: {m.num_experts} experts per sparse layer) cannot hold "
+                         "(qformats.nn.QExperts takes dynamic activation quantization only); use a dynamic or "
+                         "weight-only scheme")
+
+
+def expert_moments(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str = "all") -> Dict[str, jax.Array]:
+    """The calibration statistics of an MoE block's experts for one batch of tokens, as sums over tokens.
+
+    x [M, d]: the block's input tokens; valid [M]: 1 for a real token, 0 for padding; experts [M, k]: each token's
+    routed experts; gate, up [E, d, I]: the experts' kernels. With a_e(x) = act(x W_gate[e], x W_up[e]) (the
+    block's activation, `moe.activation`) and the real tokens T (all of them) or T_e (those routed to expert e):
+
+        tokens[e] = |T_e|
+        "all":    h_in = sum_{t in T} x_t x_t^T [d, d] (every expert's gate / up input),
+                  h_mid[e] = sum_{t in T} a_e(x_t) a_e(x_t)^T [E, I, I] (expert e's down_proj input)
+        "routed": h_in[e] = sum_{t in T_e} x_t x_t^T [E, d, d], h_mid[e] = sum_{t in T_e} a_e a_e^T [E, I, I]
+        "routed-or-all": the routed sums, plus the "all" ones as h_in_all, h_mid_all
+
+    Routing weights do not enter (they scale an expert's output, after its down_proj). float32 throughout.
+    """
+    f32 = jnp.float32
+    m = x.shape[0]
+    valid = valid.astype(f32)
+    xm = x.astype(f32) * valid[:, None]
+    n = gate.shape[0]
+    onehot = jnp.zeros((m, n), f32).at[jnp.arange(m)[:, None], experts].set(1.0) * valid[:, None]
+    out = {"tokens": jnp.sum(onehot, axis=0)}
+
+    def mid(e, mask):
+        a = activation(xm @ gate[e].astype(f32), xm @ up[e].astype(f32), cfg) * mask[:, None]
+        return a.T @ a
+
+    if statistics != "routed":
+        suffix = "" if statistics == "all" else "_all"
+        out["h_in" + suffix] = xm.T @ xm
+        out["h_mid" + suffix] = jax.lax.map(lambda e: mid(e, valid), jnp.arange(n))
+    if statistics != "all":
+        def routed(e):
+            mask = onehot[:, e]
+            xe = xm * mask[:, None]
+            return xe.T @ xe, mid(e, mask)
+
+        out["h_in"], out["h_mid"] = jax.lax.map(routed, jnp.arange(n))
+    return out
+
+
+class _CalibMoE(nnx.Module):
+    """Calibration wrapper of an MoE block: the output is the block's own (routed experts only, float weights); the
+    experts' statistics (`expert_moments`, summed over the batches) are recorded beside it."""
+
+    def __init__(self, block: MoEBlock, name: str, statistics: str, record: bool):
+        self.block = block
+        self.name = name
+        self.statistics = statistics
+        self.record = record
+        self.valid = CalibStat(jnp.ones((1, 1), jnp.float32))
+        c = block.cfg
+        g, u, _ = c.projections
+        d = getattr(block.experts, g).in_features
+        shapes = jax.eval_shape(functools.partial(expert_moments, cfg=c, statistics=statistics),
+                                jax.ShapeDtypeStruct((1, d), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
+                                jax.ShapeDtypeStruct((1, c.top_k), jnp.int32),
+                                getattr(block.experts, g).kernel.get_value(),
+                                getattr(block.experts, u).kernel.get_value())
+        self.sums = CalibStat({k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()} if record else {})
+
+    def __call__(self, x):
+        out = self.block(x)
+        if not self.record:
+            return out
+        b = self.block
+        c = b.cfg
+        xf = x.reshape(-1, x.shape[-1])
+        router = getattr(b, c.router_name)
+        _, idx = route(b.router_logits(xf), c, getattr(router, "e_score_correction_bias", None))
+        g, u, _ = c.projections
+        cur = expert_moments(xf, self.valid.get_value().reshape(-1), idx, getattr(b.experts, g).kernel.get_value(),
+                             getattr(b.experts, u).kernel.get_value(), c, self.statistics)
+        self.sums.set_value({k: v + cur[k] for k, v in self.sums.get_value().items()})
+        return out
+
+    def finish(self, layer) -> Dict[str, jax.Array]:
+        """Puts the block back into `layer`; returns the summed statistics."""
+        setattr(layer, self.name, self.block)
+        return dict(self.sums.get_value())
+
+
+def _moe_calibrating(layer, weight_search: str, statistics: str) -> Optional[_CalibMoE]:
+    """Wraps a sparse layer's MoE block for the calibration pass (statistics only when the weight search uses them);
+    None for a dense layer."""
+    found = _moe_block(layer)
+    if found is None:
+        return None
+    name, blk = found
+    w = _CalibMoE(blk, name, statistics, record=weight_search != RTN)
+    setattr(layer, name, w)
+    return w
+
+
+_EXPERT_COLUMNS = 8192
+"""Under "all" statistics every expert's gate / up share one H: their GPTQ runs as one problem
+(`gptq_quantize_shared`, the same codes as one call per expert) over chunks of about this many output columns."""
+
+
+def _quantize_experts(layer, stats: Dict[str, jax.Array], ss: SchemeSet, weight_search: str, gptq: GPTQOptions,
+                      guard: bool, statistics: str, tokens: int, where: str, record: Optional[list],
+                      index: int) -> Tuple[int, int]:
+    """Quantizes a sparse layer's stacked experts in place (each `Experts` becomes a `QExperts` whose expert e holds
+    exactly what `quantize_group` / `quantize_projection` give expert e's own kernels for its own H), from the
+    calibration pass's `stats` (`expert_moments` sums): H = sum / token count, per expert (moe_statistics).
+    NVFP4 weight global scales are shared by each expert's gate and up (vLLM fuses them per expert). Returns
+    (expert projections whose search won, expert projections)."""
+    name, blk = _moe_block(layer)
+    c = blk.cfg
+    ex = blk.experts
+    gname, uname, dname = c.projections
+    n = c.num_experts
+    kernels = {p: getattr(ex, p).kernel.get_value() for p in (gname, uname, dname)}
+    if record is not None and stats:
+        record.append({"layer": index, "statistics": statistics, **{k: np.asarray(v) for k, v in stats.items()}})
+    h_in: List = [None] * n
+    h_mid: List = [None] * n
+    if weight_search != RTN:
+        counts = np.asarray(stats["tokens"])
+        if statistics == "all":
+            shared_h = stats["h_in"] / tokens
+            h_in = [shared_h] * n
+            h_mid = [stats["h_mid"][e] / tokens for e in range(n)]
+        else:
+            empty = [e for e in range(n) if counts[e] == 0]
+            if empty and statistics == "routed":
+                raise ModelError(f"{where}/{name}/experts: expert{'s' if len(empty) > 1 else ''} "
+                                 f"{', '.join(map(str, empty))} of {n} received no calibration tokens under "
+                                 f"routed-only "
+                                 f"statistics (moe_statistics='routed'); their GPTQ Hessians would be empty. Calibrate "
+                                 "every expert on every token (moe_statistics='all', llm-compressor's default), use "
+                                 "all tokens for the empty ones (moe_statistics='routed-or-all'), or add samples")
+            for e in range(n):
+                if counts[e]:
+                    h_in[e], h_mid[e] = stats["h_in"][e] / counts[e], stats["h_mid"][e] / counts[e]
+                else:
+                    h_in[e], h_mid[e] = stats["h_in_all"] / tokens, stats["h_mid_all"][e] / tokens
+    shared = {}
+    if weight_search in (RTN, "gptq"):
+        for e in range(n):
+            shared.update(fused_global_scales({f"{e}/{gname}": kernels[gname][e], f"{e}/{uname}": kernels[uname][e]},
+                                              ss.weights))
+    results: Dict[str, Tuple[QArray, str]] = {}
+    inter = int(kernels[gname].shape[-1])
+    chunk = max(1, _EXPERT_COLUMNS // (2 * inter)) if statistics == "all" and weight_search != RTN else 1
+    for e0 in range(0, n, chunk):
+        members = range(e0, min(n, e0 + chunk))
+        group = {f"{e}/{p}": kernels[p][e] for e in members for p in (gname, uname)}
+        results.update(quantize_group(group, ss, h_in[e0], weight_search, gptq, guard,
+                                      {k: v for k, v in shared.items() if k in group}))
+    for e in range(n):
+        results[f"{e}/{dname}"] = quantize_projection(kernels[dname][e], ss, h_mid[e], weight_search, gptq, guard)
+    searched = 0
+    for p in (gname, uname, dname):
+        per = [results[f"{e}/{p}"] for e in range(n)]
+        q = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[r[0] for r in per])
+        old = getattr(ex, p)
+        new = QExperts.from_packed(q, None if old.bias is None else old.bias.get_value(), ss, dtype=old.dtype,
+                                   path=f"{name}/experts/{p}")
+        won = sum(r[1] != RTN for r in per)
+        new.weight_method = weight_search if won else RTN
+        searched += won
+        setattr(ex, p, new)
+    return searched, 3 * n
 
 
 # ---- AWQ on the decoder's modules --------------------------------------------------------------------------
@@ -445,6 +736,10 @@ def _awq_mappings(layer, index: int) -> List[AWQMapping]:
     """The mappings that apply to this layer: v_proj -> o_proj is dropped when v_proj's output size differs from
     o_proj's input size (llm-compressor's `_check_layers_are_compatible`)."""
     where = f"model/layers/{index}"
+    if _moe_block(layer) is not None:
+        raise ModelError(f"{where}: AWQ on a mixture-of-experts layer is not supported (llm-compressor's MoE mappings "
+                         "balance the router and every expert's gate / up against post_attention_layernorm, and each "
+                         "expert's up_proj against its down_proj; not implemented here): use GPTQ or SmoothQuant")
     for mod in ("self_attn", "mlp"):
         if getattr(_get(layer, mod), "rotations", None) is not None:
             raise ModelError(f"{where}/{mod}: AWQ cannot scale projections that carry online rotations")
@@ -546,6 +841,10 @@ SMOOTHQUANT_MAPPINGS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("post_attention_layernorm", ("mlp/gate_proj", "mlp/up_proj")),
 )
 """(norm, projections reading its output) of a decoder layer: llm-compressor's DEFAULT_SMOOTHQUANT_MAPPINGS."""
+MOE_SMOOTHQUANT_MAPPINGS: Tuple[Tuple[str, Tuple[str, ...]], ...] = SMOOTHQUANT_MAPPINGS[:1]
+"""The attention's mapping only: llm-compressor's QWEN_MOE_SMOOTHQUANT_MAPPINGS / MIXTRAL_SMOOTHQUANT_MAPPINGS (one
+smoothing scale across all experts unbalances them, so post_attention_layernorm is not smoothed), on every layer of
+a mixture-of-experts model."""
 
 
 class _RangeTap(nnx.Module):
@@ -569,21 +868,25 @@ class _RangeTap(nnx.Module):
 @nnx.jit
 def _range_pass(layer, x, valid, cos, sin, mask):
     """Records the mapped norms' output ranges; returns nothing, so XLA drops what they do not need (the MLP)."""
-    for norm, _ in SMOOTHQUANT_MAPPINGS:
-        getattr(layer, norm).valid.set_value(valid)
+    for _, m in nnx.iter_modules(layer):
+        if isinstance(m, _RangeTap):
+            m.valid.set_value(valid)
     layer(x, cos, sin, mask)
 
 
-def smoothquant_transform(alpha: float) -> Callable:
+def smoothquant_transform(alpha: float, moe: Optional[bool] = None) -> Callable:
     """A `calibrate_decoder` transform: per decoder layer, one float pass over the calibration batches records each
-    mapped norm's output range (`SMOOTHQUANT_MAPPINGS`), then the SmoothQuant factors
+    mapped norm's output range (`SMOOTHQUANT_MAPPINGS`; `MOE_SMOOTHQUANT_MAPPINGS` on every layer when `moe`, and
+    on a sparse layer when `moe` is None), then the SmoothQuant factors
     (`qformats.algorithms.smoothquant.smoothing_scales`) are folded into the norm and its projections (float
     nnx.Linear kernels and the norm's weight: `smoothquant.fold_scales`)."""
     alpha = smoothquant.check_alpha(alpha)
 
     def transform(layer, index: int, xs, valid, layer_inputs) -> None:
+        sparse = _moe_block(layer) is not None if moe is None else moe
+        mappings = MOE_SMOOTHQUANT_MAPPINGS if sparse else SMOOTHQUANT_MAPPINGS
         norms = {}
-        for norm, _ in SMOOTHQUANT_MAPPINGS:
+        for norm, _ in mappings:
             inner = getattr(layer, norm)
             norms[norm] = inner
             setattr(layer, norm, _RangeTap(inner, int(inner.weight.get_value().shape[0])))
@@ -594,7 +897,7 @@ def smoothquant_transform(alpha: float) -> Callable:
         finally:
             for n, inner in norms.items():
                 setattr(layer, n, inner)
-        for norm, projs in SMOOTHQUANT_MAPPINGS:
+        for norm, projs in mappings:
             lins = [_get(layer, p) for p in projs]
             for p, lin in zip(projs, lins):
                 if not isinstance(lin, nnx.Linear):
