@@ -337,8 +337,8 @@ def _hinv_host(h: np.ndarray, dampening_frac: float):
     if info == 0:
         hinv, info = lapack.spotri(lower, lower=1)
         if info == 0:
-            hinv = np.tril(hinv) + np.tril(hinv, -1).T
-            u, info = lapack.spotrf(hinv, lower=0, clean=1)
+            # potrf(upper) reads the upper triangle only: that of hinv.T is potri's lower triangle, mirrored
+            u, info = lapack.spotrf(hinv.T, lower=0, clean=1)
             if info != 0 or not np.all(np.isfinite(u)):
                 u = None
     fallback = u is None
