@@ -170,7 +170,7 @@ def _layer_inputs(config, t: int, window):
 def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = "gptq",
                       gptq: GPTQOptions = GPTQOptions(), propagate: str = "quantized", guard: bool = True,
                       transform: Optional[Callable] = None, kv_cache: Optional[KVCacheScheme] = None,
-                      tokens_per_batch: int = 1280, bucket: int = 32, max_padding: float = 0.125,
+                      tokens_per_batch: int = 2048, bucket: int = 32, max_padding: float = 0.125,
                       shape_cost: Optional[int] = None,
                       embed: Optional[Callable] = None, load_layer: Optional[Callable] = None,
                       store_layer: Optional[Callable] = None, between_phases: Optional[Callable[[], None]] = None,
@@ -198,8 +198,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         layer passes' compilation cost in token positions, SHAPE_COST_PARAMS / (layers * parameters per layer)
         (one [B, T] shape's two compilations cost about what running that many positions through every layer
         does: measured on SmolLM2, ~200 positions); 0: bucket merging by max_padding only. A layer pass's temporaries grow with the
-        batch ([B, heads, T, T] attention scores, [B, T, intermediate] MLP activations): 1280 tokens a batch keep
-        them to a few tens of MiB on SmolLM2-sized layers (and the peak resident set ~30 MiB under 2048's).
+        batch ([B, heads, T, T] attention scores, [B, T, intermediate] MLP activations): 2048 tokens a batch keep
+        them to a few tens of MiB on SmolLM2-sized layers.
       embed, load_layer, store_layer: streaming (the model need not be resident: `converters.pipelines.calibrate` reads
         one layer at a time from the checkpoint and writes it out when done). `embed(ids)` -> [B, T, d]
         embeddings of a batch's token ids (default: the model's embed_tokens); `load_layer(i, layer)` fills
