@@ -118,7 +118,7 @@ _t0 = time.perf_counter()
 from converters.pipelines.calibrate import quantize_calibrated_lm
 from converters.process import lean_calibration
 src, dst, text, seq_len, tokens, scheme, kind, seed = sys.argv[1:9]
-phases = {"imports": time.perf_counter() - _t0}
+phases = {"imports": time.perf_counter() - _t0, "imports cpu": time.process_time()}
 with lean_calibration() as between_phases:  # the process tuning `qformats quantize --calibrate` applies
     info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),
                                   seed=int(seed),

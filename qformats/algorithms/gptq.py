@@ -10,6 +10,7 @@ Cholesky form of the inverse are its sections 3.3-3.4. The arithmetic here follo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -297,9 +298,35 @@ def gptq_hinv_host(h, dampening_frac: float = DAMPENING_FRAC):
     (`torch.cholesky_inverse`, its lower triangle mirrored), U = potrf(H'^-1, upper) (`torch.linalg.cholesky(...,
     upper=True)`). H' as in `gptq_hinv` (dead diagonal entries set to 1; + dampening_frac * mean(diag H') * I).
     Returns (U, dead, fallback) as jax arrays; U = I and fallback True where a factorization fails."""
+    h = np.array(h, np.float32)  # a copy: modified in place
+    with _one_blas_thread():
+        return _hinv_host(h, dampening_frac)
+
+
+def _one_blas_thread():
+    """A context limiting the host BLAS/LAPACK (scipy's OpenBLAS) to one thread, where threadpoolctl is installed.
+
+    Why: factorizations of a few hundred to a few thousand rows are far too small to share between threads, and
+    OpenBLAS's threads spin while they wait; on a machine whose cores are busy a 576-row potrf then costs ~250x
+    its single-threaded CPU time. One thread also makes the factors independent of the core count."""
+    if not _BLAS:
+        import scipy.linalg.lapack  # noqa: F401  loaded first: the controller sees only the libraries loaded
+
+        try:
+            from threadpoolctl import ThreadpoolController
+            _BLAS.append(ThreadpoolController())  # scans the loaded libraries once
+        except ImportError:  # optional: without it, OpenBLAS keeps its own thread count (OPENBLAS_NUM_THREADS)
+            _BLAS.append(None)
+    return contextlib.nullcontext() if _BLAS[0] is None else _BLAS[0].limit(limits=1, user_api="blas")
+
+
+_BLAS: list = []
+
+
+def _hinv_host(h: np.ndarray, dampening_frac: float):
+    """`gptq_hinv_host`'s factorizations on its float32 copy `h` (modified in place)."""
     from scipy.linalg import lapack
 
-    h = np.array(h, np.float32)  # a copy: modified in place
     n = h.shape[0]
     idx = np.arange(n)
     dead = h[idx, idx] == 0
@@ -310,8 +337,8 @@ def gptq_hinv_host(h, dampening_frac: float = DAMPENING_FRAC):
     if info == 0:
         hinv, info = lapack.spotri(lower, lower=1)
         if info == 0:
-            hinv = np.tril(hinv) + np.tril(hinv, -1).T
-            u, info = lapack.spotrf(hinv, lower=0, clean=1)
+            # potrf(upper) reads the upper triangle only: that of hinv.T is potri's lower triangle, mirrored
+            u, info = lapack.spotrf(hinv.T, lower=0, clean=1)
             if info != 0 or not np.all(np.isfinite(u)):
                 u = None
     fallback = u is None

@@ -91,7 +91,17 @@ def output_error_array(q: QArray, w, h) -> jax.Array:
 
 def output_error(q: QArray, w, h) -> float:
     """tr(dW^T H dW), dW = dequantize(q) - w: the mean squared output error of x @ W for E[x x^T] = H."""
-    return float(output_error_array(q, w, h))
+    return float(_output_error_jit(q, w, h))
+
+
+_output_error_jit = jax.jit(output_error_array)
+
+
+@jax.jit
+def _search_wins(q: QArray, rtn: QArray, w, h) -> jax.Array:
+    """The guard of `quantize_projection`: tr(dW^T H dW) of q < that of round-to-nearest's `rtn`, in one compiled
+    call (op by op, the dequantizations and products would each compile and dispatch separately per shape)."""
+    return output_error_array(q, w, h) < output_error_array(rtn, w, h)
 
 
 def calibrated_weight(w, schemes: SchemeSet, weight_search: Optional[str], moments, count, *,
@@ -158,11 +168,10 @@ def quantize_projection(w, schemes: SchemeSet, h, weight_search: str, gptq: GPTQ
     if weight_search == "mse":
         q = mse_quantize(w, ws, 0, importance=diag)
     else:
-        qp = mse_quantize(w, ws, 0, importance=diag) if weight_search == "mse+gptq" else \
-            (None if global_scale is None else rtn)
+        qp = mse_quantize(w, ws, 0, importance=diag) if weight_search == "mse+gptq" else rtn  # GPTQ's own scales
         q = gptq_quantize(w, ws, h, block_size=gptq.block_size, dampening_frac=gptq.dampening_frac,
                           actorder=gptq.actorder, qparams=qp)
-    if guard and not output_error(q, w, h) < output_error(rtn, w, h):
+    if guard and not bool(_search_wins(q, rtn, w, h)):
         return rtn, RTN
     return q, weight_search
 
@@ -183,13 +192,12 @@ def quantize_group(kernels: Dict[str, jax.Array], schemes: SchemeSet, h, weight_
     for r, w in kernels.items():
         g = global_scales.get(r)
         rtn[r] = _quantize_jit(w, ws, 0) if g is None else _quantize_jit(w, ws, 0, global_scale=g)
-        qps.append(mse_quantize(w, ws, 0, importance=diag) if weight_search == "mse+gptq" else
-                   (None if g is None else rtn[r]))
+        qps.append(mse_quantize(w, ws, 0, importance=diag) if weight_search == "mse+gptq" else rtn[r])
     qs = gptq_quantize_shared(list(kernels.values()), ws, h, block_size=gptq.block_size,
                               dampening_frac=gptq.dampening_frac, actorder=gptq.actorder, qparams=qps)
     out = {}
     for (r, w), q in zip(kernels.items(), qs):
-        if guard and not output_error(q, w, h) < output_error(rtn[r], w, h):
+        if guard and not bool(_search_wins(q, rtn[r], w, h)):
             out[r] = (rtn[r], RTN)
         else:
             out[r] = (q, weight_search)

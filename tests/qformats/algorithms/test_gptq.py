@@ -129,6 +129,23 @@ def test_hinv_is_upper_cholesky_of_dampened_inverse():
     np.testing.assert_allclose(u.T @ u, np.linalg.inv(hd), rtol=2e-3, atol=1e-4 * np.abs(np.linalg.inv(hd)).max())
 
 
+def test_host_hinv_is_the_traced_one_on_one_blas_thread():
+    """gptq_hinv_host (LAPACK, one BLAS thread) agrees with the traced gptq_hinv; inside its thread limit every
+    BLAS library threadpoolctl sees runs one thread, and the limit is lifted after."""
+    from qformats.algorithms.gptq import _one_blas_thread, gptq_hinv_host
+
+    u_host, d_host, fb_host = gptq_hinv_host(H, 0.01)
+    u, d, fb = gptq_hinv(H, 0.01)
+    assert not bool(fb_host) and not bool(fb) and np.array_equal(np.asarray(d_host), np.asarray(d))
+    np.testing.assert_allclose(np.asarray(u_host), np.asarray(u), rtol=1e-3, atol=1e-3 * float(jnp.abs(u).max()))
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    before = [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
+    with _one_blas_thread():
+        inside = [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
+    after = [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
+    assert inside and set(inside) == {1} and after == before
+
+
 def test_axis_1_and_higher_rank_layouts():
     scheme = SCHEMES["W4A16_ASYM"]
     q0 = gptq_quantize(W, scheme, H)
