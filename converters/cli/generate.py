@@ -50,8 +50,9 @@ def add_parser(sub) -> None:
                         "devices are made before JAX starts. A shape N cannot divide is an error naming the layer")
     g.add_argument("--scan", action="store_true",
                    help="run each run of identically built layers as one lax.scan, so compile time does not grow "
-                        "with depth (same tokens). Off by default: on CPU the unrolled layers decode ~4x faster "
-                        "(XLA:CPU copies each layer's weights out of the stack at every step; see BENCHMARKS.md), "
+                        "with depth (same tokens). Off by default: on CPU a scanned decode step of float weights is "
+                        "slower (XLA:CPU copies each layer's weights out of the stack before its library matmul "
+                        "at every step; packed 4/8-bit weights at batch 1 are read in place; see BENCHMARKS.md), "
                         "and the persistent compilation cache makes the unrolled compile a one-time cost")
     g.add_argument("--no-buckets", action="store_true",
                    help="compile for the exact prompt length and cache size instead of padding both to the next "
