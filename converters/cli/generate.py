@@ -23,9 +23,10 @@ def add_parser(sub) -> None:
                    help='one request a line: {"prompt": TEXT} with an optional "max_new_tokens": N; prints one JSON '
                         'line {"tokens", "text"} per request, in input order, run --batch-size at a time')
     g.add_argument("--batch-size", type=int, default=1, metavar="N",
-                   help="with --prompts: run up to N requests together, in input order (prompts of different lengths "
-                        "right-padded, each row with its own positions and cache length: each gets the tokens it "
-                        "gets alone when greedy; default 1)")
+                   help="with --prompts: decode N requests together, each row at its own position and cache length; "
+                        "a row whose request is done (end token or its max_new_tokens) takes the next request "
+                        "(continuous batching), so each request gets the tokens it gets alone when greedy; "
+                        "default 1)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32; fewer when an "
                                                                   "end-of-sequence token comes first); prompt + "
                                                                   "new tokens must fit max_position_embeddings")
@@ -49,8 +50,9 @@ def add_parser(sub) -> None:
                         "devices are made before JAX starts. A shape N cannot divide is an error naming the layer")
     g.add_argument("--scan", action="store_true",
                    help="run each run of identically built layers as one lax.scan, so compile time does not grow "
-                        "with depth (same tokens). Off by default: on CPU the unrolled layers decode ~4x faster "
-                        "(XLA:CPU copies each layer's weights out of the stack at every step; see BENCHMARKS.md), "
+                        "with depth (same tokens). Off by default: on CPU a scanned decode step of float weights is "
+                        "slower (XLA:CPU copies each layer's weights out of the stack before its library matmul "
+                        "at every step; packed 4/8-bit weights at batch 1 are read in place; see BENCHMARKS.md), "
                         "and the persistent compilation cache makes the unrolled compile a one-time cost")
     g.add_argument("--no-buckets", action="store_true",
                    help="compile for the exact prompt length and cache size instead of padding both to the next "
@@ -131,7 +133,7 @@ def run(a) -> int:
     import numpy as np
 
     from converters.cli.common import CompileWatch, enable_compile_cache
-    from qformats.models.generate import TokenStream, check_context
+    from qformats.models.generate import TokenStream, check_context, supports_ragged
     _check_usage(a)
     requests = [(a.prompt, a.max_new_tokens)] if a.prompts is None else read_requests(a.prompts, a.max_new_tokens)
     mesh = None
@@ -181,6 +183,9 @@ def run(a) -> int:
         from qformats.nn.sharding import param_bytes_per_device
         per = param_bytes_per_device(model)
         per_device = [int(per[d]) for d in mesh.devices.flat]
+    if a.prompts is not None and supports_ragged(model):
+        _run_requests(a, model, tok, todo, key, eos, cache)
+        return 0
     for first in range(0, len(todo), a.batch_size):
         batch = todo[first:first + a.batch_size]
         stream = TokenStream(model, [np.asarray(ids, np.int32) for ids, _ in batch], [n for _, n in batch], key=key,
@@ -222,6 +227,41 @@ def run(a) -> int:
                 out["param_bytes_per_device"] = per_device
             print(json.dumps(out) if a.json or a.prompts is not None else text, flush=True)
     return 0
+
+
+def _run_requests(a, model, tok, todo, key, eos, cache) -> None:
+    """The requests of a --prompts file through `qformats.models.generate.ContinuousBatch` (a.batch_size rows, a
+    finished row refilled with the next request); one JSON line per request, in input order, as soon as it and
+    every request before it are done; progress on stderr."""
+    import json
+    import time
+
+    import numpy as np
+
+    from converters.cli.common import CompileWatch
+    from qformats.models.generate import ContinuousBatch
+    batch = ContinuousBatch(model, [np.asarray(ids, np.int32) for ids, _ in todo], [n for _, n in todo],
+                            batch_size=a.batch_size, key=key, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                            eos_id=eos or None, buckets=not a.no_buckets)
+    b, s = batch.shapes
+    with CompileWatch() as watch:
+        batch.compile()
+    widths = sorted(set(batch.widths))
+    say(f"compiled prefill [1 x {', '.join(map(str, widths))} tokens] and decode [{b} rows] (cache of {s} "
+        f"positions) in {batch.compile_seconds:.1f} s ({watch.text(cache)})")
+    done, printed, t0 = {}, 0, time.perf_counter()
+    for r, tokens in batch:
+        tokens = [int(t) for t in tokens]
+        done[r] = {"tokens": tokens, "text": tok.decode(tokens, skip_special_tokens=True)}
+        say(f"request {r + 1}/{len(todo)}: {len(todo[r][0])} prompt + {len(tokens)} new tokens "
+            f"({time.perf_counter() - t0:.1f} s)")
+        while printed in done:
+            print(json.dumps(done.pop(printed)), flush=True)
+            printed += 1
+    say(f"prefill: {batch.prefill_tokens} tokens in {batch.prefill_seconds:.2f} s "
+        f"({batch.prefill_tokens / max(batch.prefill_seconds, 1e-9):.0f} tokens/s); decode: {batch.decode_tokens} "
+        f"tokens in {batch.decode_seconds:.2f} s ({batch.decode_tokens / max(batch.decode_seconds, 1e-9):.1f} "
+        f"tokens/s, {b} rows, finished rows refilled)")
 
 
 def _print_new(text: str, printed: str, final: bool = False) -> str:

@@ -1,12 +1,14 @@
 """Autoregressive generation with a causal LM and its KV cache: one jit, prefill then a lax loop of decode steps
 (`generate`), or the same steps one at a time for streaming (`TokenStream`); ragged batches, shapes padded to
-buckets (`plan_shapes`)."""
+buckets (`plan_shapes`); many requests through a fixed number of batch rows, a finished row refilled with the next
+pending request (`ContinuousBatch`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import time
+from collections import deque
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import jax
@@ -230,6 +232,12 @@ def _check(model, prompt_ids, max_new_tokens, key, temperature, top_k, top_p, eo
                     jnp.asarray(counts, jnp.int32), s, per_row, single, eos, sampling)
 
 
+def supports_ragged(model: nnx.Module) -> bool:
+    """Whether `model`'s KV cache keeps one length per row (ragged batches, `ContinuousBatch`): every cache but one
+    quantized with a dynamic fp8 scheme, whose per-block scale is shared by the rows."""
+    return not _dynamic_kv(model)
+
+
 def _dynamic_kv(model) -> bool:
     """Whether `model` quantizes its KV cache with a dynamic (per written block) scheme."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -319,9 +327,158 @@ def _prefill(graphdef, state, ids, lens, key, *, max_len, per_row, temperature, 
     return _prefill_step(model, ids, lens, max_len, per_row, key, temperature, top_k, top_p)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("per_row", "temperature", "top_k", "top_p"))
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("per_row", "temperature", "top_k", "top_p"),
+                   donate_argnames=("cache",))
 def _decode(graphdef, state, tok, cache, done, i, key, *, per_row, temperature, top_k, top_p):
     model = nnx.merge(graphdef, state)
     logits, new = model(tok[:, None], cache, last_only=True)
     k = None if key is None else jax.random.fold_in(key, i)
     return next_token(logits[:, -1], k, temperature, top_k, top_p), _advance(new, cache, done, per_row)
+
+
+class ContinuousBatch:
+    """Many generation requests through `batch_size` rows of one decode program: when a row finishes (an eos id or
+    its own max_new_tokens) the next pending request is prefilled into that row's cache (continuous batching inside
+    the fixed batch shape); iterating yields (request index, its new tokens as numpy int32) as each request
+    finishes.
+
+    Each request is prefilled alone, [1, bucket_length(its length)] as `generate` of that prompt alone does, into
+    a cache of S positions, then its cache rows replace the free row's (every position of the row, so nothing of
+    the previous request is left) and the row's length is set to the request's (`KVCache.length` [B]). The decode
+    step is `TokenStream`'s: every row at its own position, a finished or empty row masked (its length is not
+    advanced, its token is the pad). So a request's greedy tokens are the ones it gets alone, whatever shares the
+    batch. Sampling (temperature > 0) chooses request r's first token with fold_in(fold_in(key, r), 0) and every
+    decode step n (counted over the whole run, from 1) with fold_in(key, n) for the batch.
+
+    Programs: one prefill per prompt-length bucket (batch 1) and one decode (batch `batch_size`), all with the
+    cache size S = `plan_shapes` over every request (so a long request sets S for all). `compile()` builds them
+    ahead; `compile_seconds`, `prefill_seconds`, `decode_seconds`, `prefill_tokens` and `decode_tokens` (real
+    tokens of unfinished rows) hold the totals so far; `shapes` is (batch_size, S).
+
+    Raises ModelError before any compute for bad arguments (`generate`'s checks, per request) and for a model whose
+    KV cache cannot keep one length per row (a dynamic fp8 KV-cache scheme: run such requests with `generate`, one
+    length per batch).
+    """
+
+    def __init__(self, model: nnx.Module, prompts: Sequence, max_new_tokens: Union[int, Sequence[int]], *,
+                 batch_size: int, key: Optional[jax.Array] = None, temperature: float = 0.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 eos_id: Union[int, Sequence[int], None] = None, buckets: bool = True):
+        if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+            raise ModelError(f"ContinuousBatch: batch_size must be a positive integer, got {batch_size!r}")
+        rows, _ = _rows(list(prompts) if not isinstance(prompts, np.ndarray) else prompts)
+        req = _check(model, rows, max_new_tokens, key, temperature, top_k, top_p, eos_id, buckets)
+        if not req.per_row:
+            raise ModelError("ContinuousBatch: a dynamic fp8 KV-cache scheme shares one scale per written block "
+                             "across the rows, so rows cannot hold requests at different positions; run the "
+                             "requests with generate (prompts of one length per batch)")
+        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        limit = limit if isinstance(limit, int) else None
+        self.rows = [r.astype(np.int32) for r in rows]
+        self.limits = req.limits
+        self.eos, self.sampling = req.eos, req.sampling
+        self.key = key if temperature > 0 else None
+        self.batch_size = min(int(batch_size), len(rows))
+        self.max_len = req.max_len
+        self.widths = [bucket_length(len(r), limit) if buckets else len(r) for r in self.rows]
+        self.graphdef, self.state = nnx.split(model)
+        self._prefills: dict = {}
+        self._decode = None
+        self.compile_seconds = self.prefill_seconds = self.decode_seconds = 0.0
+        self.prefill_tokens = self.decode_tokens = 0
+
+    @property
+    def shapes(self) -> Tuple[int, int]:
+        return (self.batch_size, self.max_len)
+
+    def compile(self) -> "ContinuousBatch":
+        """Lowers and compiles the empty batch cache, the prefill program of every prompt-length bucket and the
+        decode program (once); returns self."""
+        t0 = time.perf_counter()
+        if self._decode is None:
+            self._empty = _empty_cache.lower(self.graphdef, self.state, self.batch_size, self.max_len).compile()
+            # the programs take the cache as it comes out of the one before, layout (mesh) included
+            cache = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                 self._empty.out_info, self._empty.output_shardings)
+            b = self.batch_size
+            tok, done = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_)
+            for width in sorted(set(self.widths)):
+                self._prefills[width] = _prefill_row.lower(
+                    self.graphdef, self.state, cache, jax.ShapeDtypeStruct((1, width), jnp.int32),
+                    jax.ShapeDtypeStruct((1,), jnp.int32), jnp.int32(0), self.key, **self.sampling).compile()
+            self._decode = _decode.lower(self.graphdef, self.state, tok, cache, done, jnp.int32(1), self.key,
+                                         per_row=True, **self.sampling).compile()
+        self.compile_seconds += time.perf_counter() - t0
+        return self
+
+    def _finished(self, r: int, tokens: List[int]) -> bool:
+        return tokens[-1] in self.eos or len(tokens) >= self.limits[r]
+
+    def __iter__(self) -> Iterator[Tuple[int, np.ndarray]]:
+        self.compile()
+        b = self.batch_size
+        pad = self.eos[0] if self.eos else 0
+        pending = deque(range(len(self.rows)))
+        slot: List[Optional[int]] = [None] * b
+        out = {r: [] for r in range(len(self.rows))}
+        tok = np.full((b,), pad, np.int32)
+        cache = self._empty(self.state)
+        step = 0
+        while True:
+            for s in range(b):  # refill the free rows
+                while slot[s] is None and pending:
+                    r = pending.popleft()
+                    ids = np.zeros((1, self.widths[r]), np.int32)
+                    ids[0, :len(self.rows[r])] = self.rows[r]
+                    key = None if self.key is None else jax.random.fold_in(self.key, r)
+                    t0 = time.perf_counter()
+                    first, cache = self._prefills[self.widths[r]](
+                        self.state, cache, jnp.asarray(ids), jnp.asarray([len(self.rows[r])], jnp.int32),
+                        jnp.int32(s), key)
+                    out[r].append(int(np.asarray(first)[0]))
+                    self.prefill_seconds += time.perf_counter() - t0
+                    self.prefill_tokens += len(self.rows[r])
+                    if self._finished(r, out[r]):
+                        yield r, np.asarray(out.pop(r), np.int32)
+                    else:
+                        slot[s], tok[s] = r, out[r][-1]
+            active = [s for s in range(b) if slot[s] is not None]
+            if not active:
+                return
+            step += 1
+            done = np.asarray([slot[s] is None for s in range(b)])
+            t0 = time.perf_counter()
+            nxt, cache = self._decode(self.state, jnp.asarray(tok), cache, jnp.asarray(done), jnp.int32(step),
+                                      self.key)
+            nxt = np.asarray(nxt)
+            self.decode_seconds += time.perf_counter() - t0
+            self.decode_tokens += len(active)
+            for s in active:
+                r = slot[s]
+                out[r].append(int(nxt[s]))
+                tok[s] = nxt[s]
+                if self._finished(r, out[r]):
+                    yield r, np.asarray(out.pop(r), np.int32)
+                    slot[s], tok[s] = None, pad
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _empty_cache(graphdef, state, batch, max_len):
+    return nnx.merge(graphdef, state).init_cache(batch, max_len, per_row=True)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("temperature", "top_k", "top_p"),
+                   donate_argnames=("cache",))
+def _prefill_row(graphdef, state, cache, ids, length, row, key, *, temperature, top_k, top_p):
+    """One request's prompt ids [1, T] (length [1] real tokens) prefilled alone into a cache of the batch cache's
+    size; its cache rows replace row `row` of the batch cache (batch axis: 0 of a per-layer buffer, 1 of a stacked
+    one) and the row's length becomes the request's. Returns (its first token [1], the batch cache)."""
+    model = nnx.merge(graphdef, state)
+    first, own = _prefill_step(model, ids, length, cache.max_len, True, key, temperature, top_k, top_p)
+
+    def put(big, small):
+        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), row, big.ndim - 4)
+
+    return first, dataclasses.replace(cache, keys=tuple(map(put, cache.keys, own.keys)),
+                                      values=tuple(map(put, cache.values, own.values)),
+                                      length=cache.length.at[row].set(own.length[0]))

@@ -45,8 +45,12 @@ class LayerRun(nnx.Module):
                  start):
         """x [B, T, d] through the run's layers in order: for j = 0 .. count - 1,
         x, kv_j = layer_j(x, cos, sin, masks[windows[j]], kv_j, start), as one `jax.lax.scan` over the stacked
-        variables. kv: the run's cache buffers stacked [count, ...] (or None); layer j's entries are updated in
-        place in the scan's carry. Returns (x, the updated stacked buffers or None)."""
+        variables. kv: the run's cache buffers stacked [count, ...] (or None). Returns (x, the updated stacked
+        buffers or None).
+
+        The cache is scanned over (layer j reads its own entry, as `xs`, and the scan stacks its updated entry, as
+        `ys`), not carried: a loop-carried stack that the body both reads and updates is copied whole by XLA at
+        every layer (O(count^2 S) per call), an entry in and an entry out is O(count S)."""
         graphdef, state = nnx.split(self.layer)
         distinct = sorted(set(self.windows), key=lambda w: (w is None, w or 0))
         if len(distinct) == 1:
@@ -55,22 +59,17 @@ class LayerRun(nnx.Module):
             mask_stack = jnp.stack([masks[w] for w in distinct])
             pick = jnp.asarray([distinct.index(w) for w in self.windows], jnp.int32)
 
-        def body(carry, xs):
-            h, cache = carry
-            j, st, wi = xs
+        def body(h, xs):
+            st, wi, entry = xs
             layer = nnx.merge(graphdef, st)
             mask = mask_stack if wi is None else mask_stack[wi]
-            entry = None if cache is None else tuple(
-                jax.lax.dynamic_index_in_dim(c, j, 0, keepdims=False) for c in cache)
             h, entry = layer(h, cos, sin, mask, entry, start)
-            if cache is not None:
-                cache = tuple(jax.lax.dynamic_update_index_in_dim(c, e.astype(c.dtype), j, 0)
-                              for c, e in zip(cache, entry))
-            return (h, cache), None
+            if kv is not None:
+                entry = tuple(e.astype(c.dtype) for c, e in zip(kv, entry))
+            return h, (entry if kv is not None else None)
 
         with jax.named_scope(f"layers_{self.first}_{self.first + self.count - 1}"):
-            (x, kv), _ = jax.lax.scan(body, (x, None if kv is None else tuple(kv)),
-                                      (jnp.arange(self.count, dtype=jnp.int32), state, pick))
+            x, kv = jax.lax.scan(body, x, (state, pick, None if kv is None else tuple(kv)))
         return x, kv
 
 

@@ -201,16 +201,17 @@ def test_prompts_file_in_input_order(tiny, tmp_path, capsys):
     rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7)
     assert rc == 0
     got = [json.loads(x) for x in out.splitlines()]
-    assert err.count("qformats: prefill:") == 3 and err.count("qformats: loading") == 1
+    assert err.count("qformats: request ") == 3 and err.count("qformats: loading") == 1
     singles = []
     for p, n in ((PROMPT, 7), ("w9", 3), ("w11 w12", 5)):
         rc, o, _ = _run(capsys, tiny, "--prompt", p, "--max-new-tokens", n, "--json")
         singles.append(json.loads(o))
     assert got == singles and len(got[1]["tokens"]) <= 3 and len(got[2]["tokens"]) <= 5
-    # ragged batches (one prefill each), the layers unrolled (the default) and scanned: the same lines
+    # 2 rows, the third request takes the row of the first one done (one prefill each, one decode program), the
+    # layers unrolled (the default) and scanned: the same lines
     rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 2)
-    assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and err.count("qformats: prefill:") == 2
-    assert "compiled prefill [2 x 16 tokens]" in err
+    assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and err.count("qformats: request ") == 3
+    assert "compiled prefill [1 x 16 tokens] and decode [2 rows] (cache of 16 positions)" in err
     rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 3, "--scan")
     assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and "in 1 scanned run(s)" in err
 

@@ -213,3 +213,40 @@ def test_prompt_lengths_and_counts_in_one_bucket_do_not_recompile(model, caplog)
         generate(model, RAGGED[2], 3)  # 9 tokens, 3 new: still prompt bucket 16, cache bucket 16
     traced = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("Compiling", "Finished tracing"))]
     assert not traced, traced
+
+
+# ---- ContinuousBatch: finished rows take the pending requests ------------------------------------------------
+from qformats.models.generate import ContinuousBatch  # noqa: E402
+
+REQUESTS = RAGGED + [np.random.RandomState(4).randint(0, 128, n) for n in (1, 6)]
+REQUEST_COUNTS = [6, 1, 9, 3, 5, 2]
+
+
+def test_continuous_batch_rows_equal_each_request_alone(model):
+    """2 rows for 6 requests: each finished row is refilled (one prefill per request, 1 + 5 + ... decode steps for
+    the rows in use only), every request's tokens equal `generate` of it alone; an eos ends a request early."""
+    alone = [np.asarray(generate(model, p, n)) for p, n in zip(REQUESTS, REQUEST_COUNTS)]
+    batch = ContinuousBatch(model, REQUESTS, REQUEST_COUNTS, batch_size=2)
+    got = dict(batch)
+    assert sorted(got) == list(range(6)) and batch.shapes == (2, 32)
+    for r in range(6):
+        np.testing.assert_array_equal(got[r], alone[r])
+    assert batch.decode_tokens == sum(REQUEST_COUNTS) - 6  # no step is counted for an empty or finished row
+    assert batch.prefill_tokens == sum(len(p) for p in REQUESTS)
+    eos = int(alone[2][3])
+    got = dict(ContinuousBatch(model, REQUESTS, REQUEST_COUNTS, batch_size=3, eos_id=eos))
+    want = np.asarray(generate(model, REQUESTS[2], REQUEST_COUNTS[2], eos_id=eos))
+    stop = int(np.argmax(want == eos))
+    np.testing.assert_array_equal(got[2], want[:stop + 1])
+
+
+def test_continuous_batch_on_scanned_layers_and_its_errors():
+    from qformats.models.decoder.scan import scan_layers
+    m = scan_layers(random_model())
+    got = dict(ContinuousBatch(m, REQUESTS[:3], 4, batch_size=2))
+    for r, p in enumerate(REQUESTS[:3]):
+        np.testing.assert_array_equal(got[r], np.asarray(generate(m, p, 4)))
+    with pytest.raises(ModelError, match="batch_size must be a positive integer, got 0"):
+        ContinuousBatch(m, REQUESTS, 4, batch_size=0)
+    with pytest.raises(ModelError, match="max_position_embeddings"):
+        ContinuousBatch(m, [np.zeros(2047, np.int32)], 2, batch_size=1)
