@@ -68,3 +68,32 @@ def tensor_parallel_rules(config, axis: str = "tp"):
     return ShardingRules(PARAM_AXES, (("vocab", axis), ("heads", axis), ("kv_heads", axis), ("mlp", axis),
                                       ("embed", None), ("head_dim", None)),
                          units=(("heads", config.head_dim), ("kv_heads", config.head_dim)))
+
+
+def decoder_parallel_rules(config, mesh):
+    """The sharding rules of `config` (a `DecoderConfig`) on a mesh made by
+    `converters.pipelines.mesh_load.parallel_setup`: with an "ep" axis, `expert_parallel_rules(config, "ep",
+    "tp" when that axis has more than one device)` (expert stacks split by experts, attention / dense MLPs /
+    vocabulary Megatron-style over "tp"); otherwise `tensor_parallel_rules` over the mesh's one axis.
+
+    Raises ModelError, before anything is placed: an "ep" axis for a model without experts, or a num_experts
+    that the "ep" size n does not divide (E mod n != 0, numbers named); MLA models with "tp" > 1
+    (`expert_parallel_rules` / `tensor_parallel_rules`)."""
+    shape = dict(mesh.shape)
+    if "ep" not in shape:
+        if len(shape) != 1:
+            raise ModelError(f"decoder_parallel_rules: expected a mesh of axes ('tp',) or ('ep', 'tp'), found "
+                             f"{tuple(mesh.axis_names)}")
+        return tensor_parallel_rules(config, mesh.axis_names[0])
+    n = shape["ep"]
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        if n > 1:
+            raise ModelError(f"expert parallel {n}: the {config.model_type} model has no experts (not a "
+                             "mixture-of-experts decoder); use tensor parallelism")
+    elif moe.num_experts % n:
+        raise ModelError(f"expert parallel {n}: the {config.model_type} model has num_experts = {moe.num_experts}, "
+                         f"which {n} devices cannot split evenly ({moe.num_experts} mod {n} = "
+                         f"{moe.num_experts % n}); use an expert-parallel size that divides {moe.num_experts}")
+    tp = shape.get("tp", 1)
+    return expert_parallel_rules(config, "ep", "tp" if tp > 1 else None)
