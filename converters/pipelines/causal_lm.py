@@ -149,7 +149,7 @@ def _tokenizer_from_str(text: str, where: Path):
 
 def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, tokenizer: bool = True, mesh=None,
                    rules=None, stats=None, packed: bool = True):
-    """Loads a llama / mistral / qwen2 / qwen3 causal LM as `qformats.models.decoder.CausalLM`, on one device or
+    """Loads a causal LM of the decoder family (llama, mistral, qwen2/3, the MoE decoders) as `qformats.models.decoder.CausalLM`, on one device or
     onto a mesh.
 
     Args:
@@ -167,7 +167,9 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         online rotations are CheckpointErrors there: load them on one device and `qformats.nn.sharding.shard_model`.
         A `.gguf` file is read whole on one device, then laid out by `shard_model`.
       rules: with `mesh`, a `qformats.sharding.ShardingRules`; default `decoder.tensor_parallel_rules(config,
-        axis)` for a 1-D mesh of axis `axis` (ModelError for a mesh of several axes without rules).
+        axis)` for a 1-D mesh of axis `axis`, `decoder.sharding.decoder_parallel_rules` for a mesh with an "ep"
+        axis (`mesh_load.parallel_setup`: expert stacks split by experts, each device reading only its own
+        experts' tensors); ModelError for another mesh of several axes without rules.
       stats: with `mesh` and a directory, a `converters.pipelines.mesh_load.ReadStats` to fill with the bytes this process
         read.
       packed: for a `.gguf` file, keep the block-quantized projections packed (default; module docstring); a
@@ -265,14 +267,15 @@ def _load_gguf_packed(g, model, cfg) -> list[str]:
 
 
 def _mesh_rules(cfg, mesh, rules):
-    """`rules`, or the decoder's Megatron layout over the one axis of `mesh`."""
-    from qformats.models import decoder
+    """`rules`, or the decoder's layout for `mesh` (`decoder.sharding.decoder_parallel_rules`: Megatron over the one
+    axis of a 1-D mesh, experts split over an "ep" axis with attention over "tp")."""
+    from qformats.models.decoder.sharding import decoder_parallel_rules
 
     if rules is not None:
         return rules
-    if len(mesh.axis_names) != 1:
+    if len(mesh.axis_names) != 1 and "ep" not in mesh.axis_names:
         raise ModelError(f"load_causal_lm: a mesh of axes {mesh.axis_names} needs explicit rules")
-    return decoder.tensor_parallel_rules(cfg, mesh.axis_names[0])
+    return decoder_parallel_rules(cfg, mesh)
 
 
 def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stats) -> None:
