@@ -85,7 +85,10 @@ def parallel_setup(tensor: int = 1, expert: int = 1):
         return tensor_parallel_setup(tensor, "tp")
     from jax.sharding import Mesh
 
-    flat = tensor_parallel_setup(tensor * expert, "devices")
+    try:
+        flat = tensor_parallel_setup(tensor * expert, "devices")
+    except ModelError as e:
+        raise ModelError(f"expert parallel {expert} x tensor parallel {tensor}: {e}") from None
     return Mesh(flat.devices.reshape(expert, tensor), ("ep", "tp"))
 
 

@@ -143,3 +143,18 @@ def test_set_expert_parallel_refuses_an_indivisible_axis():
     model = nnx.eval_shape(lambda: CausalLM(DecoderConfig.from_hf(dict(CFG, num_experts=6)), rngs=nnx.Rngs(0)))
     with pytest.raises(ModelError, match=r"6 experts do not split over 4 devices of mesh axis 'ep'"):
         set_expert_parallel(model, _mesh(4, 2), "ep")
+
+
+def test_parallel_setup_checks_its_sizes_and_the_devices():
+    import jax
+
+    from converters.pipelines.mesh_load import parallel_setup
+    from qformats.errors import ModelError
+
+    n = len(jax.devices())  # JAX started: the device count is fixed now
+    with pytest.raises(ModelError, match=r"expert parallel: expected a positive device count, got 0"):
+        parallel_setup(1, 0)
+    with pytest.raises(ModelError, match=rf"expert parallel {n + 1} x tensor parallel 2: .*expected at least "
+                                         rf"{2 * (n + 1)} cpu devices, found {n}"):
+        parallel_setup(2, n + 1)
+    assert parallel_setup(1, 1).axis_names == ("tp",)

@@ -25,7 +25,7 @@ PARAM_AXES = (
     (r"model/layers/\d+/mlp/shared_expert/(gate|up)_proj/kernel", ("embed", "mlp")),
     (r"model/layers/\d+/mlp/shared_expert/down_proj/kernel", ("mlp", "embed")),
     (r"model/layers/\d+/mlp/shared_expert_gate/kernel", ("embed", None)),
-    (r"model/layers/\d+/self_attn/sinks", ("heads",)),
+    (r"model/layers/\d+/self_attn/sinks", ("sink_heads",)),  # one value per attention head
     (r"model/layers/\d+/self_attn/q_proj/kernel", ("embed", "heads")),
     (r"model/layers/\d+/self_attn/q_proj/bias", ("heads",)),
     (r"model/layers/\d+/self_attn/[kv]_proj/kernel", ("embed", "kv_heads")),
@@ -53,7 +53,8 @@ def expert_parallel_rules(config, axis: str = "ep", tensor_axis=None):
         raise ModelError(f"expert_parallel_rules: no tensor-parallel layout is defined for the {config.model_type} "
                          "model's multi-head latent attention; leave tensor_axis None (attention replicated)")
     return ShardingRules(PARAM_AXES, (("expert", axis), ("expert_mlp", None), ("vocab", t), ("heads", t),
-                                      ("kv_heads", t), ("mlp", t), ("embed", None), ("head_dim", None)),
+                                      ("sink_heads", t), ("kv_heads", t), ("mlp", t), ("embed", None),
+                                      ("head_dim", None)),
                          units=(("heads", config.head_dim), ("kv_heads", config.head_dim)))
 
 
@@ -65,8 +66,8 @@ def tensor_parallel_rules(config, axis: str = "tp"):
     if getattr(config, "mla", None) is not None:
         raise ModelError(f"tensor_parallel_rules: no tensor-parallel layout is defined for the {config.model_type} "
                          "model's multi-head latent attention")
-    return ShardingRules(PARAM_AXES, (("vocab", axis), ("heads", axis), ("kv_heads", axis), ("mlp", axis),
-                                      ("embed", None), ("head_dim", None)),
+    return ShardingRules(PARAM_AXES, (("vocab", axis), ("heads", axis), ("sink_heads", axis), ("kv_heads", axis),
+                                      ("mlp", axis), ("embed", None), ("head_dim", None)),
                          units=(("heads", config.head_dim), ("kv_heads", config.head_dim)))
 
 
