@@ -45,8 +45,10 @@ def expert_parallel_rules(config, axis: str = "ep", tensor_axis=None):
     """`qformats.sharding.ShardingRules` splitting every expert stack of an MoE `config` by experts over mesh axis
     `axis` (E / n experts per device; packed stacks leaf by leaf), and, with `tensor_axis`, attention, dense MLPs,
     the shared expert and the vocabulary Megatron-style over that axis (`tensor_parallel_rules`); without it they are
-    replicated. The expert FFNs' hidden units ("expert_mlp") stay whole. ModelError (at placement) when the mesh
-    does not divide num_experts; ModelError for `tensor_axis` with multi-head latent attention (deepseek_v3: no
+    replicated. The expert FFNs' hidden units ("expert_mlp") stay whole. `qformats.nn.sharding.shard_model` with
+    these rules also makes the MoE blocks compute expert-parallel (`moe.expert_parallel_rows`: each device its own
+    experts' rows, one all-reduce of activations). ModelError (at placement) when the mesh does not divide
+    num_experts; ModelError for `tensor_axis` with multi-head latent attention (deepseek_v3: no
     tensor-parallel layout of it; its expert stacks split by experts with everything else replicated)."""
     t = tensor_axis
     if t is not None and getattr(config, "mla", None) is not None:

@@ -93,8 +93,9 @@ def test_parallel_sizes_below_one_are_usage_errors(flag, tiny_moe, tmp_path, cap
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", [None, "W4A16:g16"])
 def test_generate_expert_parallel_equals_one_device(tiny_moe, tmp_path, scheme, capsys):
-    """--expert-parallel 4 --tensor-parallel 2, and --expert-parallel 8: the single-device greedy tokens; the
-    expert stacks split 4 (8) ways, so each device holds well under the whole model."""
+    """--expert-parallel 4 --tensor-parallel 2, --expert-parallel 8, and --tensor-parallel 2 alone (attention split,
+    experts replicated): the single-device greedy tokens; with the expert stacks split 4 (8) ways each device holds
+    well under the whole model."""
     src = tiny_moe
     if scheme is not None:  # a stored compressed-tensors MoE checkpoint, its experts read onto their devices
         src = tmp_path / "q"
@@ -104,14 +105,18 @@ def test_generate_expert_parallel_equals_one_device(tiny_moe, tmp_path, scheme, 
     args = ["generate", str(src), "--prompt", PROMPT, "--max-new-tokens", "8", "--json"]
     assert main(args) == 0
     want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for par in (["--expert-parallel", "4", "--tensor-parallel", "2"], ["--expert-parallel", "8"]):
+    for par in (["--expert-parallel", "4", "--tensor-parallel", "2"], ["--expert-parallel", "8"],
+                ["--tensor-parallel", "2"]):
         r = _fresh(*args, *par)
         assert r.returncode == 0, r.stderr
         got = json.loads(r.stdout.strip().splitlines()[-1])
         assert got["tokens"] == want["tokens"], par
         per = got["param_bytes_per_device"]
-        stored = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-        assert len(per) == 8 and max(per) < 0.5 * stored, (per, stored)
+        if "--expert-parallel" in par:
+            stored = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+            assert len(per) == 8 and max(per) < 0.5 * stored, (per, stored)
+        else:
+            assert len(per) == 2
 
 
 @pytest.mark.slow
