@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 from typing import List, Optional
 
-__all__ = ["MAX_SHARD_SIZE_HELP", "CompileWatch", "Usage", "Parser", "add_compile_cache_argument", "cli_spelling",
+__all__ = ["MAX_SHARD_SIZE_HELP", "CompileWatch", "Usage", "Parser", "add_compile_cache_argument",
+           "add_parallel_arguments", "check_parallel_usage", "parallel_mesh", "cli_spelling",
            "compile_cache_dir", "enable_compile_cache", "read_text", "parse_schemes", "say", "skipped_text"]
 
 MAX_SHARD_SIZE_HELP = ("largest safetensors file written (default 5GB; units B, KB/MB/GB = powers of 1000, "
@@ -168,3 +169,33 @@ class CompileWatch:
         if self.misses:
             return f"persistent cache: {self.hits} of {self.hits + self.misses} programs loaded, {cache}"
         return "in-process cache hit"
+
+
+def add_parallel_arguments(p) -> None:
+    """--tensor-parallel N / --expert-parallel N on parser `p` (the decoder run on N x M devices)."""
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="run on N devices, Megatron-style (q/k/v/gate/up split by output channels, o/down by input "
+                        "channels, embeddings by vocabulary, KV cache by heads); on a CPU-only host the CPU devices "
+                        "are made before JAX starts. A shape N cannot divide is an error naming the layer")
+    p.add_argument("--expert-parallel", type=int, default=None, metavar="N",
+                   help="mixture-of-experts models: split every expert stack by experts over N devices (E / N "
+                        "experts each); only activations cross devices. With --tensor-parallel M: N x M devices. "
+                        "num_experts not a multiple of N, or a model without experts, is an error")
+
+
+def check_parallel_usage(a, command: str) -> None:
+    """Usage error for a --tensor-parallel / --expert-parallel below 1."""
+    for flag, n in (("--tensor-parallel", getattr(a, "tensor_parallel", None)),
+                    ("--expert-parallel", getattr(a, "expert_parallel", None))):
+        if n is not None and n < 1:
+            raise Usage(f"qformats {command}: error: {flag} must be >= 1, got {n}")
+
+
+def parallel_mesh(a):
+    """The mesh of a.tensor_parallel x a.expert_parallel devices (`converters.pipelines.mesh_load.parallel_setup`),
+    or None when neither is given. Call before any other JAX operation."""
+    tp, ep = getattr(a, "tensor_parallel", None), getattr(a, "expert_parallel", None)
+    if tp is None and ep is None:
+        return None
+    from converters.pipelines.mesh_load import parallel_setup
+    return parallel_setup(tp or 1, ep or 1)

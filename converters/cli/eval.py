@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import List, Sequence
 
-from converters.cli.common import (Parser, Usage, add_compile_cache_argument, enable_compile_cache, parse_schemes,
-                                  read_text, skipped_text)
+from converters.cli.common import (Parser, Usage, add_compile_cache_argument, add_parallel_arguments,
+                                  check_parallel_usage, enable_compile_cache, parallel_mesh, parse_schemes, read_text,
+                                  skipped_text)
 
 __all__ = ["CAUSAL_LM", "SENTENCE_ENCODER", "add_parser", "model_kind", "perplexity_parser", "run"]
 
@@ -57,6 +58,7 @@ def perplexity_parser() -> Parser:
     p.add_argument("--no-scan", action="store_true",
                    help="run the layers one by one in the compiled program instead of one lax.scan per run of "
                         "identical layers (the default, whose compile time does not grow with depth; same values)")
+    add_parallel_arguments(p)
     add_compile_cache_argument(p)
     return p
 
@@ -154,10 +156,12 @@ def _perplexity(a) -> int:
     schemes = parse_schemes(a.schemes)
     if a.seq_len < 2 or (a.max_windows is not None and a.max_windows < 1) or a.batch_size < 1:
         raise Usage("qformats eval: error: expected --seq-len >= 2, --max-windows >= 1, --batch-size >= 1")
+    check_parallel_usage(a, "eval")
+    mesh = parallel_mesh(a)  # before any other JAX operation
     enable_compile_cache(not a.no_compile_cache)
     log = None if a.json else (lambda m: print(m, file=sys.stderr))
     r = evaluate_text(a.src, text, schemes, seq_len=a.seq_len, max_windows=a.max_windows, batch_size=a.batch_size,
-                      skip_indivisible=a.skip_indivisible, log=log, scan=not a.no_scan)
+                      skip_indivisible=a.skip_indivisible, log=log, scan=not a.no_scan, mesh=mesh)
     if a.json:
         print(json.dumps(r))
     else:

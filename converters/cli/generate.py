@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from converters.cli.common import Usage, add_compile_cache_argument, parse_schemes, say, skipped_text
+from converters.cli.common import (Usage, add_compile_cache_argument, add_parallel_arguments, check_parallel_usage,
+                                  parallel_mesh, parse_schemes, say, skipped_text)
 from converters.units import size_text
 
 __all__ = ["add_parser", "run"]
@@ -44,10 +45,7 @@ def add_parser(sub) -> None:
     g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=float, default=None, help="sample in the smallest set of probability >= p")
     g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
-    g.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
-                   help="run on N devices, Megatron-style (q/k/v/gate/up split by output channels, o/down by "
-                        "input channels, embeddings by vocabulary, KV cache by heads); on a CPU-only host N CPU "
-                        "devices are made before JAX starts. A shape N cannot divide is an error naming the layer")
+    add_parallel_arguments(g)
     g.add_argument("--scan", action="store_true",
                    help="run each run of identically built layers as one lax.scan, so compile time does not grow "
                         "with depth (same tokens). Off by default: on CPU a scanned decode step of float weights is "
@@ -60,7 +58,8 @@ def add_parser(sub) -> None:
                         "bucket reuse the compiled programs)")
     add_compile_cache_argument(g)
     g.add_argument("--json", action="store_true", help='print {"tokens": [new token ids], "text": ...} (with '
-                                                       '--tensor-parallel also "param_bytes_per_device")')
+                                                       '--tensor-parallel / --expert-parallel also '
+                                                       '"param_bytes_per_device")')
 
 
 def _check_usage(a) -> None:
@@ -79,8 +78,7 @@ def _check_usage(a) -> None:
         raise Usage("qformats generate: error: --batch-size must be >= 1")
     if a.batch_size > 1 and a.prompts is None:
         raise Usage("qformats generate: error: --batch-size batches the requests of --prompts FILE.jsonl")
-    if a.tensor_parallel is not None and a.tensor_parallel < 1:
-        raise Usage("qformats generate: error: --tensor-parallel must be >= 1")
+    check_parallel_usage(a, "generate")
 
 
 def _source_bytes(src: str) -> int:
@@ -101,9 +99,9 @@ def _load(a, mesh):
         return model, cfg, tok, []
     model, cfg, tok, skipped = load_for_scheme(a.src, a.scheme or "stored", skip_indivisible=a.skip_indivisible)
     if mesh is not None:  # quantized in memory on one device, then laid out on the mesh
-        from qformats.models.decoder import tensor_parallel_rules
+        from qformats.models.decoder.sharding import decoder_parallel_rules
         from qformats.nn.sharding import shard_model
-        model = shard_model(model, mesh, tensor_parallel_rules(model.config, mesh.axis_names[0]))
+        model = shard_model(model, mesh, decoder_parallel_rules(model.config, mesh))
     return model, cfg, tok, skipped
 
 
@@ -136,10 +134,7 @@ def run(a) -> int:
     from qformats.models.generate import TokenStream, check_context, supports_ragged
     _check_usage(a)
     requests = [(a.prompt, a.max_new_tokens)] if a.prompts is None else read_requests(a.prompts, a.max_new_tokens)
-    mesh = None
-    if a.tensor_parallel is not None:
-        from converters.pipelines.mesh_load import tensor_parallel_setup
-        mesh = tensor_parallel_setup(a.tensor_parallel)  # before any other JAX operation
+    mesh = parallel_mesh(a)  # before any other JAX operation
     cache = enable_compile_cache(not a.no_compile_cache)
     nbytes = _source_bytes(a.src)
     say(f"loading {a.src} ({size_text(nbytes)}) ...")

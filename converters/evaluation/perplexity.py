@@ -332,13 +332,16 @@ def check_window(src: "str | os.PathLike", seq_len: int, batch_size: int, memory
 
 def evaluate_text(src: "str | os.PathLike", text: str, schemes: Sequence[str] = (STORED,), *, seq_len: int = 512,
                   max_windows: Optional[int] = None, batch_size: int = 4, skip_indivisible: bool = False,
-                  log: Optional[Callable[[str], None]] = None, scan: bool = True) -> Dict[str, Dict[str, float]]:
+                  log: Optional[Callable[[str], None]] = None, scan: bool = True,
+                  mesh=None) -> Dict[str, Dict[str, float]]:
     """scheme -> {"ppl", "tokens", "bytes"} of the causal LM at `src` on `text` (the module's protocol);
     bytes = Σ bytes of the model's parameters as held in memory (packed layers at their stored size,
     `qformats.nn.param_bytes`). The model is loaded afresh for each scheme. With `skip_indivisible` a scheme
     that left projections dense also has "skipped": [their paths] (`load_for_scheme`). With `scan` (default) the
     layers run as scanned runs (`qformats.models.decoder.scan.scan_layers`: the same values, one traced layer per
-    run of identical layers, so compile time does not grow with depth).
+    run of identical layers, so compile time does not grow with depth). With `mesh` (`converters.pipelines.mesh_load.
+    parallel_setup`) each model is laid out on it after loading (`qformats.nn.sharding.shard_model` by
+    `qformats.models.decoder.sharding.decoder_parallel_rules`: tensor and / or expert parallel) and runs SPMD.
 
     Raises:
       CheckpointError: SRC has no tokenizer.json, or as `load_for_scheme`. ModelError: the text is shorter
@@ -365,6 +368,10 @@ def evaluate_text(src: "str | os.PathLike", text: str, schemes: Sequence[str] = 
         if log:
             log(f"{s}: {windows.shape[0]} windows of {seq_len} tokens")
         model, _, _, skipped = load_for_scheme(src, s, tokenizer=False, skip_indivisible=skip_indivisible)
+        if mesh is not None:
+            from qformats.models.decoder.sharding import decoder_parallel_rules
+            from qformats.nn.sharding import shard_model
+            shard_model(model, mesh, decoder_parallel_rules(model.config, mesh))
         if scan:
             from qformats.models.decoder.scan import scan_layers
             scan_layers(model)

@@ -152,7 +152,7 @@ def _tokenizer_from_str(text: str, where: Path):
 
 def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, tokenizer: bool = True, mesh=None,
                    rules=None, stats=None, packed: bool = True):
-    """Loads a llama / mistral / qwen2 / qwen3 causal LM as `qformats.models.decoder.CausalLM`, on one device or
+    """Loads a causal LM of the decoder family (llama, mistral, qwen2/3, the MoE decoders) as `qformats.models.decoder.CausalLM`, on one device or
     onto a mesh.
 
     Args:
@@ -174,7 +174,9 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         (`mesh_load.load_native_on_mesh`). A split that would cut a scale group, block or packed byte is a
         ModelError naming the parameter.
       rules: with `mesh`, a `qformats.sharding.ShardingRules`; default `decoder.tensor_parallel_rules(config,
-        axis)` for a 1-D mesh of axis `axis` (ModelError for a mesh of several axes without rules).
+        axis)` for a 1-D mesh of axis `axis`, `decoder.sharding.decoder_parallel_rules` for a mesh with an "ep"
+        axis (`mesh_load.parallel_setup`: expert stacks split by experts, each device reading only its own
+        experts' tensors); ModelError for another mesh of several axes without rules.
       stats: with `mesh`, a `converters.pipelines.mesh_load.ReadStats` to fill with the bytes this process read (a
         directory of another quantized format: only the largest shard, its reader reads the files).
       packed: for a `.gguf` file, keep the block-quantized projections packed (default; module docstring); a
@@ -280,14 +282,15 @@ def _load_gguf_packed(g, model, cfg) -> list[str]:
 
 
 def _mesh_rules(cfg, mesh, rules):
-    """`rules`, or the decoder's Megatron layout over the one axis of `mesh`."""
-    from qformats.models import decoder
+    """`rules`, or the decoder's layout for `mesh` (`decoder.sharding.decoder_parallel_rules`: Megatron over the one
+    axis of a 1-D mesh, experts split over an "ep" axis with attention over "tp")."""
+    from qformats.models.decoder.sharding import decoder_parallel_rules
 
     if rules is not None:
         return rules
-    if len(mesh.axis_names) != 1:
+    if len(mesh.axis_names) != 1 and "ep" not in mesh.axis_names:
         raise ModelError(f"load_causal_lm: a mesh of axes {mesh.axis_names} needs explicit rules")
-    return decoder.tensor_parallel_rules(cfg, mesh.axis_names[0])
+    return decoder_parallel_rules(cfg, mesh)
 
 
 def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stats) -> None:
@@ -300,7 +303,8 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
 
     from converters.formats.compressed_tensors.config import parse_quantization_config
     from converters.formats.compressed_tensors.read import decode_weight, is_quantized, plan_modules
-    from converters.pipelines.mesh_load import SliceSource, dense_reader, equal_by_rows, place, place_weight
+    from converters.pipelines.mesh_load import (SliceSource, dense_reader, equal_by_rows, place, place_expert_stack,
+                                                place_expert_weights, place_weight)
     from converters.formats.safetensors_io import open_checkpoint
     from qformats.models import decoder
     from qformats.models.decoder.params import resolve_path
@@ -308,9 +312,6 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
     from qformats.sharding import spec_for
 
     slots = decoder.hf_tensor_names(cfg)
-    if cfg.moe is not None:
-        raise CheckpointError(f"{p}: loading a mixture-of-experts checkpoint ({cfg.model_type}) straight onto a mesh "
-                              "is not supported; load it on one device, then qformats.nn.sharding.shard_model")
     qc = parse_quantization_config(hf_config["quantization_config"], str(p / "config.json")) \
         if is_quantized(hf_config) else None
     with open_checkpoint(p) as ck:
@@ -318,6 +319,7 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
         quantized: dict[str, dict[str, Any]] = {}
         schemes: dict[str, Any] = {}
         consumed = set()
+        experts: dict[str, dict[int, Any]] = {}  # expert stack path -> expert -> (module, decoded weight)
         for m in plan_modules(ck, qc) if qc is not None else ():
             if m.group is None:
                 continue
@@ -327,6 +329,11 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
                                       f"there")
             fpath = "/".join(str(x) for x in slot.path[:-1])
             w = decode_weight(ck, m, qc, src)
+            if slot.expert is not None:  # one expert of a stack: placed with the others below
+                experts.setdefault(fpath, {})[slot.expert] = (m, w)
+                consumed.update(n for local, n in m.tensors.items()
+                                if local.startswith("weight") or local in ("input_scale", "input_global_scale", "bias"))
+                continue
             entry: dict[str, Any] = {"weight": place_weight(w, mesh, rules, fpath, stats)}
             for local in ("input_scale", "input_global_scale"):
                 if local in m.tensors:
@@ -341,6 +348,11 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
                             if local.startswith("weight") or local in ("input_scale", "input_global_scale", "bias"))
             quantized[fpath] = entry
             schemes[fpath] = m.group.input_activations
+        packed_experts = set()
+        for fpath, per in experts.items():
+            quantized[fpath] = _expert_stack_entry(p, fpath, per, model, mesh, rules, src, stats)
+            schemes[fpath] = per[0][0].group.input_activations
+            packed_experts.update(f"{m.name}.weight" for m, _ in per.values())
         kv = qc.kv_cache if qc is not None else None
         kv_scales = None
         if kv is not None:
@@ -348,7 +360,7 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
             if kv_scales is not None:
                 consumed.update(kv_scale_names(cfg))
         packed = {f"{m.replace('/', '.')}.weight" for m in quantized}
-        dense = {n: s for n, s in slots.items() if n not in packed and n not in consumed}
+        dense = {n: s for n, s in slots.items() if n not in packed and n not in consumed and n not in packed_experts}
         missing = [n for n in dense if n not in ck]
         extra = [n for n in ck.keys() if n not in dense and n not in consumed]
         checks = [n for n in extra if n.endswith(".rotary_emb.inv_freq")
@@ -362,7 +374,7 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
         variables = {n: resolve_path(model, slot.path) for n, slot in dense.items()}
         for n, slot in dense.items():
             if n in ck:
-                want = tuple(variables[n].get_value().shape)
+                want = tuple(variables[n].get_value().shape)[(0 if slot.expert is None else 1):]
                 got = tuple(ck.info(n).shape)
                 if (got[::-1] if slot.transpose else got) != want:
                     problems.append(f"{n} {got} (expected {want[::-1] if slot.transpose else want})")
@@ -375,11 +387,22 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
         if problems:
             raise CheckpointError(f"{p}: " + "; ".join(problems))
         placed = []
+        stacks: dict[str, dict[int, str]] = {}  # dense expert stacks: variable path -> expert -> stored name
         for n, slot in dense.items():
             v = variables[n]
             a = v.get_value()
-            sharding = NamedSharding(mesh, spec_for("/".join(str(x) for x in slot.path), a.shape, mesh, rules))
+            vpath = "/".join(str(x) for x in slot.path)
+            if slot.expert is not None:
+                stacks.setdefault(vpath, {})[slot.expert] = n
+                continue
+            sharding = NamedSharding(mesh, spec_for(vpath, a.shape, mesh, rules))
             placed.append((v, place(a.shape, a.dtype, sharding, dense_reader(src, n, slot.transpose), stats)))
+        for vpath, names in stacks.items():  # each device reads only its own experts' tensors
+            v = variables[names[0]]
+            a = v.get_value()
+            sharding = NamedSharding(mesh, spec_for(vpath, a.shape, mesh, rules))
+            readers = [dense_reader(src, names[e], dense[names[e]].transpose) for e in range(a.shape[0])]
+            placed.append((v, place_expert_stack(a.shape, a.dtype, sharding, readers, stats)))
     try:
         load_quantized(model, quantized, schemes)
     except ModelError as e:
@@ -393,6 +416,42 @@ def _load_on_mesh(p: Path, hf_config, model, cfg, param_dtype, mesh, rules, stat
         scales = None if kv_scales is None else [tuple(jax.device_put(jnp.asarray(x), rep) for x in pair)
                                                  for pair in kv_scales]
         _enable_kv_cache(p, model, kv, scales)
+
+
+def _expert_stack_entry(p: Path, fpath: str, per: dict, model, mesh, rules, src, stats) -> dict[str, Any]:
+    """The `qformats.nn.load_quantized` entry of one quantized expert stack loaded onto `mesh`: {"weight": the
+    stacked QArray placed shard by shard (`converters.pipelines.mesh_load.place_expert_weights`), "bias"?: the
+    stacked per-expert biases, "input_scale"? / "input_global_scale"?: [E, ...] stacks (which QExperts refuses:
+    static activation scales)}. CheckpointError naming the stack when experts are missing."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from converters.pipelines.mesh_load import dense_reader, place_expert_stack, place_expert_weights
+    from qformats.models.decoder.params import resolve_path
+    from qformats.sharding import spec_for
+
+    module = resolve_path(model, tuple(int(x) if x.isdigit() else x for x in fpath.split("/")))
+    n = int(module.num_experts)
+    if sorted(per) != list(range(n)):
+        raise CheckpointError(f"{p}: expert stack {fpath}: expected quantized weights of experts 0..{n - 1}, found "
+                              f"{sorted(per)[:8]}{' ...' if len(per) > 8 else ''}")
+    mods = [per[e][0] for e in range(n)]
+    entry: dict[str, Any] = {"weight": place_expert_weights([per[e][1] for e in range(n)], mesh, rules, fpath, stats)}
+    for local in ("input_scale", "input_global_scale"):
+        have = [local in m.tensors for m in mods]
+        if any(have):
+            if not all(have):
+                raise CheckpointError(f"{p}: expert stack {fpath}: {local} on some experts only")
+            entry[local] = np.stack([np.asarray(src.read(m.tensors[local])) for m in mods])
+    bias = [f"{m.name}.bias" for m in mods]
+    if module.bias is not None:
+        if not all(b in src.ck for b in bias):
+            raise CheckpointError(f"{p}: expert stack {fpath}: expected every expert's bias ({bias[0]}, ...)")
+        shape = tuple(module.bias.get_value().shape)
+        sharding = NamedSharding(mesh, spec_for(f"{fpath}/bias", shape, mesh, rules))
+        entry["bias"] = place_expert_stack(shape, jnp.dtype(module.bias.get_value().dtype), sharding,
+                                           [dense_reader(src, b, False) for b in bias], stats)
+    return entry
 
 
 def kv_scale_names(cfg) -> list[str]:

@@ -8,6 +8,12 @@ ever whole in host memory (only one shard at a time), and in a multi-process run
 process reads only the byte ranges of its own devices' shards. Quantized weights are decoded by
 `converters.formats.compressed_tensors.read.decode_weight` (the decoder `read_compressed` uses), each QArray leaf read by slices
 (`place_weight`); layouts whose values span slices are CheckpointErrors naming the module.
+
+Mixture-of-experts stacks [E, ...] stored one tensor per expert (HF "mlp.experts.{e}.gate_proj.weight", and the
+compressed-tensors modules of each expert) are placed the same way (`place_expert_stack`, `place_expert_weights`):
+a device's shard of the stack is read from its own experts' tensors only (the rows / columns of its slice), so
+under expert parallelism no device, and no host, ever holds the whole stack. Fused stacks stored [E, in, out]
+(gpt-oss) are ordinary tensors (`place` with `dense_reader`).
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from converters.formats.compressed_tensors.read import Index, StoredWeight, Tens
 from qformats.errors import CheckpointError, ModelError
 
 __all__ = ["ReadStats", "SliceSource", "SlicedQArray", "dense_reader", "equal_by_rows", "gguf_dense_reader",
-           "gguf_sliced", "host_sliced", "load_gguf_on_mesh", "load_native_on_mesh", "place", "place_sliced",
-           "place_weight", "tensor_parallel_setup"]
+           "gguf_sliced", "host_sliced", "load_gguf_on_mesh", "load_native_on_mesh", "parallel_setup", "place",
+           "place_expert_stack", "place_expert_weights", "place_sliced", "place_weight", "tensor_parallel_setup"]
 
 
 @dataclasses.dataclass
@@ -64,6 +70,27 @@ def tensor_parallel_setup(n: int, axis: str = "tp"):
         raise ModelError(f"tensor parallel {n}: expected at least {n} {devices[0].platform} devices, found "
                          f"{len(devices)}{hint}")
     return Mesh(np.array(devices[:n]), (axis,))
+
+
+def parallel_setup(tensor: int = 1, expert: int = 1):
+    """The `jax.sharding.Mesh` of a run on `expert` x `tensor` devices: ("tp",) of `tensor` devices when `expert`
+    is 1 (`tensor_parallel_setup`), else ("ep", "tp") of shape (expert, tensor) -- the expert stacks split over
+    "ep", attention and dense MLPs over "tp" (`qformats.models.decoder.sharding.decoder_parallel_rules`). Call it
+    before any other JAX operation (the CPU device count is set here). ModelError for a size below 1 or too few
+    devices."""
+    for what, n in (("tensor", tensor), ("expert", expert)):
+        if isinstance(n, bool) or int(n) != n or n < 1:
+            raise ModelError(f"{what} parallel: expected a positive device count, got {n!r}")
+    tensor, expert = int(tensor), int(expert)
+    if expert == 1:
+        return tensor_parallel_setup(tensor, "tp")
+    from jax.sharding import Mesh
+
+    try:
+        flat = tensor_parallel_setup(tensor * expert, "devices")
+    except ModelError as e:
+        raise ModelError(f"expert parallel {expert} x tensor parallel {tensor}: {e}") from None
+    return Mesh(flat.devices.reshape(expert, tensor), ("ep", "tp"))
 
 
 def place(shape, dtype, sharding, read: Callable[[Index], np.ndarray], stats: Optional[ReadStats] = None):
@@ -422,3 +449,76 @@ def load_native_on_mesh(path, model, cfg, mesh, rules, stats: Optional[ReadStats
         raise CheckpointError(f"{path}: {e}") from None
     for v, a in placed:
         v.set_value(a)
+
+
+# ---- mixture-of-experts stacks, one stored tensor (or quantized module) per expert -------------------------------
+def place_expert_stack(shape, dtype, sharding, readers, stats: Optional[ReadStats] = None):
+    """A global [E, ...] `jax.Array` (`place`) whose expert e is read by `readers[e](index)` (index: a slice per
+    dimension of one expert's array): a device's shard [e0:e1, i, j] is stack([readers[e]((i, j)) for e in
+    e0..e1-1]), so only that device's experts' tensors are read, each only at its slice. ModelError when
+    len(readers) != E."""
+    shape = tuple(int(x) for x in shape)
+    if len(readers) != shape[0]:
+        raise ModelError(f"expert stack {shape}: expected {shape[0]} experts' tensors, found {len(readers)}")
+
+    def read(index):
+        experts = range(shape[0])[index[0]]
+        inner = tuple(index[1:])
+        parts = [np.asarray(readers[e](inner)) for e in experts]
+        if not parts:
+            return np.zeros((0,) + tuple(len(range(*s.indices(d))) for s, d in zip(inner, shape[1:])), dtype)
+        return np.stack(parts)
+
+    return place(shape, dtype, sharding, read, stats)
+
+
+def place_expert_weights(ws, mesh, rules, fpath: str, stats: Optional[ReadStats] = None):
+    """The stacked QArray (leaves [E, ...], per-expert shape [in, out]; `qformats.nn.QExperts`) of every expert's
+    decoded weight `ws` [E] (`converters.formats.compressed_tensors.read.decode_weight`), each leaf placed on
+    `mesh` shard by shard (`place_expert_stack`) in the layout `rules` give the float stack `fpath`/kernel
+    [E, in, out] (`qformats.sharding.stacked_qarray_specs`): a device reads only its own experts' codes and scales.
+
+    Raises CheckpointError naming the module of an expert whose layout cannot be read by slices, or when the
+    experts differ in scheme, shape or leaves."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from qformats.sharding import spec_for, stacked_qarray_specs
+
+    w0 = ws[0]
+    for w in ws:
+        if w.whole_only is not None:
+            raise CheckpointError(f"{w.where}: loading onto a mesh reads each shard straight from the file, which "
+                                  f"{w.whole_only} does not allow; load it with converters.pipelines.causal_lm."
+                                  f"load_causal_lm on one device, then qformats.nn.sharding.shard_model")
+        same = (w.scheme, w.shape, w.dtype) == (w0.scheme, w0.shape, w0.dtype) and all(
+            (a is None) == (b is None) and (a is None or (a.shape, a.dtype) == (b.shape, b.dtype))
+            for a, b in zip(_leaves(w), _leaves(w0)))
+        if not same:
+            raise CheckpointError(f"{w.where}: expected every expert of {fpath} quantized as {w0.where} is "
+                                  f"({w0.scheme.describe()}, shape {w0.shape}), found {w.scheme.describe()}, "
+                                  f"shape {w.shape}")
+    e = len(ws)
+    one = w0.qarray(*(None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _leaves(w0)))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct((e,) + tuple(x.shape), x.dtype), one)
+    kpath = f"{fpath}/kernel"
+    specs = stacked_qarray_specs(abstract, spec_for(kpath, (e,) + tuple(w0.shape), mesh, rules), mesh, kpath)
+    placed = []
+    for i, (x, spec) in enumerate(zip(_leaves(w0), (specs.codes, specs.scale, specs.scale, specs.global_scale))):
+        if x is None:
+            placed.append(None)
+            continue
+        readers = [_leaves(w)[i].read for w in ws]
+        placed.append(place_expert_stack((e,) + tuple(x.shape), x.dtype, NamedSharding(mesh, spec), readers, stats))
+    return _stacked_qarray(w0, placed)
+
+
+def _leaves(w):
+    return (w.codes, w.scale, w.zero_point, w.global_scale)
+
+
+def _stacked_qarray(w0, leaves):
+    """The QArray of w0's scheme / shape with stacked (placed) leaves, unchecked (QArray.check wants unstacked)."""
+    from qformats.qarray import QArray
+
+    return QArray(*leaves, scheme=w0.scheme, shape=w0.shape, dtype=w0.dtype, axis=0)

@@ -544,7 +544,12 @@ class CausalLM(nnx.Module):
 
     def set_sharding(self, mesh, rules) -> None:
         """Called by `qformats.nn.sharding.shard_model`: the KV cache buffers `init_cache` makes are laid out on
-        `mesh` by the logical axes `KV_CACHE_AXES` (split by KV heads under `tensor_parallel_rules`)."""
+        `mesh` by the logical axes `KV_CACHE_AXES` (split by KV heads under `tensor_parallel_rules`), and, when the
+        rules split the "expert" axis (`expert_parallel_rules`), the MoE blocks compute expert-parallel
+        (`moe.set_expert_parallel`)."""
+        from qformats.models.decoder.moe import set_expert_parallel
+
+        set_expert_parallel(self, mesh, dict(rules.mesh_axes).get("expert"))
         self.sharding = (mesh, rules)
 
     def init_cache(self, batch: int, max_len: int, dtype=None, *, per_row: bool = False) -> KVCache:

@@ -21,6 +21,13 @@ checkpoint's module paths (`mlp/experts/gate_proj`, `block_sparse_moe/experts/w1
 Dispatch scales with the routed experts: with fewer routed rows (tokens x top_k) than experts (decode) each row
 gathers its expert's weights (`Experts.gathered`); otherwise the rows are sorted by expert and each projection
 is one grouped matmul (`Experts.grouped`) whose result is scattered back, weighted, to its token.
+
+Expert parallelism (`set_expert_parallel`, called by `CausalLM.set_sharding` when the sharding rules map the
+"expert" axis to a mesh axis of n devices): each device holds experts [r E/n, (r+1) E/n) and computes, inside a
+`jax.shard_map`, the rows routed to its own experts only (the others are zero); one all-reduce (psum) over the
+expert axis of those [tokens x top_k, d] rows gives every device every row, which is then weighted and summed
+exactly as on one device. Only activations cross devices, never expert weights; each row is non-zero on exactly
+one device, so the psum adds zeros and the result equals the single-device computation.
 """
 
 from __future__ import annotations
@@ -272,6 +279,7 @@ class MoEBlock(nnx.Module):
         self.cfg = cfg
         self.dispatch = "auto"
         self.grouped_method = "auto"
+        self.expert_parallel = None  # (mesh, mesh axis) when the expert stacks are split by experts
 
     def router_logits(self, xf):
         """[M, E] router logits of tokens xf [M, d]."""
@@ -291,20 +299,84 @@ class MoEBlock(nnx.Module):
         if dispatch == "auto":
             dispatch = "gathered" if m * k < c.num_experts else "grouped"
         pt = jnp.promote_types(x.dtype, w.dtype)
+        ep = self.expert_parallel
         if dispatch == "gathered":
-            y = self.experts(jnp.repeat(xf, k, axis=0), experts=e).reshape(m, k, d)
+            rows = jnp.repeat(xf, k, axis=0)
+            y = (self.experts(rows, experts=e) if ep is None else
+                 expert_parallel_rows(self.experts, rows, e, None, ep, self.grouped_method)).reshape(m, k, d)
             out = jnp.sum((y.astype(pt) * w[..., None]).astype(x.dtype), axis=1)
         else:
             order = jnp.argsort(e, stable=True)
             tok = order // k
             sizes = jnp.bincount(e, length=c.num_experts)
-            y = self.experts(xf[tok], group_sizes=sizes, method=self.grouped_method)
+            y = (self.experts(xf[tok], group_sizes=sizes, method=self.grouped_method) if ep is None else
+                 expert_parallel_rows(self.experts, xf[tok], e[order], sizes, ep, self.grouped_method))
             contrib = (y.astype(pt) * w.reshape(-1)[order][:, None]).astype(x.dtype)
             out = jnp.zeros_like(xf).at[tok].add(contrib)
         if c.shared_expert_intermediate_size:
             shared = getattr(self, c.shared_name)(xf)
             out = out + (jax.nn.sigmoid(self.shared_expert_gate(xf)) * shared if c.shared_expert_gated else shared)
         return out.reshape(b, t, d)
+
+
+def expert_parallel_rows(experts: ExpertFFNs, rows, row_experts, group_sizes, placement, method: str = "auto"):
+    """FFN_{e_m}(x_m) [M, d] for rows x [M, d] with their experts e [M], computed expert-parallel: `placement` =
+    (mesh, axis), the expert stacks of `experts` split by experts over mesh axis `axis` (n devices, E / n experts
+    each). Inside `jax.shard_map`, device r holds experts [o, o + E/n), o = r E / n, and computes
+
+        y^r_m = FFN_{e_m}(x_m) if o <= e_m < o + E/n else 0        (its own experts' weights only)
+
+    with gathered weights (`group_sizes` None) or, for rows sorted by expert with `group_sizes` [E], one grouped
+    matmul over its own experts' contiguous block of rows (rotated to the front, then back); then
+    y = psum_r y^r (one all-reduce of [M, d] activations over `axis`). Each row is non-zero on one device only, so
+    y equals the single-device result. Every other mesh axis sees the rows and the stacks replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh, axis = placement
+    n = mesh.shape[axis]
+    e_total = experts.cfg.num_experts
+    if e_total % n:
+        raise ModelError(f"expert parallelism: {e_total} experts do not split over {n} devices of mesh axis "
+                         f"{axis!r} (num_experts must be a multiple of the expert-parallel size)")
+    local = e_total // n
+    gdef, state = nnx.split(experts)
+
+    def spec(leaf):  # expert stacks (and packed leaves) carry the expert axis first; anything else replicated
+        return P(axis) if getattr(leaf, "ndim", 0) >= 1 and leaf.shape[0] == e_total else P()
+
+    state_specs = jax.tree.map(spec, state)
+
+    def body(st, x, ex, gs):
+        ffn = nnx.merge(gdef, st)
+        lo = jax.lax.axis_index(axis) * local
+        own = (ex >= lo) & (ex < lo + local)
+        if gs is None:
+            y = ffn(x, experts=jnp.where(own, ex - lo, 0))
+        else:
+            start = jnp.sum(jnp.where(jnp.arange(e_total) < lo, gs, 0))
+            mine = jax.lax.dynamic_slice_in_dim(gs, lo, local)
+            y = jnp.roll(ffn(jnp.roll(x, -start, axis=0), group_sizes=mine, method=method), start, axis=0)
+        return jax.lax.psum(jnp.where(own[:, None], y, jnp.zeros_like(y)), axis)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(state_specs, P(), P(), P()), out_specs=P(),
+                         check_vma=False)(state, rows, row_experts, group_sizes)
+
+
+def set_expert_parallel(model: nnx.Module, mesh, axis) -> int:
+    """Make every `MoEBlock` of `model` compute expert-parallel over mesh axis `axis` of `mesh`
+    (`expert_parallel_rows`), or on the global arrays as they lie (GSPMD) with `axis` None; returns the number of
+    blocks. ModelError when a block's num_experts is not a multiple of the axis size."""
+    blocks = [m for _, m in nnx.iter_modules(model) if isinstance(m, MoEBlock)]
+    if axis is not None:
+        if not isinstance(axis, str) or axis not in mesh.shape:
+            raise ModelError(f"set_expert_parallel: expected one axis of the mesh {dict(mesh.shape)}, got {axis!r}")
+        for b in blocks:
+            if b.cfg.num_experts % mesh.shape[axis]:
+                raise ModelError(f"set_expert_parallel: {b.cfg.num_experts} experts do not split over "
+                                 f"{mesh.shape[axis]} devices of mesh axis {axis!r}")
+    for b in blocks:
+        b.expert_parallel = None if axis is None else (mesh, axis)
+    return len(blocks)
 
 
 def set_dispatch(model: nnx.Module, dispatch: str = "auto", grouped_method: str = "auto") -> int:
