@@ -33,7 +33,7 @@ from qformats.nn.projection import (check_einsum_acts, einsum_layout, einsum_mat
                                     packed_linear, packed_linear_general)
 from qformats.algorithms.weight_search import RTN, quantize_weight, search_name
 from qformats.matching import Matcher
-from qformats.nn import traced
+from qformats.nn import host_quantize, traced
 from qformats.plan import Candidate, Decision, Plan, check_fit, plan_quantization, warn_unused_rules
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
@@ -269,7 +269,8 @@ def _quantize(params: Mapping, rules: Sequence, weight_search, layouts, traced_f
                 out[name] = rebuild(sub, here)
             elif name == "kernel" and path in plan:
                 layout, lead, ss = plan[path]
-                out[name] = quantize_weight(einsum_matrix(sub, layout.perm, layout.k, lead), ss, weight_search)
+                out[name] = host_quantize.quantize_weight(einsum_matrix(sub, layout.perm, layout.k, lead), ss,
+                                                          weight_search)
             elif "/".join(here) in packed:
                 out[name] = packed["/".join(here)]
             else:
