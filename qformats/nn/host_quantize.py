@@ -20,6 +20,7 @@ Everything else takes the jitted path.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import jax
@@ -49,10 +50,11 @@ def _kind(s: QuantScheme) -> Optional[str]:
     return None
 
 
-def host_quantizable(value, schemes: SchemeSet, weight_search: str) -> bool:
+def host_quantizable(value, schemes: SchemeSet, weight_search: str, k_inner: Optional[int] = None) -> bool:
     """Whether `quantize(value, schemes)` takes the host path: round-to-nearest, an FP8-channel or NVFP4 weight
-    scheme, a float32 / bfloat16 value of 2 or more dims with K a multiple of 16 for NVFP4, and
-    jax's default backend the CPU (on an accelerator the jitted path is the fast one)."""
+    scheme, a float32 / bfloat16 value of 2 or more dims, for NVFP4 the innermost axis of K (`k_inner`, default
+    the size of the value's axis -2: a [.., K, N] kernel) a multiple of 16 (groups within one axis), and jax's
+    default backend the CPU (on an accelerator the jitted path is the fast one), the value on one device."""
     ws = schemes.weights
     if weight_search != "rtn" or ws is None or _kind(ws) is None or jax.default_backend() != "cpu":
         return False
@@ -60,7 +62,8 @@ def host_quantizable(value, schemes: SchemeSet, weight_search: str) -> bool:
         return False
     if isinstance(value, jax.Array) and len(value.sharding.device_set) != 1:
         return False
-    return _kind(ws) != "nvfp4" or jnp.shape(value)[-2] % 16 == 0
+    k_inner = jnp.shape(value)[-2] if k_inner is None else k_inner
+    return _kind(ws) != "nvfp4" or k_inner % 16 == 0
 
 
 def flush(x: np.ndarray) -> np.ndarray:
@@ -84,46 +87,48 @@ def _rnd(x: np.ndarray, dt) -> np.ndarray:
 _FLUSH_BELOW = _F32(2.0 ** -90)
 
 
-def _fp8_channel(xt: np.ndarray, dt) -> Optional[tuple]:
-    """xt [*, N, K] (float32 holding `dt` values) -> (codes uint8 [*, N, K], scale `dt` [*, N, 1]); None when
-    xt holds a NaN."""
-    amax = np.max(np.abs(xt), axis=-1, keepdims=True)
+def _absmax(x: np.ndarray, axis) -> np.ndarray:
+    """max |x| over `axis` (keepdims), from max and min: no |x| temporary (NaN propagates)."""
+    return np.maximum(np.max(x, axis=axis, keepdims=True), -np.min(x, axis=axis, keepdims=True))
+
+
+def _fp8_channel(x: np.ndarray, red: tuple, dt) -> Optional[tuple]:
+    """x (float32 holding `dt` values), the channel reduced over axes `red` -> (codes uint8 shaped like x,
+    scale `dt` keepdims over `red`); None when x holds a NaN."""
+    amax = _absmax(x, red)
     if np.isnan(amax).any():
         return None
     if (amax < _FLUSH_BELOW).any():
-        flush(xt)
-        amax = np.max(np.abs(xt), axis=-1, keepdims=True)
+        x = flush(np.array(x))
+        amax = _absmax(x, red)
     s = _rnd(flush(np.divide(amax, _F32(FP8_MAX), dtype=_F32)), dt)
     s[s == 0] = _F32(np.finfo(dt).eps)
-    r = np.divide(xt, s, dtype=_F32)
-    return _encode(r, xt, dt, _FP8, FP8_MAX), s.astype(dt)
+    r = np.divide(x, s, dtype=_F32)
+    return _encode(r, x, dt, _FP8, FP8_MAX), s.astype(dt)
 
 
-def _nvfp4(xt: np.ndarray, dt) -> Optional[tuple]:
-    """xt [N, K] (float32 holding `dt` values, one layer) -> (packed codes uint8 [N, K/2], scale fp8 [N, K/16],
-    global scale float32 [1]); None when xt holds a NaN."""
-    n, k = xt.shape
-    view = xt.reshape(n, k // 16, 16)
-    amax = np.max(np.abs(view), axis=-1, keepdims=True)
+def _nvfp4(x: np.ndarray, grp: int, layer: tuple, dt) -> Optional[tuple]:
+    """x (float32 holding `dt` values) with its groups of 16 along axis `grp`, each layer's elements over axes
+    `layer` -> (codes uint8 shaped like x, scale fp8 keepdims over `grp`, global scale float32 keepdims over
+    `layer`); None when x holds a NaN."""
+    amax = _absmax(x, grp)
     if np.isnan(amax).any():
         return None
-    amax_t = np.max(amax)
-    if amax_t < _FLUSH_BELOW:
-        flush(xt)
-        amax = np.max(np.abs(view), axis=-1, keepdims=True)
-        amax_t = np.max(amax)
+    amax_t = np.max(amax, axis=layer, keepdims=True)
+    if (amax_t < _FLUSH_BELOW).any():
+        x = flush(np.array(x))
+        amax = _absmax(x, grp)
+        amax_t = np.max(amax, axis=layer, keepdims=True)
     tiny = _F32(np.finfo(dt).tiny)
-    g = _rnd(flush(np.divide(_F32(1.0), np.maximum(amax_t, tiny), dtype=_F32).reshape(1)), dt)
+    g = _rnd(flush(np.divide(_F32(1.0), np.maximum(amax_t, tiny), dtype=_F32)), dt)
     g = _rnd(flush(np.multiply(g, _F32(NVFP4_GLOBAL_NUMERATOR), dtype=_F32)), dt)
     g = np.where(np.isfinite(g), g, _F32(1.0)).astype(_F32)
     s32 = flush(np.multiply(g, _rnd(flush(np.divide(amax, _F32(6.0), dtype=_F32)), dt), dtype=_F32))
     s = np.clip(s32, -FP8_MAX, FP8_MAX).astype(_FP8)
     s[s.astype(_F32) == 0] = _FP8.type(0.125)
     eff = flush(np.divide(s.astype(_F32), g, dtype=_F32))
-    r = np.divide(view, eff, dtype=_F32).reshape(n, k)
-    codes = _encode(r, xt, np.float32, _FP4, 6.0)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
-    return packed, s.reshape(n, k // 16), g
+    r = np.divide(x, eff, dtype=_F32)
+    return _encode(r, x, np.float32, _FP4, 6.0), s, g
 
 
 # FP4 E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7): |y| rounds to code #{t in _FP4_CUTS: |y| > t}; the
@@ -138,8 +143,10 @@ def _fp4_codes(y: np.ndarray) -> np.ndarray:
     exceeds (a quarter of astype's time)."""
     a = np.abs(y)
     c = np.zeros(y.shape, np.uint8)
+    above = np.empty(y.shape, bool)
     for t in _FP4_CUTS:
-        c += a > t
+        np.greater(a, t, out=above)
+        c += above.view(np.uint8)
     sign = np.signbit(y)
     nan = np.isnan(a)
     if nan.any():
@@ -171,35 +178,60 @@ def host_quantize_weight(value, schemes: SchemeSet) -> Optional[QArray]:
     module docstring): W [*stacked, K, N] along K; the QArray's leaves carry the stacked axes in front and its
     static shape is the per-layer [K, N]. Only for `host_quantizable` arguments. None when W holds a NaN (XLA:CPU's
     max reduction does not propagate NaN in a way numpy reproduces): quantize it with the jitted path."""
-    return host_quantize_transposed(np.swapaxes(np.asarray(value), -1, -2), schemes)
+    return host_quantize(value, (0, 1), 1, jnp.ndim(value) - 2, schemes)
 
 
-def host_quantize_transposed(wt, schemes: SchemeSet) -> Optional[QArray]:
-    """`host_quantize_weight` of W given as its transpose `wt` [*stacked, N, K] (numpy, float32 or bfloat16; a
-    view is fine: it is copied once, to float32); None when it holds a NaN."""
+def host_quantize(value, perm, n_contracted: int, stacked: int, schemes: SchemeSet) -> Optional[QArray]:
+    """`host_quantize_weight` of W = transpose(per-layer value, perm).reshape(K, N) (`perm`: the contracted axes
+    of the per-layer value, then the free ones), for a value [*stacked, *per-layer] held as it is: the scales
+    and codes are computed in the value's own layout (no transposed float copy) and only the uint8 codes are
+    transposed to [*stacked, N, K]. None when it holds a NaN."""
     ws = schemes.weights
-    dt = _DTYPES[np.dtype(wt.dtype).name]
-    lead, (n, k) = wt.shape[:-2], wt.shape[-2:]
+    dt = _DTYPES[jnp.result_type(value).name]
+    v = np.asarray(value)
+    ns, per = stacked, v.shape[stacked:]
+    perm = tuple(int(p) for p in perm)
+    con, free = perm[:n_contracted], perm[n_contracted:]
+    k = math.prod(per[a] for a in con)
+    n = math.prod(per[a] for a in free)
+    lead = v.shape[:ns]
+    x = v if v.dtype == np.float32 else v.astype(_F32)
     with np.errstate(all="ignore"):
-        xt = np.array(wt, dtype=_F32, order="C")  # the reduction axis last: a float32 copy
         if _kind(ws) == "fp8":
-            out = _fp8_channel(xt, dt)
+            out = _fp8_channel(x, tuple(ns + a for a in con), dt)
             if out is None:
                 return None
             codes, scale = out
+            order = tuple(range(ns)) + tuple(ns + a for a in free) + tuple(ns + a for a in con)
+            codes = _transposed(codes, order, lead + (n, k))
+            scale = _transposed(scale, order, lead + (n, 1))
             gs = None
         else:
-            flat = xt.reshape((-1, n, k))
-            parts = []
-            for i in range(flat.shape[0]):
-                parts.append(_nvfp4(flat[i], dt))
-                if parts[-1] is None:
-                    return None
-            codes = np.stack([p[0] for p in parts]).reshape(lead + (n, k // 2))
-            scale = np.stack([p[1] for p in parts]).reshape(lead + (n, k // 16))
-            gs = np.stack([p[2] for p in parts]).reshape(lead + (1,))
-    return QArray(jnp.asarray(codes), jnp.asarray(scale), None, None if gs is None else jnp.asarray(gs),
-                  scheme=ws, shape=(k, n), dtype=dt, axis=0)
+            last = con[-1]  # K's innermost axis: split it into (groups, 16); the view's axes after it shift by one
+            view = x.reshape(v.shape[:ns + last] + (per[last] // 16, 16) + v.shape[ns + last + 1:])
+
+            def at(a):
+                return ns + a + (1 if a > last else 0)
+
+            out = _nvfp4(view, at(last) + 1, tuple(range(ns, view.ndim)), dt)
+            if out is None:
+                return None
+            codes, scale, gs = out
+            g16 = at(last) + 1
+            ev = (slice(None),) * g16 + (slice(0, None, 2),)
+            od = (slice(None),) * g16 + (slice(1, None, 2),)
+            packed = codes[ev] | (codes[od] << np.uint8(4))
+            order = (tuple(range(ns)) + tuple(at(a) for a in free) + tuple(at(a) for a in con) + (g16,))
+            codes = _transposed(packed, order, lead + (n, k // 2))
+            scale = _transposed(scale, order, lead + (n, k // 16))
+            gs = gs.reshape(lead + (1,))
+    return QArray(jnp.asarray(codes, copy=False), jnp.asarray(scale, copy=False), None,
+                  None if gs is None else jnp.asarray(gs, copy=False), scheme=ws, shape=(k, n), dtype=dt, axis=0)
+
+
+def _transposed(a: np.ndarray, order: tuple, shape: tuple) -> np.ndarray:
+    """transpose(a, order).reshape(shape), C-contiguous."""
+    return np.ascontiguousarray(np.transpose(a, order)).reshape(shape)
 
 
 def quantize_weight(kernel, schemes: SchemeSet, weight_search: str = "rtn") -> QArray:

@@ -38,11 +38,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jcore
 
 from qformats.errors import ModelError
-from qformats.nn.host_quantize import host_quantizable, host_quantize_transposed
+from qformats.nn.host_quantize import host_quantizable, host_quantize
 from qformats.plan import check_fit
 from qformats.nn.projection import packed_project
 from qformats.qarray import QArray
@@ -399,16 +398,10 @@ def pack_many(items: Sequence[Tuple[Any, WeightUsage, SchemeSet]], weight_search
 def _host_pack(value, usage: WeightUsage, schemes: SchemeSet, weight_search: str) -> Optional[QArray]:
     """The QArray of `value` computed on the host (`qformats.nn.host_quantize`: FP8 channel / NVFP4 round to
     nearest on the CPU backend, bit for bit the jitted packer's), or None (then the jitted packer runs)."""
-    if not host_quantizable(value, schemes, weight_search):
-        return None
     perm, nc = usage.layout()
-    ns = usage.stacked
-    per = usage.per_layer
-    v = np.asarray(value)
-    # W^T [*stacked, N, K]: the free axes, then the contracted ones (a view; copied once, in host_quantize)
-    wt = np.transpose(v, tuple(range(ns)) + tuple(ns + p for p in perm[nc:]) + tuple(ns + p for p in perm[:nc]))
-    k = math.prod(per[p] for p in perm[:nc])
-    return host_quantize_transposed(wt.reshape(tuple(v.shape[:ns]) + (-1, k)), schemes)
+    if not host_quantizable(value, schemes, weight_search, k_inner=usage.per_layer[perm[nc - 1]]):
+        return None
+    return host_quantize(value, perm, nc, usage.stacked, schemes)
 
 
 _PACKERS: Dict[Tuple, Callable] = {}
