@@ -140,14 +140,14 @@ _FP4_CUTS = tuple(_F32(c) if up is None else np.nextafter(_F32(c), _F32(0))
 def _fp4_codes(y: np.ndarray) -> np.ndarray:
     """ml_dtypes' float4_e2m1fn bit patterns of y (float32, |y| <= 6 or NaN): round to nearest, ties to even,
     sign kept; NaN (which E2M1 lacks) -> the zero of the opposite sign, as ml_dtypes; a count of the cuts |y|
-    exceeds (a quarter of astype's time)."""
-    a = np.abs(y)
+    exceeds (a quarter of astype's time). y is replaced by |y|."""
+    sign = np.signbit(y)
+    a = np.abs(y, out=y)
     c = np.zeros(y.shape, np.uint8)
     above = np.empty(y.shape, bool)
     for t in _FP4_CUTS:
         np.greater(a, t, out=above)
         c += above.view(np.uint8)
-    sign = np.signbit(y)
     nan = np.isnan(a)
     if nan.any():
         sign ^= nan
@@ -160,11 +160,12 @@ def _encode(r: np.ndarray, x: np.ndarray, dt, fmt: np.dtype, fmax: float) -> np.
     +-max, nearest code ties to even (ml_dtypes' astype), as uint8 bit patterns (4-bit codes in the low
     nibble). A zero quotient gives the +0 code; so does one XLA:CPU flushes (r or x subnormal), which numpy
     left a tiny negative: the -0 codes are looked at only where they occur."""
-    y = np.ascontiguousarray(np.clip(_rnd(r, dt), -fmax, fmax))
+    y = _rnd(r, dt)  # r itself for float32, changed in place only where |r| is not below tiny (what the fix reads)
+    np.clip(y, -fmax, fmax, out=y)
     if fmt == _FP4:
         c = _fp4_codes(y)
     else:
-        c = y.astype(fmt).view(np.uint8)
+        c = np.ascontiguousarray(y.astype(fmt)).view(np.uint8)
     neg0 = np.uint8(0x80 if fmt == _FP8 else 0x08)
     at = np.flatnonzero(c == neg0)
     if at.size:
@@ -184,49 +185,60 @@ def host_quantize_weight(value, schemes: SchemeSet) -> Optional[QArray]:
 def host_quantize(value, perm, n_contracted: int, stacked: int, schemes: SchemeSet) -> Optional[QArray]:
     """`host_quantize_weight` of W = transpose(per-layer value, perm).reshape(K, N) (`perm`: the contracted axes
     of the per-layer value, then the free ones), for a value [*stacked, *per-layer] held as it is: the scales
-    and codes are computed in the value's own layout (no transposed float copy) and only the uint8 codes are
-    transposed to [*stacked, N, K]. None when it holds a NaN."""
+    and codes are computed in the value's own layout (no transposed float copy), one stacked layer at a time
+    (the float temporaries are one layer's), and only the uint8 codes are transposed to [*stacked, N, K]. None
+    when it holds a NaN."""
     ws = schemes.weights
     dt = _DTYPES[jnp.result_type(value).name]
     v = np.asarray(value)
-    ns, per = stacked, v.shape[stacked:]
+    lead, per = v.shape[:stacked], v.shape[stacked:]
     perm = tuple(int(p) for p in perm)
-    con, free = perm[:n_contracted], perm[n_contracted:]
-    k = math.prod(per[a] for a in con)
-    n = math.prod(per[a] for a in free)
-    lead = v.shape[:ns]
-    x = v if v.dtype == np.float32 else v.astype(_F32)
+    k = math.prod(per[a] for a in perm[:n_contracted])
+    n = math.prod(per[a] for a in perm[n_contracted:])
+    parts = []
     with np.errstate(all="ignore"):
-        if _kind(ws) == "fp8":
-            out = _fp8_channel(x, tuple(ns + a for a in con), dt)
-            if out is None:
+        for idx in np.ndindex(*lead):
+            parts.append(_layer(v[idx], perm, n_contracted, _kind(ws), dt, k, n))
+            if parts[-1] is None:
                 return None
-            codes, scale = out
-            order = tuple(range(ns)) + tuple(ns + a for a in free) + tuple(ns + a for a in con)
-            codes = _transposed(codes, order, lead + (n, k))
-            scale = _transposed(scale, order, lead + (n, 1))
-            gs = None
-        else:
-            last = con[-1]  # K's innermost axis: split it into (groups, 16); the view's axes after it shift by one
-            view = x.reshape(v.shape[:ns + last] + (per[last] // 16, 16) + v.shape[ns + last + 1:])
+    leaves = []
+    for i in range(3):
+        if parts[0][i] is None:
+            leaves.append(None)
+            continue
+        a = parts[0][i] if not lead else np.stack([p[i] for p in parts]).reshape(lead + parts[0][i].shape)
+        leaves.append(jnp.asarray(a, copy=False))
+    return QArray(leaves[0], leaves[1], None, leaves[2], scheme=ws, shape=(k, n), dtype=dt, axis=0)
 
-            def at(a):
-                return ns + a + (1 if a > last else 0)
 
-            out = _nvfp4(view, at(last) + 1, tuple(range(ns, view.ndim)), dt)
-            if out is None:
-                return None
-            codes, scale, gs = out
-            g16 = at(last) + 1
-            ev = (slice(None),) * g16 + (slice(0, None, 2),)
-            od = (slice(None),) * g16 + (slice(1, None, 2),)
-            packed = codes[ev] | (codes[od] << np.uint8(4))
-            order = (tuple(range(ns)) + tuple(at(a) for a in free) + tuple(at(a) for a in con) + (g16,))
-            codes = _transposed(packed, order, lead + (n, k // 2))
-            scale = _transposed(scale, order, lead + (n, k // 16))
-            gs = gs.reshape(lead + (1,))
-    return QArray(jnp.asarray(codes, copy=False), jnp.asarray(scale, copy=False), None,
-                  None if gs is None else jnp.asarray(gs, copy=False), scheme=ws, shape=(k, n), dtype=dt, axis=0)
+def _layer(v: np.ndarray, perm: tuple, nc: int, kind: str, dt, k: int, n: int) -> Optional[tuple]:
+    """(codes [N, K * bits / 8], scale [N, K / g], global scale [1] or None) of one layer `v` (see
+    `host_quantize`); None when it holds a NaN."""
+    con, free = perm[:nc], perm[nc:]
+    x = v if v.dtype == np.float32 else v.astype(_F32)
+    if kind == "fp8":
+        out = _fp8_channel(x, con, dt)
+        if out is None:
+            return None
+        codes, scale = out
+        order = free + con
+        return _transposed(codes, order, (n, k)), _transposed(scale, order, (n, 1)), None
+    last = con[-1]  # K's innermost axis: split it into (groups, 16); the view's axes after it shift by one
+    view = x.reshape(v.shape[:last] + (v.shape[last] // 16, 16) + v.shape[last + 1:])
+
+    def at(a):
+        return a + (1 if a > last else 0)
+
+    out = _nvfp4(view, at(last) + 1, tuple(range(view.ndim)), dt)
+    if out is None:
+        return None
+    codes, scale, gs = out
+    g16 = at(last) + 1
+    ev = (slice(None),) * g16 + (slice(0, None, 2),)
+    od = (slice(None),) * g16 + (slice(1, None, 2),)
+    packed = codes[ev] | (codes[od] << np.uint8(4))
+    order = tuple(at(a) for a in free) + tuple(at(a) for a in con) + (g16,)
+    return _transposed(packed, order, (n, k // 2)), _transposed(scale, order, (n, k // 16)), gs.reshape(1)
 
 
 def _transposed(a: np.ndarray, order: tuple, shape: tuple) -> np.ndarray:
