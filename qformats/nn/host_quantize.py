@@ -103,8 +103,22 @@ def _fp8_channel(x: np.ndarray, red: tuple, dt) -> Optional[tuple]:
         amax = _absmax(x, red)
     s = _rnd(flush(np.divide(amax, _F32(FP8_MAX), dtype=_F32)), dt)
     s[s == 0] = _F32(np.finfo(dt).eps)
-    r = np.divide(x, s, dtype=_F32)
-    return _encode(r, x, dt, _FP8, FP8_MAX), s.astype(dt)
+    return _chunked(x, s, dt, _FP8, FP8_MAX), s.astype(dt)
+
+
+CHUNK = 1 << 18
+"""Elements divided and rounded at a time (the float temporaries of the elementwise part: about 1 MB each)."""
+
+
+def _chunked(x: np.ndarray, s: np.ndarray, dt, fmt: np.dtype, fmax: float) -> np.ndarray:
+    """`_encode(x / s)` (s broadcast against x) in slices of x's axis 0 of about `CHUNK` elements."""
+    codes = np.empty(x.shape, np.uint8)
+    step = max(1, CHUNK // max(1, x.size // max(1, x.shape[0])))
+    for a in range(0, x.shape[0], step):
+        xc = x[a:a + step]
+        sc = s if s.shape[0] == 1 else s[a:a + step]
+        codes[a:a + step] = _encode(np.divide(xc, sc, dtype=_F32), xc, dt, fmt, fmax)
+    return codes
 
 
 def _nvfp4(x: np.ndarray, grp: int, layer: tuple, dt) -> Optional[tuple]:
@@ -127,8 +141,7 @@ def _nvfp4(x: np.ndarray, grp: int, layer: tuple, dt) -> Optional[tuple]:
     s = np.clip(s32, -FP8_MAX, FP8_MAX).astype(_FP8)
     s[s.astype(_F32) == 0] = _FP8.type(0.125)
     eff = flush(np.divide(s.astype(_F32), g, dtype=_F32))
-    r = np.divide(x, eff, dtype=_F32)
-    return _encode(r, x, np.float32, _FP4, 6.0), s, g
+    return _chunked(x, eff, np.float32, _FP4, 6.0), s, g
 
 
 # FP4 E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7): |y| rounds to code #{t in _FP4_CUTS: |y| > t}; the

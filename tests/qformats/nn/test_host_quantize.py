@@ -55,8 +55,10 @@ def test_host_equals_the_jitted_path_bit_for_bit(dtype, case, scheme):
     same_bits(H.host_quantize_weight(w, ss), jitted(w, ss, "rtn"))
 
 
+@pytest.mark.parametrize("chunk", [H.CHUNK, 1000])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_stacked_layers_and_an_einsum_layout(scheme):
+def test_stacked_layers_and_an_einsum_layout_in_any_chunking(monkeypatch, scheme, chunk):
+    monkeypatch.setattr(H, "CHUNK", chunk)
     ss = presets[scheme]
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((3, 64, 48)) * rng.uniform(1e-3, 10, (3, 1, 48)), jnp.float32)
