@@ -1,13 +1,16 @@
 """Third-party-style Flax models (Gemma-style linen, EasyDeL-style NNX): quantize time, peak memory, error vs qwix.
 
 Usage: python bench/flax_any.py [--embed 512] [--hidden 2048] [--layers 4] [--vocab 8192] [--schemes ...] [--no-qwix]
+       [--repeat 3] [--models gemma,gemma-scan,nnx]
 
 The models are the test suite's re-implementations of Google DeepMind's `gemma` layer style (`Gemma`: its own
 Einsum modules calling `jnp.einsum` on their params, a tied embedding, blocks under `nn.scan`) and of EasyDeL's
 (`NnxCustom`: `ParallelLinear` modules with `lax.dot_general`, an `nnx.scan` stack), sized by the flags, with
 random weights (tests/qformats/nn/gemma_style.py). For each scheme: `quantize_linen` / `quantize_model` time
-(including the one abstract trace that finds the matmul weights, and compilation), peak RSS growth while
-quantizing (sampled every 2 ms), each (model, tool, scheme) in a fresh process, relative L2 error of the logits against the float model (same tokens), and the packed param bytes.
+(including the one abstract trace that finds the matmul weights, and compilation) in wall seconds and in this
+process's CPU seconds (all threads; steadier than wall time on a shared machine), peak RSS growth while
+quantizing (sampled every 2 ms), each (model, tool, scheme) in a fresh process, `--repeat` times (medians and
+min–max; ratios taken per repeat against the qwix run beside it), relative L2 error of the logits against the float model (same tokens), and the packed param bytes.
 The same models are quantized by qwix 0.1.8 (`qwix.quantize_model` + `qwix.quantize_params` for linen,
 `qwix.quantize_model` for NNX, PtqProvider, the closest weight qtype: int8 and int4 with tile 128 (qformats' W8A16 / W4A16 groups), float8_e4m3fn,
 nvfp4 / float6_e3m2fn) in the same run; the tied embedding is left float on both sides (qwix cannot take a table used in a
@@ -105,7 +108,7 @@ def child(args) -> dict:
         ref = jax.jit(model.apply)(params, tokens)
         _ready(params)
         with _PeakRSS() as mem:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             if tool == "qformats":
                 qmod, qparams = quantize_linen(model, params, [Rule("embedder/.*", None), Rule(".*", name)], tokens)
                 run = lambda: qmod.apply(qparams, tokens)  # noqa: E731
@@ -118,7 +121,7 @@ def child(args) -> dict:
                 qparams = {"params": qparams}
                 run = lambda: qm.apply(qparams, tokens)  # noqa: E731
             _ready(qparams)
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.process_time() - c
         mb = _bytes(qparams)
     else:
         fwd = nnx.jit(lambda m, t: m(t))
@@ -126,7 +129,7 @@ def child(args) -> dict:
         ref = fwd(model, tokens)
         _ready(nnx.state(model))
         with _PeakRSS() as mem:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             if tool == "qformats":
                 quantize_model(model, [Rule("embed", None), Rule(".*", name)], example=tokens)
                 qm = model
@@ -135,51 +138,80 @@ def child(args) -> dict:
 
                 qm = qwix.quantize_model(model, qwix.PtqProvider(_qwix_rules(name, "blocks.*|proj")), tokens)
             _ready(nnx.state(qm))
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.process_time() - c
         run = lambda: fwd(qm, tokens)  # noqa: E731
         mb = _bytes(nnx.state(qm, nnx.Param))
-    return {"s": dt, "mb_peak": mem.growth, "params_mb": mb, "err": _rel(run(), ref)}
+    return {"s": dt, "cpu_s": dc, "mb_peak": mem.growth, "params_mb": mb, "err": _rel(run(), ref)}
+
+
+def _run_child(args, model, tool, name):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--tool", tool,
+           "--scheme", name] + [f"--{k}={getattr(args, k)}" for k in ("embed", "hidden", "heads", "layers",
+                                                                     "vocab", "tokens")]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode == 0 and line:
+        return json.loads(line[-1]), None
+    errs = [ln for ln in res.stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception): ", ln)]
+    why = (errs or res.stderr.strip().splitlines() or ["?"])[-1]
+    if "Check failed" in res.stderr:
+        why = "XLA check failure: " + [ln for ln in res.stderr.splitlines() if "Check failed" in ln][0][-70:]
+    return None, why
 
 
 def rows(args, model, schemes, use_qwix) -> list:
+    """[(label, scheme, [results of each repeat] or None, why failed)]: each (tool, scheme) run `args.repeat`
+    times, qformats and qwix alternating, each run a fresh process."""
     out = []
     for name in schemes:
-        for tool in ("qformats", "qwix") if use_qwix else ("qformats",):
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--tool", tool,
-                   "--scheme", name] + [f"--{k}={getattr(args, k)}" for k in ("embed", "hidden", "heads", "layers",
-                                                                             "vocab", "tokens")]
-            res = subprocess.run(cmd, capture_output=True, text=True)
+        tools = ("qformats", "qwix") if use_qwix else ("qformats",)
+        runs = {t: [] for t in tools}
+        why = {}
+        for _ in range(args.repeat):
+            for tool in tools:
+                if tool in why:
+                    continue
+                r, err = _run_child(args, model, tool, name)
+                if r is None:
+                    why[tool] = err
+                else:
+                    runs[tool].append(r)
+        for tool in tools:
             label = f"{tool} {name if tool == 'qformats' else QWIX[name][0]}"
-            line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-            if res.returncode == 0 and line:
-                r = json.loads(line[-1])
-                out.append((label, name, r["s"], r["mb_peak"], r["params_mb"], r["err"]))
-            else:
-                errs = [ln for ln in res.stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception): ", ln)]
-                why = (errs or res.stderr.strip().splitlines() or ["?"])[-1]
-                if "Check failed" in res.stderr:
-                    why = "XLA check failure: " + [ln for ln in res.stderr.splitlines() if "Check failed" in ln][0][-70:]
-                out.append((f"{label} failed: {why[:110]}", name, None, None, None, None))
+            out.append((label, name, runs[tool] if tool not in why else None, why.get(tool)))
     return out
 
 
+def _median(v):
+    v = sorted(v)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def _spread(v, fmt):
+    m = _median(v)
+    return fmt.format(m) + (f" ({fmt.format(min(v))}–{fmt.format(max(v))})" if len(v) > 1 else "")
+
+
 def table(title, rows) -> str:
-    ours = {r[1]: r for r in rows if r[0].startswith("qformats")}
+    """Medians over the repeats (min–max in brackets); ratios are per repeat (qformats / the qwix run beside
+    it), then their median and range."""
     lines = [f"**{title}**", "",
-             "| model | quantize s | vs qwix | peak RSS growth MB | vs qwix | params MB | rel-L2 logits |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    qw = {r[1]: r for r in rows if r[0].startswith("qwix") and r[2] is not None}
-    for r in rows:
-        label, scheme, dt, mem, mb, err = r
-        if dt is None:
-            lines.append(f"| {label} | - | - | - | - | - | - |")
+             "| model | quantize s | vs qwix | CPU s | vs qwix | peak RSS +MB | vs qwix | params MB | rel-L2 logits |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    qw = {r[1]: r[2] for r in rows if r[0].startswith("qwix") and r[2]}
+    for label, scheme, runs, why in rows:
+        if runs is None:
+            lines.append(f"| {label} failed: {str(why)[:110]} | - | - | - | - | - | - | - | - |")
             continue
-        ratio_t = ratio_m = ""
-        if r[0].startswith("qformats") and scheme in qw:
-            ratio_t = f"{dt / qw[scheme][2]:.2f}x"
-            ratio_m = f"{mem / max(qw[scheme][3], 1e-9):.2f}x"
-        lines.append(f"| {label} | {dt:.2f} | {ratio_t} | {mem:.0f} | {ratio_m} | {mb:.1f} | {err:.4f} |")
-    del ours
+        cells = []
+        for key, fmt in (("s", "{:.2f}"), ("cpu_s", "{:.2f}"), ("mb_peak", "{:.0f}")):
+            cells.append(_spread([r[key] for r in runs], fmt))
+            ratio = ""
+            if label.startswith("qformats") and scheme in qw:
+                pairs = list(zip(runs, qw[scheme]))
+                ratio = _spread([a[key] / max(b[key], 1e-9) for a, b in pairs], "{:.2f}") + "x"
+            cells.append(ratio)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {runs[0]['params_mb']:.1f} | {runs[0]['err']:.4f} |")
     return "\n".join(lines)
 
 
@@ -193,6 +225,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--no-qwix", action="store_true")
+    p.add_argument("--repeat", type=int, default=3, help="fresh processes per (tool, scheme); medians reported")
+    p.add_argument("--models", default="gemma,gemma-scan,nnx")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="gemma")
     p.add_argument("--tool", default="qformats")
@@ -208,17 +242,23 @@ def main(argv=None) -> int:
         except ImportError:
             use_qwix = False
     schemes = [s for s in args.schemes.split(",") if s]
+    models = [m for m in args.models.split(",") if m]
     print(f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, jax "
           f"{jax.__version__}, {jax.devices()[0].platform}; embed {args.embed}, hidden {args.hidden}, {args.layers} "
-          f"layers, vocab {args.vocab}, {args.tokens} tokens x 2; each row a fresh process"
-          + ("" if use_qwix else "; qwix not run"))
-    print(table("Gemma-style linen (own Einsum modules, blocks in a list as gemma has them)",
-                rows(args, "gemma", schemes, use_qwix)))
-    print()
-    print(table("Gemma-style linen under nn.scan", rows(args, "gemma-scan", schemes[1:2], use_qwix)))
-    print()
-    print(table("EasyDeL-style NNX (ParallelLinear, HeadsEinsum, nnx.scan)",
-                rows(args, "nnx", [s for s in schemes if s in ("W8A16", "W4A16", "FP8_E4M3", "NVFP4A16")], use_qwix)))
+          f"layers, vocab {args.vocab}, {args.tokens} tokens x 2; each run a fresh process, {args.repeat} runs per "
+          "row: median (min–max)" + ("" if use_qwix else "; qwix not run"))
+    if "gemma" in models:
+        print(table("Gemma-style linen (own Einsum modules, blocks in a list as gemma has them)",
+                    rows(args, "gemma", schemes, use_qwix)))
+        print()
+    if "gemma-scan" in models:
+        scan = [s for s in schemes if s == "W4A16"] or schemes[:1]
+        print(table("Gemma-style linen under nn.scan", rows(args, "gemma-scan", scan, use_qwix)))
+        print()
+    if "nnx" in models:
+        print(table("EasyDeL-style NNX (ParallelLinear, HeadsEinsum, nnx.scan)",
+                    rows(args, "nnx", [s for s in schemes if s in ("W8A16", "W4A16", "FP8_E4M3", "NVFP4A16")],
+                         use_qwix)))
     return 0
 
 

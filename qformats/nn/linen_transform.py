@@ -31,9 +31,9 @@ from qformats.errors import ModelError
 from qformats.nn.linen import as_shape
 from qformats.nn.projection import (check_einsum_acts, einsum_layout, einsum_matrix, norm_axes, packed_einsum,
                                     packed_linear, packed_linear_general)
-from qformats.algorithms.weight_search import RTN, quantize_weight, search_name
+from qformats.algorithms.weight_search import RTN, search_name
 from qformats.matching import Matcher
-from qformats.nn import traced
+from qformats.nn import host_quantize, traced
 from qformats.plan import Candidate, Decision, Plan, check_fit, plan_quantization, warn_unused_rules
 from qformats.qarray import QArray
 from qformats.schemes import SchemeSet
@@ -269,7 +269,8 @@ def _quantize(params: Mapping, rules: Sequence, weight_search, layouts, traced_f
                 out[name] = rebuild(sub, here)
             elif name == "kernel" and path in plan:
                 layout, lead, ss = plan[path]
-                out[name] = quantize_weight(einsum_matrix(sub, layout.perm, layout.k, lead), ss, weight_search)
+                out[name] = host_quantize.quantize_weight(einsum_matrix(sub, layout.perm, layout.k, lead), ss,
+                                                          weight_search)
             elif "/".join(here) in packed:
                 out[name] = packed["/".join(here)]
             else:
@@ -510,8 +511,11 @@ def quantize_linen(module: nn.Module, params: Mapping, rules: Sequence, *example
     DenseGeneral `batch_dims` and block scales (FP8_BLOCK) on stacked kernels are refused.
     """
     matcher = Matcher.from_rules(rules)  # a bad rule is reported before the model is run
-    layouts = record_layouts(module, params, *example_args, **example_kwargs) if (example_args or example_kwargs) \
-        else None
+    layouts = None
+    if example_args or example_kwargs:
+        # Dense / DenseGeneral / Einsum hold a float 'kernel': without one in the params there is none to record
+        floats = any(not isinstance(node["kernel"], QArray) for _, node in _kernel_nodes(_root(params)))
+        layouts = record_layouts(module, params, *example_args, **example_kwargs) if floats else {}
     found = None
     if layouts is not None:
         usages = trace_params(module, params, *example_args, **example_kwargs)

@@ -17,7 +17,7 @@ from qformats.algorithms.gptq import DAMPENING_FRAC
 from qformats.algorithms.shared_scales import selected_groups, shared_global_scales
 from qformats.algorithms.weight_search import NEEDS_HESSIAN, RTN, calibrated_weight, quantize_weight, search_name
 from qformats.errors import ModelError
-from qformats.nn import nnx_traced, traced
+from qformats.nn import host_quantize, nnx_traced, traced
 from qformats.nn.graph import module_references, replace_child
 from qformats.nn.experts import Experts, QExperts
 from qformats.nn.nnx_layers import QUANTIZED, QuantizedMatmul
@@ -199,7 +199,7 @@ def quantize_model(model: nnx.Module, rules: Sequence, mode: str = "ptq", calibr
             new.weight_method = RTN
         else:
             new = cls.from_module(lin, ss, mode=mode, path=path,
-                                  pack=lambda k, ss=ss: quantize_weight(k, ss, weight_search))
+                                  pack=lambda k, ss=ss: host_quantize.quantize_weight(k, ss, weight_search))
             if mode == "ptq":
                 new.weight_method = weight_search
         for parent, key in parents:

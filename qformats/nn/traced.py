@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from qformats.errors import ModelError
+from qformats.nn.host_quantize import host_quantizable, host_quantize
 from qformats.plan import check_fit
 from qformats.nn.projection import packed_project
 from qformats.qarray import QArray
@@ -345,7 +346,9 @@ def pack_many(items: Sequence[Tuple[Any, WeightUsage, SchemeSet]], weight_search
     """[pack(value, usage, schemes) for each item], bit for bit, with fewer compilations: the items are grouped
     by key (layout, shape, dtype, scheme), and round r packs the r-th item of every key in one jitted function
     (cached by its tuple of keys), cut into chunks of at most `budget_bytes` (default `PACK_BUDGET_BYTES`) of
-    dense input (a single larger weight is a chunk of its own). A model of L equal layers thus compiles one function, called L times,
+    dense input (a single larger weight is a chunk of its own); what `qformats.nn.host_quantize` covers (FP8
+    channel / NVFP4 round-to-nearest on the CPU backend) is packed on the host instead, the same bits without
+    a compilation. A model of L equal layers thus compiles one function, called L times,
     instead of one per key: XLA's fixed cost per compilation dominates the quantization of small weights. Only
     one chunk's weights are being packed at a time. `done(i, mw)` is called as item i is packed (e.g. to put
     it in place of the dense param); `release=True` sets `items[i]` (a list) to None then, so that the dense
@@ -353,10 +356,25 @@ def pack_many(items: Sequence[Tuple[Any, WeightUsage, SchemeSet]], weight_search
     budget_bytes = PACK_BUDGET_BYTES if budget_bytes is None else budget_bytes
     by_key: Dict[Tuple, List[int]] = {}
     meta = []
-    for i, (value, usage, schemes) in enumerate(items):
-        by_key.setdefault(_pack_key(value, usage, schemes, weight_search), []).append(i)
-        meta.append((usage, schemes, int(math.prod(jnp.shape(value))) * jnp.dtype(jnp.result_type(value)).itemsize))
     out: List[Optional[MatmulWeight]] = [None] * len(items)
+
+    def put(i, q):
+        usage, schemes, _ = meta[i]
+        perm, nc = usage.layout()
+        out[i] = MatmulWeight(q, shape=usage.per_layer, perm=perm, n_contracted=nc, dtype=usage.dtype,
+                              schemes=schemes)
+        if release:
+            items[i] = None
+        if done is not None:
+            done(i, out[i])
+
+    for i, (value, usage, schemes) in enumerate(items):
+        meta.append((usage, schemes, int(math.prod(jnp.shape(value))) * jnp.dtype(jnp.result_type(value)).itemsize))
+        q = _host_pack(value, usage, schemes, weight_search)
+        if q is not None:
+            put(i, q)
+            continue
+        by_key.setdefault(_pack_key(value, usage, schemes, weight_search), []).append(i)
     for r in range(max((len(v) for v in by_key.values()), default=0)):
         chunks, cur, size = [], [], 0
         for key, idx in by_key.items():
@@ -373,15 +391,17 @@ def pack_many(items: Sequence[Tuple[Any, WeightUsage, SchemeSet]], weight_search
         for chunk in chunks:
             qs = _packer(tuple(k for k, _ in chunk))([items[i][0] for _, i in chunk])
             for (_, i), q in zip(chunk, qs):
-                usage, schemes, _ = meta[i]
-                perm, nc = usage.layout()
-                out[i] = MatmulWeight(q, shape=usage.per_layer, perm=perm, n_contracted=nc, dtype=usage.dtype,
-                                      schemes=schemes)
-                if release:
-                    items[i] = None
-                if done is not None:
-                    done(i, out[i])
+                put(i, q)
     return out
+
+
+def _host_pack(value, usage: WeightUsage, schemes: SchemeSet, weight_search: str) -> Optional[QArray]:
+    """The QArray of `value` computed on the host (`qformats.nn.host_quantize`: FP8 channel / NVFP4 round to
+    nearest on the CPU backend, bit for bit the jitted packer's), or None (then the jitted packer runs)."""
+    perm, nc = usage.layout()
+    if not host_quantizable(value, schemes, weight_search, k_inner=usage.per_layer[perm[nc - 1]]):
+        return None
+    return host_quantize(value, perm, nc, usage.stacked, schemes)
 
 
 _PACKERS: Dict[Tuple, Callable] = {}

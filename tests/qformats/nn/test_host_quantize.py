@@ -1,0 +1,91 @@
+"""qformats.nn.host_quantize: FP8-channel / NVFP4 round-to-nearest on the host equals the jitted XLA:CPU path bit
+for bit (codes, scales, global scales), on every bfloat16 value and every float32 high half, subnormals,
+infinities, tiny channels, stacked layers and einsum layouts."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qformats.algorithms.weight_search import quantize_weight as jitted
+from qformats.nn import host_quantize as H
+from qformats.presets import presets
+
+SCHEMES = ("FP8_E4M3", "FP8_DYNAMIC", "NVFP4A16")
+
+
+def same_bits(a, b):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+def all_values(dtype, seed=0):
+    """Every bfloat16 bit pattern, or every float32 high half (with random low halves), NaNs dropped, shuffled,
+    as [256, 256]."""
+    rng = np.random.default_rng(seed)
+    hi = np.arange(65536, dtype=np.uint32)
+    if dtype == jnp.float32:
+        v = ((hi << 16) | rng.integers(0, 65536, 65536, dtype=np.uint32)).view(np.float32)
+    else:
+        v = hi.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    v = np.where(np.isnan(v), np.float32(0), v)
+    rng.shuffle(v)
+    return v.reshape(256, 256)
+
+
+# each row-set: all values (inf, subnormals, huge and tiny mixed), finite and moderate, channels whose absmax
+# is just above / below the flush threshold (subnormal elements next to a tiny scale), subnormals only
+CASES = {"all": lambda v: v, "finite": lambda v: np.clip(v, -1e3, 1e3),
+         "tiny": lambda v: np.clip(v, -1e-26, 1e-26), "tinier": lambda v: np.clip(v, -1e-30, 1e-30),
+         "subnormal": lambda v: np.clip(v, -2e-38, 2e-38)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_host_equals_the_jitted_path_bit_for_bit(dtype, case, scheme):
+    w = jnp.asarray(CASES[case](all_values(dtype)), dtype)
+    ss = presets[scheme]
+    assert H.host_quantizable(w, ss, "rtn")
+    same_bits(H.host_quantize_weight(w, ss), jitted(w, ss, "rtn"))
+
+
+@pytest.mark.parametrize("chunk", [H.CHUNK, 1000])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_stacked_layers_and_an_einsum_layout_in_any_chunking(monkeypatch, scheme, chunk):
+    monkeypatch.setattr(H, "CHUNK", chunk)
+    ss = presets[scheme]
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((3, 64, 48)) * rng.uniform(1e-3, 10, (3, 1, 48)), jnp.float32)
+    same_bits(H.host_quantize_weight(w, ss), jitted(w, ss, "rtn"))
+    # [N1, K, N2] contracted along K (gemma's "BTD,NDH->BTNH"): W = transpose(w, (1, 0, 2)).reshape(K, N1 * N2)
+    e = jnp.asarray(rng.standard_normal((2, 4, 64, 16)), jnp.bfloat16)  # one stacked axis
+    got = H.host_quantize(e, (1, 0, 2), 1, 1, ss)
+    want = jitted(jnp.transpose(e, (0, 2, 1, 3)).reshape(2, 64, 64), ss, "rtn")
+    same_bits(got, want)
+
+
+def test_fp4_rounding_is_ml_dtypes_on_every_bfloat16_and_each_cut():
+    v = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    cuts = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], np.float32)
+    near = np.concatenate([cuts, np.nextafter(cuts, np.float32(0)), np.nextafter(cuts, np.float32(9))])
+    y = np.concatenate([v, near, -near, np.float32([np.nan, -np.nan])])
+    y = np.clip(y, -6, 6).astype(np.float32)  # NaN stays NaN
+    np.testing.assert_array_equal(H._fp4_codes(y.copy()), y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F)
+
+
+def test_nan_weights_and_other_schemes_take_the_jitted_path():
+    w = np.random.default_rng(2).standard_normal((64, 32)).astype(np.float32)
+    w[5, 7] = np.nan
+    for scheme in ("FP8_E4M3", "NVFP4A16"):
+        assert H.host_quantize_weight(jnp.asarray(w), presets[scheme]) is None
+        same_bits(H.quantize_weight(jnp.asarray(w), presets[scheme]), jitted(jnp.asarray(w), presets[scheme], "rtn"))
+    assert not H.host_quantizable(jnp.asarray(w), presets["W4A16"], "rtn")
+    assert not H.host_quantizable(jnp.asarray(w), presets["NVFP4A16"], "mse")
+    assert not H.host_quantizable(jnp.asarray(w, jnp.float16), presets["FP8_E4M3"], "rtn")
+    assert not H.host_quantizable(jnp.zeros((24, 32)), presets["NVFP4A16"], "rtn")  # K not a multiple of 16
