@@ -203,7 +203,7 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         names = g.keys()
         try:
             if packed:
-                names = _load_gguf_packed(g, model, cfg)
+                names = _load_gguf_packed(g, model, cfg, embedding=mesh is None)
             decoder.load_hf_tensors(model, _LazyTensors(names, g.shape, g.get))
         except ModelError as e:
             raise CheckpointError(f"{where}: {e}") from None
@@ -238,12 +238,16 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
     return model, hf_config, tok
 
 
-def _load_gguf_packed(g, model, cfg) -> list[str]:
+def _load_gguf_packed(g, model, cfg, embedding: bool = True) -> list[str]:
     """Swaps every Linear of `model` whose GGUF weight is block-quantized for a packed QLinear holding
-    `g.get_packed(name)` (`qformats.nn.load_quantized`); returns the names of the tensors left to load dense (the
-    embedding, norms, biases, and weights stored as floats). A Linear weight in a quantized GGML type that is not
-    packed exactly is a CheckpointError naming it (load with packed=False to dequantize it)."""
-    from converters.formats.gguf_packed import DENSE_TYPES
+    `g.get_packed(name)` (`qformats.nn.load_quantized`) and, with `embedding`, a block-quantized token embedding for
+    a `decoder.PackedEmbed` (gathered rows decoded; a tied lm_head a packed GEMV); returns the names of the tensors
+    left to load dense (norms, biases, weights stored as floats). A Linear weight in a quantized GGML type that is
+    not packed exactly is a CheckpointError naming it (load with packed=False to dequantize it)."""
+    from flax import nnx
+
+    from converters.formats.gguf_packed import DENSE_TYPES, PACKED_TYPES
+    from qformats.models.decoder import PackedEmbed
     from qformats.nn import load_quantized
 
     slots = _flax_name_map(cfg)
@@ -261,6 +265,16 @@ def _load_gguf_packed(g, model, cfg) -> list[str]:
             t["bias"] = g.get(bias)
             dense.remove(bias)
     load_quantized(model, quantized)
+    emb = "model.embed_tokens.weight"
+    if embedding and emb in dense and g.tensor_type(emb) in PACKED_TYPES \
+            and isinstance(model.model.embed_tokens, nnx.Embed):
+        q = g.get_packed(emb)
+        want = (cfg.hidden_size, cfg.vocab_size)
+        if q.shape != want:
+            raise CheckpointError(f"{g.path}: tensor {emb}: expected the embedding [{want[1]}, {want[0]}], found "
+                                  f"[{q.shape[1]}, {q.shape[0]}]")
+        model.model.embed_tokens = PackedEmbed(q, dtype=model.dtype)
+        dense.remove(emb)
     return dense
 
 
