@@ -23,6 +23,10 @@ Why a path of its own (XLA:CPU; the figures: BENCHMARKS.md, "CPU decode (SmolLM2
     producers (the E8M0 bit decode) into the GEMV loop, an optimization barrier does not stop it (none is left in
     the optimized module), but it does not duplicate a float division into a consumer that reads each element
     many times (`_own_fusion`). The zero point stays int8 and is converted in the loop (one convert).
+  - The loop's other operands -- the per-group scales and offsets (with `tie_to`'s bit operations) and the even /
+    odd elements of x -- are cheap producers that XLA:CPU would also fuse into the loop, re-gathering a group's
+    scale by k // g and reading x with a stride of 2 for every weight element; each is written once per call by
+    a division by a 1.0 computed from x (`_apart`), which XLA does not duplicate, so the loop reads them as arrays.
   - Each row of x (up to `MAX_ROWS`) is its own GEMV: several activation rows would make the dot a GEMM, which
     XLA sends to a library without fusing the decode.
 

@@ -12,8 +12,9 @@
 - a `.gguf` file: `converters.formats.gguf_convert.open_gguf`. By default every projection stored in a block type
   that is one of ours (`converters.formats.gguf_packed.PACKED_TYPES`: Q4_0/Q5_0/Q8_0, Q4_1/Q5_1 with their float
   minimum as the QArray's offset, the K-quants, IQ4_NL/IQ4_XS, MXFP4) becomes a packed `QLinear` holding the file's
-  codes and exact float32 scales, nothing dequantized; the embedding, the norms and float (F32/F16/BF16) tensors
-  are dequantized by gguf. `packed=False` dequantizes every tensor (the result equals loading `convert_gguf`'s output,
+  codes and exact float32 scales, nothing dequantized; a block-quantized token embedding becomes a
+  `decoder.PackedEmbed` (the rows a step looks up are decoded; a tied lm_head is a packed GEMV over the codes), on one
+  device (with `mesh` it is loaded dense); the norms and float (F32/F16/BF16) tensors are dequantized by gguf. `packed=False` dequantizes every tensor (the result equals loading `convert_gguf`'s output,
   without writing it).
 
 With `mesh=` the same checkpoints load onto a jax Mesh: a directory shard by shard (every parameter a global
@@ -170,7 +171,8 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         axis)` for a 1-D mesh of axis `axis` (ModelError for a mesh of several axes without rules).
       stats: with `mesh` and a directory, a `converters.pipelines.mesh_load.ReadStats` to fill with the bytes this process
         read.
-      packed: for a `.gguf` file, keep the block-quantized projections packed (default; module docstring); a
+      packed: for a `.gguf` file, keep the block-quantized projections (and embedding) packed (default; module
+        docstring); a
         projection in another quantized GGML type (the IQ1/IQ2/IQ3 grids, TQ, GGUF NVFP4) is then a
         CheckpointError naming it. False: dequantize every tensor to float. Directories ignore it.
 

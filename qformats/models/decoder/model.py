@@ -575,7 +575,7 @@ class CausalLM(nnx.Module):
       rngs: initialisers' randomness (the weights are random until `load_hf_tensors` fills them).
 
     Tied embeddings (`config.tie_word_embeddings`): there is no `lm_head` module (None); logits = h E^T with
-    the embedding E. Otherwise `lm_head` is an nnx.Linear, left dense by `quantization_rules`.
+    the embedding E (`embed_tokens.attend`: an `nnx.Embed`, or a `PackedEmbed` whose GEMV reads the codes). Otherwise `lm_head` is an nnx.Linear, left dense by `quantization_rules`.
     """
 
     def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
