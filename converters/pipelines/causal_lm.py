@@ -172,8 +172,7 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
       stats: with `mesh` and a directory, a `converters.pipelines.mesh_load.ReadStats` to fill with the bytes this process
         read.
       packed: for a `.gguf` file, keep the block-quantized projections (and embedding) packed (default; module
-        docstring); a
-        projection in another quantized GGML type (the IQ1/IQ2/IQ3 grids, TQ, GGUF NVFP4) is then a
+        docstring); a projection in another quantized GGML type (the IQ1/IQ2/IQ3 grids, TQ, GGUF NVFP4) is then a
         CheckpointError naming it. False: dequantize every tensor to float. Directories ignore it.
 
     Returns:
