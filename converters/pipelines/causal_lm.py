@@ -242,7 +242,8 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
 def _load_gguf_packed(g, model, cfg, embedding: bool = True) -> list[str]:
     """Swaps every Linear of `model` whose GGUF weight is block-quantized for a packed QLinear holding
     `g.get_packed(name)` (`qformats.nn.load_quantized`) and, with `embedding`, a block-quantized token embedding for
-    a `decoder.PackedEmbed` (gathered rows decoded; a tied lm_head a packed GEMV); returns the names of the tensors
+    a `decoder.PackedEmbed` (gathered rows decoded; a tied lm_head a packed GEMV, so tied only for the 4- and 8-bit
+    types `qformats.packed_dot` takes); returns the names of the tensors
     left to load dense (norms, biases, weights stored as floats). A Linear weight in a quantized GGML type that is
     not packed exactly is a CheckpointError naming it (load with packed=False to dequantize it)."""
     from flax import nnx
@@ -250,6 +251,7 @@ def _load_gguf_packed(g, model, cfg, embedding: bool = True) -> list[str]:
     from converters.formats.gguf_packed import DENSE_TYPES, PACKED_TYPES
     from qformats.models.decoder import PackedEmbed
     from qformats.nn import load_quantized
+    from qformats.packed_dot import packed_dot_supported
 
     slots = _flax_name_map(cfg)
     quantized: dict[str, dict[str, Any]] = {}
@@ -274,8 +276,11 @@ def _load_gguf_packed(g, model, cfg, embedding: bool = True) -> list[str]:
         if q.shape != want:
             raise CheckpointError(f"{g.path}: tensor {emb}: expected the embedding [{want[1]}, {want[0]}], found "
                                   f"[{q.shape[1]}, {q.shape[0]}]")
-        model.model.embed_tokens = PackedEmbed(q, dtype=model.dtype)
-        dense.remove(emb)
+        # tied: the lm_head reads it every step, packed only where the fused GEMV takes it (4 / 8 bits), since a
+        # wider type would be dequantized whole per step
+        if not cfg.tie_word_embeddings or packed_dot_supported((1, cfg.hidden_size), q):
+            model.model.embed_tokens = PackedEmbed(q, dtype=model.dtype)
+            dense.remove(emb)
     return dense
 
 
