@@ -500,8 +500,9 @@ class DecoderModel(nnx.Module):
 
 class PackedEmbed(nnx.Module):
     """A token embedding E [vocab, hidden] kept packed (a GGUF file's Q8_0 `token_embd`, say), in place of the
-    model's `nnx.Embed`: `embedding` is a `PackedParam` holding q, the QArray of E^T (logical [hidden, vocab],
-    quantized along hidden: codes [vocab, packed hidden], the layout of a tied lm_head's Flax kernel), so that
+    model's `nnx.Embed`: `kernel` is a `PackedParam` holding q, the QArray of E^T (logical [hidden, vocab],
+    quantized along hidden: codes [vocab, packed hidden]; the layout, and the sharding rule, of an lm_head's Flax
+    kernel), so that
 
         embed(ids)[..., :] = E[ids] = dequantize(q's rows at ids).T   (only the gathered rows are decoded; a row's
                                                                        scale groups are its own, so bit for bit
@@ -521,7 +522,7 @@ class PackedEmbed(nnx.Module):
         if q.ndim != 2 or q.axis != 0 or q.scheme.strategy not in ("channel", "group", "tensor_group"):
             raise ModelError(f"PackedEmbed: expected a [hidden, vocab] QArray along axis 0 with per-row (channel / "
                              f"group) scales, found {q!r}")
-        self.embedding = PackedParam(q)
+        self.kernel = PackedParam(q)
         self.features, self.num_embeddings = q.shape
         self.dtype = dtype
 
@@ -529,7 +530,7 @@ class PackedEmbed(nnx.Module):
         from qformats.qarray import QArray
         from qformats.quantize import dequantize
 
-        q = self.embedding.get_value()
+        q = self.kernel.get_value()
         flat = jnp.asarray(ids, jnp.int32).reshape(-1)
         take = lambda a: a if a is None or a.ndim < 2 else jnp.take(a, flat, axis=0)  # noqa: E731  per-row parts
         rows = QArray(take(q.codes), take(q.scale), take(q.zero_point), q.global_scale, scheme=q.scheme,
@@ -539,7 +540,7 @@ class PackedEmbed(nnx.Module):
     def attend(self, h: jax.Array) -> jax.Array:
         from qformats.dispatch import qdot
 
-        return qdot(h.astype(self.dtype), self.embedding.get_value())
+        return qdot(h.astype(self.dtype), self.kernel.get_value())
 
 
 def attention_mask(q_pos: jax.Array, s: int, window: Optional[int]) -> jax.Array:
@@ -575,7 +576,8 @@ class CausalLM(nnx.Module):
       rngs: initialisers' randomness (the weights are random until `load_hf_tensors` fills them).
 
     Tied embeddings (`config.tie_word_embeddings`): there is no `lm_head` module (None); logits = h E^T with
-    the embedding E (`embed_tokens.attend`: an `nnx.Embed`, or a `PackedEmbed` whose GEMV reads the codes). Otherwise `lm_head` is an nnx.Linear, left dense by `quantization_rules`.
+    the embedding E (`embed_tokens.attend`: an `nnx.Embed`, or a `PackedEmbed` whose GEMV reads the codes).
+    Otherwise `lm_head` is an nnx.Linear, left dense by `quantization_rules`.
     """
 
     def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):

@@ -38,7 +38,7 @@ def test_embedding_stays_packed_and_rows_equal_gguf(models):
     path, packed, dense, cfg = models
     emb = packed.model.embed_tokens
     assert isinstance(emb, PackedEmbed) and cfg["tie_word_embeddings"]
-    q = emb.embedding.get_value()
+    q = emb.kernel.get_value()
     assert q.codes.dtype == jnp.int8 and q.shape == (64, cfg["vocab_size"])
     reader = gguf.GGUFReader(str(path))
     t = next(x for x in reader.tensors if x.name == "token_embd.weight")
@@ -54,7 +54,7 @@ def test_embedding_stays_packed_and_rows_equal_gguf(models):
 def test_tied_lm_head_equals_dense_to_accumulation_order(models):
     _, packed, dense, _ = models
     emb = packed.model.embed_tokens
-    w = np.asarray(dequantize(emb.embedding.get_value()), np.float64)  # [hidden, vocab]
+    w = np.asarray(dequantize(emb.kernel.get_value()), np.float64)  # [hidden, vocab]
     h = np.random.default_rng(0).standard_normal((1, 1, 64)).astype(np.float32)
     ours = np.asarray(jax.jit(emb.attend)(jnp.asarray(h)), np.float64)[0, 0]  # one row: the packed GEMV
     exact = h[0, 0].astype(np.float64) @ w
