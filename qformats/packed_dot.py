@@ -23,10 +23,11 @@ Why a path of its own (XLA:CPU; the figures: BENCHMARKS.md, "CPU decode (SmolLM2
     producers (the E8M0 bit decode) into the GEMV loop, an optimization barrier does not stop it (none is left in
     the optimized module), but it does not duplicate a float division into a consumer that reads each element
     many times (`_own_fusion`). The zero point stays int8 and is converted in the loop (one convert).
-  - The loop's other operands -- the per-group scales and offsets (with `tie_to`'s bit operations) and the even /
-    odd elements of x -- are cheap producers that XLA:CPU would also fuse into the loop, re-gathering a group's
-    scale by k // g and reading x with a stride of 2 for every weight element; each is written once per call by
-    a division by a 1.0 computed from x (`_apart`), which XLA does not duplicate, so the loop reads them as arrays.
+  - 4-bit: the loop's other operands -- the per-group scales and offsets (with `tie_to`'s bit operations) and the
+    even / odd elements of x -- are cheap producers that XLA:CPU would also fuse into the loop, re-gathering a
+    group's scale by k // g and reading x with a stride of 2 for every weight element; each is written once per
+    call by a division by a 1.0 computed from x (`_apart`), which XLA does not duplicate, so the loop reads them
+    as arrays.
   - Each row of x (up to `MAX_ROWS`) is its own GEMV: several activation rows would make the dot a GEMM, which
     XLA sends to a library without fusing the decode.
 
@@ -254,14 +255,16 @@ def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
     xs, codes, scale, zp, gscale, off = jax.lax.optimization_barrier(
         (xs, q.codes, q.scale, q.zero_point, q.global_scale, q.offset))
     scale, zp, gscale, off = tie_to(rows, (scale, zp, gscale, off))
-    one = _one(rows)
     s = _factor(q, scale, gscale, sdt)
-    s = _apart(s, one) if s.dtype == scale.dtype else s
     z = None if zp is None else zp
     if z is not None and scheme.strategy == "tensor":
         z = z.reshape(1)
-    o = None if off is None else _apart(off.astype(sdt), one)
-    xs = [[_apart(v, one) for v in vs] for vs in xs]
+    o = None if off is None else off.astype(sdt)
+    if nib:  # operands written once per call (module docstring; measured no faster for 8-bit weights)
+        one = _one(rows)
+        s = _apart(s, one) if s.dtype == scale.dtype else s
+        o = None if o is None else _apart(o, one)
+        xs = [[_apart(v, one) for v in vs] for vs in xs]
     parts = []
     for idx, xv in enumerate(xs):
         k0, k1 = chunks[idx % len(chunks)]
