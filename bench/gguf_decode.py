@@ -2,10 +2,11 @@
 minima as QArrays) against the same file dequantized to float32, and against llama.cpp on the same file.
 
 Usage: python bench/gguf_decode.py [--gguf PATH] [--prompt 32] [--new 64] [--repeat 2] [--threads 1]
-                                   [--llamacpp-python /work/llamacpp/bin/python]
+                                   [--llamacpp-python /work/llamacpp/bin/python] [--profile]
 
 Ours: `converters.pipelines.causal_lm.load_causal_lm(path)` (packed: the 210 Q4_1 projections as uint4 group-32
-QLinears with float32 scales and offsets; the Q8_0 tied embedding / lm_head dequantized, float32) and
+QLinears with float32 scales and offsets; the Q8_0 tied embedding a `decoder.PackedEmbed`: rows gathered and decoded,
+the lm_head a packed GEMV over its int8 codes) and
 `load_causal_lm(path, packed=False)` (every tensor dequantized), jit `generate`, float32 activations. Timing as
 bench/decode.py: the whole jit generate after a warm-up, best of --repeat; decode tokens/s = (new - 1) / (t(new) -
 t(1)), t(1) a prefill-only call. llama.cpp (`llama-cpp-python`, a bench-only dependency in its own venv, never a
@@ -13,7 +14,8 @@ requirement): a subprocess that evaluates the same prompt ids, then `new` greedy
 of the logits), timing the decode loop only, best of --repeat. `--threads N` pins this process (and so the llama.cpp
 child) to N CPUs and gives llama.cpp n_threads=N, so both sides run on the same cores. "greedy = ..." compares
 the tokens of each run with the packed run's. Prints the markdown table of BENCHMARKS.md's section "GGUF decode
-(SmolLM2, packed)".
+(SmolLM2, packed)". `--profile` adds where one packed decode step's time goes: the 210 packed projections
+alone (one jit calling each QLinear on a vector), the lm_head alone (`attend`), each best of --repeat over 8 steps.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="CPUs this process (and llama.cpp) may use")
+    p.add_argument("--profile", action="store_true", help="also time the packed projections and the lm_head alone")
     p.add_argument("--llamacpp-python", default="/work/llamacpp/bin/python",
                    help="a python with llama-cpp-python installed ('' to skip llama.cpp)")
     args = p.parse_args(argv)
@@ -96,6 +99,8 @@ def main(argv=None) -> int:
         rows.append(dict(name=name, mb=param_bytes(model) / 1e6, dtps=(args.new - 1) / max(full - one, 1e-9),
                          tokens=toks[0].tolist()))
         print(rows[-1]["name"], f"{rows[-1]['dtps']:.2f} decode tokens/s", file=sys.stderr, flush=True)
+        if packed and args.profile:
+            parts = _profile(model, args.repeat)
         del model
     if args.llamacpp_python and os.path.exists(args.llamacpp_python):
         a = dict(gguf=path, ctx=args.prompt + args.new + 8, threads=max(args.threads, 1), repeat=args.repeat,
@@ -119,9 +124,47 @@ def main(argv=None) -> int:
         same = float(np.mean(np.asarray(r["tokens"]) == np.asarray(ref["tokens"])))
         lines.append(f"| {r['name']} | {r['mb']:.1f} | {r['dtps']:.2f} | {r['dtps'] / ref['dtps']:.2f}x | "
                      f"{same:.0%} |")
+    if args.profile:
+        step = 1e3 / ref["dtps"]
+        lines += ["", f"Where a packed decode step goes ({step:.1f} ms at {ref['dtps']:.2f} tokens/s, same run):", "",
+                  "| part | ms per step | share of the step |", "| --- | ---: | ---: |"]
+        for name, ms in parts:
+            lines.append(f"| {name} | {ms:.1f} | {ms / step:.0%} |")
+        rest = step - sum(ms for _, ms in parts)
+        lines.append(f"| the rest (attention, norms, RoPE, cache, embedding rows, sampling) | {rest:.1f} | "
+                     f"{rest / step:.0%} |")
     print("\n".join(lines))
     return 0
 
+
+def _profile(model, repeat, steps=8):
+    """[(part, ms per decode step)]: the packed projections (every QLinear once, on a one-row vector) and the lm_head
+    (`model.model.embed_tokens.attend`, or `model.lm_head`), each timed alone in a jit loop of `steps` steps."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from qformats.nn import QLinear
+
+    def run(fn):
+        @nnx.jit
+        def loop(m):
+            def body(i, c):
+                return c + fn(m, jnp.float32(0.01) * (c + i.astype(jnp.float32)))
+            return jax.lax.fori_loop(0, steps, body, jnp.zeros((), jnp.float32))
+
+        best, _ = _time(lambda: jax.block_until_ready(loop(model)), repeat)
+        return best / steps * 1e3
+
+    def projections(m, c):
+        return sum(p(jnp.full((1, p.in_features), c))[0, 0] for _, p in nnx.iter_modules(m) if isinstance(p, QLinear))
+
+    def lm_head(m, c):
+        head = m.model.embed_tokens.attend if m.lm_head is None else m.lm_head
+        return head(jnp.full((1, m.config.hidden_size), c))[0, 0]
+
+    n = sum(isinstance(p, QLinear) for _, p in nnx.iter_modules(model))
+    return [(f"{n} packed projections", run(projections)), ("lm_head (tied embedding)", run(lm_head))]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,6 +23,11 @@ Why a path of its own (XLA:CPU; the figures: BENCHMARKS.md, "CPU decode (SmolLM2
     producers (the E8M0 bit decode) into the GEMV loop, an optimization barrier does not stop it (none is left in
     the optimized module), but it does not duplicate a float division into a consumer that reads each element
     many times (`_own_fusion`). The zero point stays int8 and is converted in the loop (one convert).
+  - 4-bit: the loop's other operands -- the per-group scales and offsets (with `tie_to`'s bit operations) and the
+    even / odd elements of x -- are cheap producers that XLA:CPU would also fuse into the loop, re-gathering a
+    group's scale by k // g and reading x with a stride of 2 for every weight element; each is written once per
+    call by a division by a 1.0 computed from x (`_apart`), which XLA does not duplicate, so the loop reads them
+    as arrays.
   - Each row of x (up to `MAX_ROWS`) is its own GEMV: several activation rows would make the dot a GEMM, which
     XLA sends to a library without fusing the decode.
 
@@ -146,6 +151,24 @@ def _own_fusion(a: jax.Array) -> jax.Array:
     return a / (np.float32(1.0) + np.float32(0.0) * a)
 
 
+def _one(x: jax.Array) -> jax.Array:
+    """1.0 (float32) computed from x: 1 + 0 x_0 (x_0 zeroed when not finite); XLA does not fold `0 x` for floats."""
+    x0 = x[(0,) * x.ndim].astype(jnp.float32)
+    return np.float32(1.0) + np.float32(0.0) * jnp.where(jnp.isfinite(x0), x0, np.float32(0.0))
+
+
+def _apart(a: jax.Array, one: jax.Array) -> jax.Array:
+    """a / one (one = 1.0, `_one`): a itself for every float a (inf and NaN included; a subnormal is flushed, as
+    XLA:CPU flushes it wherever it is read), computed in a loop of its own and written once.
+
+    Without it XLA:CPU fuses a cheap producer of a GEMV operand into the GEMV loop: the per-group scales and offsets
+    (with `tie_to`'s bit operations) were recomputed and re-gathered by k // g for every weight element, and the
+    even / odd elements of x read with a stride of 2 inside the vectorised loop. A float division is not duplicated
+    into a consumer that reads each element many times (`_own_fusion`), so each operand is materialised once per
+    call ([N, G] scales, K / 2 activations) and the loop reads them contiguously."""
+    return a / one.astype(a.dtype)
+
+
 def _values(u: jax.Array, fmt, sdt) -> jax.Array:
     """element_values(u, fmt, sdt) for 4- or 8-bit codes u: integers as `element_values` computes them; float
     formats by a 2^bits-entry table of `element_values` itself (one table read per element instead of the
@@ -237,6 +260,11 @@ def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
     if z is not None and scheme.strategy == "tensor":
         z = z.reshape(1)
     o = None if off is None else off.astype(sdt)
+    if nib:  # operands written once per call (module docstring; measured no faster for 8-bit weights)
+        one = _one(rows)
+        s = _apart(s, one) if s.dtype == scale.dtype else s
+        o = None if o is None else _apart(o, one)
+        xs = [[_apart(v, one) for v in vs] for vs in xs]
     parts = []
     for idx, xv in enumerate(xs):
         k0, k1 = chunks[idx % len(chunks)]

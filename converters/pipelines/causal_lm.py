@@ -14,8 +14,9 @@
 - a `.gguf` file: `converters.formats.gguf_convert.open_gguf`. By default every projection stored in a block type
   that is one of ours (`converters.formats.gguf_packed.PACKED_TYPES`: Q4_0/Q5_0/Q8_0, Q4_1/Q5_1 with their float
   minimum as the QArray's offset, the K-quants, IQ4_NL/IQ4_XS, MXFP4) becomes a packed `QLinear` holding the file's
-  codes and exact float32 scales, nothing dequantized; the embedding, the norms and float (F32/F16/BF16) tensors
-  are dequantized by gguf. `packed=False` dequantizes every tensor (the result equals loading `convert_gguf`'s output,
+  codes and exact float32 scales, nothing dequantized; a block-quantized token embedding becomes a
+  `decoder.PackedEmbed` (the rows a step looks up are decoded; a tied lm_head is a packed GEMV over the codes), on one
+  device (with `mesh` it is loaded dense); the norms and float (F32/F16/BF16) tensors are dequantized by gguf. `packed=False` dequantizes every tensor (the result equals loading `convert_gguf`'s output,
   without writing it).
 
 With `mesh=` the same checkpoints load onto a jax Mesh: a directory shard by shard (every parameter a global
@@ -179,8 +180,8 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
         experts' tensors); ModelError for another mesh of several axes without rules.
       stats: with `mesh`, a `converters.pipelines.mesh_load.ReadStats` to fill with the bytes this process read (a
         directory of another quantized format: only the largest shard, its reader reads the files).
-      packed: for a `.gguf` file, keep the block-quantized projections packed (default; module docstring); a
-        projection in another quantized GGML type (the IQ1/IQ2/IQ3 grids, TQ, GGUF NVFP4) is then a
+      packed: for a `.gguf` file, keep the block-quantized projections (and embedding) packed (default; module
+        docstring); a projection in another quantized GGML type (the IQ1/IQ2/IQ3 grids, TQ, GGUF NVFP4) is then a
         CheckpointError naming it. False: dequantize every tensor to float. Directories ignore it.
 
     Returns:
@@ -218,7 +219,7 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
             return model, hf_config, tok
         try:
             if packed:
-                names = _load_gguf_packed(g, model, cfg)
+                names = _load_gguf_packed(g, model, cfg, embedding=mesh is None)
             decoder.load_hf_tensors(model, _LazyTensors(names, g.shape, g.get))
         except ModelError as e:
             raise CheckpointError(f"{where}: {e}") from None
@@ -255,13 +256,19 @@ def load_causal_lm(src: str | os.PathLike, *, dtype=None, param_dtype=None, toke
     return model, hf_config, tok
 
 
-def _load_gguf_packed(g, model, cfg) -> list[str]:
+def _load_gguf_packed(g, model, cfg, embedding: bool = True) -> list[str]:
     """Swaps every Linear of `model` whose GGUF weight is block-quantized for a packed QLinear holding
-    `g.get_packed(name)` (`qformats.nn.load_quantized`); returns the names of the tensors left to load dense (the
-    embedding, norms, biases, and weights stored as floats). A Linear weight in a quantized GGML type that is not
-    packed exactly is a CheckpointError naming it (load with packed=False to dequantize it)."""
-    from converters.formats.gguf_packed import DENSE_TYPES
+    `g.get_packed(name)` (`qformats.nn.load_quantized`) and, with `embedding`, a block-quantized token embedding for
+    a `decoder.PackedEmbed` (gathered rows decoded; a tied lm_head a packed GEMV, so tied only for the 4- and 8-bit
+    types `qformats.packed_dot` takes); returns the names of the tensors
+    left to load dense (norms, biases, weights stored as floats). A Linear weight in a quantized GGML type that is
+    not packed exactly is a CheckpointError naming it (load with packed=False to dequantize it)."""
+    from flax import nnx
+
+    from converters.formats.gguf_packed import DENSE_TYPES, PACKED_TYPES
+    from qformats.models.decoder import PackedEmbed
     from qformats.nn import load_quantized
+    from qformats.packed_dot import packed_dot_supported
 
     slots = _flax_name_map(cfg)
     quantized: dict[str, dict[str, Any]] = {}
@@ -278,6 +285,19 @@ def _load_gguf_packed(g, model, cfg) -> list[str]:
             t["bias"] = g.get(bias)
             dense.remove(bias)
     load_quantized(model, quantized)
+    emb = "model.embed_tokens.weight"
+    if embedding and emb in dense and g.tensor_type(emb) in PACKED_TYPES \
+            and isinstance(model.model.embed_tokens, nnx.Embed):
+        q = g.get_packed(emb)
+        want = (cfg.hidden_size, cfg.vocab_size)
+        if q.shape != want:
+            raise CheckpointError(f"{g.path}: tensor {emb}: expected the embedding [{want[1]}, {want[0]}], found "
+                                  f"[{q.shape[1]}, {q.shape[0]}]")
+        # tied: the lm_head reads it every step, packed only where the fused GEMV takes it (4 / 8 bits), since a
+        # wider type would be dequantized whole per step
+        if not cfg.tie_word_embeddings or packed_dot_supported((1, cfg.hidden_size), q):
+            model.model.embed_tokens = PackedEmbed(q, dtype=model.dtype)
+            dense.remove(emb)
     return dense
 
 

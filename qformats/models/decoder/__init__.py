@@ -23,7 +23,7 @@ from qformats.models.decoder.kv_cache import (KVScale, calibrate_kv_cache, enabl
 from qformats.models.decoder.layers import (HadamardRotation, RMSNorm, RopeConfig, Rotation, apply_rope, rope_tables,
                                             rotate)
 from qformats.models.decoder.model import (SUPPORTED_MODEL_TYPES, Attention, CausalLM, DecoderConfig, KVCache,
-                                           attention_mask, inv_freq)
+                                           PackedEmbed, attention_mask, inv_freq)
 from qformats.models.decoder.params import TensorSlot, hf_tensor_names, hf_tensors, load_hf_tensors, module_path
 from qformats.models.decoder.rotate import ATTENTION_SITES, ROTATION_SITES, rotate_decoder, set_rotation
 from qformats.models.decoder.rules import quantization_rules
@@ -31,7 +31,7 @@ from qformats.models.decoder.moe import MoEBlock, MoEConfig, set_dispatch
 from qformats.models.decoder.sharding import KV_CACHE_AXES, PARAM_AXES, expert_parallel_rules, tensor_parallel_rules
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "DecoderConfig", "RopeConfig", "CausalLM", "KVCache", "Attention", "RMSNorm",
+    "SUPPORTED_MODEL_TYPES", "DecoderConfig", "RopeConfig", "CausalLM", "KVCache", "Attention", "RMSNorm", "PackedEmbed",
     "attention_mask", "inv_freq", "rope_tables", "apply_rope", "Rotation", "HadamardRotation", "rotate",
     "TensorSlot", "hf_tensor_names", "hf_tensors", "load_hf_tensors", "module_path",
     "KVScale", "kv_cache_scheme", "enable_kv_cache_quantization", "kv_states", "calibrate_kv_cache", "kv_scale_tensors",

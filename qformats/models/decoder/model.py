@@ -498,6 +498,51 @@ class DecoderModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
 
 
+class PackedEmbed(nnx.Module):
+    """A token embedding E [vocab, hidden] kept packed (a GGUF file's Q8_0 `token_embd`, say), in place of the
+    model's `nnx.Embed`: `kernel` is a `PackedParam` holding q, the QArray of E^T (logical [hidden, vocab],
+    quantized along hidden: codes [vocab, packed hidden]; the layout, and the sharding rule, of an lm_head's Flax
+    kernel), so that
+
+        embed(ids)[..., :] = E[ids] = dequantize(q's rows at ids).T   (only the gathered rows are decoded; a row's
+                                                                       scale groups are its own, so bit for bit
+                                                                       dequantize(q).T[ids])
+        attend(h)          = h E^T  = qdot(h, q)                        (decode rows: `qformats.packed_dot`'s GEMV
+                                                                       over the codes, never a dense E)
+
+    `attend` equals the dense `nnx.Embed.attend` on E = dequantize(q).T up to float32 summation order.
+
+    Raises:
+      ModelError: q is not 2-D along axis 0, or its scales are not per row (tensor / block strategies).
+    """
+
+    def __init__(self, q, *, dtype):
+        from qformats.nn import PackedParam
+
+        if q.ndim != 2 or q.axis != 0 or q.scheme.strategy not in ("channel", "group", "tensor_group"):
+            raise ModelError(f"PackedEmbed: expected a [hidden, vocab] QArray along axis 0 with per-row (channel / "
+                             f"group) scales, found {q!r}")
+        self.kernel = PackedParam(q)
+        self.features, self.num_embeddings = q.shape
+        self.dtype = dtype
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        from qformats.qarray import QArray
+        from qformats.quantize import dequantize
+
+        q = self.kernel.get_value()
+        flat = jnp.asarray(ids, jnp.int32).reshape(-1)
+        take = lambda a: a if a is None or a.ndim < 2 else jnp.take(a, flat, axis=0)  # noqa: E731  per-row parts
+        rows = QArray(take(q.codes), take(q.scale), take(q.zero_point), q.global_scale, scheme=q.scheme,
+                      shape=(self.features, flat.shape[0]), dtype=q.dtype, axis=0, offset=take(q.offset))
+        return dequantize(rows, jnp.float32).T.astype(self.dtype).reshape(tuple(ids.shape) + (self.features,))
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        from qformats.dispatch import qdot
+
+        return qdot(h.astype(self.dtype), self.kernel.get_value())
+
+
 def attention_mask(q_pos: jax.Array, s: int, window: Optional[int]) -> jax.Array:
     """[T, S] visibility (or [B, T, S] for per-row query positions q_pos [B, T]): key position k is seen by query
     position p iff k <= p and (no window or k > p - window)."""
@@ -531,7 +576,8 @@ class CausalLM(nnx.Module):
       rngs: initialisers' randomness (the weights are random until `load_hf_tensors` fills them).
 
     Tied embeddings (`config.tie_word_embeddings`): there is no `lm_head` module (None); logits = h E^T with
-    the embedding E. Otherwise `lm_head` is an nnx.Linear, left dense by `quantization_rules`.
+    the embedding E (`embed_tokens.attend`: an `nnx.Embed`, or a `PackedEmbed` whose GEMV reads the codes).
+    Otherwise `lm_head` is an nnx.Linear, left dense by `quantization_rules`.
     """
 
     def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):

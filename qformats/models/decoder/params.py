@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from qformats.errors import ModelError
-from qformats.models.decoder.model import CausalLM, DecoderConfig, inv_freq
+from qformats.models.decoder.model import CausalLM, DecoderConfig, PackedEmbed, inv_freq
 from qformats.nn import QuantizedMatmul
 from qformats.qarray import QArray
 
@@ -310,10 +310,11 @@ def load_hf_tensors(model: CausalLM, tensors: Mapping[str, Any]) -> CausalLM:
 
     Every parameter named by `hf_tensor_names` must be given with its HF shape (Linear weights [out, in], stored
     transposed as the [in, out] kernel; cast to the parameter's dtype). Layers already swapped for packed
-    `QLinear`s (e.g. by `qformats.nn.load_quantized` from a compressed-tensors checkpoint) take no dense weight
-    or bias here. Tensors the model has no place for are an error, except two that carry no information and
-    are checked instead: a tied model's "lm_head.weight" must equal the embedding, and old checkpoints'
-    "*.rotary_emb.inv_freq" must equal the config's inverse frequencies. DeepSeek's multi-token-prediction layers
+    `QLinear`s (e.g. by `qformats.nn.load_quantized` from a compressed-tensors checkpoint), or an embedding already
+    swapped for a packed `model.PackedEmbed`, take no dense weight or bias here. Tensors the model has no place for
+    are an error, except two that carry no information and are checked instead: a tied model's "lm_head.weight"
+    must equal the embedding, and old checkpoints' "*.rotary_emb.inv_freq" must equal the config's inverse
+    frequencies. DeepSeek's multi-token-prediction layers
     (`config.mtp_layers`, "model.layers.61.*" in DeepSeek-V3) are skipped with a warning that names them.
 
     Raises ModelError naming the missing, unexpected or misshapen tensors; the model is unchanged then.
@@ -323,7 +324,7 @@ def load_hf_tensors(model: CausalLM, tensors: Mapping[str, Any]) -> CausalLM:
     packed = []
     for name, slot in slots.items():
         owner = resolve_path(model, slot.path[:-1])
-        if isinstance(owner, QuantizedMatmul):
+        if isinstance(owner, (QuantizedMatmul, PackedEmbed)):
             packed.append(name)
             continue
         expected[name] = (slot, getattr(owner, slot.path[-1]))

@@ -13,6 +13,7 @@ KV_CACHE_AXES = ("batch", "kv_heads", "length", "head_dim")
 #: mesh axis — q/k/v/gate/up column-parallel, o/down row-parallel, embedding and lm_head split by vocabulary.
 PARAM_AXES = (
     (r"model/embed_tokens/embedding", ("vocab", "embed")),
+    (r"model/embed_tokens/kernel", ("embed", "vocab")),  # a PackedEmbed: E^T, laid out as lm_head's kernel
     # mixture-of-experts layers: expert stacks [E, in, out] split by "expert" (expert parallelism), routers replicated
     (r"model/layers/\d+/(mlp|block_sparse_moe)/experts/(gate_proj|up_proj|gate_up_proj|w1|w3)/kernel",
      ("expert", "embed", "expert_mlp")),

@@ -21,8 +21,10 @@ def byte_alphabet() -> list[str]:
 
 
 def tiny_gguf(path: Path, *, hidden=16, heads=2, kv_heads=1, inter=32, layers=1, weight_type=None, metadata=(),
-              tokens=None, merges=None, block_count=None, freq_base=10000.0, rms_eps=1e-6, seed=0) -> Path:
-    """Writes a small random llama GGUF file at `path` (projections in `weight_type`, default F32)."""
+              tokens=None, merges=None, block_count=None, freq_base=10000.0, rms_eps=1e-6, seed=0,
+              embed_type=None) -> Path:
+    """Writes a small random llama GGUF file at `path` (projections in `weight_type`, the token embedding in
+    `embed_type`; both default F32)."""
     import gguf
 
     q = gguf.GGMLQuantizationType
@@ -58,7 +60,7 @@ def tiny_gguf(path: Path, *, hidden=16, heads=2, kv_heads=1, inter=32, layers=1,
 
     hd = hidden // heads
     vocab = len(tokens) if isinstance(tokens[0], str) else 258
-    tensors = {"token_embd.weight": (mat(vocab, hidden), q.F32), "output_norm.weight": (1 + mat(1, hidden)[0], q.F32)}
+    tensors = {"token_embd.weight": (mat(vocab, hidden), q.F32 if embed_type is None else embed_type), "output_norm.weight": (1 + mat(1, hidden)[0], q.F32)}
     for i in range(layers):
         p = f"blk.{i}."
         tensors.update({p + "attn_norm.weight": (1 + mat(1, hidden)[0], q.F32),

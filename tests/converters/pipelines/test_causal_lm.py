@@ -350,6 +350,10 @@ def test_smollm2_gguf_runs_packed(smollm2):
     assert len(proj) == 210 and all(isinstance(m, QLinear) for m in proj.values())
     q = next(iter(proj.values())).kernel.get_value()
     assert q.scheme.describe().startswith("uint4 group32") and q.offset is not None
+    from qformats.models.decoder import PackedEmbed  # the Q8_0 tied embedding: rows gathered, lm_head a packed GEMV
+
+    assert isinstance(model.model.embed_tokens, PackedEmbed)
+    assert model.model.embed_tokens.kernel.get_value().codes.dtype == jnp.int8
     dense, _, _ = load_causal_lm(smollm2_gguf(), packed=False, tokenizer=False)
     ids = jnp.asarray([tok.encode(PROMPT).ids], jnp.int32)
     for x in (ids, ids[:, :1]):
