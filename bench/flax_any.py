@@ -26,7 +26,6 @@ import platform
 import re
 import subprocess
 import sys
-import threading
 import time
 import warnings
 
@@ -40,37 +39,11 @@ from flax import nnx  # noqa: E402
 
 from gemma_style import Gemma, NnxCustom  # noqa: E402
 from qformats.nn import Rule, quantize_linen, quantize_model  # noqa: E402
+from peak_rss import PeakRSS  # noqa: E402
 
 SCHEMES = ["W8A16", "W4A16", "FP8_E4M3", "NVFP4A16", "FP6_E3M2"]
 QWIX = {"W8A16": ("int8", 128), "W4A16": ("int4", 128), "FP8_E4M3": ("float8_e4m3fn", None),
         "NVFP4A16": ("nvfp4", 16), "FP6_E3M2": ("float6_e3m2fn", None)}
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-class _PeakRSS:
-    """Peak resident memory growth (MB) over a block, sampled every 2 ms by a thread."""
-
-    def __enter__(self):
-        self.base = self.peak = _rss_mb()
-        self._stop = threading.Event()
-
-        def watch():
-            while not self._stop.is_set():
-                self.peak = max(self.peak, _rss_mb())
-                time.sleep(0.002)
-        self._t = threading.Thread(target=watch, daemon=True)
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _rss_mb())
-        self.growth = self.peak - self.base
 
 
 def _rel(a, b) -> float:
@@ -107,7 +80,7 @@ def child(args) -> dict:
         params = jax.jit(model.init)(jax.random.key(0), tokens)
         ref = jax.jit(model.apply)(params, tokens)
         _ready(params)
-        with _PeakRSS() as mem:
+        with PeakRSS() as mem:
             t, c = time.perf_counter(), time.process_time()
             if tool == "qformats":
                 qmod, qparams = quantize_linen(model, params, [Rule("embedder/.*", None), Rule(".*", name)], tokens)
@@ -128,7 +101,7 @@ def child(args) -> dict:
         model = NnxCustom(vocab=args.vocab, d=args.embed, hidden=args.hidden, layers=args.layers)
         ref = fwd(model, tokens)
         _ready(nnx.state(model))
-        with _PeakRSS() as mem:
+        with PeakRSS() as mem:
             t, c = time.perf_counter(), time.process_time()
             if tool == "qformats":
                 quantize_model(model, [Rule("embed", None), Rule(".*", name)], example=tokens)

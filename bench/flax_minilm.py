@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import threading
 import sys
 import time
 import warnings
@@ -31,35 +30,9 @@ from flax import nnx  # noqa: E402
 
 from converters.evaluation import embedded  # noqa: E402
 from qformats.nn import Rule, param_bytes, quantize_model  # noqa: E402
+from peak_rss import PeakRSS  # noqa: E402
 
 SCHEMES = ["W8A16", "FP8_E4M3", "FP8_DYNAMIC", "W4A16", "NVFP4A16", "MXFP4A16", "FP6_E3M2"]
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-class _PeakRSS:
-    """Peak resident memory growth (MB) over a block, sampled every 2 ms by a thread."""
-
-    def __enter__(self):
-        self.base = self.peak = _rss_mb()
-        self._stop = threading.Event()
-
-        def watch():
-            while not self._stop.is_set():
-                self.peak = max(self.peak, _rss_mb())
-                time.sleep(0.002)
-        self._t = threading.Thread(target=watch, daemon=True)
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _rss_mb())
-        self.growth = self.peak - self.base
 
 
 def _live_mb() -> float:
@@ -79,7 +52,7 @@ def _ours(name):
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
     live0 = _live_mb()
     t = time.perf_counter()
-    with _PeakRSS() as mem, warnings.catch_warnings():
+    with PeakRSS() as mem, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantize_model(model, [Rule(".*", name)])
         jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
@@ -95,7 +68,7 @@ def _qwix(qtype, batch):
     rules = [qwix.QtRule(module_path=".*", weight_qtype=qtype)]
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
     t = time.perf_counter()
-    with _PeakRSS() as mem:
+    with PeakRSS() as mem:
         qmodel = qwix.quantize_model(model, qwix.PtqProvider(rules), ids, mask)
         jax.block_until_ready(jax.tree.leaves(nnx.state(qmodel)))
     # the caller still holds `model` (qwix returns a new one); count what is alive with both
