@@ -49,6 +49,7 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
+from converters.formats.safe_files import read_quantization_config
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.presets import presets
 from qformats.qarray import QArray
@@ -80,17 +81,6 @@ def not_converted(module: str, patterns: List[str]) -> bool:
         except re.error:
             continue
     return False
-
-
-def _config(path: Path) -> Tuple[Dict[str, Any], Dict[str, Any], str]:
-    from converters.formats.safe_files import read_json
-
-    root = path if path.is_dir() else path.parent
-    where = str(root / "config.json")
-    cfg = read_json(root / "config.json")
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("quantization_config"), dict):
-        raise CheckpointError(f"{where}: expected a JSON object with a quantization_config object")
-    return cfg, cfg["quantization_config"], where
 
 
 def _options(qc: Dict[str, Any], where: str) -> Tuple[Tuple[int, int], List[str]]:
@@ -140,7 +130,7 @@ def read_hf_fp8(path: "str | os.PathLike"):
     from converters.formats.safetensors_io import open_checkpoint
 
     path = Path(path)
-    cfg, qc_raw, where = _config(path)
+    cfg, qc_raw, where = read_quantization_config(path)
     block, skip = _options(qc_raw, where)
     bm, bn = block
     ck = open_checkpoint(path)

@@ -73,14 +73,9 @@ def mxfp4_scheme() -> SchemeSet:
 
 
 def _config(path: Path) -> Tuple[Dict[str, Any], Dict[str, Any], str]:
-    from converters.formats.safe_files import read_json
+    from converters.formats.safe_files import read_quantization_config
 
-    root = path if path.is_dir() else path.parent
-    where = str(root / "config.json")
-    cfg = read_json(root / "config.json")
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("quantization_config"), dict):
-        raise CheckpointError(f"{where}: expected a JSON object with a quantization_config object")
-    qc = cfg["quantization_config"]
+    cfg, qc, where = read_quantization_config(path)
     at = f"{where}: quantization_config"
     if qc.get("quant_method") != "mxfp4":
         raise CheckpointError(f"{at}: expected quant_method 'mxfp4', found {qc.get('quant_method')!r}")

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple
 from qformats.errors import CheckpointError
 
 __all__ = ["MAX_JSON_BYTES", "allowed_roots", "check_destination", "copy_extra_files", "loads_strict", "open_regular",
+           "read_quantization_config",
            "read_json"]
 
 #: Largest JSON file (config.json, an index, a tokenizer config) read from a checkpoint: 64 MiB. The
@@ -157,6 +158,18 @@ def read_json(path: "str | os.PathLike", root: "str | os.PathLike | None" = None
                               f"column {e.colno})") from None
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: expected JSON, found {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def read_quantization_config(path: "str | os.PathLike"):
+    """(config, quantization_config, where) of the checkpoint at `path` (a directory, or a file inside one): its
+    config.json read strictly (`read_json`), `where` its path for messages. CheckpointError unless config.json is an
+    object holding a `quantization_config` object."""
+    root = Path(path) if Path(path).is_dir() else Path(path).parent
+    where = str(root / "config.json")
+    cfg = read_json(root / "config.json")
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("quantization_config"), dict):
+        raise CheckpointError(f"{where}: expected a JSON object with a quantization_config object")
+    return cfg, cfg["quantization_config"], where
 
 
 def check_destination(dst: "str | os.PathLike", sources: Iterable["str | os.PathLike"]) -> None:
