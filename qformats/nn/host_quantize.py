@@ -60,6 +60,8 @@ def host_quantizable(value, schemes: SchemeSet, weight_search: str, k_inner: Opt
         return False
     if jnp.result_type(value).name not in _DTYPES or jnp.ndim(value) < 2:
         return False
+    if isinstance(value, jax.core.Tracer):  # under a trace (jit, eval_shape): the jitted path
+        return False
     if isinstance(value, jax.Array) and len(value.sharding.device_set) != 1:
         return False
     k_inner = jnp.shape(value)[-2] if k_inner is None else k_inner

@@ -74,6 +74,7 @@ def write_gptq(out: Path) -> Path:
     return out
 
 
+
 def main(n: int, workdir: str):
     import jax
 
@@ -99,7 +100,9 @@ def main(n: int, workdir: str):
         ref, _, _ = load_causal_lm(src, tokenizer=False)
         st = ReadStats()
         got, _, _ = load_causal_lm(src, mesh=mesh, tokenizer=False, stats=st)
-        a = jax.tree.leaves(nnx.state(ref, nnx.Param))
+        from gguf_mixed import params_dense_embedding
+
+        a = params_dense_embedding(ref)
         b = jax.tree.leaves(nnx.state(got, nnx.Param))
         same = len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape
                                         and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
