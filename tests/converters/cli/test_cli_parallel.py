@@ -91,7 +91,7 @@ def test_parallel_sizes_below_one_are_usage_errors(flag, tiny_moe, tmp_path, cap
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", [None, "W4A16:g16"])
+@pytest.mark.parametrize("scheme", ["W4A16:g16"])  # dense: tests/multidevice/test_expert_parallel_mesh.py
 def test_generate_expert_parallel_equals_one_device(tiny_moe, tmp_path, scheme, capsys):
     """--expert-parallel 4 --tensor-parallel 2, --expert-parallel 8, and --tensor-parallel 2 alone (attention split,
     experts replicated): the single-device greedy tokens; with the expert stacks split 4 (8) ways each device holds
