@@ -1,4 +1,4 @@
-"""Round-to-nearest FP8 (channel) and NVFP4 weight quantization on the host (numpy + ml_dtypes), bit for bit
+"""Round-to-nearest FP8 / FP6 (channel) and NVFP4 weight quantization on the host (numpy + ml_dtypes), bit for bit
 `qformats.quantize` as XLA:CPU computes it, without compiling anything.
 
 `quantize_weight(W, schemes, "rtn")` on XLA:CPU costs one compilation per distinct weight shape (0.2 to 0.5 s
@@ -10,8 +10,9 @@ ml_dtypes' `astype` rounds to nearest even like `qformats.codec.encode` (overflo
 
 Covered (`host_quantizable`): weight-only round-to-nearest of a float32 / bfloat16 W [*stacked, K, N] along K
 under (float16 is not: a NaN scale's payload bits differ from XLA's)
-  - FP8 channel scales in the input dtype (FP8_E4M3, FP8_DYNAMIC's weights): s_n = amax_n / 448 (0 -> eps of
-    the dtype), q = fp8(x / s);
+  - float channel scales in the input dtype (FP8_E4M3, FP8_DYNAMIC's weights, FP6_E3M2, FP6_E2M3):
+    s_n = amax_n / max_fmt (448, 28, 7.5; 0 -> eps of the dtype), q = fmt(x / s) (6-bit codes packed four in
+    three bytes, `qformats.packing.pack`);
   - NVFP4 (tensor_group, fp8 group scales of 16, absmax rule): g = (1 / max(amax_W, tiny)) * 448 * 6 (NaN / inf
     -> 1), s_G = fp8(clip(g * (amax_G / 6), +-448)) (0 -> 0.125), q = fp4(x / (s_G / g)), packed two per byte;
 stacked leading axes quantized one layer at a time (each layer its own global scale, as `quantize_weight` vmaps).
@@ -37,22 +38,29 @@ _TINY = np.finfo(np.float32).tiny
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 _FP4 = np.dtype(ml_dtypes.float4_e2m1fn)
+# float element formats of a channel scheme the host path rounds (ml_dtypes' type of each, round to nearest even)
+_CHANNEL_FORMATS = {"fp8_e4m3fn": _FP8, "fp6_e3m2": np.dtype(ml_dtypes.float6_e3m2fn),
+                    "fp6_e2m3": np.dtype(ml_dtypes.float6_e2m3fn)}
 
 
 def _kind(s: QuantScheme) -> Optional[str]:
     name = s.format.name if hasattr(s.format, "name") else str(s.format)
-    if (s.strategy == "channel" and s.scale_format == "input" and name == "fp8_e4m3fn" and s.symmetric
+    if (s.strategy == "channel" and s.scale_format == "input" and name in _CHANNEL_FORMATS and s.symmetric
             and s.scale_rule == "absmax"):
-        return "fp8"
+        return "channel"
     if (s.strategy == "tensor_group" and s.group_size == 16 and s.scale_format == "fp8_e4m3fn"
             and name == "fp4_e2m1" and s.scale_rule == "absmax"):
         return "nvfp4"
     return None
 
 
+def _fmt_name(s: QuantScheme) -> str:
+    return s.format.name if hasattr(s.format, "name") else str(s.format)
+
+
 def host_quantizable(value, schemes: SchemeSet, weight_search: str, k_inner: Optional[int] = None) -> bool:
-    """Whether `quantize(value, schemes)` takes the host path: round-to-nearest, an FP8-channel or NVFP4 weight
-    scheme, a float32 / bfloat16 value of 2 or more dims, for NVFP4 the innermost axis of K (`k_inner`, default
+    """Whether `quantize(value, schemes)` takes the host path: round-to-nearest, an FP8 / FP6 channel or NVFP4
+    weight scheme, a float32 / bfloat16 value of 2 or more dims, for NVFP4 the innermost axis of K (`k_inner`, default
     the size of the value's axis -2: a [.., K, N] kernel) a multiple of 16 (groups within one axis), and jax's
     default backend the CPU (on an accelerator the jitted path is the fast one), the value on one device."""
     ws = schemes.weights
@@ -94,18 +102,19 @@ def _absmax(x: np.ndarray, axis) -> np.ndarray:
     return np.maximum(np.max(x, axis=axis, keepdims=True), -np.min(x, axis=axis, keepdims=True))
 
 
-def _fp8_channel(x: np.ndarray, red: tuple, dt) -> Optional[tuple]:
-    """x (float32 holding `dt` values), the channel reduced over axes `red` -> (codes uint8 shaped like x,
-    scale `dt` keepdims over `red`); None when x holds a NaN."""
+def _float_channel(x: np.ndarray, red: tuple, dt, fmt: np.dtype, fmax: float) -> Optional[tuple]:
+    """x (float32 holding `dt` values), the channel reduced over axes `red` -> (codes uint8 shaped like x, in
+    the low bits of each byte; scale `dt` keepdims over `red`) for the float format `fmt` of largest value
+    `fmax`; None when x holds a NaN."""
     amax = _absmax(x, red)
     if np.isnan(amax).any():
         return None
     if (amax < _FLUSH_BELOW).any():
         x = flush(np.array(x))
         amax = _absmax(x, red)
-    s = _rnd(flush(np.divide(amax, _F32(FP8_MAX), dtype=_F32)), dt)
+    s = _rnd(flush(np.divide(amax, _F32(fmax), dtype=_F32)), dt)
     s[s == 0] = _F32(np.finfo(dt).eps)
-    return _chunked(x, s, dt, _FP8, FP8_MAX), s.astype(dt)
+    return _chunked(x, s, dt, fmt, fmax), s.astype(dt)
 
 
 CHUNK = 1 << 18
@@ -177,11 +186,14 @@ def _encode(r: np.ndarray, x: np.ndarray, dt, fmt: np.dtype, fmax: float) -> np.
     left a tiny negative: the -0 codes are looked at only where they occur."""
     y = _rnd(r, dt)  # r itself for float32, changed in place only where |r| is not below tiny (what the fix reads)
     np.clip(y, -fmax, fmax, out=y)
+    bits = 8 if fmt == _FP8 else (4 if fmt == _FP4 else 6)
     if fmt == _FP4:
         c = _fp4_codes(y)
     else:
         c = np.ascontiguousarray(y.astype(fmt)).view(np.uint8)
-    neg0 = np.uint8(0x80 if fmt == _FP8 else 0x08)
+        if bits < 8:
+            c &= np.uint8((1 << bits) - 1)
+    neg0 = np.uint8(1 << (bits - 1))
     at = np.flatnonzero(c == neg0)
     if at.size:
         rr, xx = np.abs(r.reshape(-1)[at]), np.abs(x.reshape(-1)[at])
@@ -213,7 +225,7 @@ def host_quantize(value, perm, n_contracted: int, stacked: int, schemes: SchemeS
     parts = []
     with np.errstate(all="ignore"):
         for idx in np.ndindex(*lead):
-            parts.append(_layer(v[idx], perm, n_contracted, _kind(ws), dt, k, n))
+            parts.append(_layer(v[idx], perm, n_contracted, _kind(ws), dt, k, n, _fmt_name(ws), ws.format.max))
             if parts[-1] is None:
                 return None
     leaves = []
@@ -226,18 +238,35 @@ def host_quantize(value, perm, n_contracted: int, stacked: int, schemes: SchemeS
     return QArray(leaves[0], leaves[1], None, leaves[2], scheme=ws, shape=(k, n), dtype=dt, axis=0)
 
 
-def _layer(v: np.ndarray, perm: tuple, nc: int, kind: str, dt, k: int, n: int) -> Optional[tuple]:
+def pack6(codes: np.ndarray) -> np.ndarray:
+    """`qformats.packing.pack(codes, 6)` in numpy: along the last axis, four 6-bit codes c0..c3 in three bytes
+    holding c0 | c1 << 6 | c2 << 12 | c3 << 18 little-endian; a partial last quartet padded with zero codes,
+    then cut to ceil(n * 6 / 8) bytes."""
+    n = codes.shape[-1]
+    pad = -n % 4
+    if pad:
+        codes = np.concatenate([codes, np.zeros(codes.shape[:-1] + (pad,), np.uint8)], axis=-1)
+    c = codes.reshape(codes.shape[:-1] + (-1, 4)).astype(np.uint32)
+    w = c[..., 0] | (c[..., 1] << 6) | (c[..., 2] << 12) | (c[..., 3] << 18)
+    out = np.stack([w & 0xFF, (w >> 8) & 0xFF, (w >> 16) & 0xFF], axis=-1).astype(np.uint8)
+    return out.reshape(codes.shape[:-1] + (-1,))[..., :-(-n * 6 // 8)]
+
+
+def _layer(v: np.ndarray, perm: tuple, nc: int, kind: str, dt, k: int, n: int, fmt_name: str = "",
+           fmax: float = 0.0) -> Optional[tuple]:
     """(codes [N, K * bits / 8], scale [N, K / g], global scale [1] or None) of one layer `v` (see
     `host_quantize`); None when it holds a NaN."""
     con, free = perm[:nc], perm[nc:]
     x = v if v.dtype == np.float32 else v.astype(_F32)
-    if kind == "fp8":
-        out = _fp8_channel(x, con, dt)
+    if kind == "channel":
+        fmt = _CHANNEL_FORMATS[fmt_name]
+        out = _float_channel(x, con, dt, fmt, fmax)
         if out is None:
             return None
         codes, scale = out
         order = free + con
-        return _transposed(codes, order, (n, k)), _transposed(scale, order, (n, 1)), None
+        codes = _transposed(codes, order, (n, k))
+        return (codes if fmt == _FP8 else pack6(codes)), _transposed(scale, order, (n, 1)), None
     last = con[-1]  # K's innermost axis: split it into (groups, 16); the view's axes after it shift by one
     view = x.reshape(v.shape[:last] + (v.shape[last] // 16, 16) + v.shape[last + 1:])
 

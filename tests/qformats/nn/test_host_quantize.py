@@ -1,4 +1,4 @@
-"""qformats.nn.host_quantize: FP8-channel / NVFP4 round-to-nearest on the host equals the jitted XLA:CPU path bit
+"""qformats.nn.host_quantize: FP8 / FP6 channel and NVFP4 round-to-nearest on the host equals the jitted XLA:CPU path bit
 for bit (codes, scales, global scales), on every bfloat16 value and every float32 high half, subnormals,
 infinities, tiny channels, stacked layers and einsum layouts."""
 
@@ -12,7 +12,7 @@ from qformats.algorithms.weight_search import quantize_weight as jitted
 from qformats.nn import host_quantize as H
 from qformats.presets import presets
 
-SCHEMES = ("FP8_E4M3", "FP8_DYNAMIC", "NVFP4A16")
+SCHEMES = ("FP8_E4M3", "FP8_DYNAMIC", "NVFP4A16", "FP6_E3M2", "FP6_E2M3")
 
 
 def same_bits(a, b):
@@ -77,6 +77,15 @@ def test_fp4_rounding_is_ml_dtypes_on_every_bfloat16_and_each_cut():
     y = np.concatenate([v, near, -near, np.float32([np.nan, -np.nan])])
     y = np.clip(y, -6, 6).astype(np.float32)  # NaN stays NaN
     np.testing.assert_array_equal(H._fp4_codes(y.copy()), y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F)
+
+
+def test_pack6_is_the_packing_module_s_on_every_code_and_odd_lengths():
+    from qformats.packing import pack
+
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 3, 4, 5, 7, 64, 66):
+        c = rng.integers(0, 64, (3, n), dtype=np.uint8)
+        np.testing.assert_array_equal(H.pack6(c), np.asarray(pack(c, 6)))
 
 
 def test_nan_weights_and_other_schemes_take_the_jitted_path():
