@@ -1,7 +1,7 @@
 """Third-party-style Flax models (Gemma-style linen, EasyDeL-style NNX): quantize time, peak memory, error vs qwix.
 
 Usage: python bench/flax_any.py [--embed 512] [--hidden 2048] [--layers 4] [--vocab 8192] [--schemes ...] [--no-qwix]
-       [--repeat 3] [--models gemma,gemma-scan,nnx]
+       [--repeat 3] [--models gemma,gemma-scan,nnx] [--baseline]
 
 The models are the test suite's re-implementations of Google DeepMind's `gemma` layer style (`Gemma`: its own
 Einsum modules calling `jnp.einsum` on their params, a tied embedding, blocks under `nn.scan`) and of EasyDeL's
@@ -82,7 +82,12 @@ def child(args) -> dict:
         _ready(params)
         with PeakRSS() as mem:
             t, c = time.perf_counter(), time.process_time()
-            if tool == "qformats":
+            if tool == "float":  # the baseline: the float model's first jitted forward (compilation included)
+                qparams = params
+                out = jax.jit(model.apply)(params, tokens)
+                run = lambda: out  # noqa: E731
+                _ready(out)
+            elif tool == "qformats":
                 qmod, qparams = quantize_linen(model, params, [Rule("embedder/.*", None), Rule(".*", name)], tokens)
                 run = lambda: qmod.apply(qparams, tokens)  # noqa: E731
             else:
@@ -103,7 +108,11 @@ def child(args) -> dict:
         _ready(nnx.state(model))
         with PeakRSS() as mem:
             t, c = time.perf_counter(), time.process_time()
-            if tool == "qformats":
+            if tool == "float":
+                qm = model
+                out = nnx.jit(lambda m, t: m(t))(model, tokens)
+                _ready(out)
+            elif tool == "qformats":
                 quantize_model(model, [Rule("embed", None), Rule(".*", name)], example=tokens)
                 qm = model
             else:
@@ -138,6 +147,8 @@ def rows(args, model, schemes, use_qwix) -> list:
     out = []
     for name in schemes:
         tools = ("qformats", "qwix") if use_qwix else ("qformats",)
+        if name == "float":
+            tools = ("float",)
         runs = {t: [] for t in tools}
         why = {}
         for _ in range(args.repeat):
@@ -150,7 +161,8 @@ def rows(args, model, schemes, use_qwix) -> list:
                 else:
                     runs[tool].append(r)
         for tool in tools:
-            label = f"{tool} {name if tool == 'qformats' else QWIX[name][0]}"
+            label = "float: first jitted forward" if tool == "float" else (
+                f"{tool} {name if tool == 'qformats' else QWIX[name][0]}")
             out.append((label, name, runs[tool] if tool not in why else None, why.get(tool)))
     return out
 
@@ -200,6 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-qwix", action="store_true")
     p.add_argument("--repeat", type=int, default=3, help="fresh processes per (tool, scheme); medians reported")
     p.add_argument("--models", default="gemma,gemma-scan,nnx")
+    p.add_argument("--baseline", action="store_true", help="also a row of the float model's first jitted forward "
+                   "(compilation included), the reference where qwix fails")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="gemma")
     p.add_argument("--tool", default="qformats")
@@ -221,12 +235,14 @@ def main(argv=None) -> int:
           f"layers, vocab {args.vocab}, {args.tokens} tokens x 2; each run a fresh process, {args.repeat} runs per "
           "row: median (min–max)" + ("" if use_qwix else "; qwix not run"))
     if "gemma" in models:
+        base = rows(args, "gemma", ["float"], False) if args.baseline else []
         print(table("Gemma-style linen (own Einsum modules, blocks in a list as gemma has them)",
-                    rows(args, "gemma", schemes, use_qwix)))
+                    base + rows(args, "gemma", schemes, use_qwix)))
         print()
     if "gemma-scan" in models:
         scan = [s for s in schemes if s == "W4A16"] or schemes[:1]
-        print(table("Gemma-style linen under nn.scan", rows(args, "gemma-scan", scan, use_qwix)))
+        base = rows(args, "gemma-scan", ["float"], False) if args.baseline else []
+        print(table("Gemma-style linen under nn.scan", base + rows(args, "gemma-scan", scan, use_qwix)))
         print()
     if "nnx" in models:
         print(table("EasyDeL-style NNX (ParallelLinear, HeadsEinsum, nnx.scan)",

@@ -104,7 +104,7 @@ def test_weight_names_follow_the_module_for_kernels():
     assert traced.weight_name("kernel") == "kernel"
 
 
-@pytest.mark.parametrize("scheme", ["FP8_E4M3", "NVFP4A16"])
+@pytest.mark.parametrize("scheme", ["FP8_E4M3", "NVFP4A16", "FP6_E3M2"])
 def test_pack_many_packs_bit_for_bit_as_one_weight_at_a_time_in_any_chunking(scheme):
     """Equal layers share one compiled function per round; the packed QArrays are those of the reference
     quantizer on each matrix W = transpose(param, perm).reshape(K, N), whatever the chunk budget."""
