@@ -222,11 +222,13 @@ def main(argv=None) -> int:
                 rel.append(e_o / e_q - 1)
                 for k in ("ours", "sym"):
                     fq_rel[k].append(fq[k] / fq["qwix"] - 1)
-                print(f"{model} {scheme} seed {seed}: rel-L2 ours {e_o:.5f} qwix {e_q:.5f} ({100 * rel[-1]:+.2f}%); "
-                      f"fake-quant ours {fq['ours']:.5f} qwix {fq['qwix']:.5f} sym {fq['sym']:.5f}", flush=True)
+                fq_rel["sym/ours"].append(fq["sym"] / fq["ours"] - 1)
+                print(f"{model} {scheme} seed {seed}: rel-L2 ours {e_o:.6g} qwix {e_q:.6g} ({100 * rel[-1]:+.2f}%); "
+                      f"fake-quant ours {fq['ours']:.6g} qwix {fq['qwix']:.6g} sym {fq['sym']:.6g}", flush=True)
             print(f"== {model} {scheme}, {args.seeds} seeds: ours / qwix - 1 = {_summary(rel)}")
             print(f"   fake quant, our codes / qwix's - 1 = {_summary(fq_rel['ours'])}")
             print(f"   fake quant, symmetric-clipped codes / qwix's - 1 = {_summary(fq_rel['sym'])}")
+            print(f"   fake quant, symmetric-clipped codes / ours - 1 = {_summary(fq_rel['sym/ours'])}")
             pairs = sorted(((k, v) for k, v in stats.items() if k.startswith("code ours")), key=lambda kv: -kv[1])
             print(f"   weights compared {stats['weights']} (+{stats['weights other grouping']} grouped differently "
                   f"by qwix), elements {stats['elements']}, scales differing {stats['scale diff']}, codes differing "
