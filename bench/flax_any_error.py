@@ -1,6 +1,6 @@
 """Integer weight error of qformats vs qwix on the third-party-style Flax models, over many seeds.
 
-Usage: python bench/flax_any_error.py [--seeds 16] [--models gemma,nnx] [--schemes W8A16,W4A16]
+Usage: python bench/flax_any_error.py [--seeds 16] [--first-seed 0] [--models gemma,nnx] [--schemes W8A16,W4A16]
        [--embed 512] [--hidden 2048] [--layers 4] [--vocab 8192]
 
 For each seed (the models' random weights; the same tokens), each model of bench/flax_any.py and each scheme
@@ -15,7 +15,7 @@ For each seed (the models' random weights; the same tokens), each model of bench
   tools group the same elements (qwix groups Gemma's attn_vec einsum over both contracted axes: counted apart),
   and the (ours, qwix) code pairs where they differ.
 Prints per-seed rows, then mean, standard deviation, standard error and range of the relative difference
-err_ours / err_qwix - 1 (and of the fake-quant variants) over the seeds.
+err_ours / err_qwix - 1 (and of the fake-quant variants against qwix's, and of `sym` against ours) over the seeds.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def _rel(a, b) -> float:
 
 
 def _ours_elems(mw):
-    """(codes, per-element scale) of a MatmulWeight (or a flax layer's QArray in its place) as float32 numpy arrays in the param's layout."""
+    """(codes, per-element scale) of a MatmulWeight (or a flax layer's QArray in its place) as float32 numpy
+    arrays in the param's layout."""
     def one(q):
         return q.element_values(jnp.float32).T, q.expanded_scale(jnp.float32).T  # [K, N]
 

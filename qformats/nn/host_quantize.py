@@ -44,7 +44,7 @@ _CHANNEL_FORMATS = {"fp8_e4m3fn": _FP8, "fp6_e3m2": np.dtype(ml_dtypes.float6_e3
 
 
 def _kind(s: QuantScheme) -> Optional[str]:
-    name = s.format.name if hasattr(s.format, "name") else str(s.format)
+    name = _fmt_name(s)
     if (s.strategy == "channel" and s.scale_format == "input" and name in _CHANNEL_FORMATS and s.symmetric
             and s.scale_rule == "absmax"):
         return "channel"
@@ -181,8 +181,8 @@ def _fp4_codes(y: np.ndarray) -> np.ndarray:
 
 def _encode(r: np.ndarray, x: np.ndarray, dt, fmt: np.dtype, fmax: float) -> np.ndarray:
     """`qformats.qarray.round_elements(rnd(flush(r), dt))` for a float format, r = x / s: overflow saturated to
-    +-max, nearest code ties to even (ml_dtypes' astype), as uint8 bit patterns (4-bit codes in the low
-    nibble). A zero quotient gives the +0 code; so does one XLA:CPU flushes (r or x subnormal), which numpy
+    +-max, nearest code ties to even (ml_dtypes' astype), as uint8 bit patterns (6- and 4-bit codes in
+    the low bits). A zero quotient gives the +0 code; so does one XLA:CPU flushes (r or x subnormal), which numpy
     left a tiny negative: the -0 codes are looked at only where they occur."""
     y = _rnd(r, dt)  # r itself for float32, changed in place only where |r| is not below tiny (what the fix reads)
     np.clip(y, -fmax, fmax, out=y)

@@ -1,5 +1,5 @@
-"""qformats.nn.host_quantize: FP8 / FP6 channel and NVFP4 round-to-nearest on the host equals the jitted XLA:CPU path bit
-for bit (codes, scales, global scales), on every bfloat16 value and every float32 high half, subnormals,
+"""qformats.nn.host_quantize: FP8 / FP6 channel and NVFP4 round-to-nearest on the host equals the jitted XLA:CPU path
+bit for bit (codes, scales, global scales), on every bfloat16 value and every float32 high half, subnormals,
 infinities, tiny channels, stacked layers and einsum layouts."""
 
 import jax
