@@ -132,9 +132,10 @@ class _ExpertOps:
                                      None if b is None else (lambda e: b[e]), self.out_features, tile)
         return y.astype(dt)
 
-    def gathered(self, x, experts):
+    def gathered(self, x, experts, valid=None):
         """y [M, N] (in x's dtype) for rows x [M, K] and their experts [M] (int): y_m = x_m @ W[e_m] + b[e_m],
-        reading only the weights of the experts named (each as often as it is named).
+        reading only the weights of the experts named (each as often as it is named). With `valid` [M] (bool),
+        a row whose flag is False is not computed (`jax.lax.cond`): its y_m is b[e_m] (0 without bias).
 
         Each row is its own matrix-vector product with its expert's weight (`_row`): a product batched over rows
         of the gathered weights [M, K, N] first copies them (float) or dequantizes them (packed) into a dense
@@ -144,10 +145,19 @@ class _ExpertOps:
         copied every row's float expert slice up front, in slow elemental loops)."""
         dt = self.dtype or x.dtype
         x = self._input(x.astype(dt))
+        n = self.out_features
+
+        def row(xm, em, vm):
+            if vm is None:
+                return self._row(xm, em, dt)
+            return jax.lax.cond(vm, lambda: self._row(xm, em, dt), lambda: jnp.zeros((n,), jnp.float32))
+
         if x.shape[0] <= self._unroll_rows():
-            y = jnp.stack([self._row(x[m], experts[m], dt) for m in range(x.shape[0])])
+            y = jnp.stack([row(x[m], experts[m], None if valid is None else valid[m]) for m in range(x.shape[0])])
+        elif valid is None:
+            y = jax.lax.map(lambda a: row(a[0], a[1], None), (x, experts))
         else:
-            y = jax.lax.map(lambda a: self._row(a[0], a[1], dt), (x, experts))
+            y = jax.lax.map(lambda a: row(*a), (x, experts, valid))
         b = self._bias()
         if b is not None:
             y = y + b.astype(jnp.float32)[experts]
