@@ -9,7 +9,8 @@ Usage: python bench/moe_decode.py [--layers 8] [--hidden 1024] [--experts 64] [-
 expert: minutes per step at this shape.)
 
 Timing: the fastest of --new timed calls of one decode step (batch 1, one token, KV cache holding the prompt), ours a
-jit call of the model, its dense counterparts quantized with the same scheme, transformers' a forward with its cache (a deepcopy of the prompt's cache each step, timed
+jit call of the model (the dense counterparts quantized with the same scheme), transformers' a forward with its
+cache (a deepcopy of the prompt's cache each step, timed
 with it; small beside the step). tokens/s = 1000 / step ms. Prefill: the fastest of 3 calls on the whole prompt.
 The machine's load average and this process's CPU seconds are printed with the table (figures from a shared machine
 are only comparable as ratios within one run). Prints the markdown table of BENCHMARKS.md's section

@@ -108,7 +108,8 @@ def _method(method: str) -> str:
 
 
 class _ExpertOps:
-    """The expert products of a stacked projection, given how to read its weights (`_stack`, `_one`; `_row` one row's product)."""
+    """The expert products of a stacked projection, given how to read its weights (`_stack`, `_one`) and one row's
+    product (`_row`)."""
 
     num_experts: int
 
