@@ -3,13 +3,17 @@
 beside transformers on the same checkpoint and our dense decoder with the same *active* parameter count
 (intermediate_size = top_k x moe_intermediate_size), all float32, in the same run.
 
-Usage: python bench/moe_decode.py [--layers 4] [--hidden 512] [--experts 64] [--moe-inter 256] [--top-k 8]
-                                  [--prompt 16] [--new 32] [--schemes W4A16:g64,NVFP4A16] [--no-transformers]
+Usage: python bench/moe_decode.py [--layers 8] [--hidden 1024] [--experts 64] [--moe-inter 512] [--top-k 8]
+                                  [--prompt 16] [--new 32] [--schemes W4A16,NVFP4A16] [--no-transformers] [--ragged]
+(defaults: the issue's shape; --ragged adds the sorted + ragged_dot row, which XLA:CPU runs as a dense product per
+expert: minutes per step at this shape.)
 
 Timing: the fastest of --new timed calls of one decode step (batch 1, one token, KV cache holding the prompt), ours a
-jit call of the model, transformers' a forward with its cache (a deepcopy of the prompt's cache each step, timed
+jit call of the model (the dense counterparts quantized with the same scheme), transformers' a forward with its
+cache (a deepcopy of the prompt's cache each step, timed
 with it; small beside the step). tokens/s = 1000 / step ms. Prefill: the fastest of 3 calls on the whole prompt.
-Prints the markdown table of BENCHMARKS.md's section
+The machine's load average and this process's CPU seconds are printed with the table (figures from a shared machine
+are only comparable as ratios within one run). Prints the markdown table of BENCHMARKS.md's section
 "MoE decode (random Qwen3-MoE shape)".
 """
 
@@ -80,16 +84,18 @@ def theirs(hf, prompt, steps):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--moe-inter", type=int, default=256)
+    ap.add_argument("--moe-inter", type=int, default=512)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--schemes", default="W4A16:g64,NVFP4A16")
+    ap.add_argument("--schemes", default="W4A16,NVFP4A16")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--ragged", action="store_true")
     a = ap.parse_args(argv)
+    t0 = time.perf_counter()
 
     import torch
     import transformers
@@ -108,41 +114,51 @@ def main(argv=None):
         hf = transformers.AutoModelForCausalLM.from_config(moe_cfg).eval()
         hf.save_pretrained(f"{tmp}/moe")
         transformers.AutoModelForCausalLM.from_config(dense_cfg).eval().save_pretrained(f"{tmp}/dense")
-        ref_tps = None
+        ref_ms = None
         if not a.no_transformers:
-            ms, pre = theirs(hf, prompt, a.new)
-            ref_tps = 1e3 / ms
-            rows.append(("transformers (MoE, float32)", ref_tps, pre, sum(p.numel() * 4 for p in hf.parameters())))
+            ref_ms, pre = theirs(hf, prompt, a.new)
+            rows.append((f"transformers {transformers.__version__} (MoE, float32)", ref_ms, pre,
+                         sum(p.numel() * 4 for p in hf.parameters()), None))
         del hf
-        dense, _, _ = load_causal_lm(f"{tmp}/dense", tokenizer=False)
-        ms, pre = ours(dense, prompt, a.new)
-        dense_tps = 1e3 / ms
-        rows.append(("ours, dense decoder of the same active params", dense_tps, pre, param_bytes(dense)))
-        del dense
+        schemes = [s for s in a.schemes.split(",") if s]
+        dense_ms = {}
+        for scheme in [""] + schemes:
+            dense, _, _ = load_causal_lm(f"{tmp}/dense", tokenizer=False)
+            if scheme:
+                quantize_model(dense, quantization_rules(scheme))
+            ms, pre = ours(dense, prompt, a.new)
+            dense_ms[scheme] = ms
+            rows.append((f"ours, dense decoder of the same active params{' ' + scheme if scheme else ''}", ms, pre,
+                         param_bytes(dense), scheme))
+            del dense
         model, _, _ = load_causal_lm(f"{tmp}/moe", tokenizer=False)
-        for label, d, m in (("ours MoE (auto: gathered decode, tiled prefill)", "auto", "auto"),
-                            ("ours MoE, sorted + tiled grouped matmul", "grouped", "tiled"),
-                            ("ours MoE, sorted + ragged_dot", "grouped", "ragged")):
+        methods = [("ours MoE (auto: gathered decode, tiled prefill)", "auto", "auto"),
+                   ("ours MoE, sorted + tiled grouped matmul", "grouped", "tiled")]
+        if a.ragged:
+            methods.append(("ours MoE, sorted + ragged_dot", "grouped", "ragged"))
+        for label, d, m in methods:
             set_dispatch(model, d, m)
             ms, pre = ours(model, prompt, a.new)
-            rows.append((label, 1e3 / ms, pre, param_bytes(model)))
-        set_dispatch(model, "auto", "auto")
-        for scheme in [s for s in a.schemes.split(",") if s]:
+            rows.append((label, ms, pre, param_bytes(model), ""))
+        del model
+        for scheme in schemes:
             q, _, _ = load_causal_lm(f"{tmp}/moe", tokenizer=False)
             quantize_model(q, quantization_rules(scheme))
             ms, pre = ours(q, prompt, a.new)
-            rows.append((f"ours MoE {scheme} (auto: gathered decode, tiled prefill)", 1e3 / ms, pre, param_bytes(q)))
+            rows.append((f"ours MoE {scheme} (auto: gathered decode, tiled prefill)", ms, pre, param_bytes(q), scheme))
             del q
+    load = os.getloadavg()
     print(f"\n{a.layers} layers, hidden {a.hidden}, {a.experts} experts x {a.moe_inter}, top-{a.top_k}; batch 1, "
           f"prompt {a.prompt}, {a.new} new tokens; {platform.machine()} {os.cpu_count()} CPUs, jax "
-          f"{jax.__version__} {jax.default_backend()}\n")
-    print(f"| model | decode step ms | decode tokens/s | vs transformers | step vs dense active | prefill {a.prompt} "
-          "tokens ms | params MB |")
+          f"{jax.__version__} {jax.default_backend()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+          f"(1 / 5 / 15 min) at the end; {time.process_time():.0f} CPU s in {time.perf_counter() - t0:.0f} s\n")
+    print(f"| model | decode step ms | decode tokens/s | vs transformers | step vs dense active (same scheme) | "
+          f"prefill {a.prompt} tokens ms | params MB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for label, tps, pre, nbytes in rows:
-        vs_ref = f"{tps / ref_tps:.2f}x" if ref_tps else "-"
-        print(f"| {label} | {1e3 / tps:.2f} | {tps:.1f} | {vs_ref} | {dense_tps / tps:.2f}x | {pre:.1f} | "
-              f"{nbytes / 2**20:.0f} |")
+    for label, ms, pre, nbytes, scheme in rows:
+        vs_ref = f"{ref_ms / ms:.2f}x" if ref_ms else "-"
+        vs_dense = f"{ms / dense_ms[scheme]:.2f}x" if scheme in dense_ms else "-"
+        print(f"| {label} | {ms:.2f} | {1e3 / ms:.1f} | {vs_ref} | {vs_dense} | {pre:.1f} | {nbytes / 2**20:.0f} |")
 
 
 if __name__ == "__main__":

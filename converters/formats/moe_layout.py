@@ -214,7 +214,10 @@ def fused_gpt_oss_experts(modules: Mapping[str, Mapping[str, Any]], dense) -> Di
         down_proj[e] = dense(down_proj kernel)      (gate_up_proj [E, hidden, 2·inter], down_proj [E, inter, hidden])
         gate_up_proj_bias[e, 0::2] = gate bias, [e, 1::2] = up bias; down_proj_bias[e] = down bias
 
-    `dense(q)` maps a QArray to its dense Flax kernel [in, out] (numpy). Other modules are passed through."""
+    `dense(q)` maps a QArray to its dense Flax kernel [in, out] (numpy). The fusing itself is the decoder's
+    (`qformats.models.decoder.params.fuse_gpt_oss_experts`, on the dense kernels); this names the result as the
+    checkpoint does. Other modules are passed through."""
+    from qformats.models.decoder.params import fuse_gpt_oss_experts
     from qformats.qarray import QArray
 
     out: Dict[str, Dict[str, Any]] = {}
@@ -230,17 +233,11 @@ def fused_gpt_oss_experts(modules: Mapping[str, Mapping[str, Any]], dense) -> Di
         if sorted(experts) != list(range(n)) or any(set(v) != {"gate_proj", "up_proj", "down_proj"}
                                                      for v in experts.values()):
             raise CheckpointError(f"{mod}: expected experts 0..{n - 1} each with gate_proj, up_proj and down_proj")
-        gu = dn = gub = dnb = None
-        for e in range(n):
-            g, u, d = (np.asarray(dense(experts[e][p]["weight"])) for p in ("gate_proj", "up_proj", "down_proj"))
-            if gu is None:
-                gu = np.empty((n, g.shape[0], 2 * g.shape[1]), g.dtype)
-                dn = np.empty((n,) + d.shape, d.dtype)
-                b = np.asarray(experts[e]["gate_proj"]["bias"])
-                gub = np.empty((n, 2 * b.shape[0]), b.dtype)
-                dnb = np.empty((n,) + np.shape(experts[e]["down_proj"]["bias"]), b.dtype)
-            gu[e][:, 0::2], gu[e][:, 1::2], dn[e] = g, u, d
-            gub[e, 0::2], gub[e, 1::2] = experts[e]["gate_proj"]["bias"], experts[e]["up_proj"]["bias"]
-            dnb[e] = experts[e]["down_proj"]["bias"]
-        out[mod] = {"gate_up_proj": gu, "gate_up_proj_bias": gub, "down_proj": dn, "down_proj_bias": dnb}
+        # torch layout [out, in] (a view of the dense kernel), as the fuser takes dense weights
+        per_expert = [tuple({"weight": np.asarray(dense(experts[e][p]["weight"])).T, "bias": experts[e][p]["bias"]}
+                            for p in ("gate_proj", "up_proj", "down_proj")) for e in range(n)]
+        fused = fuse_gpt_oss_experts(mod, per_expert, expert_bias=True)
+        gu, dn = fused[f"{mod}.gate_up_proj"], fused[f"{mod}.down_proj"]
+        out[mod] = {"gate_up_proj": gu["weight"], "gate_up_proj_bias": gu["bias"], "down_proj": dn["weight"],
+                    "down_proj_bias": dn["bias"]}
     return out

@@ -12,9 +12,9 @@ expert axis). `qformats.nn.quantize_model` swaps `Experts` for `QExperts` by the
 
 Two ways to run the rows through their experts, chosen by the caller (the MoE block) by the number of rows:
 
-* `gathered(x, e)`: each row's expert weight is gathered (`W[e_m]`, for packed weights only the gathered
-  experts' codes and scales are read and dequantized) and applied row by row — the decode path, where the rows
-  (tokens x top_k) are fewer than the experts.
+* `gathered(x, e)`: each row is one matrix-vector product with its expert's weight read in place (`W[e_m]`; for
+  packed weights only that expert's codes and scales, through the packed GEMV of `qformats.packed_dot` where the
+  format has one) — the decode path, where the rows (tokens x top_k) are fewer than the experts.
 * `grouped(x, group_sizes)`: the rows are sorted by expert (group_sizes[e] consecutive rows for expert e) and one
   grouped matmul runs per projection: `jax.lax.ragged_dot` on the whole stack ("ragged"; the stack dequantized
   once for packed weights), or a loop over row tiles of one expert each ("tiled": each tile reads and
@@ -41,6 +41,9 @@ from qformats.quantize import dequantize
 from qformats.schemes import SchemeSet
 
 GROUPED_METHODS = ("auto", "ragged", "tiled")
+
+GATHER_UNROLL = 16
+"""Most rows `QExperts.gathered` runs as an unrolled loop of packed GEMVs (more: `jax.lax.map`, one compiled body)."""
 
 
 def _dot(x, w):
@@ -105,7 +108,8 @@ def _method(method: str) -> str:
 
 
 class _ExpertOps:
-    """The expert products of a stacked projection, given how to read its weights (`_stack`, `_one`, `_gather`)."""
+    """The expert products of a stacked projection, given how to read its weights (`_stack`, `_one`) and one row's
+    product (`_row`)."""
 
     num_experts: int
 
@@ -129,17 +133,43 @@ class _ExpertOps:
                                      None if b is None else (lambda e: b[e]), self.out_features, tile)
         return y.astype(dt)
 
-    def gathered(self, x, experts):
+    def gathered(self, x, experts, valid=None):
         """y [M, N] (in x's dtype) for rows x [M, K] and their experts [M] (int): y_m = x_m @ W[e_m] + b[e_m],
-        reading only the weights of the experts named (each as often as it is named)."""
+        reading only the weights of the experts named (each as often as it is named). With `valid` [M] (bool),
+        a row whose flag is False is not computed (`jax.lax.cond`): its y_m is b[e_m] (0 without bias).
+
+        Each row is its own matrix-vector product with its expert's weight (`_row`): a product batched over rows
+        of the gathered weights [M, K, N] first copies them (float) or dequantizes them (packed) into a dense
+        buffer, and XLA:CPU runs a batched dot as a library call that fuses no weight decode. Packed rows are
+        a Python loop up to `GATHER_UNROLL` rows (each a fused packed GEMV reading its expert's codes in place);
+        float rows, and packed rows beyond that, run in `jax.lax.map` (one compiled body: unrolled, XLA:CPU
+        copied every row's float expert slice up front, in slow elemental loops)."""
         dt = self.dtype or x.dtype
         x = self._input(x.astype(dt))
-        w = self._gather(experts, dt)
-        y = jnp.einsum("mk,mkn->mn", x, w, preferred_element_type=jnp.float32)
+        n = self.out_features
+
+        def row(xm, em, vm):
+            if vm is None:
+                return self._row(xm, em, dt)
+            return jax.lax.cond(vm, lambda: self._row(xm, em, dt), lambda: jnp.zeros((n,), jnp.float32))
+
+        if x.shape[0] <= self._unroll_rows():
+            y = jnp.stack([row(x[m], experts[m], None if valid is None else valid[m]) for m in range(x.shape[0])])
+        elif valid is None:
+            y = jax.lax.map(lambda a: row(a[0], a[1], None), (x, experts))
+        else:
+            y = jax.lax.map(lambda a: row(*a), (x, experts, valid))
         b = self._bias()
         if b is not None:
             y = y + b.astype(jnp.float32)[experts]
         return y.astype(dt)
+
+    def _unroll_rows(self) -> int:
+        return 0
+
+    def _row(self, xm, e, dtype):
+        """x_m @ W[e] [N] float32 for one row x_m [K] (in the compute dtype) and its expert e (a traced int)."""
+        return _dot(xm[None], self._one(e, dtype))[0]
 
     def dense(self, x, expert: int):
         """x [..., K] @ W[expert] + b[expert] for one expert (a reference path; in x's dtype)."""
@@ -175,8 +205,6 @@ class Experts(_ExpertOps, nnx.Module):
     def _one(self, e, dtype):
         return self.kernel.get_value()[e].astype(dtype)
 
-    def _gather(self, experts, dtype):
-        return self.kernel.get_value()[experts].astype(dtype)
 
 
 def _select(q: QArray, idx) -> QArray:
@@ -265,26 +293,16 @@ class QExperts(_ExpertOps, QuantizedMatmul):
             return dequantize(_select(k, e), dtype)
         return fake_quantize_weight(k[e], self.schemes).astype(dtype)
 
-    def _gather(self, experts, dtype):
-        k = self.kernel.get_value()
-        if self.mode == "ptq":
-            return _dequantize_stacked(_select(k, experts), dtype)
-        return fake_quantize_weight(k[experts], self.schemes).astype(dtype)
+    def _unroll_rows(self) -> int:
+        return GATHER_UNROLL if self.mode == "ptq" else 0
 
-    def gathered(self, x, experts):
-        """`Experts.gathered` on the packed stack: each row times its expert's packed weight through the XLA packed
-        path (`qformats.dispatch.xla_qdot`, vmapped over rows: the fused packed GEMV of `qformats.packed_dot` where
-        the format has one, else dequantize-then-dot of that expert), reading only the experts named."""
+    def _row(self, xm, e, dtype):
+        """x_m @ dequantize(W[e]) [N] float32: PTQ through the XLA packed path (`qformats.dispatch.xla_qdot`: the
+        fused packed GEMV of `qformats.packed_dot` where the format has one, reading expert e's codes and scales in
+        place; else dequantize-then-dot of that one expert)."""
         if self.mode != "ptq":
-            return super().gathered(x, experts)
-        dt = self.dtype or x.dtype
-        x = self._input(x.astype(dt))
-        sel = _select(self.kernel.get_value(), experts)
-        y = jax.vmap(lambda xm, qm: xla_qdot(xm[None], qm)[0])(x, sel)
-        b = self._bias()
-        if b is not None:
-            y = (y.astype(jnp.float32) + b.astype(jnp.float32)[experts]).astype(dt)
-        return y.astype(dt)
+            return super()._row(xm, e, dtype)
+        return xla_qdot(xm[None], _select(self.kernel.get_value(), e))[0].astype(jnp.float32)
 
     def __call__(self, x):
         raise ModelError(f"QExperts {self.path or '<module>'}: call `grouped` or `gathered` (rows and their experts)")

@@ -25,9 +25,11 @@ is one grouped matmul (`Experts.grouped`) whose result is scattered back, weight
 Expert parallelism (`set_expert_parallel`, called by `CausalLM.set_sharding` when the sharding rules map the
 "expert" axis to a mesh axis of n devices): each device holds experts [r E/n, (r+1) E/n) and computes, inside a
 `jax.shard_map`, the rows routed to its own experts only (the others are zero); one all-reduce (psum) over the
-expert axis of those [tokens x top_k, d] rows gives every device every row, which is then weighted and summed
-exactly as on one device. Only activations cross devices, never expert weights; each row is non-zero on exactly
-one device, so the psum adds zeros and the result equals the single-device computation.
+mesh of those [tokens x top_k, d] rows gives every device every row, which is then weighted and summed exactly
+as on one device. The devices of the other mesh axes (tensor parallelism), which hold the same experts, split
+those rows between them, so each expert row is computed once on the whole mesh. Only activations cross devices,
+never expert weights; each row is non-zero on exactly one device, so the psum adds zeros and the result equals
+the single-device computation.
 """
 
 from __future__ import annotations
@@ -181,15 +183,16 @@ class ExpertFFNs(nnx.Module):
         setattr(self, down, stack(inter, hidden))
         self.cfg = cfg
 
-    def __call__(self, x, experts=None, group_sizes=None, method: str = "auto"):
-        """FFN_{e_m}(x_m) [M, d] for rows x [M, d]: with `experts` [M] (gathered weights), or rows sorted by
-        expert with `group_sizes` [E] (grouped matmuls, `method` as `Experts.grouped`)."""
+    def __call__(self, x, experts=None, group_sizes=None, method: str = "auto", valid=None):
+        """FFN_{e_m}(x_m) [M, d] for rows x [M, d]: with `experts` [M] (gathered weights; rows whose `valid` [M]
+        flag is False are not computed and their output is meaningless), or rows sorted by expert with
+        `group_sizes` [E] (grouped matmuls, `method` as `Experts.grouped`)."""
         c = self.cfg
         gate, up, down = c.projections
 
         def proj(name, h):
             m = getattr(self, name)
-            return m.gathered(h, experts) if experts is not None else m.grouped(h, group_sizes, method)
+            return m.gathered(h, experts, valid) if experts is not None else m.grouped(h, group_sizes, method)
 
         if gate is None:
             gu = proj(up, x)
@@ -322,14 +325,22 @@ class MoEBlock(nnx.Module):
 def expert_parallel_rows(experts: ExpertFFNs, rows, row_experts, group_sizes, placement, method: str = "auto"):
     """FFN_{e_m}(x_m) [M, d] for rows x [M, d] with their experts e [M], computed expert-parallel: `placement` =
     (mesh, axis), the expert stacks of `experts` split by experts over mesh axis `axis` (n devices, E / n experts
-    each). Inside `jax.shard_map`, device r holds experts [o, o + E/n), o = r E / n, and computes
+    each) and replicated over the other mesh axes (t devices in all, e.g. the tensor-parallel axis). Inside
+    `jax.shard_map`, device (r, s) (r along `axis`, s the index over the other axes) holds experts [o, o + E/n),
+    o = r E / n, and computes only its share of its own experts' rows:
 
-        y^r_m = FFN_{e_m}(x_m) if o <= e_m < o + E/n else 0        (its own experts' weights only)
+        own_m  = o <= e_m < o + E/n
+        mine_m = own_m and (its rank among the own rows) mod t == s          (gathered weights, `group_sizes` None)
+        mine_m = own_m and its position among the own rows is in [s C / t, (s+1) C / t), C = the own rows' count
+                                                                              (rows sorted by expert: one grouped
+                                                                               matmul over that contiguous range)
+        y^{r,s}_m = FFN_{e_m}(x_m) if mine_m else 0                           (rows not mine are not computed)
 
-    with gathered weights (`group_sizes` None) or, for rows sorted by expert with `group_sizes` [E], one grouped
-    matmul over its own experts' contiguous block of rows (rotated to the front, then back); then
-    y = psum_r y^r (one all-reduce of [M, d] activations over `axis`). Each row is non-zero on one device only, so
-    y equals the single-device result. Every other mesh axis sees the rows and the stacks replicated."""
+    then y = psum over all mesh axes of y^{r,s} (one all-reduce of [M, d] activations). Each row is mine on
+    exactly one device, so each expert row is computed once on the whole mesh and y equals the single-device
+    result (the psum adds zeros)."""
+    import math
+
     from jax.sharding import PartitionSpec as P
 
     mesh, axis = placement
@@ -339,6 +350,8 @@ def expert_parallel_rows(experts: ExpertFFNs, rows, row_experts, group_sizes, pl
         raise ModelError(f"expert parallelism: {e_total} experts do not split over {n} devices of mesh axis "
                          f"{axis!r} (num_experts must be a multiple of the expert-parallel size)")
     local = e_total // n
+    others = tuple(a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1)
+    t_count = math.prod(mesh.shape[a] for a in others)
     gdef, state = nnx.split(experts)
 
     def spec(leaf):  # expert stacks (and packed leaves) carry the expert axis first; anything else replicated
@@ -349,14 +362,26 @@ def expert_parallel_rows(experts: ExpertFFNs, rows, row_experts, group_sizes, pl
     def body(st, x, ex, gs):
         ffn = nnx.merge(gdef, st)
         lo = jax.lax.axis_index(axis) * local
+        s = jnp.int32(0)
+        for a in others:  # row-major index over the other axes
+            s = s * mesh.shape[a] + jax.lax.axis_index(a)
         own = (ex >= lo) & (ex < lo + local)
         if gs is None:
-            y = ffn(x, experts=jnp.where(own, ex - lo, 0))
+            rank = jnp.cumsum(own.astype(jnp.int32)) - 1
+            mine = own & (rank % t_count == s)
+            y = ffn(x, experts=jnp.where(own, ex - lo, 0), valid=mine)
         else:
             start = jnp.sum(jnp.where(jnp.arange(e_total) < lo, gs, 0))
-            mine = jax.lax.dynamic_slice_in_dim(gs, lo, local)
-            y = jnp.roll(ffn(jnp.roll(x, -start, axis=0), group_sizes=mine, method=method), start, axis=0)
-        return jax.lax.psum(jnp.where(own[:, None], y, jnp.zeros_like(y)), axis)
+            own_gs = jax.lax.dynamic_slice_in_dim(gs, lo, local)
+            count = jnp.sum(own_gs)
+            a0, a1 = s * count // t_count, (s + 1) * count // t_count
+            ends = jnp.cumsum(own_gs)
+            sub = jnp.maximum(jnp.minimum(ends, a1) - jnp.maximum(ends - own_gs, a0), 0)
+            first = start + a0
+            y = jnp.roll(ffn(jnp.roll(x, -first, axis=0), group_sizes=sub, method=method), first, axis=0)
+            pos = jnp.arange(x.shape[0])
+            mine = (pos >= first) & (pos < start + a1)
+        return jax.lax.psum(jnp.where(mine[:, None], y, jnp.zeros_like(y)), (axis,) + others)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(state_specs, P(), P(), P()), out_specs=P(),
                          check_vma=False)(state, rows, row_experts, group_sizes)

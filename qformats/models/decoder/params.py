@@ -185,6 +185,60 @@ def _interleave_rows(gate: QArray, up: QArray, where: str) -> QArray:
                   dtype=gate.dtype, axis=0, offset=off)
 
 
+def fuse_gpt_oss_experts(base: str, experts, expert_bias: bool) -> Dict[str, Dict[str, Any]]:
+    """The one fuser of gpt_oss's experts: per-expert (gate_proj, up_proj, down_proj) modules of block `base`
+    ("<P>.experts"), expert e at experts[e], each {"weight": QArray [in, out] along axis 0, or a dense torch
+    [out, in] array; "bias": [out] when `expert_bias`} -> {"<base>.gate_up_proj": {"weight": [E, in, 2 out],
+    "bias"?: [E, 2 out]}, "<base>.down_proj": {"weight": [E, in, out], "bias"?: [E, out]}}:
+
+        gate_up[e][:, 2j] = gate_e[:, j],  gate_up[e][:, 2j + 1] = up_e[:, j],  down[e] = down_e   (biases alike)
+
+    Packed weights stay packed (QArray leaves' rows interleaved and stacked along a new leading expert axis into
+    jax arrays, bytes copied; `_interleave_rows`); dense weights are transposed to [in, out], interleaved and
+    stacked (numpy, their dtype kept). Raises ModelError naming the module: packed and dense experts mixed, experts
+    packed differently or of different shapes, a packed layout whose rows cannot interleave exactly."""
+    packed = {isinstance(t["weight"], QArray) for g, u, d in experts for t in (g, u, d)}
+    if len(packed) != 1:
+        raise ModelError(f"{base}: some experts are packed, others dense; expected all of one kind")
+    fused_gu, fused_dn, bias_gu, bias_dn = [], [], [], []
+    for e, (g, u, d) in enumerate(experts):
+        if True in packed:
+            fused_gu.append(_interleave_rows(g["weight"], u["weight"], f"{base}.{e}"))
+            fused_dn.append(d["weight"])
+        else:
+            gt, ut = np.asarray(g["weight"]).T, np.asarray(u["weight"]).T  # [in, out]
+            if gt.shape != ut.shape:
+                raise ModelError(f"{base}.{e}: gate_proj {gt.shape[::-1]} and up_proj {ut.shape[::-1]} differ")
+            fused_gu.append(np.stack([gt, ut], axis=2).reshape(gt.shape[0], 2 * gt.shape[1]))
+            fused_dn.append(np.asarray(d["weight"]).T)
+        if expert_bias:
+            gb, ub = np.asarray(g["bias"]), np.asarray(u["bias"])
+            if gb.shape != ub.shape or gb.ndim != 1:
+                raise ModelError(f"{base}.{e}: gate_proj bias {gb.shape} and up_proj bias {ub.shape}: expected "
+                                 f"two [out] vectors")
+            bias_gu.append(np.stack([gb, ub], axis=1).reshape(-1))
+            bias_dn.append(np.asarray(d["bias"]))
+    out: Dict[str, Dict[str, Any]] = {}
+    for proj, parts, biases in (("gate_up_proj", fused_gu, bias_gu), ("down_proj", fused_dn, bias_dn)):
+        name = f"{base}.{proj}"
+        if True in packed:
+            metas = {(q.scheme, q.shape, q.axis, q.dtype) for q in parts}
+            if len(metas) != 1:
+                raise ModelError(f"{name}: the experts' packed weights differ in scheme or shape: "
+                                 f"{sorted(map(str, metas))[:3]}")
+            w = jax.tree.map(lambda *leaves: jnp.asarray(np.stack([np.asarray(x) for x in leaves])), *parts)
+        else:
+            if len({p.shape for p in parts}) != 1:
+                raise ModelError(f"{name}: the experts' weights differ in shape: {sorted({p.shape for p in parts})}")
+            w = np.stack(parts)
+        out[name] = {"weight": w}
+        if biases:
+            if len({b.shape for b in biases}) != 1:
+                raise ModelError(f"{name}: the experts' biases differ in shape")
+            out[name]["bias"] = np.stack(biases)
+    return out
+
+
 def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping[str, Any]]
                             ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, List[str]]]:
     """gpt_oss: per-expert Linear modules (llm-compressor's linearized names "<P>.experts.{e}.gate_proj" /
@@ -194,10 +248,9 @@ def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping
 
         gate_up[e][:, 2j] = gate_e[:, j],  gate_up[e][:, 2j + 1] = up_e[:, j],  down[e] = down_e
 
-    gpt_oss's interleaved gate / up columns (transformers' `gate_up[..., ::2]` / `[..., 1::2]`). Packed weights stay
-    packed: the QArray leaves' rows are interleaved and stacked along a new leading expert axis into jax arrays
-    (codes and scales copied byte for byte, a `qformats.nn.QExperts` stack); dense weights are transposed and
-    interleaved. Returns (modules with the per-expert entries replaced, fused module -> the per-expert modules it
+    gpt_oss's interleaved gate / up columns (transformers' `gate_up[..., ::2]` / `[..., 1::2]`), per layer by
+    `fuse_gpt_oss_experts` (packed weights stay packed: a `qformats.nn.QExperts` stack). Returns (modules with the
+    per-expert entries replaced, fused module -> the per-expert modules it
     came from). Other families, and layers whose experts are stored fused already, are returned unchanged.
 
     Raises ModelError naming the module: some but not all 3·E per-expert modules of a layer, tensors other than
@@ -230,48 +283,11 @@ def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping
             if extra or "weight" not in out[n] or (("bias" in out[n]) != m.expert_bias):
                 raise ModelError(f"{n}: expected tensors weight{' and bias' if m.expert_bias else ''} (a gpt_oss "
                                  f"expert), found {sorted(out[n])}")
-        packed = {isinstance(out[n]["weight"], QArray) for n in want}
-        if len(packed) != 1:
-            raise ModelError(f"{base}: some experts are packed, others dense; expected all of one kind")
-        fused_gu, fused_dn, bias_gu, bias_dn = [], [], [], []
-        for e in range(e_n):
-            g, u, d = (out.pop(f"{base}.{e}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
-            if True in packed:
-                fused_gu.append(_interleave_rows(g["weight"], u["weight"], f"{base}.{e}"))
-                fused_dn.append(d["weight"])
-            else:
-                gt, ut = np.asarray(g["weight"]).T, np.asarray(u["weight"]).T  # [in, out]
-                if gt.shape != ut.shape:
-                    raise ModelError(f"{base}.{e}: gate_proj {gt.shape[::-1]} and up_proj {ut.shape[::-1]} differ")
-                fused_gu.append(np.stack([gt, ut], axis=2).reshape(gt.shape[0], 2 * gt.shape[1]))
-                fused_dn.append(np.asarray(d["weight"]).T)
-            if m.expert_bias:
-                gb, ub = np.asarray(g["bias"]), np.asarray(u["bias"])
-                if gb.shape != ub.shape or gb.ndim != 1:
-                    raise ModelError(f"{base}.{e}: gate_proj bias {gb.shape} and up_proj bias {ub.shape}: expected "
-                                     f"two [out] vectors")
-                bias_gu.append(np.stack([gb, ub], axis=1).reshape(-1))
-                bias_dn.append(np.asarray(d["bias"]))
-        for proj, parts, biases in (("gate_up_proj", fused_gu, bias_gu), ("down_proj", fused_dn, bias_dn)):
-            name = f"{base}.{proj}"
-            if True in packed:
-                metas = {(q.scheme, q.shape, q.axis, q.dtype) for q in parts}
-                if len(metas) != 1:
-                    raise ModelError(f"{name}: the experts' packed weights differ in scheme or shape: "
-                                     f"{sorted(map(str, metas))[:3]}")
-                w = jax.tree.map(lambda *leaves: jnp.asarray(np.stack([np.asarray(x) for x in leaves])), *parts)
-            else:
-                if len({p.shape for p in parts}) != 1:
-                    raise ModelError(f"{name}: the experts' weights differ in shape: "
-                                     f"{sorted({p.shape for p in parts})}")
-                w = np.stack(parts)
-            out[name] = {"weight": w}
-            if biases:
-                if len({b.shape for b in biases}) != 1:
-                    raise ModelError(f"{name}: the experts' biases differ in shape")
-                out[name]["bias"] = np.stack(biases)
-            sources[name] = [f"{base}.{e}.{p}" for e in range(e_n)
-                             for p in (("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",))]
+        experts = [tuple(out.pop(f"{base}.{e}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
+                   for e in range(e_n)]
+        out.update(fuse_gpt_oss_experts(base, experts, m.expert_bias))
+        for proj, projs in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            sources[f"{base}.{proj}"] = [f"{base}.{e}.{p}" for e in range(e_n) for p in projs]
     return out, sources
 
 

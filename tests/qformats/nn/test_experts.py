@@ -109,6 +109,24 @@ def test_grouped_and_gathered_products_agree_with_a_loop(scheme):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5, err_msg=f"{method} tile {tile}")
 
 
+@pytest.mark.parametrize("scheme", [None, "NVFP4A16"])
+@pytest.mark.parametrize("rows", [6, 20])  # an unrolled loop of GEMVs (packed, <= GATHER_UNROLL rows) or lax.map
+def test_gathered_rows_skip_invalid_rows(scheme, rows):
+    """`gathered(x, e, valid)`: valid rows as without the flags, invalid rows not computed (only their bias)."""
+    ks = kernels(2)
+    bias = np.random.RandomState(3).randn(E, ks["gate_proj"].shape[2]).astype(np.float32)
+    model = StackFFN({"gate_proj": ks["gate_proj"]}, {"gate_proj": bias})
+    if scheme is not None:
+        quantize_model(model, [Rule(".*", scheme)])
+    m = model.experts["gate_proj"]
+    x, experts = rows_and_experts(rows)
+    valid = np.arange(len(experts)) % 3 != 1
+    full = np.asarray(nnx.jit(lambda m, x, e: m.gathered(x, e))(m, x, experts))
+    got = np.asarray(nnx.jit(lambda m, x, e, v: m.gathered(x, e, v))(m, x, experts, valid))
+    np.testing.assert_array_equal(got[valid], full[valid])
+    np.testing.assert_array_equal(got[~valid], bias[experts[~valid]])
+
+
 def test_tiled_grouped_matmul_reads_only_experts_with_rows():
     """The tile loop asks for the weights of experts that have rows only (traced expert ids recorded)."""
     w = jnp.asarray(np.random.RandomState(0).randn(E, 16, 8).astype(np.float32))
