@@ -162,8 +162,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
       moe_statistics: mixture-of-experts models (qwen2_moe, qwen3_moe, mixtral): what each expert's statistics are
         taken over (`qformats.models.decoder.calibration.MOE_STATISTICS`): "all" (every token through every expert,
         llm-compressor's `moe_calibrate_all_experts=True` default), "routed" (routed tokens only; an expert that
-        receives none is refused, naming layer and expert) or "routed-or-all". Routers and the shared expert's gate
-        stay dense and are listed in `ignore`, as llm-compressor's MoE recipes do. AWQ is refused on MoE models;
+        receives none is refused, naming layer and expert) or "routed-or-all"; the same tokens give each expert's
+        static input scale (FP8, NVFP4), written per expert (`mlp.experts.{e}.gate_proj.input_scale`). Routers and the
+        shared expert's gate stay dense and are listed in `ignore`, as llm-compressor's MoE recipes do. AWQ is refused on MoE models;
         SmoothQuant smooths the attention only (llm-compressor's Qwen-MoE / Mixtral mappings).
 
     Raises:
@@ -437,8 +438,9 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                             q = jax.tree.map(lambda leaf, e=slot.expert: leaf[e], q)
                         w.add_qarray(mod, q, packed[rel]["schemes"])
                         for local in ("input_scale", "input_global_scale"):
-                            if local in packed[rel]:
-                                w.add_dense(f"{mod}.{local}", np.asarray(packed[rel][local]))
+                            if local in packed[rel]:  # per expert for a stacked QExperts, as its weight
+                                v = packed[rel][local]
+                                w.add_dense(f"{mod}.{local}", np.asarray(v if slot.expert is None else v[slot.expert]))
                     else:
                         a = np.asarray(resolve_path(layer, slot.path[3:]).get_value())
                         a = a if slot.expert is None else a[slot.expert]

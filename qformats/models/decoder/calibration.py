@@ -29,7 +29,8 @@ Mixture-of-experts layers (qwen2_moe, qwen3_moe, mixtral): the attention's and t
 above; the router and the shared expert's gate stay float; every expert's gate / up / down is quantized like its own
 Linear with its own H, recorded with llm-compressor's `moe_calibrate_all_experts` semantics by default (every token
 through every expert for the statistics, the routed experts only for the layer's output: `MOE_STATISTICS`), and the
-stack becomes a `QExperts`.
+stack becomes a `QExperts`; a static activation scheme (FP8, NVFP4) gives each expert's gate / up / down its own
+input scale from the max |x| of the tokens it observed under the same semantics (`expert_ranges`).
 
 So only one layer's activations (its inputs and outputs for every sample) and its Hessians are alive at
 once: peak memory grows with one layer, not with the model. Samples of different lengths are right-padded to
@@ -66,7 +67,7 @@ from qformats.nn import CalibStat, QLinear
 from qformats.nn.experts import Experts, QExperts
 from qformats.qarray import QArray
 from qformats.plan import check_fits
-from qformats.observers import get_observer
+from qformats.observers import get_observer, static_scale
 from qformats.schemes import SchemeSet
 
 __all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder", "awq_transform",
@@ -247,9 +248,11 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
 
     Raises:
       ModelError: a scheme that does not fit a projection, a bad weight_search / propagate, no samples, or a
-        model whose projections are already quantized. Static activation scales (W8A8 static, FP8 static)
-        come from each projection's minmax observer over the real tokens of the calibration pass (NVFP4's input
-        global scale = 448 * 6 / max|x|, compressed-tensors' generate_gparam).
+        model whose projections are already quantized. Static activation scales (FP8's per-tensor input scale =
+        max|x| / 448, NVFP4's input global scale = 448 * 6 / max|x|, compressed-tensors' generate_gparam) come from
+        each projection's max |x| over the real tokens of the calibration pass (llm-compressor's static_minmax),
+        for each expert over the tokens `moe_statistics` gives it (`expert_ranges`; an expert without tokens under
+        "routed" is the same ModelError).
     """
     if model.config.mla is not None:
         raise ModelError(f"calibrate_decoder: the {model.config.model_type} model's multi-head latent attention "
@@ -324,7 +327,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 # the group's members read the same input: its first member records H and the input range
                 cal.record_inputs = rel == group[0]
                 _set(layer, rel, _Masked(cal))
-        moe = _moe_calibrating(layer, weight_search, moe_statistics)
+        moe = _moe_calibrating(layer, weight_search, moe_statistics, static)
         # the calibration pass's outputs are the next layer's inputs only with float propagation; otherwise
         # the propagation pass makes them, and this pass keeps none (nor computes what only they need)
         keep = propagate == "float"
@@ -487,12 +490,6 @@ def _check_moe(model, ss: SchemeSet, statistics: str) -> None:
         raise ModelError(f"calibrate_decoder: the {model.config.model_type} experts' fused interleaved gate_up_proj "
                          "is not calibrated by this driver; quantize the model data-free (qformats quantize without "
                          "--calibrate)")
-    a = ss.input_activations
-    if a is not None and a.dynamic is not True:
-        raise ModelError(f"calibrate_decoder: scheme {ss.name!r} has static activation scales, which stacked experts "
-                         f"({model.config.model_type}: {m.num_experts} experts per sparse layer) cannot hold "
-                         "(qformats.nn.QExperts takes dynamic activation quantization only); use a dynamic or "
-                         "weight-only scheme")
 
 
 def expert_moments(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str = "all") -> Dict[str, jax.Array]:
@@ -536,29 +533,68 @@ def expert_moments(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str 
     return out
 
 
+def expert_ranges(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str = "all") -> Dict[str, jax.Array]:
+    """The static activation ranges of an MoE block's experts for one batch of tokens (maxima over tokens).
+
+    With `expert_moments`' notation (x [M, d], valid [M], experts [M, k], gate / up [E, d, I]):
+
+        "all":    amax_in[e] = max_{t in T} max|x_t| (every expert's gate / up input, the same for all e),
+                  amax_mid[e] = max_{t in T} max|a_e(x_t)| (expert e's down_proj input)
+        "routed": the same maxima over T_e (0 for an expert that receives no token)
+        "routed-or-all": the routed maxima, plus the "all" ones as amax_in_all, amax_mid_all
+
+    Each is [E] float32, llm-compressor's `static_minmax` observer (the running max of |x|) of each expert's
+    gate / up / down input, fed the tokens `moe_calibrate_all_experts` gives it."""
+    f32 = jnp.float32
+    m = x.shape[0]
+    real = valid.astype(bool)
+    xa = jnp.max(jnp.where(real[:, None], jnp.abs(x.astype(f32)), 0.0), axis=-1)  # [M]
+    n = gate.shape[0]
+    onehot = jnp.zeros((m, n), bool).at[jnp.arange(m)[:, None], experts].set(True) & real[:, None]
+    xf = x.astype(f32)
+
+    def mid(e):
+        return jnp.max(jnp.abs(activation(xf @ gate[e].astype(f32), xf @ up[e].astype(f32), cfg)), axis=-1)
+
+    mids = jax.lax.map(mid, jnp.arange(n))  # [E, M]
+    out = {}
+    if statistics != "routed":
+        suffix = "" if statistics == "all" else "_all"
+        out["amax_in" + suffix] = jnp.broadcast_to(jnp.max(xa), (n,))
+        out["amax_mid" + suffix] = jnp.max(jnp.where(real[None, :], mids, 0.0), axis=1)
+    if statistics != "all":
+        out["amax_in"] = jnp.max(jnp.where(onehot.T, xa[None, :], 0.0), axis=1)
+        out["amax_mid"] = jnp.max(jnp.where(onehot.T, mids, 0.0), axis=1)
+    return out
+
+
 class _CalibMoE(nnx.Module):
     """Calibration wrapper of an MoE block: the output is the block's own (routed experts only, float weights); the
-    experts' statistics (`expert_moments`, summed over the batches) are recorded beside it."""
+    experts' statistics (`expert_moments`, summed over the batches, when `record`) and static activation ranges
+    (`expert_ranges`, their maxima over the batches, when `ranges`) are recorded beside it."""
 
-    def __init__(self, block: MoEBlock, name: str, statistics: str, record: bool):
+    def __init__(self, block: MoEBlock, name: str, statistics: str, record: bool, ranges: bool = False):
         self.block = block
         self.name = name
         self.statistics = statistics
         self.record = record
+        self.ranges = ranges
         self.valid = CalibStat(jnp.ones((1, 1), jnp.float32))
         c = block.cfg
         g, u, _ = c.projections
         d = getattr(block.experts, g).in_features
-        shapes = jax.eval_shape(functools.partial(expert_moments, cfg=c, statistics=statistics),
-                                jax.ShapeDtypeStruct((1, d), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
-                                jax.ShapeDtypeStruct((1, c.top_k), jnp.int32),
-                                getattr(block.experts, g).kernel.get_value(),
-                                getattr(block.experts, u).kernel.get_value())
-        self.sums = CalibStat({k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()} if record else {})
+        args = (jax.ShapeDtypeStruct((1, d), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
+                jax.ShapeDtypeStruct((1, c.top_k), jnp.int32), getattr(block.experts, g).kernel.get_value(),
+                getattr(block.experts, u).kernel.get_value())
+        zeros = lambda fn: {k: jnp.zeros(v.shape, v.dtype) for k, v in jax.eval_shape(  # noqa: E731
+            functools.partial(fn, cfg=c, statistics=statistics), *args).items()}
+        self.sums = CalibStat(zeros(expert_moments) if record else
+                              {"tokens": jnp.zeros((c.num_experts,), jnp.float32)} if ranges else {})
+        self.maxima = CalibStat(zeros(expert_ranges) if ranges else {})
 
     def __call__(self, x):
         out = self.block(x)
-        if not self.record:
+        if not (self.record or self.ranges):
             return out
         b = self.block
         c = b.cfg
@@ -566,25 +602,34 @@ class _CalibMoE(nnx.Module):
         router = getattr(b, c.router_name)
         _, idx = route(b.router_logits(xf), c, getattr(router, "e_score_correction_bias", None))
         g, u, _ = c.projections
-        cur = expert_moments(xf, self.valid.get_value().reshape(-1), idx, getattr(b.experts, g).kernel.get_value(),
-                             getattr(b.experts, u).kernel.get_value(), c, self.statistics)
+        args = (xf, self.valid.get_value().reshape(-1), idx, getattr(b.experts, g).kernel.get_value(),
+                getattr(b.experts, u).kernel.get_value(), c, self.statistics)
+        if self.record:
+            cur = expert_moments(*args)
+        else:  # the routed token counts alone (the empty-expert check of "routed" statistics)
+            real = args[1].astype(jnp.float32)
+            cur = {"tokens": jnp.zeros((xf.shape[0], c.num_experts), jnp.float32).at[
+                jnp.arange(xf.shape[0])[:, None], idx].set(1.0).T @ real}
         self.sums.set_value({k: v + cur[k] for k, v in self.sums.get_value().items()})
+        if self.ranges:
+            cur = expert_ranges(*args)
+            self.maxima.set_value({k: jnp.maximum(v, cur[k]) for k, v in self.maxima.get_value().items()})
         return out
 
     def finish(self, layer) -> Dict[str, jax.Array]:
-        """Puts the block back into `layer`; returns the summed statistics."""
+        """Puts the block back into `layer`; returns the summed statistics and the ranges' maxima."""
         setattr(layer, self.name, self.block)
-        return dict(self.sums.get_value())
+        return {**self.sums.get_value(), **self.maxima.get_value()}
 
 
-def _moe_calibrating(layer, weight_search: str, statistics: str) -> Optional[_CalibMoE]:
-    """Wraps a sparse layer's MoE block for the calibration pass (statistics only when the weight search uses them);
-    None for a dense layer."""
+def _moe_calibrating(layer, weight_search: str, statistics: str, static: bool) -> Optional[_CalibMoE]:
+    """Wraps a sparse layer's MoE block for the calibration pass (statistics only when the weight search uses them,
+    activation ranges only for a static activation scheme); None for a dense layer."""
     found = _moe_block(layer)
     if found is None:
         return None
     name, blk = found
-    w = _CalibMoE(blk, name, statistics, record=weight_search != RTN)
+    w = _CalibMoE(blk, name, statistics, record=weight_search != RTN, ranges=static)
     setattr(layer, name, w)
     return w
 
@@ -599,7 +644,9 @@ def _quantize_experts(layer, stats: Dict[str, jax.Array], ss: SchemeSet, weight_
                       index: int) -> Tuple[int, int]:
     """Quantizes a sparse layer's stacked experts in place (each `Experts` becomes a `QExperts` whose expert e holds
     exactly what `quantize_group` / `quantize_projection` give expert e's own kernels for its own H), from the
-    calibration pass's `stats` (`expert_moments` sums): H = sum / token count, per expert (moe_statistics).
+    calibration pass's `stats` (`expert_moments` sums): H = sum / token count, per expert (moe_statistics); a static
+    activation scheme's per-expert input scales from `expert_ranges`' maxima (`qformats.observers.static_scale`:
+    FP8 input_scale = amax / 448, NVFP4 input_global_scale = 448 * 6 / amax).
     NVFP4 weight global scales are shared by each expert's gate and up (vLLM fuses them per expert). Returns
     (expert projections whose search won, expert projections)."""
     name, blk = _moe_block(layer)
@@ -612,21 +659,37 @@ def _quantize_experts(layer, stats: Dict[str, jax.Array], ss: SchemeSet, weight_
         record.append({"layer": index, "statistics": statistics, **{k: np.asarray(v) for k, v in stats.items()}})
     h_in: List = [None] * n
     h_mid: List = [None] * n
+    a = ss.input_activations
+    static = a is not None and a.dynamic is not True
+    counts = np.asarray(stats["tokens"]) if stats else None
+    if counts is not None and statistics != "all":
+        empty = [e for e in range(n) if counts[e] == 0]
+        if empty and statistics == "routed":
+            what = " and ".join(x for x, on in (("GPTQ / MSE Hessians", weight_search != RTN),
+                                                ("static activation ranges", static)) if on)
+            raise ModelError(f"{where}/{name}/experts: expert{'s' if len(empty) > 1 else ''} "
+                             f"{', '.join(map(str, empty))} of {n} received no calibration tokens under routed-only "
+                             f"statistics (moe_statistics='routed'); their {what} would be empty. Calibrate "
+                             "every expert on every token (moe_statistics='all', llm-compressor's default), use "
+                             "all tokens for the empty ones (moe_statistics='routed-or-all'), or add samples")
+    scales = {}
+    if static:  # per-expert static input scales: gate / up share the block input's range, down its own
+        amax = {k: np.asarray(stats[k]).copy() for k in ("amax_in", "amax_mid")}
+        if statistics == "routed-or-all":
+            for k in amax:
+                amax[k][counts == 0] = np.asarray(stats[k + "_all"])[counts == 0]
+        sdt = kernels[gname].dtype if kernels[gname].dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+        per = jax.vmap(lambda m: static_scale(m, a, sdt))
+        for key, projs in (("amax_in", (gname, uname)), ("amax_mid", (dname,))):
+            sc, gl = per(jnp.asarray(amax[key], jnp.float32))
+            for p in projs:
+                scales[p] = {"input_scale": sc, "input_global_scale": gl}
     if weight_search != RTN:
-        counts = np.asarray(stats["tokens"])
         if statistics == "all":
             shared_h = stats["h_in"] / tokens
             h_in = [shared_h] * n
             h_mid = [stats["h_mid"][e] / tokens for e in range(n)]
         else:
-            empty = [e for e in range(n) if counts[e] == 0]
-            if empty and statistics == "routed":
-                raise ModelError(f"{where}/{name}/experts: expert{'s' if len(empty) > 1 else ''} "
-                                 f"{', '.join(map(str, empty))} of {n} received no calibration tokens under "
-                                 f"routed-only "
-                                 f"statistics (moe_statistics='routed'); their GPTQ Hessians would be empty. Calibrate "
-                                 "every expert on every token (moe_statistics='all', llm-compressor's default), use "
-                                 "all tokens for the empty ones (moe_statistics='routed-or-all'), or add samples")
             for e in range(n):
                 if counts[e]:
                     h_in[e], h_mid[e] = stats["h_in"][e] / counts[e], stats["h_mid"][e] / counts[e]
@@ -653,7 +716,7 @@ def _quantize_experts(layer, stats: Dict[str, jax.Array], ss: SchemeSet, weight_
         q = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[r[0] for r in per])
         old = getattr(ex, p)
         new = QExperts.from_packed(q, None if old.bias is None else old.bias.get_value(), ss, dtype=old.dtype,
-                                   path=f"{name}/experts/{p}")
+                                   path=f"{name}/experts/{p}", **scales.get(p, {}))
         won = sum(r[1] != RTN for r in per)
         new.weight_method = weight_search if won else RTN
         searched += won
