@@ -799,15 +799,12 @@ def _awq_mappings(layer, index: int) -> List[AWQMapping]:
     """The mappings that apply to this layer: v_proj -> o_proj is dropped when v_proj's output size differs from
     o_proj's input size (llm-compressor's `_check_layers_are_compatible`)."""
     where = f"model/layers/{index}"
-    if _moe_block(layer) is not None:
-        raise ModelError(f"{where}: AWQ on a mixture-of-experts layer is not supported (llm-compressor's MoE mappings "
-                         "balance the router and every expert's gate / up against post_attention_layernorm, and each "
-                         "expert's up_proj against its down_proj; not implemented here): use GPTQ or SmoothQuant")
-    for mod in ("self_attn", "mlp"):
+    sparse = _moe_block(layer) is not None
+    for mod in ("self_attn",) if sparse else ("self_attn", "mlp"):
         if getattr(_get(layer, mod), "rotations", None) is not None:
             raise ModelError(f"{where}/{mod}: AWQ cannot scale projections that carry online rotations")
     out = []
-    for m in AWQ_MAPPINGS:
+    for m in AWQ_MAPPINGS[:2] if sparse else AWQ_MAPPINGS:
         for rel in (m.smooth,) + m.balances:
             try:
                 mod = _get(layer, rel)
@@ -857,7 +854,10 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
 
     def transform(layer, index: int, xs, valid, layer_inputs) -> None:
         mappings = _awq_mappings(layer, index)
-        taps = tuple(dict.fromkeys(m.balances[0] for m in mappings))
+        moe = _moe_block(layer)
+        if moe is not None:
+            _check_awq_moe(layer, index, moe)
+        taps = tuple(dict.fromkeys([m.balances[0] for m in mappings] + ([] if moe is None else [moe[0]])))
         graphdef, state = nnx.split(layer)
         extras = [layer_inputs(x.shape[1]) for x in xs]
         seen = [_capture(graphdef, state, x, *e, taps) for x, e in zip(xs, extras)]
@@ -894,8 +894,124 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
                                "duo": found.duo, "scales": np.asarray(best), "x_mean": x_mean,
                                "errors": found.errors, "initial_error": found.initial_error,
                                "best_error": found.best_error})
+        if moe is not None:
+            _awq_moe(layer, index, moe, [s[moe[0]] for s in seen], valid, extras, tokens, ws, points,
+                     duo_scaling is not False, record)
 
     return transform
+
+
+# ---- AWQ on a mixture-of-experts block ---------------------------------------------------------------------
+def _check_awq_moe(layer, index: int, found) -> None:
+    """ModelError for a sparse layer AWQ's MoE mappings do not cover (before any work on it)."""
+    name, blk = found
+    c = blk.cfg
+    where = f"model/layers/{index}/{name}"
+    if c.shared_expert_intermediate_size:
+        raise ModelError(f"{where}: AWQ on an MoE block with a shared expert ({c.shared_name}) is not supported: "
+                         "post_attention_layernorm also feeds the shared expert and its gate, which llm-compressor "
+                         "0.14's MoE mappings (re:.*mlp.experts.*.gate_proj$) leave unbalanced; use GPTQ")
+    router = getattr(blk, c.router_name)
+    if type(router) is not nnx.Linear:
+        raise ModelError(f"{where}/{c.router_name}: AWQ balances the router against post_attention_layernorm and "
+                         f"needs a float nnx.Linear router, found {type(router).__name__}")
+    for p in c.projections:
+        ex = getattr(blk.experts, p)
+        if type(ex) is not Experts or ex.bias is not None:
+            raise ModelError(f"{where}/experts/{p}: AWQ scales float, bias-free expert stacks, found "
+                             f"{type(ex).__name__}{' with biases' if type(ex) is Experts else ''}")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _expert_act(x, gate, up, cfg):
+    """a_e = act(x W_gate[e], x W_up[e]) for x [B, T, d] (float32): expert e's down_proj input."""
+    f32 = jnp.float32
+    return activation(x.astype(f32) @ gate.astype(f32), x.astype(f32) @ up.astype(f32), cfg)
+
+
+@jax.jit
+def _down_sse(a, kernel, ref, valid):
+    d = (a @ kernel - ref).astype(jnp.float32)
+    return jnp.sum(jnp.where(valid[..., None], d * d, 0.0))
+
+
+def _awq_moe(layer, index: int, found, inputs, valid, extras, tokens: int, ws, points, duo: bool,
+             record: Optional[list]) -> None:
+    """AWQ on a sparse layer's MoE block, llm-compressor 0.14's Qwen-MoE mappings (`_moe_default_mappings`) with
+    `moe_calibrate_all_experts` semantics (every expert observes every real token), after the attention's mappings:
+
+      post_attention_layernorm -> (router, every expert's gate / up), parent the block: x_mean = E_t |x_t| over the
+        block's input tokens; w_mean over every expert's gate and up (the router, left unquantized by the MoE recipes,
+        has no quantization scheme and takes no part in it); loss = the block's mean squared output error (routed
+        experts only, as the model runs) with each expert's gate / up fake-quantized as Q(W_e diag(s)) diag(s)^-1
+        and the router float; then the norm's weight / s and the router's and experts' gate / up rows * s (the
+        router's logits, hence the routing, unchanged up to rounding);
+      expert e's up_proj -> its down_proj, parent the down_proj: x_mean = E_t |a_e(x_t)| and loss = the mean squared
+        error of a_e(x_t) Q(W_down[e] diag(s)) diag(s)^-1 over every real token t, a_e from the block's inputs and
+        the unsmoothed gate / up (the activations llm-compressor's hooks cached before smoothing); then W_down[e]
+        rows * s and W_up[e] columns / s.
+
+    The grid search is `qformats.algorithms.awq.search_scales` (stacked kernels fake-quantized expert by expert)."""
+    name, blk = found
+    c = blk.cfg
+    ex = blk.experts
+    g, u, dn = c.projections
+    where = f"model/layers/{index}"
+    gk0, uk0 = _kernel(getattr(ex, g)), _kernel(getattr(ex, u))
+    # post_attention_layernorm -> router + experts' gate / up
+    x_mean = awq.activation_means(inputs, valid)
+    w_mean = awq.weight_means([gk0[e] for e in range(c.num_experts)] + [uk0[e] for e in range(c.num_experts)], ws,
+                              f"{where}/post_attention_layernorm") if duo else None
+    graphdef, state = nnx.split(layer)
+    refs = [_parent_out(graphdef, state, x, *e, name) for x, e in zip(inputs, extras)]
+    balances = (f"{name}/experts/{g}", f"{name}/experts/{u}")
+    count = tokens * int(refs[0].shape[-1])
+
+    def loss(ks):
+        return sum(float(_parent_sse(graphdef, state, ks, x, *e, r, v, name, balances))
+                   for x, e, r, v in zip(inputs, extras, refs, valid)) / count
+
+    found_s = awq.search_scales(x_mean, w_mean, (gk0, uk0), ws, points, loss,
+                                where=f"{where}/post_attention_layernorm", parent=f"{where}/{name}")
+    s = found_s.scales
+    router = getattr(blk, c.router_name)
+    getattr(ex, g).kernel.set_value(awq.scale_rows(gk0, s))
+    getattr(ex, u).kernel.set_value(awq.scale_rows(uk0, s))
+    router.kernel.set_value(awq.scale_rows(_kernel(router), s))
+    norm = layer.post_attention_layernorm
+    norm.weight.set_value(awq.unscale(norm.weight.get_value(), s))
+    if record is not None:
+        record.append({"layer": index, "smooth": "post_attention_layernorm",
+                       "balances": (f"{name}/{c.router_name}",) + balances, "ratio": found_s.ratio,
+                       "duo": found_s.duo, "scales": np.asarray(s), "x_mean": x_mean, "errors": found_s.errors,
+                       "initial_error": found_s.initial_error, "best_error": found_s.best_error})
+    # each expert's up_proj -> down_proj, over every real token
+    dk_all = _kernel(getattr(ex, dn))
+    new_down, new_up = [], []
+    uk1 = _kernel(getattr(ex, u))
+    for e in range(c.num_experts):
+        acts = [_expert_act(x, gk0[e], uk0[e], c) for x in inputs]
+        x_mean = awq.activation_means(acts, valid)
+        dk = dk_all[e]
+        w_mean = awq.weight_means([dk], ws, f"{where}/{name}/experts/{dn}/{e}") if duo else None
+        refs = [a @ dk for a in acts]
+        count = tokens * int(dk.shape[-1])
+
+        def loss(ks, acts=acts, refs=refs, count=count):
+            return sum(float(_down_sse(a, ks[0], r, v)) for a, r, v in zip(acts, refs, valid)) / count
+
+        found_e = awq.search_scales(x_mean, w_mean, (dk,), ws, points, loss,
+                                    where=f"{where}/{name}/experts/{u}/{e}", parent=f"{where}/{name}/experts/{dn}/{e}")
+        se = found_e.scales
+        new_down.append(awq.scale_rows(dk, se))
+        new_up.append(awq.unscale_cols(uk1[e], se))
+        if record is not None:
+            record.append({"layer": index, "smooth": f"{name}/experts/{u}/{e}",
+                           "balances": (f"{name}/experts/{dn}/{e}",), "ratio": found_e.ratio, "duo": found_e.duo,
+                           "scales": np.asarray(se), "x_mean": x_mean, "errors": found_e.errors,
+                           "initial_error": found_e.initial_error, "best_error": found_e.best_error})
+    getattr(ex, dn).kernel.set_value(jnp.stack(new_down))
+    getattr(ex, u).kernel.set_value(jnp.stack(new_up))
 
 
 # ---- SmoothQuant on the decoder's modules ------------------------------------------------------------------

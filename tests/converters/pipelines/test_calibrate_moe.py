@@ -80,10 +80,10 @@ def test_cli_routed_statistics_refuse_empty_experts_and_awq(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model/layers/0/mlp/experts: experts" in err and "received no calibration tokens" in err
     assert not (tmp_path / "d1").exists()
-    with pytest.raises(ModelError, match="AWQ on mixture-of-experts models"):
+    with pytest.raises(ModelError, match="moe_statistics='routed' is not supported"):
         from converters.pipelines.calibrate import quantize_calibrated_lm
 
-        quantize_calibrated_lm(src, tmp_path / "d2", "W4A16:g16", ids, awq=True)
+        quantize_calibrated_lm(src, tmp_path / "d2", "W4A16:g16", ids, awq=True, moe_statistics="routed")
 
 
 @pytest.mark.slow  # ~110 s on the loaded 2-core machine: one calibration of a two-layer model

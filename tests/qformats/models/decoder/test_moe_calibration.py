@@ -1,8 +1,8 @@
 """Calibration of mixture-of-experts decoders (`calibrate_decoder` on qwen3_moe / qwen2_moe / mixtral): every expert's
 statistics against a naive per-expert computation on transformers 5's own activations and routing, each expert's
 codes exactly GPTQ's for its own kernel and H, routed-only statistics refusing an expert without tokens (or taking
-every token for it when asked), static activation ranges per expert over the same tokens, and the refusals (AWQ,
-fused gpt-oss experts)."""
+every token for it when asked), static activation ranges per expert over the same tokens, and the refusals (fused
+gpt-oss experts)."""
 
 from __future__ import annotations
 
@@ -256,17 +256,13 @@ def test_qwen2_moe_shared_expert_and_dense_layers_calibrated(tmp_path):
 
 
 def test_refusals(tmp_path):
-    """Fused gpt-oss experts, an unknown moe_statistics, AWQ on a sparse layer: typed errors before any work."""
+    """Fused gpt-oss experts, an unknown moe_statistics: typed errors before any work (AWQ's: test_moe_awq.py)."""
     from converters.pipelines.causal_lm import load_causal_lm
-    from qformats.models.decoder.calibration import awq_transform
-
     moe_tiny.write_checkpoint("qwen3_moe", tmp_path / "q", num_hidden_layers=1)
     model, _, _ = load_causal_lm(tmp_path / "q", tokenizer=False)
     samples = [np.arange(8, dtype=np.int32)]
     with pytest.raises(ModelError, match="moe_statistics must be one of"):
         calibrate_decoder(model, samples, SCHEME, moe_statistics="some")
-    with pytest.raises(ModelError, match="AWQ on a mixture-of-experts layer"):
-        calibrate_decoder(model, samples, SCHEME, weight_search="rtn", transform=awq_transform(SCHEME))
     moe_tiny.write_checkpoint("gpt_oss", tmp_path / "g", num_hidden_layers=1)
     model, _, _ = load_causal_lm(tmp_path / "g", tokenizer=False)
     with pytest.raises(ModelError, match="fused interleaved gate_up_proj"):
