@@ -1,7 +1,7 @@
 """Generates tests/qformats/models/decoder/data/awq_llmc_moe_tiny.npz: llm-compressor's AWQ result on a tiny Qwen3-MoE.
 
 The model and samples are bench/gptq_llmc_moe_fixture.py's (`tiny_qwen3_moe`: 2 sparse layers, 8 experts of 32, top-2;
-its 96 one-token samples, whose attention output is v itself, so both sides see the same layer inputs whatever the
+the first 32 of its one-token samples, whose attention output is v itself, so both sides see the same layer inputs whatever the
 mask). llm-compressor 0.14's `oneshot` (its venv, `--llmc-python`) runs [AWQModifier(n_grid=20, duo_scaling=True),
 QuantizationModifier(W4A16 int4 symmetric groups of 32, lm_head and the routers ignored)] with its Qwen3-MoE AWQ
 mappings (`_moe_default_mappings`: post_attention_layernorm balanced over the router and every expert's gate / up,
@@ -25,6 +25,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+
+
+SAMPLES = 32
+"""The first 32 of the 96 one-token samples: their AWQ grid search runs the whole MoE block (every expert on every
+token) once per grid point and sample (~10 min on the busy 2-core machine with 96)."""
 
 
 def _moe_fixture():
@@ -67,8 +72,9 @@ res = {}
 for name, m in model.named_modules():
     if hasattr(m, "weight_scale"):
         w, s = m.weight.detach().float(), m.weight_scale.detach().float()
-        codes = torch.round(w / s.repeat_interleave(group, dim=1)).to(torch.int8)
-        assert torch.equal(codes.float() * s.repeat_interleave(group, dim=1), w), name  # on the grid
+        # round-to-nearest (the QuantizationModifier leaves the smoothed weights float until compression)
+        codes = torch.clamp(torch.round(w / s.repeat_interleave(group, dim=1)), -8, 7).to(torch.int8)
+        res[name + ".smoothed"] = w.numpy()
         res[name + ".codes"] = codes.numpy()
         res[name + ".scale"] = s.numpy()
     elif name.endswith("layernorm") or name.endswith("mlp.gate"):
@@ -86,7 +92,7 @@ def main() -> None:
     a = ap.parse_args()
     gen = _moe_fixture()
     tensors = gen.tiny_qwen3_moe()
-    samples = gen.tiny_samples("single")
+    samples = gen.tiny_samples("single")[:SAMPLES]
     with tempfile.TemporaryDirectory() as d:
         src = gen.write_checkpoint(Path(d) / "tiny", tensors)
         ids = Path(d) / "ids.json"
@@ -106,6 +112,9 @@ def main() -> None:
         fixture[name + ".codes"] = dense.pack(theirs[name + ".codes"])
         fixture[name + ".scale"] = theirs[name + ".scale"]
     fixture.update({k: v for k, v in theirs.items() if k.endswith(".weight")})
+    for layer in range(gen.CONFIG["num_hidden_layers"]):  # a few smoothed float weights, for the scales' comparison
+        for name in (f"model.layers.{layer}.mlp.experts.0.gate_proj", f"model.layers.{layer}.mlp.experts.0.down_proj"):
+            fixture[name + ".smoothed"] = theirs[name + ".smoothed"]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(a.out, **fixture)
     print(f"wrote {a.out} ({Path(a.out).stat().st_size} bytes)", file=sys.stderr)

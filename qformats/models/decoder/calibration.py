@@ -256,8 +256,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
     """
     if model.config.mla is not None:
         raise ModelError(f"calibrate_decoder: the {model.config.model_type} model's multi-head latent attention "
-                         "projections are not calibrated by this driver yet; quantize it data-free "
-                         "(qformats.nn.quantize_model)")
+                         "(q_a_proj / q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, their LoRA norms) is not "
+                         "calibrated by this driver yet, nor its first_k_dense_replace dense layers, shared experts and "
+                         "grouped sigmoid routing; quantize it data-free (qformats.nn.quantize_model)")
     weight_search = search_name(weight_search)
     if propagate not in PROPAGATE:
         raise ModelError(f"calibrate_decoder: propagate must be one of {PROPAGATE}, got {propagate!r}")
@@ -488,8 +489,8 @@ def _check_moe(model, ss: SchemeSet, statistics: str) -> None:
         return
     if m.fused_gate_up:
         raise ModelError(f"calibrate_decoder: the {model.config.model_type} experts' fused interleaved gate_up_proj "
-                         "is not calibrated by this driver; quantize the model data-free (qformats quantize without "
-                         "--calibrate)")
+                         "(with its biases and clamped SwiGLU) is not calibrated by this driver, nor written per expert "
+                         "after calibration; quantize the model data-free (qformats quantize without --calibrate)")
 
 
 def expert_moments(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str = "all") -> Dict[str, jax.Array]:
@@ -830,7 +831,12 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
     mapping's input (`AWQ_MAPPINGS`), then, mapping by mapping, the grid search (`qformats.algorithms.awq`) picks
     the scales s that minimise the parent's output error under the weight scheme's fake quantization, and s is
     folded into the smooth module (norm weight / s, or a linear's rows / s) and the balance projections
-    (columns * s).
+    (columns * s). A sparse layer (qwen3_moe, mixtral) takes the attention's two mappings, then llm-compressor 0.14's
+    MoE ones (`_awq_moe`: post_attention_layernorm over the router and every expert's gate / up, each expert's
+    up_proj over its down_proj, every expert observing every real token). The router is always compensated
+    (rows * s): llm-compressor registers its MoE mappings for Qwen2/3-MoE only, and Mixtral, falling back to its
+    default mappings, gets its router fed the smoothed norm uncompensated (routing shifted); here its routing is
+    kept. A block with a shared expert (qwen2_moe) is refused: its mappings leave the shared expert unbalanced.
 
     Args:
       scheme: the weight scheme of the projections (a preset string such as "W4A16:g64", a SchemeSet or a
