@@ -162,9 +162,11 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
       moe_statistics: mixture-of-experts models (qwen2_moe, qwen3_moe, mixtral): what each expert's statistics are
         taken over (`qformats.models.decoder.calibration.MOE_STATISTICS`): "all" (every token through every expert,
         llm-compressor's `moe_calibrate_all_experts=True` default), "routed" (routed tokens only; an expert that
-        receives none is refused, naming layer and expert) or "routed-or-all". Routers and the shared expert's gate
-        stay dense and are listed in `ignore`, as llm-compressor's MoE recipes do. AWQ is refused on MoE models;
-        SmoothQuant smooths the attention only (llm-compressor's Qwen-MoE / Mixtral mappings).
+        receives none is refused, naming layer and expert) or "routed-or-all"; the same tokens give each expert's
+        static input scale (FP8, NVFP4), written per expert (`mlp.experts.{e}.gate_proj.input_scale`). Routers and the
+        shared expert's gate stay dense and are listed in `ignore`, as llm-compressor's MoE recipes do. AWQ on
+        qwen3_moe / mixtral follows llm-compressor's MoE mappings under "all" statistics (`awq_transform`; other MoE
+        models and statistics are refused); SmoothQuant smooths the attention only (its Qwen-MoE / Mixtral mappings).
 
     Raises:
       CheckpointError: unreadable src / calibration file, dst exists without overwrite. ModelError / SchemeError:
@@ -188,7 +190,7 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                          "scales into the same norms and projections, and llm-compressor does not combine them: "
                          "choose one")
     if awq:
-        _refuse_moe_awq(src)
+        _refuse_moe_awq(src, moe_statistics)
     if isinstance(kv_cache, str):
         kv_cache = parse_kv_cache(kv_cache)
     if weight_search is None:
@@ -274,14 +276,23 @@ def _is_moe(src) -> bool:
     return isinstance(cfg, dict) and cfg.get("model_type") in MOE_MODEL_TYPES + ("deepseek_v3",)
 
 
-def _refuse_moe_awq(src) -> None:
-    """ModelError for AWQ on a mixture-of-experts checkpoint directory (before any work): llm-compressor's MoE AWQ
-    mappings (the router and every expert's gate / up balanced against post_attention_layernorm, each expert's
-    up_proj against its down_proj) are not implemented by `awq_transform`."""
-    if _is_moe(src):
-        raise ModelError(f"{src}: AWQ on mixture-of-experts models is not supported (llm-compressor's MoE "
-                         "mappings balance the router and every expert against one norm); use GPTQ "
-                         "(--weight-search gptq) or SmoothQuant")
+def _refuse_moe_awq(src, moe_statistics: str) -> None:
+    """ModelError for AWQ on a mixture-of-experts checkpoint directory that `awq_transform`'s MoE mappings
+    (llm-compressor 0.14's Qwen-MoE ones, every expert observing every token) do not cover, before any work: a
+    shared expert (qwen2_moe), gpt-oss / DeepSeek-V3 blocks, or routed-only statistics."""
+    from converters.formats.safetensors_io import read_json
+
+    if not _is_moe(src):
+        return
+    cfg = read_json(Path(src) / "config.json")
+    kind = cfg.get("model_type")
+    if kind not in ("qwen3_moe", "mixtral") or cfg.get("shared_expert_intermediate_size"):
+        raise ModelError(f"{src}: AWQ on {kind} models is not supported (the MoE mappings cover Qwen3-MoE and "
+                         "Mixtral blocks without a shared expert); use GPTQ (--weight-search gptq)")
+    if moe_statistics != "all":
+        raise ModelError(f"{src}: AWQ on mixture-of-experts models takes every token through every expert "
+                         f"(llm-compressor's moe_calibrate_all_experts); moe_statistics={moe_statistics!r} is not "
+                         "supported with it")
 
 
 def _streamable(src: Path) -> bool:
@@ -437,8 +448,9 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                             q = jax.tree.map(lambda leaf, e=slot.expert: leaf[e], q)
                         w.add_qarray(mod, q, packed[rel]["schemes"])
                         for local in ("input_scale", "input_global_scale"):
-                            if local in packed[rel]:
-                                w.add_dense(f"{mod}.{local}", np.asarray(packed[rel][local]))
+                            if local in packed[rel]:  # per expert for a stacked QExperts, as its weight
+                                v = packed[rel][local]
+                                w.add_dense(f"{mod}.{local}", np.asarray(v if slot.expert is None else v[slot.expert]))
                     else:
                         a = np.asarray(resolve_path(layer, slot.path[3:]).get_value())
                         a = a if slot.expert is None else a[slot.expert]

@@ -245,8 +245,8 @@ def save_compressed(model, dst, name_map: Optional[NameMap] = None, *, config: O
             extra = packed[vpath.rsplit("/", 1)[0]]
             schemes[mod] = extra["schemes"]
             for local in ("input_scale", "input_global_scale"):
-                if local in extra:
-                    tensors[f"{mod}.{local}"] = np.asarray(extra[local])
+                if local in extra:  # one expert's of a stacked QExperts: indexed as its weight
+                    tensors[f"{mod}.{local}"] = np.asarray(extra[local][expert[0]] if expert else extra[local])
         else:
             a = _dense_array(value, vpath, dst)
             tensors[name] = a.T if transpose else a

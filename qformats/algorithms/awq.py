@@ -175,11 +175,16 @@ def _in_dtype(fn, *args):
 
 @functools.partial(jax.jit, static_argnames=("scheme",))
 def _fake_quantize(w, scheme):
-    return dequantize(quantize(w, scheme, 0))
+    """Q(w) along the kernel's input axis (-2) of a [..., K, N] kernel: leading axes (stacked experts) one by one."""
+    fn = lambda k: dequantize(quantize(k, scheme, 0))  # noqa: E731
+    for _ in range(w.ndim - 2):
+        fn = jax.vmap(fn)
+    return fn(w)
 
 
 def fake_quantize_scaled(kernel, s, scheme: QuantScheme):
-    """Q(W diag(s)) diag(s)^-1 for a Flax kernel [K, N] (rows scaled): fl(fl(k_j s_j) quantized-dequantized / s_j),
+    """Q(W diag(s)) diag(s)^-1 for a Flax kernel [K, N] or a stack [E, K, N] (every expert's rows scaled, each
+    quantized on its own): fl(fl(k_j s_j) quantized-dequantized / s_j),
     each product and quotient in s's dtype (float64 scales: as torch promotes a float32 weight times float64
     scales) and rounded to the kernel's dtype; Q is round-to-nearest along K with min-max scales."""
     s = np.asarray(s)

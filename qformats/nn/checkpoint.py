@@ -30,7 +30,8 @@ def load_quantized(model: nnx.Module, modules: Mapping[str, Mapping[str, Any]],
     Args:
       model: the NNX model (float, e.g. built with `nnx.eval_shape` or loaded dense).
       modules: module path → {"weight": QArray [in, out], "bias"?: array, "input_scale"?: array,
-        "input_global_scale"?: array}. Entries whose weight is not a QArray are skipped.
+        "input_global_scale"?: array}; for an expert stack the static input scales are [E, ...], one per expert.
+        Entries whose weight is not a QArray are skipped.
       input_schemes: module path → activation scheme (the checkpoint's input_activations), if any.
 
     Everything is checked first (path exists and is a Linear, QArray shape equals the kernel's, bias shape);
@@ -63,19 +64,18 @@ def load_quantized(model: nnx.Module, modules: Mapping[str, Mapping[str, Any]],
                              f"checkpoint {'has' if bias is not None else 'has no'} bias")
         if bias is not None and tuple(bias.shape) != tuple(lin.bias.get_value().shape):
             raise ModelError(f"{path}: bias shape {tuple(bias.shape)}, expected {tuple(lin.bias.get_value().shape)}")
-        act = input_schemes.get(path)
-        static = act is not None and act.dynamic is not True
-        if isinstance(lin, Experts) and (static or tensors.get("input_scale") is not None
-                                         or tensors.get("input_global_scale") is not None):
-            raise ModelError(f"{path}: static activation scales (input_scale / input_global_scale) on stacked experts "
-                             "are not supported")
-        plan.append((path, lin, parents, q, bias, tensors))
+        new = None
+        if isinstance(lin, Experts):  # built (and its per-expert static input scales checked) before any swap
+            ss = SchemeSet(q.scheme.describe(), weights=q.scheme, input_activations=input_schemes.get(path))
+            b = None if bias is None else jnp.asarray(bias, lin.bias.get_value().dtype)
+            new = QExperts.from_packed(q, b, ss, dtype=lin.dtype, path=path, input_scale=tensors.get("input_scale"),
+                                       input_global_scale=tensors.get("input_global_scale"))
+        plan.append((path, lin, parents, q, bias, tensors, new))
     done = []
-    for path, lin, parents, q, bias, tensors in plan:
+    for path, lin, parents, q, bias, tensors, new in plan:
         ss = SchemeSet(q.scheme.describe(), weights=q.scheme, input_activations=input_schemes.get(path))
         b = None if bias is None else jnp.asarray(bias, lin.bias.get_value().dtype)
-        if isinstance(lin, Experts):
-            new = QExperts.from_packed(q, b, ss, dtype=lin.dtype, path=path)
+        if new is not None:
             for parent, key in parents:
                 replace_child(parent, key, new)
             done.append(path)

@@ -33,7 +33,7 @@ from flax import nnx
 
 from qformats.dispatch import xla_qdot
 from qformats.errors import ModelError
-from qformats.nn.nnx_layers import QuantizedMatmul, _pack
+from qformats.nn.nnx_layers import QuantizedMatmul, QuantStat, _pack
 from qformats.nn.projection import fake_quantize_weight, quantize_acts
 from qformats.observers import Observer
 from qformats.qarray import QArray
@@ -41,6 +41,7 @@ from qformats.quantize import dequantize
 from qformats.schemes import SchemeSet
 
 GROUPED_METHODS = ("auto", "ragged", "tiled")
+_OTHER = {"input_scale": "input_global_scale", "input_global_scale": "input_scale"}
 
 GATHER_UNROLL = 16
 """Most rows `QExperts.gathered` runs as an unrolled loop of packed GEMVs (more: `jax.lax.map`, one compiled body)."""
@@ -99,6 +100,11 @@ def ragged_grouped_matmul(x, group_sizes, stack, bias):
     return y
 
 
+def _row_experts(group_sizes, m: int):
+    """Each row's expert [M] for rows sorted by expert (group_sizes [E] consecutive rows per expert)."""
+    return jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=m)
+
+
 def _method(method: str) -> str:
     if method not in GROUPED_METHODS:
         raise ModelError(f"experts: grouped matmul method must be one of {GROUPED_METHODS}, got {method!r}")
@@ -113,7 +119,8 @@ class _ExpertOps:
 
     num_experts: int
 
-    def _input(self, x):
+    def _input(self, x, rows):
+        """The activations row m's product sees (rows() [M]: each row's expert); the identity for float experts."""
         return x
 
     def _bias(self):
@@ -124,7 +131,7 @@ class _ExpertOps:
         y_m = x_m @ W[e_m] + b[e_m], one grouped matmul ("ragged": `jax.lax.ragged_dot`, "tiled":
         `tiled_grouped_matmul`; "auto": tiled on the CPU, ragged elsewhere)."""
         dt = self.dtype or x.dtype
-        x = self._input(x.astype(dt))
+        x = self._input(x.astype(dt), lambda: _row_experts(group_sizes, x.shape[0]))
         b = self._bias()
         if _method(method) == "ragged":
             y = ragged_grouped_matmul(x, group_sizes, self._stack(dt), b)
@@ -145,7 +152,7 @@ class _ExpertOps:
         float rows, and packed rows beyond that, run in `jax.lax.map` (one compiled body: unrolled, XLA:CPU
         copied every row's float expert slice up front, in slow elemental loops)."""
         dt = self.dtype or x.dtype
-        x = self._input(x.astype(dt))
+        x = self._input(x.astype(dt), lambda: experts)
         n = self.out_features
 
         def row(xm, em, vm):
@@ -174,7 +181,9 @@ class _ExpertOps:
     def dense(self, x, expert: int):
         """x [..., K] @ W[expert] + b[expert] for one expert (a reference path; in x's dtype)."""
         dt = self.dtype or x.dtype
-        xs = self._input(x.astype(dt))
+        xs = x.astype(dt)
+        xs = self._input(xs.reshape(-1, xs.shape[-1]),
+                         lambda: jnp.full((xs.size // max(xs.shape[-1], 1),), expert, jnp.int32)).reshape(xs.shape)
         y = jax.lax.dot_general(xs, self._one(expert, dt), (((xs.ndim - 1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         b = self._bias()
@@ -225,25 +234,46 @@ class QExperts(_ExpertOps, QuantizedMatmul):
     first (expert e's codes and scales = those of its own [in, out] kernel quantized along `in`), or, in QAT mode,
     the float stack fake-quantized per expert.
 
-    Activation schemes (`schemes.input_activations`) must be dynamic: each row is quantized along `in` before
-    its expert's product, Qa(x_m) @ dequantize(W[e_m]). Static activation scales (per expert) and calibration
-    mode are refused (ModelError)."""
+    Activation schemes (`schemes.input_activations`, optional): each row is quantized along `in` before its
+    expert's product, Qa_e(x_m) @ dequantize(W[e_m]) with e = e_m: dynamically (per token / group at run time), or,
+    for a static scheme (FP8's per-tensor input scale, NVFP4's input global scale), with expert e's own static
+    scale, `input_scale` [E, 1] / `input_global_scale` [E, 1] (one per expert, as compressed-tensors stores an MoE
+    checkpoint: `mlp.experts.{e}.gate_proj.input_scale`), given at construction (e.g. by
+    `qformats.models.decoder.calibration`, which observes them, or from a checkpoint). A static scheme without them,
+    and calibration mode, are refused (ModelError): the decoder calibration observes stacked experts itself."""
 
     def __init__(self, kernel, bias, schemes: SchemeSet, *, mode: str = "ptq", dtype=None, path: str = "",
-                 observer: Optional[Observer] = None, full_moments: bool = False):
+                 observer: Optional[Observer] = None, full_moments: bool = False, input_scale=None,
+                 input_global_scale=None):
         a = schemes.input_activations
+        where = f"QExperts {path or '<module>'}"
         if mode == "calibrate":
-            raise ModelError(f"QExperts {path or '<module>'}: calibration of stacked experts (static activation "
-                             "scales, GPTQ / MSE statistics) is not supported; quantize the experts without "
-                             "calibration_data, or leave them out with a rule")
-        if a is not None and a.dynamic is not True:
-            raise ModelError(f"QExperts {path or '<module>'}: scheme {schemes.name!r} has static activation scales; "
-                             "stacked experts take only dynamic activation quantization")
+            raise ModelError(f"{where}: calibration mode is not supported on stacked experts; calibrate a decoder's "
+                             "experts with qformats.models.decoder.calibration.calibrate_decoder (it observes every "
+                             "expert), quantize them without calibration_data, or leave them out with a rule")
+        static = a is not None and a.dynamic is not True
+        given = {"input_scale": input_scale, "input_global_scale": input_global_scale}
+        want = {"tensor": "input_scale", "tensor_group": "input_global_scale"}.get(a.strategy) if static else None
+        if not static and any(v is not None for v in given.values()):
+            raise ModelError(f"{where}: static input scales given, but scheme {schemes.name!r} has "
+                             f"{'no' if a is None else 'dynamic'} activation quantization")
+        if static and (want is None or mode != "ptq" or given[want] is None or given[_OTHER[want]] is not None):
+            raise ModelError(f"{where}: scheme {schemes.name!r} has static activation scales ({a.describe()}); "
+                             f"stacked experts take them per expert, {want or 'a per-tensor scale'} [E, 1], in PTQ "
+                             f"mode (mode {mode!r}, given "
+                             f"{', '.join(k for k, v in given.items() if v is not None) or 'none'})")
         super().__init__(kernel, bias, schemes, mode=mode, dtype=dtype, path=path)
         if len(self.stacked) != 1:
-            raise ModelError(f"QExperts {path or '<module>'}: expected a kernel [E, in, out], found stacking axes "
+            raise ModelError(f"{where}: expected a kernel [E, in, out], found stacking axes "
                              f"{self.stacked} before [{self.k_dim}, {self.n_dim}]")
-        self.num_experts = self.stacked[0]
+        self.num_experts = n = self.stacked[0]
+        if static:
+            v = jnp.asarray(given[want])
+            if v.size != n:
+                raise ModelError(f"{where}: {want} must hold one scale per expert ([{n}, 1]), got shape "
+                                 f"{tuple(v.shape)}")
+            dt = jnp.float32 if want == "input_global_scale" else v.dtype
+            setattr(self, want, QuantStat(v.reshape(n, 1).astype(dt)))
 
     @property
     def in_features(self) -> int:
@@ -269,16 +299,26 @@ class QExperts(_ExpertOps, QuantizedMatmul):
         return cls(kernel, bias, schemes, mode=mode, dtype=experts.dtype, path=path)
 
     @classmethod
-    def from_packed(cls, q: QArray, bias, schemes: SchemeSet, *, dtype=None, path: str = "") -> "QExperts":
-        """A PTQ QExperts holding `q` (per-expert shape [in, out], expert axis first on its leaves) as it is."""
-        return cls(q, bias, schemes, mode="ptq", dtype=dtype, path=path)
+    def from_packed(cls, q: QArray, bias, schemes: SchemeSet, *, dtype=None, path: str = "", input_scale=None,
+                    input_global_scale=None) -> "QExperts":
+        """A PTQ QExperts holding `q` (per-expert shape [in, out], expert axis first on its leaves) as it is, with
+        the experts' static input scales ([E, 1] each) when the scheme's activations are static."""
+        return cls(q, bias, schemes, mode="ptq", dtype=dtype, path=path, input_scale=input_scale,
+                   input_global_scale=input_global_scale)
 
-    def _input(self, x):
+    def _input(self, x, rows):
+        """Qa(x) along `in`: dynamic per row, or row m with expert rows()[m]'s static scale (an elementwise
+        quantization with a given per-tensor / global scale, so row by row equals the whole expert's tensor)."""
         a = self.schemes.input_activations
         if a is None:
             return x
-        y = quantize_acts(x, a)
-        return x + jax.lax.stop_gradient(y - x) if self.mode == "qat" else y
+        if a.dynamic is True:
+            y = quantize_acts(x, a)
+            return x + jax.lax.stop_gradient(y - x) if self.mode == "qat" else y
+        s, g = (None if v is None else v.get_value() for v in (self.input_scale, self.input_global_scale))
+        e = rows()
+        per_row = lambda xm, sm, gm: quantize_acts(xm[None], a, sm, gm)[0]  # noqa: E731
+        return jax.vmap(per_row)(x, None if s is None else s[e], None if g is None else g[e])
 
     def _float(self, dtype):
         return fake_quantize_weight(self.kernel.get_value(), self.schemes).astype(dtype)

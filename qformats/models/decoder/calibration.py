@@ -29,7 +29,8 @@ Mixture-of-experts layers (qwen2_moe, qwen3_moe, mixtral): the attention's and t
 above; the router and the shared expert's gate stay float; every expert's gate / up / down is quantized like its own
 Linear with its own H, recorded with llm-compressor's `moe_calibrate_all_experts` semantics by default (every token
 through every expert for the statistics, the routed experts only for the layer's output: `MOE_STATISTICS`), and the
-stack becomes a `QExperts`.
+stack becomes a `QExperts`; a static activation scheme (FP8, NVFP4) gives each expert's gate / up / down its own
+input scale from the max |x| of the tokens it observed under the same semantics (`expert_ranges`).
 
 So only one layer's activations (its inputs and outputs for every sample) and its Hessians are alive at
 once: peak memory grows with one layer, not with the model. Samples of different lengths are right-padded to
@@ -66,7 +67,7 @@ from qformats.nn import CalibStat, QLinear
 from qformats.nn.experts import Experts, QExperts
 from qformats.qarray import QArray
 from qformats.plan import check_fits
-from qformats.observers import get_observer
+from qformats.observers import get_observer, static_scale
 from qformats.schemes import SchemeSet
 
 __all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder", "awq_transform",
@@ -247,14 +248,17 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
 
     Raises:
       ModelError: a scheme that does not fit a projection, a bad weight_search / propagate, no samples, or a
-        model whose projections are already quantized. Static activation scales (W8A8 static, FP8 static)
-        come from each projection's minmax observer over the real tokens of the calibration pass (NVFP4's input
-        global scale = 448 * 6 / max|x|, compressed-tensors' generate_gparam).
+        model whose projections are already quantized. Static activation scales (FP8's per-tensor input scale =
+        max|x| / 448, NVFP4's input global scale = 448 * 6 / max|x|, compressed-tensors' generate_gparam) come from
+        each projection's max |x| over the real tokens of the calibration pass (llm-compressor's static_minmax),
+        for each expert over the tokens `moe_statistics` gives it (`expert_ranges`; an expert without tokens under
+        "routed" is the same ModelError).
     """
     if model.config.mla is not None:
         raise ModelError(f"calibrate_decoder: the {model.config.model_type} model's multi-head latent attention "
-                         "projections are not calibrated by this driver yet; quantize it data-free "
-                         "(qformats.nn.quantize_model)")
+                         "(q_a_proj / q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, their LoRA norms) is not "
+                         "calibrated by this driver yet, nor its first_k_dense_replace dense layers, shared experts and "
+                         "grouped sigmoid routing; quantize it data-free (qformats.nn.quantize_model)")
     weight_search = search_name(weight_search)
     if propagate not in PROPAGATE:
         raise ModelError(f"calibrate_decoder: propagate must be one of {PROPAGATE}, got {propagate!r}")
@@ -324,7 +328,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 # the group's members read the same input: its first member records H and the input range
                 cal.record_inputs = rel == group[0]
                 _set(layer, rel, _Masked(cal))
-        moe = _moe_calibrating(layer, weight_search, moe_statistics)
+        moe = _moe_calibrating(layer, weight_search, moe_statistics, static)
         # the calibration pass's outputs are the next layer's inputs only with float propagation; otherwise
         # the propagation pass makes them, and this pass keeps none (nor computes what only they need)
         keep = propagate == "float"
@@ -485,14 +489,8 @@ def _check_moe(model, ss: SchemeSet, statistics: str) -> None:
         return
     if m.fused_gate_up:
         raise ModelError(f"calibrate_decoder: the {model.config.model_type} experts' fused interleaved gate_up_proj "
-                         "is not calibrated by this driver; quantize the model data-free (qformats quantize without "
-                         "--calibrate)")
-    a = ss.input_activations
-    if a is not None and a.dynamic is not True:
-        raise ModelError(f"calibrate_decoder: scheme {ss.name!r} has static activation scales, which stacked experts "
-                         f"({model.config.model_type}: {m.num_experts} experts per sparse layer) cannot hold "
-                         "(qformats.nn.QExperts takes dynamic activation quantization only); use a dynamic or "
-                         "weight-only scheme")
+                         "(with its biases and clamped SwiGLU) is not calibrated by this driver, nor written per expert "
+                         "after calibration; quantize the model data-free (qformats quantize without --calibrate)")
 
 
 def expert_moments(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str = "all") -> Dict[str, jax.Array]:
@@ -536,29 +534,68 @@ def expert_moments(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str 
     return out
 
 
+def expert_ranges(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str = "all") -> Dict[str, jax.Array]:
+    """The static activation ranges of an MoE block's experts for one batch of tokens (maxima over tokens).
+
+    With `expert_moments`' notation (x [M, d], valid [M], experts [M, k], gate / up [E, d, I]):
+
+        "all":    amax_in[e] = max_{t in T} max|x_t| (every expert's gate / up input, the same for all e),
+                  amax_mid[e] = max_{t in T} max|a_e(x_t)| (expert e's down_proj input)
+        "routed": the same maxima over T_e (0 for an expert that receives no token)
+        "routed-or-all": the routed maxima, plus the "all" ones as amax_in_all, amax_mid_all
+
+    Each is [E] float32, llm-compressor's `static_minmax` observer (the running max of |x|) of each expert's
+    gate / up / down input, fed the tokens `moe_calibrate_all_experts` gives it."""
+    f32 = jnp.float32
+    m = x.shape[0]
+    real = valid.astype(bool)
+    xa = jnp.max(jnp.where(real[:, None], jnp.abs(x.astype(f32)), 0.0), axis=-1)  # [M]
+    n = gate.shape[0]
+    onehot = jnp.zeros((m, n), bool).at[jnp.arange(m)[:, None], experts].set(True) & real[:, None]
+    xf = x.astype(f32)
+
+    def mid(e):
+        return jnp.max(jnp.abs(activation(xf @ gate[e].astype(f32), xf @ up[e].astype(f32), cfg)), axis=-1)
+
+    mids = jax.lax.map(mid, jnp.arange(n))  # [E, M]
+    out = {}
+    if statistics != "routed":
+        suffix = "" if statistics == "all" else "_all"
+        out["amax_in" + suffix] = jnp.broadcast_to(jnp.max(xa), (n,))
+        out["amax_mid" + suffix] = jnp.max(jnp.where(real[None, :], mids, 0.0), axis=1)
+    if statistics != "all":
+        out["amax_in"] = jnp.max(jnp.where(onehot.T, xa[None, :], 0.0), axis=1)
+        out["amax_mid"] = jnp.max(jnp.where(onehot.T, mids, 0.0), axis=1)
+    return out
+
+
 class _CalibMoE(nnx.Module):
     """Calibration wrapper of an MoE block: the output is the block's own (routed experts only, float weights); the
-    experts' statistics (`expert_moments`, summed over the batches) are recorded beside it."""
+    experts' statistics (`expert_moments`, summed over the batches, when `record`) and static activation ranges
+    (`expert_ranges`, their maxima over the batches, when `ranges`) are recorded beside it."""
 
-    def __init__(self, block: MoEBlock, name: str, statistics: str, record: bool):
+    def __init__(self, block: MoEBlock, name: str, statistics: str, record: bool, ranges: bool = False):
         self.block = block
         self.name = name
         self.statistics = statistics
         self.record = record
+        self.ranges = ranges
         self.valid = CalibStat(jnp.ones((1, 1), jnp.float32))
         c = block.cfg
         g, u, _ = c.projections
         d = getattr(block.experts, g).in_features
-        shapes = jax.eval_shape(functools.partial(expert_moments, cfg=c, statistics=statistics),
-                                jax.ShapeDtypeStruct((1, d), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
-                                jax.ShapeDtypeStruct((1, c.top_k), jnp.int32),
-                                getattr(block.experts, g).kernel.get_value(),
-                                getattr(block.experts, u).kernel.get_value())
-        self.sums = CalibStat({k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()} if record else {})
+        args = (jax.ShapeDtypeStruct((1, d), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
+                jax.ShapeDtypeStruct((1, c.top_k), jnp.int32), getattr(block.experts, g).kernel.get_value(),
+                getattr(block.experts, u).kernel.get_value())
+        zeros = lambda fn: {k: jnp.zeros(v.shape, v.dtype) for k, v in jax.eval_shape(  # noqa: E731
+            functools.partial(fn, cfg=c, statistics=statistics), *args).items()}
+        self.sums = CalibStat(zeros(expert_moments) if record else
+                              {"tokens": jnp.zeros((c.num_experts,), jnp.float32)} if ranges else {})
+        self.maxima = CalibStat(zeros(expert_ranges) if ranges else {})
 
     def __call__(self, x):
         out = self.block(x)
-        if not self.record:
+        if not (self.record or self.ranges):
             return out
         b = self.block
         c = b.cfg
@@ -566,25 +603,34 @@ class _CalibMoE(nnx.Module):
         router = getattr(b, c.router_name)
         _, idx = route(b.router_logits(xf), c, getattr(router, "e_score_correction_bias", None))
         g, u, _ = c.projections
-        cur = expert_moments(xf, self.valid.get_value().reshape(-1), idx, getattr(b.experts, g).kernel.get_value(),
-                             getattr(b.experts, u).kernel.get_value(), c, self.statistics)
+        args = (xf, self.valid.get_value().reshape(-1), idx, getattr(b.experts, g).kernel.get_value(),
+                getattr(b.experts, u).kernel.get_value(), c, self.statistics)
+        if self.record:
+            cur = expert_moments(*args)
+        else:  # the routed token counts alone (the empty-expert check of "routed" statistics)
+            real = args[1].astype(jnp.float32)
+            cur = {"tokens": jnp.zeros((xf.shape[0], c.num_experts), jnp.float32).at[
+                jnp.arange(xf.shape[0])[:, None], idx].set(1.0).T @ real}
         self.sums.set_value({k: v + cur[k] for k, v in self.sums.get_value().items()})
+        if self.ranges:
+            cur = expert_ranges(*args)
+            self.maxima.set_value({k: jnp.maximum(v, cur[k]) for k, v in self.maxima.get_value().items()})
         return out
 
     def finish(self, layer) -> Dict[str, jax.Array]:
-        """Puts the block back into `layer`; returns the summed statistics."""
+        """Puts the block back into `layer`; returns the summed statistics and the ranges' maxima."""
         setattr(layer, self.name, self.block)
-        return dict(self.sums.get_value())
+        return {**self.sums.get_value(), **self.maxima.get_value()}
 
 
-def _moe_calibrating(layer, weight_search: str, statistics: str) -> Optional[_CalibMoE]:
-    """Wraps a sparse layer's MoE block for the calibration pass (statistics only when the weight search uses them);
-    None for a dense layer."""
+def _moe_calibrating(layer, weight_search: str, statistics: str, static: bool) -> Optional[_CalibMoE]:
+    """Wraps a sparse layer's MoE block for the calibration pass (statistics only when the weight search uses them,
+    activation ranges only for a static activation scheme); None for a dense layer."""
     found = _moe_block(layer)
     if found is None:
         return None
     name, blk = found
-    w = _CalibMoE(blk, name, statistics, record=weight_search != RTN)
+    w = _CalibMoE(blk, name, statistics, record=weight_search != RTN, ranges=static)
     setattr(layer, name, w)
     return w
 
@@ -599,7 +645,9 @@ def _quantize_experts(layer, stats: Dict[str, jax.Array], ss: SchemeSet, weight_
                       index: int) -> Tuple[int, int]:
     """Quantizes a sparse layer's stacked experts in place (each `Experts` becomes a `QExperts` whose expert e holds
     exactly what `quantize_group` / `quantize_projection` give expert e's own kernels for its own H), from the
-    calibration pass's `stats` (`expert_moments` sums): H = sum / token count, per expert (moe_statistics).
+    calibration pass's `stats` (`expert_moments` sums): H = sum / token count, per expert (moe_statistics); a static
+    activation scheme's per-expert input scales from `expert_ranges`' maxima (`qformats.observers.static_scale`:
+    FP8 input_scale = amax / 448, NVFP4 input_global_scale = 448 * 6 / amax).
     NVFP4 weight global scales are shared by each expert's gate and up (vLLM fuses them per expert). Returns
     (expert projections whose search won, expert projections)."""
     name, blk = _moe_block(layer)
@@ -612,21 +660,37 @@ def _quantize_experts(layer, stats: Dict[str, jax.Array], ss: SchemeSet, weight_
         record.append({"layer": index, "statistics": statistics, **{k: np.asarray(v) for k, v in stats.items()}})
     h_in: List = [None] * n
     h_mid: List = [None] * n
+    a = ss.input_activations
+    static = a is not None and a.dynamic is not True
+    counts = np.asarray(stats["tokens"]) if stats else None
+    if counts is not None and statistics != "all":
+        empty = [e for e in range(n) if counts[e] == 0]
+        if empty and statistics == "routed":
+            what = " and ".join(x for x, on in (("GPTQ / MSE Hessians", weight_search != RTN),
+                                                ("static activation ranges", static)) if on)
+            raise ModelError(f"{where}/{name}/experts: expert{'s' if len(empty) > 1 else ''} "
+                             f"{', '.join(map(str, empty))} of {n} received no calibration tokens under routed-only "
+                             f"statistics (moe_statistics='routed'); their {what} would be empty. Calibrate "
+                             "every expert on every token (moe_statistics='all', llm-compressor's default), use "
+                             "all tokens for the empty ones (moe_statistics='routed-or-all'), or add samples")
+    scales = {}
+    if static:  # per-expert static input scales: gate / up share the block input's range, down its own
+        amax = {k: np.asarray(stats[k]).copy() for k in ("amax_in", "amax_mid")}
+        if statistics == "routed-or-all":
+            for k in amax:
+                amax[k][counts == 0] = np.asarray(stats[k + "_all"])[counts == 0]
+        sdt = kernels[gname].dtype if kernels[gname].dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+        per = jax.vmap(lambda m: static_scale(m, a, sdt))
+        for key, projs in (("amax_in", (gname, uname)), ("amax_mid", (dname,))):
+            sc, gl = per(jnp.asarray(amax[key], jnp.float32))
+            for p in projs:
+                scales[p] = {"input_scale": sc, "input_global_scale": gl}
     if weight_search != RTN:
-        counts = np.asarray(stats["tokens"])
         if statistics == "all":
             shared_h = stats["h_in"] / tokens
             h_in = [shared_h] * n
             h_mid = [stats["h_mid"][e] / tokens for e in range(n)]
         else:
-            empty = [e for e in range(n) if counts[e] == 0]
-            if empty and statistics == "routed":
-                raise ModelError(f"{where}/{name}/experts: expert{'s' if len(empty) > 1 else ''} "
-                                 f"{', '.join(map(str, empty))} of {n} received no calibration tokens under "
-                                 f"routed-only "
-                                 f"statistics (moe_statistics='routed'); their GPTQ Hessians would be empty. Calibrate "
-                                 "every expert on every token (moe_statistics='all', llm-compressor's default), use "
-                                 "all tokens for the empty ones (moe_statistics='routed-or-all'), or add samples")
             for e in range(n):
                 if counts[e]:
                     h_in[e], h_mid[e] = stats["h_in"][e] / counts[e], stats["h_mid"][e] / counts[e]
@@ -653,7 +717,7 @@ def _quantize_experts(layer, stats: Dict[str, jax.Array], ss: SchemeSet, weight_
         q = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[r[0] for r in per])
         old = getattr(ex, p)
         new = QExperts.from_packed(q, None if old.bias is None else old.bias.get_value(), ss, dtype=old.dtype,
-                                   path=f"{name}/experts/{p}")
+                                   path=f"{name}/experts/{p}", **scales.get(p, {}))
         won = sum(r[1] != RTN for r in per)
         new.weight_method = weight_search if won else RTN
         searched += won
@@ -736,15 +800,12 @@ def _awq_mappings(layer, index: int) -> List[AWQMapping]:
     """The mappings that apply to this layer: v_proj -> o_proj is dropped when v_proj's output size differs from
     o_proj's input size (llm-compressor's `_check_layers_are_compatible`)."""
     where = f"model/layers/{index}"
-    if _moe_block(layer) is not None:
-        raise ModelError(f"{where}: AWQ on a mixture-of-experts layer is not supported (llm-compressor's MoE mappings "
-                         "balance the router and every expert's gate / up against post_attention_layernorm, and each "
-                         "expert's up_proj against its down_proj; not implemented here): use GPTQ or SmoothQuant")
-    for mod in ("self_attn", "mlp"):
+    sparse = _moe_block(layer) is not None
+    for mod in ("self_attn",) if sparse else ("self_attn", "mlp"):
         if getattr(_get(layer, mod), "rotations", None) is not None:
             raise ModelError(f"{where}/{mod}: AWQ cannot scale projections that carry online rotations")
     out = []
-    for m in AWQ_MAPPINGS:
+    for m in AWQ_MAPPINGS[:2] if sparse else AWQ_MAPPINGS:
         for rel in (m.smooth,) + m.balances:
             try:
                 mod = _get(layer, rel)
@@ -770,7 +831,12 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
     mapping's input (`AWQ_MAPPINGS`), then, mapping by mapping, the grid search (`qformats.algorithms.awq`) picks
     the scales s that minimise the parent's output error under the weight scheme's fake quantization, and s is
     folded into the smooth module (norm weight / s, or a linear's rows / s) and the balance projections
-    (columns * s).
+    (columns * s). A sparse layer (qwen3_moe, mixtral) takes the attention's two mappings, then llm-compressor 0.14's
+    MoE ones (`_awq_moe`: post_attention_layernorm over the router and every expert's gate / up, each expert's
+    up_proj over its down_proj, every expert observing every real token). The router is always compensated
+    (rows * s): llm-compressor registers its MoE mappings for Qwen2/3-MoE only, and Mixtral, falling back to its
+    default mappings, gets its router fed the smoothed norm uncompensated (routing shifted); here its routing is
+    kept. A block with a shared expert (qwen2_moe) is refused: its mappings leave the shared expert unbalanced.
 
     Args:
       scheme: the weight scheme of the projections (a preset string such as "W4A16:g64", a SchemeSet or a
@@ -794,7 +860,10 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
 
     def transform(layer, index: int, xs, valid, layer_inputs) -> None:
         mappings = _awq_mappings(layer, index)
-        taps = tuple(dict.fromkeys(m.balances[0] for m in mappings))
+        moe = _moe_block(layer)
+        if moe is not None:
+            _check_awq_moe(layer, index, moe)
+        taps = tuple(dict.fromkeys([m.balances[0] for m in mappings] + ([] if moe is None else [moe[0]])))
         graphdef, state = nnx.split(layer)
         extras = [layer_inputs(x.shape[1]) for x in xs]
         seen = [_capture(graphdef, state, x, *e, taps) for x, e in zip(xs, extras)]
@@ -831,8 +900,124 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
                                "duo": found.duo, "scales": np.asarray(best), "x_mean": x_mean,
                                "errors": found.errors, "initial_error": found.initial_error,
                                "best_error": found.best_error})
+        if moe is not None:
+            _awq_moe(layer, index, moe, [s[moe[0]] for s in seen], valid, extras, tokens, ws, points,
+                     duo_scaling is not False, record)
 
     return transform
+
+
+# ---- AWQ on a mixture-of-experts block ---------------------------------------------------------------------
+def _check_awq_moe(layer, index: int, found) -> None:
+    """ModelError for a sparse layer AWQ's MoE mappings do not cover (before any work on it)."""
+    name, blk = found
+    c = blk.cfg
+    where = f"model/layers/{index}/{name}"
+    if c.shared_expert_intermediate_size:
+        raise ModelError(f"{where}: AWQ on an MoE block with a shared expert ({c.shared_name}) is not supported: "
+                         "post_attention_layernorm also feeds the shared expert and its gate, which llm-compressor "
+                         "0.14's MoE mappings (re:.*mlp.experts.*.gate_proj$) leave unbalanced; use GPTQ")
+    router = getattr(blk, c.router_name)
+    if type(router) is not nnx.Linear:
+        raise ModelError(f"{where}/{c.router_name}: AWQ balances the router against post_attention_layernorm and "
+                         f"needs a float nnx.Linear router, found {type(router).__name__}")
+    for p in c.projections:
+        ex = getattr(blk.experts, p)
+        if type(ex) is not Experts or ex.bias is not None:
+            raise ModelError(f"{where}/experts/{p}: AWQ scales float, bias-free expert stacks, found "
+                             f"{type(ex).__name__}{' with biases' if type(ex) is Experts else ''}")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _expert_act(x, gate, up, cfg):
+    """a_e = act(x W_gate[e], x W_up[e]) for x [B, T, d] (float32): expert e's down_proj input."""
+    f32 = jnp.float32
+    return activation(x.astype(f32) @ gate.astype(f32), x.astype(f32) @ up.astype(f32), cfg)
+
+
+@jax.jit
+def _down_sse(a, kernel, ref, valid):
+    d = (a @ kernel - ref).astype(jnp.float32)
+    return jnp.sum(jnp.where(valid[..., None], d * d, 0.0))
+
+
+def _awq_moe(layer, index: int, found, inputs, valid, extras, tokens: int, ws, points, duo: bool,
+             record: Optional[list]) -> None:
+    """AWQ on a sparse layer's MoE block, llm-compressor 0.14's Qwen-MoE mappings (`_moe_default_mappings`) with
+    `moe_calibrate_all_experts` semantics (every expert observes every real token), after the attention's mappings:
+
+      post_attention_layernorm -> (router, every expert's gate / up), parent the block: x_mean = E_t |x_t| over the
+        block's input tokens; w_mean over every expert's gate and up (the router, left unquantized by the MoE recipes,
+        has no quantization scheme and takes no part in it); loss = the block's mean squared output error (routed
+        experts only, as the model runs) with each expert's gate / up fake-quantized as Q(W_e diag(s)) diag(s)^-1
+        and the router float; then the norm's weight / s and the router's and experts' gate / up rows * s (the
+        router's logits, hence the routing, unchanged up to rounding);
+      expert e's up_proj -> its down_proj, parent the down_proj: x_mean = E_t |a_e(x_t)| and loss = the mean squared
+        error of a_e(x_t) Q(W_down[e] diag(s)) diag(s)^-1 over every real token t, a_e from the block's inputs and
+        the unsmoothed gate / up (the activations llm-compressor's hooks cached before smoothing); then W_down[e]
+        rows * s and W_up[e] columns / s.
+
+    The grid search is `qformats.algorithms.awq.search_scales` (stacked kernels fake-quantized expert by expert)."""
+    name, blk = found
+    c = blk.cfg
+    ex = blk.experts
+    g, u, dn = c.projections
+    where = f"model/layers/{index}"
+    gk0, uk0 = _kernel(getattr(ex, g)), _kernel(getattr(ex, u))
+    # post_attention_layernorm -> router + experts' gate / up
+    x_mean = awq.activation_means(inputs, valid)
+    w_mean = awq.weight_means([gk0[e] for e in range(c.num_experts)] + [uk0[e] for e in range(c.num_experts)], ws,
+                              f"{where}/post_attention_layernorm") if duo else None
+    graphdef, state = nnx.split(layer)
+    refs = [_parent_out(graphdef, state, x, *e, name) for x, e in zip(inputs, extras)]
+    balances = (f"{name}/experts/{g}", f"{name}/experts/{u}")
+    count = tokens * int(refs[0].shape[-1])
+
+    def loss(ks):
+        return sum(float(_parent_sse(graphdef, state, ks, x, *e, r, v, name, balances))
+                   for x, e, r, v in zip(inputs, extras, refs, valid)) / count
+
+    found_s = awq.search_scales(x_mean, w_mean, (gk0, uk0), ws, points, loss,
+                                where=f"{where}/post_attention_layernorm", parent=f"{where}/{name}")
+    s = found_s.scales
+    router = getattr(blk, c.router_name)
+    getattr(ex, g).kernel.set_value(awq.scale_rows(gk0, s))
+    getattr(ex, u).kernel.set_value(awq.scale_rows(uk0, s))
+    router.kernel.set_value(awq.scale_rows(_kernel(router), s))
+    norm = layer.post_attention_layernorm
+    norm.weight.set_value(awq.unscale(norm.weight.get_value(), s))
+    if record is not None:
+        record.append({"layer": index, "smooth": "post_attention_layernorm",
+                       "balances": (f"{name}/{c.router_name}",) + balances, "ratio": found_s.ratio,
+                       "duo": found_s.duo, "scales": np.asarray(s), "x_mean": x_mean, "errors": found_s.errors,
+                       "initial_error": found_s.initial_error, "best_error": found_s.best_error})
+    # each expert's up_proj -> down_proj, over every real token
+    dk_all = _kernel(getattr(ex, dn))
+    new_down, new_up = [], []
+    uk1 = _kernel(getattr(ex, u))
+    for e in range(c.num_experts):
+        acts = [_expert_act(x, gk0[e], uk0[e], c) for x in inputs]
+        x_mean = awq.activation_means(acts, valid)
+        dk = dk_all[e]
+        w_mean = awq.weight_means([dk], ws, f"{where}/{name}/experts/{dn}/{e}") if duo else None
+        refs = [a @ dk for a in acts]
+        count = tokens * int(dk.shape[-1])
+
+        def loss(ks, acts=acts, refs=refs, count=count):
+            return sum(float(_down_sse(a, ks[0], r, v)) for a, r, v in zip(acts, refs, valid)) / count
+
+        found_e = awq.search_scales(x_mean, w_mean, (dk,), ws, points, loss,
+                                    where=f"{where}/{name}/experts/{u}/{e}", parent=f"{where}/{name}/experts/{dn}/{e}")
+        se = found_e.scales
+        new_down.append(awq.scale_rows(dk, se))
+        new_up.append(awq.unscale_cols(uk1[e], se))
+        if record is not None:
+            record.append({"layer": index, "smooth": f"{name}/experts/{u}/{e}",
+                           "balances": (f"{name}/experts/{dn}/{e}",), "ratio": found_e.ratio, "duo": found_e.duo,
+                           "scales": np.asarray(se), "x_mean": x_mean, "errors": found_e.errors,
+                           "initial_error": found_e.initial_error, "best_error": found_e.best_error})
+    getattr(ex, dn).kernel.set_value(jnp.stack(new_down))
+    getattr(ex, u).kernel.set_value(jnp.stack(new_up))
 
 
 # ---- SmoothQuant on the decoder's modules ------------------------------------------------------------------

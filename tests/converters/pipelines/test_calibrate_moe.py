@@ -80,10 +80,10 @@ def test_cli_routed_statistics_refuse_empty_experts_and_awq(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model/layers/0/mlp/experts: experts" in err and "received no calibration tokens" in err
     assert not (tmp_path / "d1").exists()
-    with pytest.raises(ModelError, match="AWQ on mixture-of-experts models"):
+    with pytest.raises(ModelError, match="moe_statistics='routed' is not supported"):
         from converters.pipelines.calibrate import quantize_calibrated_lm
 
-        quantize_calibrated_lm(src, tmp_path / "d2", "W4A16:g16", ids, awq=True)
+        quantize_calibrated_lm(src, tmp_path / "d2", "W4A16:g16", ids, awq=True, moe_statistics="routed")
 
 
 @pytest.mark.slow  # ~110 s on the loaded 2-core machine: one calibration of a two-layer model
@@ -109,5 +109,43 @@ def test_in_memory_path_qwen2_moe_with_static_kv_cache(tmp_path):
     for i in range(2):
         assert isinstance(back.model.layers[i].mlp.experts.down_proj, QExperts)
         assert isinstance(back.model.layers[i].mlp.shared_expert.down_proj, QLinear)
+    out = back(np.asarray(moe_tiny.ids(1, 8)))
+    assert np.all(np.isfinite(np.asarray(out[0] if isinstance(out, tuple) else out)))
+
+
+@pytest.mark.slow  # ~20 s (streamed) and ~35 s (in-memory) on the 2-core machine: a calibration and two loads
+@pytest.mark.parametrize("path", ["streamed", "in-memory"])
+def test_static_fp8_expert_input_scales_written_per_expert(path, tmp_path):
+    """FP8 (static per-tensor input scales) on a tiny Qwen3-MoE: every expert's gate / up / down carries its own
+    `input_scale` under its per-expert name, as compressed-tensors writes an MoE checkpoint, equal to the scales of
+    the same calibration in memory; the checkpoint loads back with them. "in-memory": a static FP8 KV cache takes
+    the `save_compressed` path."""
+    from converters.pipelines.calibrate import quantize_calibrated_lm
+
+    src = tmp_path / "src"
+    moe_tiny.write_checkpoint("qwen3_moe", src, num_hidden_layers=1)
+    ids = tmp_path / "c.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 256, 200).astype(np.int32))
+    kw = dict(weight_search="rtn", seq_len=40, calibration_tokens=120)
+    quantize_calibrated_lm(src, tmp_path / "dst", "FP8", ids, kv_cache="fp8" if path == "in-memory" else None, **kw)
+    model, _, _ = load_causal_lm(src, tokenizer=False)
+    samples = load_calibration(ids, None, seq_len=40, max_tokens=120, seed=0, vocab_size=256)
+    from qformats.kv_cache import parse_kv_cache
+
+    calibrate_decoder(model, samples, "FP8", weight_search="rtn", propagate="float",  # the same graph as the file's
+                      kv_cache=parse_kv_cache("fp8") if path == "in-memory" else None)
+    back, _, _ = load_causal_lm(tmp_path / "dst", tokenizer=False)
+    n = model.config.moe.num_experts
+    with open_checkpoint(tmp_path / "dst") as ck:
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            mine = np.asarray(getattr(model.model.layers[0].mlp.experts, p).input_scale.get_value())
+            read = np.asarray(getattr(back.model.layers[0].mlp.experts, p).input_scale.get_value())
+            assert mine.shape == read.shape == (n, 1)
+            np.testing.assert_array_equal(read, mine, err_msg=p)
+            for e in range(n):
+                np.testing.assert_array_equal(
+                    np.asarray(ck.get(f"model.layers.0.mlp.experts.{e}.{p}.input_scale"), np.float32).reshape(1),
+                    mine[e], err_msg=f"{p} expert {e}")
+    assert len(np.unique(mine)) == n  # down_proj: each expert its own range
     out = back(np.asarray(moe_tiny.ids(1, 8)))
     assert np.all(np.isfinite(np.asarray(out[0] if isinstance(out, tuple) else out)))

@@ -1,7 +1,8 @@
 """Calibration of mixture-of-experts decoders (`calibrate_decoder` on qwen3_moe / qwen2_moe / mixtral): every expert's
 statistics against a naive per-expert computation on transformers 5's own activations and routing, each expert's
 codes exactly GPTQ's for its own kernel and H, routed-only statistics refusing an expert without tokens (or taking
-every token for it when asked), and the refusals (static activation scales on experts, AWQ, fused gpt-oss experts)."""
+every token for it when asked), static activation ranges per expert over the same tokens, and the refusals (fused
+gpt-oss experts)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import moe_tiny  # noqa: E402
 from qformats.algorithms.gptq import GPTQOptions  # noqa: E402
 from qformats.algorithms.weight_search import quantize_group, quantize_projection  # noqa: E402
 from qformats.errors import ModelError  # noqa: E402
-from qformats.models.decoder.calibration import calibrate_decoder, expert_moments  # noqa: E402
+from qformats.models.decoder.calibration import calibrate_decoder, expert_moments, expert_ranges  # noqa: E402
 from qformats.models.decoder.moe import MoEConfig, activation  # noqa: E402
 from qformats.nn import resolve_scheme  # noqa: E402
 from qformats.nn.experts import QExperts  # noqa: E402
@@ -72,6 +73,49 @@ def test_expert_moments_equal_a_naive_per_expert_loop(statistics):
     if statistics == "routed-or-all":
         np.testing.assert_allclose(np.asarray(got["h_in_all"]), all_in[0], **tol)
         np.testing.assert_allclose(np.asarray(got["h_mid_all"]), all_mid, **tol)
+
+
+@pytest.mark.parametrize("statistics", ["all", "routed", "routed-or-all"])
+def test_expert_ranges_equal_a_naive_per_expert_loop(statistics):
+    """Each expert's static activation range: max |x| over the tokens it observes (gate / up input) and max |a_e|
+    (down_proj input), padding excluded; an expert without routed tokens has range 0 under "routed" (the driver
+    refuses it, or takes the all-token range under "routed-or-all")."""
+    cfg = MoEConfig(num_experts=6, top_k=2, intermediate_size=12)
+    rng = np.random.default_rng(0)
+    m, d = 40, 16
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    x[35] *= 100.0  # a padding row larger than every real one
+    valid = (np.arange(m) < 33).astype(np.float32)
+    experts = np.stack([rng.permutation(5)[:2] for _ in range(33)] + [[5, 0]] * (m - 33)).astype(np.int32)
+    gate = rng.standard_normal((6, d, 12)).astype(np.float32)
+    up = rng.standard_normal((6, d, 12)).astype(np.float32)
+    got = {k: np.asarray(v) for k, v in expert_ranges(jnp.asarray(x), jnp.asarray(valid), jnp.asarray(experts),
+                                                       jnp.asarray(gate), jnp.asarray(up), cfg, statistics).items()}
+    real = valid > 0
+
+    def naive(routed):
+        amax_in, amax_mid = [], []
+        for e in range(6):
+            sel = real & (experts == e).any(-1) if routed else real
+            xe = jnp.asarray(x[sel])
+            act = np.asarray(activation(xe @ jnp.asarray(gate[e]), xe @ jnp.asarray(up[e]), cfg))
+            amax_in.append(np.max(np.abs(x[sel]), initial=0.0))
+            amax_mid.append(np.max(np.abs(act), initial=0.0))
+        return np.asarray(amax_in, np.float32), np.asarray(amax_mid, np.float32)
+
+    all_in, all_mid = naive(False)
+    r_in, r_mid = naive(True)
+    want = {"all": {"amax_in": all_in, "amax_mid": all_mid}, "routed": {"amax_in": r_in, "amax_mid": r_mid},
+            "routed-or-all": {"amax_in": r_in, "amax_mid": r_mid, "amax_in_all": all_in, "amax_mid_all": all_mid}}
+    assert set(got) == set(want[statistics])
+    for k, v in want[statistics].items():  # a max is exact: equal up to the activations' matmul order
+        if k.startswith("amax_in"):
+            np.testing.assert_array_equal(got[k], v, err_msg=k)
+        else:
+            np.testing.assert_allclose(got[k], v, rtol=1e-6, atol=0, err_msg=k)
+    assert np.all(all_in == np.max(np.abs(x[:33])))
+    if statistics != "all":
+        assert got["amax_in"][5] == 0 and got["amax_mid"][5] == 0
 
 
 def _samples(n, lo, hi, seed=1):
@@ -179,6 +223,10 @@ def test_routed_statistics_refuse_an_expert_without_tokens(tmp_path):
     with pytest.raises(ModelError, match=r"model/layers/0/mlp/experts: experts " + ", ".join(map(str, empty)) +
                        r" of 16 received no calibration tokens"):
         calibrate_decoder(model, samples, SCHEME, moe_statistics="routed")
+    model, _, _ = load_causal_lm(tmp_path / "src", tokenizer=False)  # static activation ranges: the same refusal
+    with pytest.raises(ModelError, match=r"model/layers/0/mlp/experts: experts " + ", ".join(map(str, empty)) +
+                       r" of 16 received no calibration tokens .* their static activation ranges would be empty"):
+        calibrate_decoder(model, samples, "FP8", weight_search="rtn", moe_statistics="routed")
 
 
 @pytest.mark.slow  # ~80 s on the loaded 2-core machine: one calibration of a three-layer model
@@ -208,20 +256,13 @@ def test_qwen2_moe_shared_expert_and_dense_layers_calibrated(tmp_path):
 
 
 def test_refusals(tmp_path):
-    """Static activation scales on experts, fused gpt-oss experts, an unknown moe_statistics, AWQ on a sparse layer:
-    typed errors before any work."""
+    """Fused gpt-oss experts, an unknown moe_statistics: typed errors before any work (AWQ's: test_moe_awq.py)."""
     from converters.pipelines.causal_lm import load_causal_lm
-    from qformats.models.decoder.calibration import awq_transform
-
     moe_tiny.write_checkpoint("qwen3_moe", tmp_path / "q", num_hidden_layers=1)
     model, _, _ = load_causal_lm(tmp_path / "q", tokenizer=False)
     samples = [np.arange(8, dtype=np.int32)]
-    with pytest.raises(ModelError, match="static activation scales, which stacked experts"):
-        calibrate_decoder(model, samples, "FP8", weight_search="rtn")
     with pytest.raises(ModelError, match="moe_statistics must be one of"):
         calibrate_decoder(model, samples, SCHEME, moe_statistics="some")
-    with pytest.raises(ModelError, match="AWQ on a mixture-of-experts layer"):
-        calibrate_decoder(model, samples, SCHEME, weight_search="rtn", transform=awq_transform(SCHEME))
     moe_tiny.write_checkpoint("gpt_oss", tmp_path / "g", num_hidden_layers=1)
     model, _, _ = load_causal_lm(tmp_path / "g", tokenizer=False)
     with pytest.raises(ModelError, match="fused interleaved gate_up_proj"):
