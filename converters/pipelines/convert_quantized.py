@@ -114,7 +114,8 @@ def gguf_ct_qarray(q):
     else:
         scheme = QuantScheme(IntFormat(s.bits, signed=True), "group", group_size=s.group_size, symmetric=True,
                              scale_format="float32")
-    return QArray(q.codes, q.scale, None, None, scheme=scheme, shape=q.shape, dtype=q.dtype, axis=q.axis)
+    scale = q.scale if scheme.scale_format == "e8m0" else q.scale.astype("float32")  # float16 d: exact in float32
+    return QArray(q.codes, scale, None, None, scheme=scheme, shape=q.shape, dtype=q.dtype, axis=q.axis)
 
 
 def _gguf_plan(g) -> Tuple[Dict[str, str], Set[str]]:

@@ -220,7 +220,8 @@ def place_sliced(w: SlicedQArray, mesh, rules, fpath: str, stats: Optional[ReadS
         placed[leaf] = None if x is None else place(x.shape, x.dtype, NamedSharding(mesh, getattr(specs, leaf)),
                                                     w.reads[leaf], stats)
     return QArray(placed["codes"], placed["scale"], placed["zero_point"], placed["global_scale"], scheme=a.scheme,
-                  shape=a.shape, dtype=a.dtype, axis=a.axis, offset=placed["offset"])
+                  shape=a.shape, dtype=a.dtype, axis=a.axis, offset=placed["offset"],
+                  compute_dtype=a.compute_dtype)
 
 
 def host_sliced(q) -> SlicedQArray:
@@ -232,7 +233,8 @@ def host_sliced(q) -> SlicedQArray:
     leaves = {leaf: getattr(q, leaf) for leaf in _QARRAY_LEAVES}
     sds = {k: None if v is None else jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in leaves.items()}
     abstract = QArray(sds["codes"], sds["scale"], sds["zero_point"], sds["global_scale"], scheme=q.scheme,
-                      shape=q.shape, dtype=q.dtype, axis=q.axis, offset=sds["offset"])
+                      shape=q.shape, dtype=q.dtype, axis=q.axis, offset=sds["offset"],
+                      compute_dtype=q.compute_dtype)
     reads = {k: (lambda ix, v=v: np.asarray(v)[tuple(ix)]) for k, v in leaves.items() if v is not None}
     return SlicedQArray(abstract, reads)
 
@@ -293,7 +295,7 @@ def gguf_sliced(g, name: str, stats: Optional[ReadStats] = None) -> SlicedQArray
 
     sds = lambda a, rows=n: None if a is None else jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype)  # noqa: E731
     abstract = QArray(sds(probe.codes), sds(probe.scale), None, None, scheme=probe.scheme, shape=(k, n),
-                      dtype=probe.dtype, axis=0, offset=sds(probe.offset))
+                      dtype=probe.dtype, axis=0, offset=sds(probe.offset), compute_dtype=probe.compute_dtype)
     reads = {"codes": codes, "scale": part(1)}
     if probe.offset is not None:
         reads["offset"] = part(2)
