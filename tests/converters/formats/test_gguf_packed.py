@@ -181,3 +181,18 @@ def test_stored_bits_per_weight(type_name):
     np.testing.assert_array_equal(_bits(np.asarray(dequantize(q)).T), _bits(ref))
     back = jax.tree.unflatten(*reversed(jax.tree.flatten(q)))  # compute_dtype travels as static aux data
     assert back.compute_dtype == jnp.float32 and back.replace(offset=q.offset).work_dtype == jnp.float32
+
+
+def test_compressed_tensors_writer_refuses_a_compute_dtype_apart_from_the_scale():
+    """A Q8_0 QArray (float16 d, float32 compute) written as is would decompress in float16 in compressed-tensors:
+    refused, naming the tensor; the convert path (gguf_ct_qarray) widens the scale to float32 and is exact."""
+    from converters.formats.compressed_tensors.write import qarray_to_tensors
+    from converters.pipelines.convert_quantized import gguf_ct_qarray
+
+    q = gguf_qarray(_blocks("Q8_0", 2, 64, seed=5), "Q8_0", (2, 64), "t")
+    with pytest.raises(CheckpointError, match="blk.0.weight: .*computes in float32"):
+        qarray_to_tensors(q, "pack-quantized", "blk.0.weight")
+    ct = gguf_ct_qarray(q)
+    assert ct.scale.dtype == jnp.float32 and ct.compute_dtype is None
+    np.testing.assert_array_equal(_bits(dequantize(ct)), _bits(dequantize(q)))
+    assert "weight_packed" in qarray_to_tensors(ct, "pack-quantized", "blk.0.weight")
