@@ -5,7 +5,7 @@ Usage: python bench/gguf_decode.py [--gguf PATH] [--prompt 32] [--new 64] [--rep
                                    [--llamacpp-python /work/llamacpp/bin/python] [--profile]
 
 Ours: `converters.pipelines.causal_lm.load_causal_lm(path)` (packed: the 210 Q4_1 projections as uint4 group-32
-QLinears with float32 scales and offsets; the Q8_0 tied embedding a `decoder.PackedEmbed`: rows gathered and decoded,
+QLinears with the file's float16 scales and offsets, computed in float32; the Q8_0 tied embedding a `decoder.PackedEmbed`: rows gathered and decoded,
 the lm_head a packed GEMV over its int8 codes) and
 `load_causal_lm(path, packed=False)` (every tensor dequantized), jit `generate`, float32 activations. Timing as
 bench/decode.py: the whole jit generate after a warm-up, best of --repeat; decode tokens/s = (new - 1) / (t(new) -
@@ -14,7 +14,8 @@ requirement): a subprocess that evaluates the same prompt ids, then `new` greedy
 of the logits), timing the decode loop only, best of --repeat. `--threads N` pins this process (and so the llama.cpp
 child) to N CPUs and gives llama.cpp n_threads=N, so both sides run on the same cores. "greedy = ..." compares
 the tokens of each run with the packed run's. Prints the markdown table of BENCHMARKS.md's section "GGUF decode
-(SmolLM2, packed)". `--profile` adds where one packed decode step's time goes: the 210 packed projections
+(SmolLM2, packed)", with the bits per weight of the loaded QArrays (8 * their leaves' bytes / their weights).
+`--profile` adds where one packed decode step's time goes: the 210 packed projections
 alone (one jit calling each QLinear on a vector), the lm_head alone (`attend`), each best of --repeat over 8 steps.
 """
 
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
         full, toks = _time(lambda: np.asarray(jax.block_until_ready(generate(model, prompt, args.new))), args.repeat)
         one, _ = _time(lambda: np.asarray(jax.block_until_ready(generate(model, prompt, 1))), args.repeat)
         rows.append(dict(name=name, mb=param_bytes(model) / 1e6, dtps=(args.new - 1) / max(full - one, 1e-9),
-                         tokens=toks[0].tolist()))
+                         tokens=toks[0].tolist(), bpw=_bits_per_weight(model)))
         print(rows[-1]["name"], f"{rows[-1]['dtps']:.2f} decode tokens/s", file=sys.stderr, flush=True)
         if packed and args.profile:
             parts = _profile(model, args.repeat)
@@ -118,12 +119,14 @@ def main(argv=None) -> int:
              f"{jax.default_backend()}, jax {jax.__version__}, load average {os.getloadavg()[0]:.1f}, "
              f"{time.strftime('%Y-%m-%d %H:%M')})",
              "",
-             "| run | weights MB | decode tokens/s | vs packed | greedy tokens = packed |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+             "| run | weights MB | bits / weight (block-quantized tensors) | decode tokens/s | vs packed | "
+             "greedy tokens = packed |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         same = float(np.mean(np.asarray(r["tokens"]) == np.asarray(ref["tokens"])))
-        lines.append(f"| {r['name']} | {r['mb']:.1f} | {r['dtps']:.2f} | {r['dtps'] / ref['dtps']:.2f}x | "
-                     f"{same:.0%} |")
+        bpw = r.get("bpw")
+        lines.append(f"| {r['name']} | {r['mb']:.1f} | {'-' if bpw is None else f'{bpw:.3f}'} | {r['dtps']:.2f} | "
+                     f"{r['dtps'] / ref['dtps']:.2f}x | {same:.0%} |")
     if args.profile:
         step = 1e3 / ref["dtps"]
         lines += ["", f"Where a packed decode step goes ({step:.1f} ms at {ref['dtps']:.2f} tokens/s, same run):", "",
@@ -135,6 +138,23 @@ def main(argv=None) -> int:
                      f"{rest / step:.0%} |")
     print("\n".join(lines))
     return 0
+
+
+def _bits_per_weight(model):
+    """Bits per weight of the packed (QArray) parameters as loaded: 8 * (bytes of every leaf of every QArray: codes,
+    scales, offsets) / (number of weights they hold); None when the model holds no QArray (the dense run)."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    from qformats.qarray import QArray
+
+    qs = [x for x in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, QArray))
+          if isinstance(x, QArray)]
+    if not qs:
+        return None
+    return 8 * sum(q.nbytes for q in qs) / sum(math.prod(q.shape) for q in qs)
 
 
 def _profile(model, repeat, steps=8):

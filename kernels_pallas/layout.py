@@ -46,9 +46,10 @@ and q = half - (1024 - qmin). Specials (NaN of e4m3fn / fnuz, inf of ieee e<5) a
     float8 scale), g = 16, plus the f32 global scale as `[1, 1]`.
   Padded rows/columns hold 1.0 (E8M0 code 127, e4m3 code 0x38).
   - zero point (asymmetric int): int8, same shape as the scale.
+  - offset (GGUF minima, `QArray.offset`): as stored (f16 / bf16 / f32), same shape as the scale, padded with 0.
 
-**Rounding.** `w = (value - zero) * scale` rounded to the scale's dtype (as `qformats.dequantize`
-computes in the scale dtype), NVFP4 `w = value * (scale / global)` in f32, then cast to the activation
+**Rounding.** `w = (value - zero) * scale [+ offset]`, each op rounded to the dtype `qformats.dequantize`
+computes in (`QArray.work_dtype`: the scale's dtype, or the QArray's compute_dtype), NVFP4 `w = value * (scale / global)` in f32, then cast to the activation
 dtype: bit-identical to `qformats.dequantize(q, x.dtype)` (the product is the same real number, rounded
 once; on GPU the NVFP4 division may differ by an ulp, see qmatmul).
 
@@ -112,6 +113,7 @@ class LayoutMeta:
     has_global: bool
     dtype: str             # the QArray's original dtype
     scheme_desc: str
+    has_offset: bool = False  # an additive per-group offset (GGUF minima: w = d q + m), rows like the scale
 
     @property
     def bits(self) -> int:
@@ -131,22 +133,24 @@ class LayoutMeta:
 
 @jax.tree_util.register_pytree_node_class
 class PreparedWeight:
-    """A weight in the kernel layout (see the module docstring): bit planes, scale rows, zero, global."""
+    """A weight in the kernel layout (see the module docstring): bit planes, scale rows, zero, global, offset
+    rows (None without one)."""
 
-    def __init__(self, planes, scale, zero, gscale, meta: LayoutMeta):
+    def __init__(self, planes, scale, zero, gscale, meta: LayoutMeta, offset=None):
         self.planes = tuple(planes)
         self.scale = scale
         self.zero = zero
         self.gscale = gscale
+        self.offset = offset
         self.meta = meta
 
     def tree_flatten(self):
-        return (self.planes, self.scale, self.zero, self.gscale), self.meta
+        return (self.planes, self.scale, self.zero, self.gscale, self.offset), self.meta
 
     @classmethod
     def tree_unflatten(cls, meta, children):
-        planes, scale, zero, gscale = children
-        return cls(planes, scale, zero, gscale, meta)
+        planes, scale, zero, gscale, offset = children
+        return cls(planes, scale, zero, gscale, meta, offset)
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -155,7 +159,7 @@ class PreparedWeight:
     @property
     def nbytes(self) -> int:
         return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-                   for a in (*self.planes, self.scale, self.zero, self.gscale) if a is not None)
+                   for a in (*self.planes, self.scale, self.zero, self.gscale, self.offset) if a is not None)
 
     def __repr__(self) -> str:
         m = self.meta
@@ -204,6 +208,8 @@ def unsupported_reason(q, block_k: int = 128, block_n: int = 64) -> Optional[str
         return f"scale format {s.scale_format!r}"
     if s.scale_format == "fp8_e4m3fn" and s.strategy != "tensor_group":
         return "fp8 scales are only taken for NVFP4 (tensor_group)"
+    if q.offset is not None and (q.global_scale is not None or s.scale_format not in _FLOAT_SCALES):
+        return "an additive offset is taken with float32 / bf16 / f16 scales only (no global scale)"
     return None
 
 
@@ -264,19 +270,26 @@ def _prepare_jit(q: QArray, block_k: int, block_n: int) -> PreparedWeight:
     rows = -(-K_pad // group)
     sc = q.scale
     if s.scale_format == "e8m0":
-        kind, one, sdt = "e8m0", 127, jnp.float32
+        kind, one = "e8m0", 127
         sc = sc.astype(jnp.uint8)
     elif s.scale_format == "fp8_e4m3fn":
-        kind, one, sdt = "e4m3", 0x38, jnp.float32
+        kind, one = "e4m3", 0x38
         sc = jax.lax.bitcast_convert_type(sc.astype(jnp.float8_e4m3fn), jnp.uint8)
     else:
-        kind, one, sdt = "float", 1.0, sc.dtype
-    if s.strategy == "tensor":
-        sc = jnp.broadcast_to(sc.reshape(1, 1), (N, 1))
-    if s.strategy == "block":
-        sc = jnp.repeat(sc, s.block[0], axis=0)[:N]
-    sc = sc.T  # [G, N]
-    sc = jnp.pad(sc, ((0, rows - sc.shape[0]), (0, N_pad - N)), constant_values=one)
+        kind, one = "float", 1.0
+    sdt = q.work_dtype  # the scale's float dtype, or the QArray's compute_dtype (float16 GGUF d: float32)
+
+    def scale_rows(a, pad):
+        """A scale-shaped part [N, G] (tensor: [1]; block: [N / bh, G]) -> [rows, N_pad] rows along K."""
+        if s.strategy == "tensor":
+            a = jnp.broadcast_to(a.reshape(1, 1), (N, 1))
+        if s.strategy == "block":
+            a = jnp.repeat(a, s.block[0], axis=0)[:N]
+        a = a.T  # [G, N]
+        return jnp.pad(a, ((0, rows - a.shape[0]), (0, N_pad - N)), constant_values=pad)
+
+    sc = scale_rows(sc, one)
+    offset = None if q.offset is None else scale_rows(q.offset, 0)
     zero = None
     if q.zero_point is not None:
         z = q.zero_point.astype(jnp.int8).T
@@ -287,8 +300,9 @@ def _prepare_jit(q: QArray, block_k: int, block_n: int) -> PreparedWeight:
     meta = LayoutMeta(fmt=fmt, K=K, N=N, K_pad=K_pad, N_pad=N_pad, block_k=block_k, block_n=block_n,
                       chunk=chunk, group=group, planes=planes, scale_kind=kind,
                       scale_dtype=jnp.dtype(sdt).name, has_zero=zero is not None,
-                      has_global=gscale is not None, dtype=q.dtype.name, scheme_desc=s.describe())
-    return PreparedWeight(out, sc, zero, gscale, meta)
+                      has_global=gscale is not None, dtype=q.dtype.name, scheme_desc=s.describe(),
+                      has_offset=offset is not None)
+    return PreparedWeight(out, sc, zero, gscale, meta, offset)
 
 
 # ---- dequantization arithmetic shared by the kernel and dequantize_prepared ------------------------------------
@@ -400,14 +414,22 @@ def scale_values(s: jax.Array, meta: LayoutMeta, gscale: Optional[jax.Array], ba
     return v
 
 
-def finish(v: jax.Array, s_eff: jax.Array, z: Optional[jax.Array], meta: LayoutMeta, out_dtype) -> jax.Array:
-    """(value - zero) * scale rounded to the scale's dtype, then cast to `out_dtype` (dequantize's rounding)."""
+def finish(v: jax.Array, s_eff: jax.Array, z: Optional[jax.Array], meta, out_dtype,
+           o: Optional[jax.Array] = None) -> jax.Array:
+    """w = (value - zero) * scale [+ offset], each op rounded to `meta.scale_dtype` (the dtype `qformats.dequantize`
+    computes in: the float scale's, or the QArray's compute_dtype), then cast to `out_dtype`: dequantize's
+    rounding (`qformats.rounding`: each op correctly rounded in f32, then once to that dtype; the offset is widened
+    to f32 exactly first)."""
     if z is not None:
         v = v - z.astype(jnp.float32)
     w = v * s_eff
     sdt = jnp.dtype(meta.scale_dtype)
     if sdt != jnp.float32:
         w = w.astype(sdt)
+    if o is not None:
+        w = w.astype(jnp.float32) + o.astype(jnp.float32)
+        if sdt != jnp.float32:
+            w = w.astype(sdt)
     return w.astype(out_dtype)
 
 
@@ -437,4 +459,5 @@ def _dequantize_prepared_jit(pw: PreparedWeight, dtype) -> jax.Array:
     v = jnp.stack([lane.reshape(meta.K_pad, nb, bn4) for lane in lanes], axis=2).reshape(meta.K_pad, meta.N_pad)
     srow = jnp.repeat(scale_values(pw.scale, meta, pw.gscale), meta.group, axis=0)[: meta.K_pad]
     z = None if pw.zero is None else jnp.repeat(pw.zero, meta.group, axis=0)[: meta.K_pad]
-    return finish(v, srow, z, meta, dtype)[: meta.K, : meta.N]
+    o = None if pw.offset is None else jnp.repeat(pw.offset, meta.group, axis=0)[: meta.K_pad]
+    return finish(v, srow, z, meta, dtype, o)[: meta.K, : meta.N]

@@ -32,10 +32,13 @@ per K tile: [K_pad / tk, 32]), from which the kernel forms fl(S / G) * 2^(15 - b
 (checked when the global scale is concrete; otherwise, or if not, f32 scales). Everything else: f32 effective
 scales computed once here with `layout.scale_values` (NVFP4's e4m3 block scale divided by the global scale in
 IEEE f32, times 2^(15 - bias) for float elements): the kernel multiplies, it never divides. The zero point of
-asymmetric ints as f32 of the same shape. Padding: scale 1 (E8M0 code 127), zero 0, codes 0.
+asymmetric ints as f32 of the same shape, and so the additive offset (GGUF minima, `QArray.offset`). Padding:
+scale 1 (E8M0 code 127), zero 0, offset 0, codes 0.
 
 **Rounding.** The kernel computes `w = (v - zero) * scale` in f32 (exact for bf16/f16 scales and values:
-the product has <= 22 significant bits), rounds it to the scale's dtype, then to the activation dtype:
+the product has <= 22 significant bits), rounds it to the dtype dequantize computes in (`QArray.work_dtype`: the
+scale's, or the QArray's compute_dtype), adds the offset there (f32 sum, rounded once), then casts to the
+activation dtype:
 bit-identical to `qformats.dequantize(q, x.dtype)` (`dequantize_mgpu` checks it without a GPU).
 """
 
@@ -85,6 +88,7 @@ class MgpuMeta:
     has_zero: bool
     dtype: str             # the QArray's dtype
     scheme_desc: str
+    has_offset: bool = False  # f32 offset rows like the zero rows (GGUF minima: w = d q + m)
 
     @property
     def sub(self) -> int:
@@ -116,22 +120,23 @@ class MgpuMeta:
 @jax.tree_util.register_pytree_node_class
 class MgpuWeight:
     """A weight in the Mosaic GPU layout (module docstring): byte planes, scale rows (f32, or E8M0 / e4m3
-    codes), f32 zero rows, NVFP4's 8-entry scale table."""
+    codes), f32 zero rows, NVFP4's 8-entry scale table, f32 offset rows (None without one)."""
 
-    def __init__(self, planes, scale, zero, table, meta: MgpuMeta):
+    def __init__(self, planes, scale, zero, table, meta: MgpuMeta, offset=None):
         self.planes = tuple(planes)
         self.scale = scale
         self.zero = zero
         self.table = table
+        self.offset = offset
         self.meta = meta
 
     def tree_flatten(self):
-        return (self.planes, self.scale, self.zero, self.table), self.meta
+        return (self.planes, self.scale, self.zero, self.table, self.offset), self.meta
 
     @classmethod
     def tree_unflatten(cls, meta, children):
-        planes, scale, zero, table = children
-        return cls(planes, scale, zero, table, meta)
+        planes, scale, zero, table, offset = children
+        return cls(planes, scale, zero, table, meta, offset)
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -140,7 +145,7 @@ class MgpuWeight:
     @property
     def nbytes(self) -> int:
         return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-                   for a in (*self.planes, self.scale, self.zero, self.table) if a is not None)
+                   for a in (*self.planes, self.scale, self.zero, self.table, self.offset) if a is not None)
 
     def __repr__(self) -> str:
         return f"MgpuWeight({self.meta.describe()}, tile_k={self.meta.tile_k}, nbytes={self.nbytes})"
@@ -196,6 +201,8 @@ def mgpu_unsupported_reason(q) -> Optional[str]:
         return f"strategy {s.strategy!r} is not a weight strategy the kernel takes"
     if s.scale_format not in _FLOAT_SCALES + ("input", "e8m0", "fp8_e4m3fn"):
         return f"scale format {s.scale_format!r}"
+    if q.offset is not None and (q.global_scale is not None or s.scale_format not in _FLOAT_SCALES):
+        return "an additive offset is taken with float32 / bf16 / f16 scales only (no global scale)"
     g = _group_of(q)
     tk = _tile_k(s.bits)
     if g is not None:
@@ -292,12 +299,19 @@ def _prepare_jit(q: QArray, table: bool) -> MgpuWeight:
         sc = jax.lax.bitcast_convert_type(sc.astype(jnp.float8_e4m3fn), jnp.uint8)
         one, sdt = 0x38, jnp.float32
     else:
-        one, sdt = 1.0, sc.dtype
-    if s.strategy == "tensor":
-        sc = jnp.broadcast_to(sc.reshape(1, 1), (N, 1))
-    if s.strategy == "block":
-        sc = jnp.repeat(sc, s.block[0], axis=0)[:N]
-    sc = jnp.pad(sc.T, ((0, rows - sc.shape[1]), (0, N_pad - N)), constant_values=one)  # [rows, N_pad]
+        one = 1.0
+    sdt = q.work_dtype  # the dtype dequantize rounds in (a float16 GGUF d computes in float32)
+
+    def scale_rows(a, pad):
+        """A scale-shaped part [N, G] (tensor: [1]; block: [N / bh, G]) -> [rows, N_pad] rows along K."""
+        if s.strategy == "tensor":
+            a = jnp.broadcast_to(a.reshape(1, 1), (N, 1))
+        if s.strategy == "block":
+            a = jnp.repeat(a, s.block[0], axis=0)[:N]
+        return jnp.pad(a.T, ((0, rows - a.shape[1]), (0, N_pad - N)), constant_values=pad)
+
+    sc = scale_rows(sc, one)  # [rows, N_pad]
+    offset = None if q.offset is None else scale_rows(q.offset.astype(jnp.float32), 0.0)
     gscale = None if q.global_scale is None else q.global_scale.astype(jnp.float32).reshape(1, 1)
     kind = "e8m0" if s.scale_format == "e8m0" else ("e4m3_table" if table else "float")
     seff = sc if kind != "float" else scale_values(sc, lm, gscale, barrier=True)
@@ -313,8 +327,8 @@ def _prepare_jit(q: QArray, table: bool) -> MgpuWeight:
         zero = jnp.pad(z, ((0, rows - z.shape[0]), (0, N_pad - N)))
     meta = MgpuMeta(fmt=fmt, K=K, N=N, K_pad=K_pad, N_pad=N_pad, tile_k=tk, group=group, planes=planes,
                     scale_kind=kind, scale_dtype=jnp.dtype(sdt).name, has_zero=zero is not None, dtype=q.dtype.name,
-                    scheme_desc=s.describe())
-    return MgpuWeight(out, seff, zero, tab, meta)
+                    scheme_desc=s.describe(), has_offset=offset is not None)
+    return MgpuWeight(out, seff, zero, tab, meta, offset)
 
 
 # ---- the arithmetic the kernel runs on each decoded tile ---------------------------------------------------------
@@ -351,6 +365,7 @@ def _dequantize_jit(mw: MgpuWeight, dtype) -> jax.Array:
     v = v.transpose(2, 0, 1, 3).reshape(meta.N_pad, meta.K_pad)
     rep = lambda a: jnp.repeat(a, meta.group, axis=0)[: meta.K_pad].T  # noqa: E731
     z = None if mw.zero is None else rep(mw.zero)
+    o = None if mw.offset is None else rep(mw.offset)
     table = None if mw.table is None else [mw.table[0, i] for i in range(8)]
-    w = finish(v, rep(meta.scale_f32(mw.scale, table)), z, meta, dtype)  # finish reads meta.scale_dtype only
+    w = finish(v, rep(meta.scale_f32(mw.scale, table)), z, meta, dtype, o)  # finish reads meta.scale_dtype only
     return w.T[: meta.K, : meta.N]

@@ -6,8 +6,8 @@ over its share of the K tiles (`lax.fori_loop`, the Pallas-Triton idiom: grid ax
 so a reduction lives inside the kernel). Per K tile it walks `block_k / chunk` chunks; per chunk it loads
 the chunk's word rows of every plane (`(word >> i*w) & mask` on four codes at once, OR-ed at the plane's
 shift; a plane block loaded for one chunk is reused by the chunks that share it), decodes the four byte
-lanes through f16 bit patterns (exact), applies zero point and scale exactly as `qformats.dequantize`
-rounds them, casts to the activation dtype and accumulates four `dot(x_chunk, w_lane)` into the four
+lanes through f16 bit patterns (exact), applies zero point, scale and the optional additive offset (GGUF
+minima) exactly as `qformats.dequantize` rounds them, casts to the activation dtype and accumulates four `dot(x_chunk, w_lane)` into the four
 quarter-blocks of output columns, in f32. That is the dot form (block_m >= 16). The GEMV form
 (block_m 1..8, the default for M <= 2) uses no tensor-core dot: each row of x multiplies the decoded
 lanes into f32 accumulators [32, block_n/4] (one FMA per weight and row), reduced over K once after the
@@ -112,6 +112,7 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, ou
     s_ref = rest.pop(0)
     z_ref = rest.pop(0) if meta.has_zero else None
     g_ref = rest.pop(0) if meta.has_global else None
+    off_ref = rest.pop(0) if meta.has_offset else None
     (o_ref,) = rest
     bm = x_ref.shape[0]
     bn4 = meta.block_n // LANES
@@ -135,12 +136,13 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, ou
         last_row = m - 1 - pl.program_id(0) * bm
 
     def scales_at(row):
-        """Per-lane effective scale [1, bn/4] and zero point of scale row `row`."""
+        """Per-lane effective scale [1, bn/4], zero point and offset of scale row `row`."""
         out = []
         for q in range(LANES):
             cols = pl.ds(q * bn4, bn4)
             s = scale_values(s_ref[pl.ds(row, 1), cols], meta, gscale, barrier=interpret)
-            out.append((s, z_ref[pl.ds(row, 1), cols] if z_ref is not None else None))
+            out.append((s, z_ref[pl.ds(row, 1), cols] if z_ref is not None else None,
+                        off_ref[pl.ds(row, 1), cols].astype(jnp.float32) if off_ref is not None else None))
         return out
 
     # A scale row is decoded once per row, not per chunk: once per call for per-channel scales, once per
@@ -176,7 +178,8 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, ou
                     srows[key] = scales_at((kt * bk + r0) // g)
                 sz = srows[key]
             if gemv:
-                wqs = [finish(lanes[q], sz[q][0], sz[q][1], meta, xdt).astype(jnp.float32) for q in range(LANES)]
+                wqs = [finish(lanes[q], sz[q][0], sz[q][1], meta, xdt, sz[q][2]).astype(jnp.float32)
+                       for q in range(LANES)]
                 for r in range(bm):
                     cols = pl.ds(kt * bk + r0, cs)
                     # rows past M (last block) read row M-1 instead; their sums are never stored
@@ -190,7 +193,7 @@ def _kernel(x_ref, *refs, meta: LayoutMeta, tiles_per_split: int, tiles: int, ou
             else:
                 xc = pltriton.load(x_ref.at[:, pl.ds(kt * bk + r0, cs)], mask=row_mask, other=0)
             for q in range(LANES):
-                wq = finish(lanes[q], sz[q][0], sz[q][1], meta, xdt)
+                wq = finish(lanes[q], sz[q][0], sz[q][1], meta, xdt, sz[q][2])
                 accs[q] = accs[q] + jnp.dot(xc, wq, preferred_element_type=jnp.float32)
         return tuple(accs)
 
@@ -249,6 +252,9 @@ def _qmatmul_2d_impl(x, pw: PreparedWeight, bs: BlockSizes, interpret: bool, pro
     if meta.has_global:
         in_specs.append(pl.BlockSpec((1, 1), lambda i, j, s: (0, 0)))
         args.append(pw.gscale)
+    if meta.has_offset:
+        in_specs.append(pl.BlockSpec((pw.offset.shape[0], bn), lambda i, j, s: (0, j)))
+        args.append(pw.offset)
     if split == 1:
         out_shape = jax.ShapeDtypeStruct((m, meta.N_pad), x.dtype)
         out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))

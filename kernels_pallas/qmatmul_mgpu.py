@@ -8,15 +8,15 @@ to shared memory). The layout is `layout_mgpu`'s (byte planes [N, 64] per 64 K p
 Grid `(N_pad / (64 compute_wgs), M_pad / tile_m, split_k)`. A program owns 64 (one compute warpgroup) or 128
 (two, warp-specialized) output channels x tile_m tokens and `K_pad / tile_k / split_k` K tiles, streamed by TMA
 into shared memory, `stages` tiles in flight: the x^T tile, every plane chunk and the tile's scale (f32, or
-E8M0 / e4m3 codes), zero rows and NVFP4's scale table. One warpgroup: `plgpu.emit_pipeline` (the same warpgroup
+E8M0 / e4m3 codes), zero rows, offset rows and NVFP4's scale table. One warpgroup: `plgpu.emit_pipeline` (the same warpgroup
 issues the copies and computes). Two: `plgpu.emit_pipeline_warp_specialized` (a memory warpgroup with 40
 registers issues the copies; each compute warpgroup decodes and multiplies its 64 channels of the shared tiles
 and writes its own epilogue), the default from 64 tokens on.
 
 Per K tile and per 64-position chunk: the plane bytes are loaded into registers (WGMMA layout, 64-byte
 swizzle), shifted, masked and OR-ed into codes (`layout_mgpu.chunk_codes`), placed into IEEE halves and widened
-to f32 (`layout.decode_elements`), zero point subtracted and scale multiplied as `qformats.dequantize` rounds
-them (`layout.finish`), cast to x's dtype and fed to `wgmma` against the matching rows of the x^T tile (one
+to f32 (`layout.decode_elements`), zero point subtracted, scale multiplied and the optional offset added as
+`qformats.dequantize` rounds them (`layout.finish`), cast to x's dtype and fed to `wgmma` against the matching rows of the x^T tile (one
 wgmma per scale group when the group is 16 or 32; the x^T tile is swizzled at min(2 tile_m, 2 group, 128)
 bytes). The f32 accumulator goes through shared memory to y^T (f32 partial sums per split when split_k > 1,
 added outside), transposed back outside the kernel.
@@ -95,7 +95,8 @@ def _stage_bytes(tm: int, meta: MgpuMeta, wgs: int = 1, xbytes: int = 2) -> int:
     tk, n = meta.tile_k, TILE_N * wgs
     rows = max(1, tk // meta.group)
     sbytes = 4 if meta.scale_kind == "float" else 1
-    return tm * tk * xbytes + n * tk * meta.fmt.bits // 8 + rows * n * (sbytes + 4 * meta.has_zero)
+    return tm * tk * xbytes + n * tk * meta.fmt.bits // 8 + rows * n * (sbytes + 4 * meta.has_zero
+                                                                        + 4 * meta.has_offset)
 
 
 def _smem_bytes(bs: MgpuBlockSizes, meta: MgpuMeta) -> int:
@@ -164,7 +165,8 @@ def _qmatmul_mgpu_2d(x, mw: MgpuWeight, bs: MgpuBlockSizes, interpret: bool):
     wgs = bs.compute_wgs
     cta_n = TILE_N * wgs
     has_table = mw.table is not None
-    n_in = n_planes + 1 + meta.has_zero + has_table
+    n_rows_in = 1 + meta.has_zero + meta.has_offset  # scale, zero and offset rows
+    n_in = n_planes + n_rows_in + has_table
 
     def as_row(v):
         """A [64] scale row in the layout of a WGMMA tile's rows (a no-op for the interpreter)."""
@@ -176,6 +178,7 @@ def _qmatmul_mgpu_2d(x, mw: MgpuWeight, bs: MgpuBlockSizes, interpret: bool):
         plane_refs = [_Chunks(r, ch) for r in tile_refs[:n_planes]]
         s_smem = tile_refs[n_planes]
         z_smem = tile_refs[n_planes + 1] if meta.has_zero else None
+        o_smem = tile_refs[n_planes + 1 + meta.has_zero] if meta.has_offset else None
         t_smem = tile_refs[-1] if has_table else None
         table = None if t_smem is None else [t_smem[0, i] for i in range(8)]
 
@@ -190,7 +193,8 @@ def _qmatmul_mgpu_2d(x, mw: MgpuWeight, bs: MgpuBlockSizes, interpret: bool):
                 vs = v if sub == CHUNK else v[:, i * sub:(i + 1) * sub]
                 sc = lax.broadcast_in_dim(meta.scale_f32(row(s_smem, r), table), (TILE_N, sub), (0,))
                 z = None if z_smem is None else lax.broadcast_in_dim(row(z_smem, r), (TILE_N, sub), (0,))
-                wq = finish(vs, sc, z, meta, xdt)  # finish reads meta.scale_dtype only
+                o = None if o_smem is None else lax.broadcast_in_dim(row(o_smem, r), (TILE_N, sub), (0,))
+                wq = finish(vs, sc, z, meta, xdt, o)  # finish reads meta.scale_dtype only
                 rhs = x_smem.at[pl.ds(k0, sub), :]
                 if lhs_smem:
                     lhs_ref[...] = wq
@@ -217,7 +221,7 @@ def _qmatmul_mgpu_2d(x, mw: MgpuWeight, bs: MgpuBlockSizes, interpret: bool):
             in_specs.append(plgpu.BlockSpec((S, cta_n, CHUNK), lambda k: (base + k, 0, 0), transforms=w_tr))
             args.append(p_gmem.at[:, n_sl])
         row_map = (lambda k: ((base + k) * tk // g, 0)) if g >= tk else (lambda k: (base + k, 0))
-        for r_gmem in in_refs[n_planes:n_planes + 1 + meta.has_zero]:
+        for r_gmem in in_refs[n_planes:n_planes + n_rows_in]:
             in_specs.append(plgpu.BlockSpec((srows, cta_n), row_map))
             args.append(r_gmem.at[:, n_sl])
         if has_table:  # NVFP4's 8 f32 entries (padded to 32), the K tile's copy (128 bytes)
@@ -268,7 +272,8 @@ def _qmatmul_mgpu_2d(x, mw: MgpuWeight, bs: MgpuBlockSizes, interpret: bool):
     if lhs_smem:
         scratch.append(plgpu.SMEM((wgs, TILE_N, sub), xdt, transforms=_swizzle_transforms(sw, 2)))
     out_shape = (meta.N_pad, m_pad) if split == 1 else (split, meta.N_pad, m_pad)
-    args = [x, *mw.planes, mw.scale] + ([mw.zero] if meta.has_zero else []) + ([mw.table] if has_table else [])
+    args = ([x, *mw.planes, mw.scale] + ([mw.zero] if meta.has_zero else []) + ([mw.offset] if meta.has_offset else [])
+            + ([mw.table] if has_table else []))
     f = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dt),
                      grid=(meta.N_pad // cta_n, m_pad // tm, split), grid_names=("n", "m", "s"),
                      scratch_types=scratch, interpret=interpret_params() if interpret else None,

@@ -77,8 +77,8 @@ def _fn(x, q, payload=None):
 
 
 def register() -> None:
-    register_kernel(MGPU_KERNEL_NAME, supports_mgpu, _fn_mgpu, priority=20, prepare=prepare_mgpu)
-    register_kernel(KERNEL_NAME, supports, _fn, priority=10, prepare=prepare)
+    register_kernel(MGPU_KERNEL_NAME, supports_mgpu, _fn_mgpu, priority=20, prepare=prepare_mgpu, takes_offset=True)
+    register_kernel(KERNEL_NAME, supports, _fn, priority=10, prepare=prepare, takes_offset=True)
 
 
 register()

@@ -28,7 +28,8 @@ class KernelEntry:
 
     `supports(x, q, backend) -> bool` uses static facts only (shapes, dtypes, scheme); x may be None, which
     asks whether the kernel takes the weight for some supported activation dtype. `fn(x, q, payload)` computes
-    x @ dequantize(q); payload is None or what `prepare(q)` returned for this q.
+    x @ dequantize(q); payload is None or what `prepare(q)` returned for this q. `takes_offset`: whether the
+    kernel reads a QArray's additive `offset` (GGUF minima); a kernel that does not say so is never given one.
     """
 
     name: str
@@ -36,6 +37,7 @@ class KernelEntry:
     fn: Callable[[jax.Array, QArray, Any], jax.Array]
     priority: int = 0
     prepare: Optional[Callable[[QArray], Any]] = None
+    takes_offset: bool = False
 
 
 @jax.tree_util.register_pytree_node_class
@@ -67,13 +69,15 @@ _REGISTRY: List[KernelEntry] = []
 _ENABLED = {"kernels": os.environ.get("QFORMATS_DISABLE_KERNELS", "") in ("", "0")}
 
 
-def register_kernel(name: str, supports, fn, priority: int = 0, prepare=None) -> None:
+def register_kernel(name: str, supports, fn, priority: int = 0, prepare=None, takes_offset: bool = False) -> None:
     """Register (or replace, by name) a kernel for `qdot`; higher priority is tried first.
 
-    `fn(x, q, payload)` must return x @ dequantize(q) (payload: None, or `prepare(q)`'s result when given).
+    `fn(x, q, payload)` must return x @ dequantize(q) (payload: None, or `prepare(q)`'s result when given), offset
+    included when `takes_offset` (else QArrays with an offset never reach it).
     """
     global _REGISTRY
-    _REGISTRY = [e for e in _REGISTRY if e.name != name] + [KernelEntry(name, supports, fn, priority, prepare)]
+    _REGISTRY = [e for e in _REGISTRY if e.name != name] + [KernelEntry(name, supports, fn, priority, prepare,
+                                                                        takes_offset)]
     _REGISTRY.sort(key=lambda e: -e.priority)
 
 
@@ -109,8 +113,8 @@ def select_kernel(x: Optional[jax.Array], q: QArray, backend: Optional[str] = No
 
 
 def _takes(e: KernelEntry, x, q, backend: str) -> bool:
-    if getattr(q, "offset", None) is not None:
-        return False  # no registered kernel reads the additive offset (GGUF minima): the XLA path does
+    if getattr(q, "offset", None) is not None and not e.takes_offset:
+        return False  # a kernel that does not read the additive offset (GGUF minima) never gets one: XLA does
     try:
         return bool(e.supports(x, q, backend))
     except Exception:  # a predicate bug must never give a wrong answer: fall back to XLA

@@ -242,7 +242,7 @@ def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
                           f"got x {tuple(x.shape)} and {q!r}")
     scheme = q.scheme
     k, n = q.shape
-    sdt = q.scale.dtype if q.scale.dtype in R.FLOAT_DTYPES else jnp.dtype(jnp.float32)
+    sdt = q.work_dtype
     rows = x.reshape(-1, k)
     chunks = _chunks(q)
     nib = scheme.bits == 4

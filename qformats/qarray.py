@@ -14,6 +14,7 @@ from qformats.errors import SchemeError
 from qformats.formats import FloatFormat, IntFormat
 from qformats.grouping import expand, expected_shapes, transposed_shape
 from qformats.packing import unpack
+from qformats.rounding import FLOAT_DTYPES as _FLOAT_DTYPES
 from qformats.schemes import QuantScheme
 
 
@@ -69,15 +70,20 @@ class QArray:
                     minimum of formats that store one per group beside the scale (GGUF Q4_1 / Q5_1 / Q2_K /
                     Q4_K / Q5_K: w = d q + m), which an integer zero point cannot hold. None for every array
                     `quantize` makes (and for every compressed-tensors format).
+      compute_dtype: optional (static), the float dtype the reconstruction rounds in when it is not the scale's:
+                    a GGUF block's float16 d and m are stored as float16 (the file's bytes) while gguf computes
+                    d q + m in float32. None: the scale's dtype when it is a float (float32 / bf16 / f16), else
+                    float32 (fp8 and E8M0 scales), as compressed-tensors computes (`work_dtype`).
 
-    Reconstruction: x = (value(code) - zero_point) * scale / global_scale + offset, each op rounded in the
-    scale's dtype, scale and offset expanded over their group, then the reduction axis moved back. `scheme`,
-    `shape`, `dtype` and `axis` are static (pytree aux data). The offset is a pytree child only when present,
-    so an array without one flattens exactly as before it existed.
+    Reconstruction: x = (value(code) - zero_point) * scale / global_scale + offset, each op rounded in
+    `work_dtype` (scale and offset converted to it first, exactly when it is wider), scale and offset expanded
+    over their group, then the reduction axis moved back. `scheme`, `shape`, `dtype`, `axis` and
+    `compute_dtype` are static (pytree aux data). The offset is a pytree child only when present, so an array
+    without one flattens exactly as before it existed.
     """
 
     def __init__(self, codes, scale, zero_point, global_scale, *, scheme: QuantScheme,
-                 shape: Tuple[int, ...], dtype, axis: int, offset=None):
+                 shape: Tuple[int, ...], dtype, axis: int, offset=None, compute_dtype=None):
         self.codes = codes
         self.scale = scale
         self.zero_point = zero_point
@@ -87,19 +93,34 @@ class QArray:
         self.shape = tuple(int(s) for s in shape)
         self.dtype = jnp.dtype(dtype)
         self.axis = int(axis)
+        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
 
     # ---- pytree ----------------------------------------------------------------------------------------
     def tree_flatten(self):
         children = (self.codes, self.scale, self.zero_point, self.global_scale)
         if self.offset is not None:
             children += (self.offset,)
-        return children, (self.scheme, self.shape, self.dtype.name, self.axis)
+        compute = None if self.compute_dtype is None else self.compute_dtype.name
+        return children, (self.scheme, self.shape, self.dtype.name, self.axis, compute)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        scheme, shape, dtype, axis = aux
+        scheme, shape, dtype, axis, compute = aux
         offset = children[4] if len(children) > 4 else None
-        return cls(*children[:4], scheme=scheme, shape=shape, dtype=dtype, axis=axis, offset=offset)
+        return cls(*children[:4], scheme=scheme, shape=shape, dtype=dtype, axis=axis, offset=offset,
+                   compute_dtype=compute)
+
+    def replace(self, **parts) -> "QArray":
+        """This QArray with the given leaves (`codes`, `scale`, `zero_point`, `global_scale`, `offset`) or static
+        fields (`shape`, `dtype`, `axis`, `scheme`, `compute_dtype`) replaced; every other one kept."""
+        kw = dict(codes=self.codes, scale=self.scale, zero_point=self.zero_point, global_scale=self.global_scale,
+                  offset=self.offset, scheme=self.scheme, shape=self.shape, dtype=self.dtype, axis=self.axis,
+                  compute_dtype=self.compute_dtype)
+        unknown = set(parts) - set(kw)
+        if unknown:
+            raise SchemeError(f"QArray.replace: unknown field(s) {sorted(unknown)}; expected some of {sorted(kw)}")
+        kw.update(parts)
+        return QArray(kw.pop("codes"), kw.pop("scale"), kw.pop("zero_point"), kw.pop("global_scale"), **kw)
 
     # ---- facts -----------------------------------------------------------------------------------------
     @property
@@ -116,6 +137,15 @@ class QArray:
         return self.scheme.format
 
     @property
+    def work_dtype(self):
+        """The float dtype the reconstruction rounds each op in: `compute_dtype` when set, else the scale's dtype
+        when it is float32 / bf16 / f16, else float32."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        sd = jnp.dtype(self.scale.dtype)
+        return sd if sd in _FLOAT_DTYPES else jnp.dtype(jnp.float32)
+
+    @property
     def nbytes(self) -> int:
         """Bytes actually stored: codes + scale + zero point + global scale + offset."""
         return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
@@ -128,6 +158,8 @@ class QArray:
 
     def __repr__(self) -> str:
         extra = "" if self.offset is None else ", offset"
+        if self.compute_dtype is not None:
+            extra += f", compute_dtype={self.compute_dtype.name}"
         return (f"QArray(shape={self.shape}, dtype={self.dtype.name}, axis={self.axis}, "
                 f"scheme={self.scheme.describe()!r}{extra}, nbytes={self.nbytes})")
 
@@ -172,3 +204,6 @@ class QArray:
                 raise SchemeError(f"QArray {self.scheme.describe()} shape {self.shape}: offset expected the "
                                   f"scale's shape {tuple(s.shape)} and float dtype {jnp.dtype(s.dtype).name}, found "
                                   f"{tuple(o.shape)} {jnp.dtype(o.dtype).name}")
+        if self.compute_dtype is not None and self.compute_dtype not in _FLOAT_DTYPES:
+            raise SchemeError(f"QArray {self.scheme.describe()} shape {self.shape}: compute_dtype expected one of "
+                              f"float32, bfloat16, float16, found {self.compute_dtype.name}")

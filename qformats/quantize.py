@@ -85,10 +85,11 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     group; axis moved back.
 
     Follows compressed-tensors' `_dequantize`: values are cast to the scale's dtype (float32 for fp8/E8M0
-    scales), the zero point subtracted, multiplied by scale / global_scale, then cast to `dtype` (default:
-    the dtype the array had before quantization). An array with an additive `offset` (GGUF's per-group
-    minimum) has it added in the scale's dtype after the product, before the cast: with float32 scales,
-    round(round(v * s) + m), the order of gguf's `d * q + m`.
+    scales; the QArray's `compute_dtype` when it has one: `QArray.work_dtype`), the zero point subtracted,
+    multiplied by scale / global_scale, then cast to `dtype` (default: the dtype the array had before
+    quantization). An array with an additive `offset` (GGUF's per-group minimum) has it added in that dtype
+    after the product, before the cast: with float32 compute, round(round(v * s) + m), the order of gguf's
+    `d * q + m` (float16 d and m widened to float32 exactly first).
     """
     if not isinstance(q, QArray):
         raise SchemeError(f"dequantize: expected a QArray, got {type(q).__name__}")
@@ -99,7 +100,7 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def _dequantize_jit(q: QArray, dtype) -> jax.Array:
     scheme = q.scheme
-    sdt = q.scale.dtype if q.scale.dtype in R.FLOAT_DTYPES else jnp.dtype(jnp.float32)
+    sdt = q.work_dtype
     vals = q.element_values(sdt)
     view, _ = group(vals, scheme)
     s = q.scale_values(sdt)
@@ -110,7 +111,7 @@ def _dequantize_jit(q: QArray, dtype) -> jax.Array:
         view = R.sub(view, keepdims(q.zero_point, scheme, view.ndim), sdt)
     out = R.mul(view, s, sdt)
     if q.offset is not None:
-        out = R.add(out, keepdims(q.offset, scheme, view.ndim), sdt)
+        out = R.add(out, keepdims(q.offset.astype(sdt), scheme, view.ndim), sdt)
     out = ungroup(out, scheme, q.tshape).astype(dtype)
     return jnp.moveaxis(out, -1, q.axis)
 

@@ -200,7 +200,7 @@ def qarray_specs(q: QArray, spec: PartitionSpec, mesh: Mesh, where: str = "QArra
     return QArray(codes, scale, None if q.zero_point is None else scale,
                   None if q.global_scale is None else PartitionSpec(None),
                   scheme=sch, shape=q.shape, dtype=q.dtype, axis=q.axis,
-                  offset=None if q.offset is None else scale)
+                  offset=None if q.offset is None else scale, compute_dtype=q.compute_dtype)
 
 
 def stacked_qarray_specs(q: QArray, spec: PartitionSpec, mesh: Mesh, where: str = "QArray") -> QArray:

@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
                         "the file")
     c.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="GGUF with --dense: tensor dtype (default float32: transformers' GGUF loader, bit for bit)")
+    c.add_argument("--widen", action="store_true",
+                   help="GGUF: write the 3/5/6-bit symmetric types (Q3_K, Q5_0, Q6_K) as 8-bit pack-quantized (the same "
+                        "integers and scales, exact; 8 bits per weight), the widths vLLM's WNA16 scheme serves")
     c.add_argument("--max-shard-size", default="5GB", help=MAX_SHARD_SIZE_HELP)
     c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
 
@@ -51,14 +54,17 @@ def run(a) -> int:
     if Path(a.src).is_dir():
         from converters.pipelines.convert_quantized import convert_quantized
 
-        if a.dequantize or a.dense or a.dtype != "float32":
-            raise CheckpointError(f"{a.src}: --dequantize, --dense and --dtype apply to GGUF files; a quantized "
+        if a.dequantize or a.dense or a.widen or a.dtype != "float32":
+            raise CheckpointError(f"{a.src}: --dequantize, --dense, --widen and --dtype apply to GGUF files; a quantized "
                                   f"checkpoint directory converts to compressed-tensors as it is")
         print(f"converting {a.src} -> {a.dst} (compressed-tensors) ...", file=sys.stderr, flush=True)
         out = convert_quantized(a.src, a.dst, max_shard_size=a.max_shard_size, overwrite=a.overwrite)
         print(f"converted {a.src} -> {out} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
         return 0
     if a.dense:
+        if a.widen or a.dequantize:
+            raise CheckpointError(f"{a.src}: --widen and --dequantize apply to the compressed-tensors output; --dense "
+                                  f"writes every tensor dense already")
         print(f"converting {a.src} -> {a.dst} (dense {a.dtype}) ...", file=sys.stderr, flush=True)
         out = convert_gguf(a.src, a.dst, dtype=a.dtype, max_shard_size=a.max_shard_size, overwrite=a.overwrite)
         print(f"converted {a.src} -> {out} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
@@ -70,7 +76,7 @@ def run(a) -> int:
 
     print(f"converting {a.src} -> {a.dst} (compressed-tensors) ...", file=sys.stderr, flush=True)
     r = convert_gguf_compressed(a.src, a.dst, dequantize=a.dequantize, max_shard_size=a.max_shard_size,
-                                overwrite=a.overwrite, progress=sys.stderr.isatty())
+                                overwrite=a.overwrite, progress=sys.stderr.isatty(), widen=a.widen)
     for line in r.summary():
         print(f"  {line}", file=sys.stderr)
     print(f"converted {a.src} -> {r.path} in {time.monotonic() - t0:.1f}s", file=sys.stderr)

@@ -3,8 +3,9 @@
 Each GGML block type below is, value for value, a grouped integer format of `qformats` (plus the QArray's
 additive `offset` where the type stores a per-group minimum). For a GGUF matrix of `N` rows of `K` values (HF
 `[out, in]`; the Flax kernel `[K, N]` quantized along K, axis 0), the QArray holds the element codes packed along
-K (`qformats.packing.pack`), float32 group scales `s [N, K / g]` and, for the types with a minimum, float32
-offsets `o [N, K / g]`, so that `dequantize` computes
+K (`qformats.packing.pack`), group scales `s [N, K / g]` and, for the types with a minimum, offsets `o [N, K / g]`
+(float16 as stored where they are the block's d and m, else float32: "Storage" below), computed in float32, so that
+`dequantize` computes
 
     w = q s            (symmetric types)           w = q s + o     (types with a minimum)
 
@@ -35,10 +36,14 @@ gives the same result when the product is exact): `dequantize(q)` equals `gguf.q
 (tests/converters/formats/test_gguf_packed.py). No float32 subnormal arises (the smallest non-zero product
 is 2^-24), so XLA:CPU's flushing changes nothing.
 
-Storage: float32 scales (and offsets) because the products above do not fit float16 and because `dequantize`
-rounds in the scale's dtype; a Q4_1 block of 32 weights takes 16 + 4 + 4 bytes (6 bits per weight, the file's
-5), a Q8_0 block 32 + 4 (9 bits per weight, the file's 8.5). IQ4_NL / IQ4_XS store the table's values as int8
-codes (8 bits per weight, the file's 4.5 / 4.25): exact, but not a 16-entry table format.
+Storage: where the group scale is the block's own float16 d (and the offset its float16 m) -- Q4_0, Q5_0, Q8_0,
+Q4_1, Q5_1, IQ4_NL -- scale and offset are kept float16, the file's bytes, and the QArray computes in float32
+(`compute_dtype`: d and m widen exactly, then the products and sums above round as gguf's do), so a Q4_1 block of 32
+weights takes 16 + 2 + 2 bytes (5 bits per weight, as in the file) and a Q8_0 block 32 + 2 (8.5, as in the file).
+The super-block types store the float32 products d * sc, -(dmin * m) (they do not fit float16): Q4_K / Q5_K /
+Q2_K / Q3_K / Q6_K / IQ4_XS take 4 bytes per group of 16 or 32 (e.g. Q4_K 5 bits per weight, the file's 4.5).
+IQ4_NL / IQ4_XS store the table's values as int8 codes (8 bits per weight plus scales, the file's 4.5 / 4.25):
+exact, but not a 16-entry table format.
 
 GGUF MXFP4 is OCP MXFP4 (E2M1 codes, E8M0 scales stored as is) for block exponents 2 .. 254; a tensor with an
 exponent code 255 (2^127 to ggml, NaN to OCP) or 0 / 1 (subnormal float32 results, which XLA:CPU flushes) is
@@ -54,12 +59,15 @@ import numpy as np
 
 from qformats.errors import CheckpointError
 
-__all__ = ["PACKED_TYPES", "DENSE_TYPES", "gguf_qarray", "decode_blocks"]
+__all__ = ["PACKED_TYPES", "DENSE_TYPES", "F16_SCALE_TYPES", "gguf_qarray", "decode_blocks"]
 
 #: GGML types that are plain floats (not quantized): loaded dense.
 DENSE_TYPES = ("F32", "F16", "BF16", "F64")
 
 _QK_K = 256
+
+#: GGML types whose group scale (and offset) is the block's float16 d (and m) itself: kept float16, as stored.
+F16_SCALE_TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "IQ4_NL")
 _KVALUES = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.int8)
 
 
@@ -206,8 +214,9 @@ PACKED_TYPES: Dict[str, Tuple[int, str, int, Callable[[np.ndarray], Decoded]]] =
 
 
 def decode_blocks(data: np.ndarray, type_name: str, shape: Tuple[int, int], where: str) -> Decoded:
-    """The element codes u [N, K] (uint8 u = q - qmin, int8 q for int8; E2M1 codes for MXFP4), float32 scales
-    [N, K / g] (MXFP4: uint8 E8M0 codes) and offsets [N, K / g] (or None) of a GGUF tensor of `shape` (N rows of
+    """The element codes u [N, K] (uint8 u = q - qmin, int8 q for int8; E2M1 codes for MXFP4), scales [N, K / g]
+    (float16 for `F16_SCALE_TYPES`, the stored d; float32 otherwise; MXFP4: uint8 E8M0 codes) and offsets [N, K / g]
+    (or None; float16 / float32 alike) of a GGUF tensor of `shape` (N rows of
     K values, HF order) stored as GGML `type_name` in `data` (its raw bytes, uint8, any shape of the right size).
     Integer operations only, except the exact float32 products of the super-block scales (module docstring).
 
@@ -237,16 +246,18 @@ def decode_blocks(data: np.ndarray, type_name: str, shape: Tuple[int, int], wher
                                   f"{int(s[bad][0])}: ggml reads 255 as 2^127 where OCP MX (E8M0) has NaN, and codes "
                                   f"0 / 1 give float32 subnormals that XLA:CPU flushes; expected codes 2 .. 254")
         return u, np.ascontiguousarray(s.reshape(n, -1)), None
-    s = np.ascontiguousarray(s.reshape(n, -1), np.float32)
-    o = None if o is None else np.ascontiguousarray(o.reshape(n, -1), np.float32)
+    sdt = np.float16 if type_name in F16_SCALE_TYPES else np.float32  # float16 d, m: exact round trip
+    s = np.ascontiguousarray(s.reshape(n, -1), sdt)
+    o = None if o is None else np.ascontiguousarray(o.reshape(n, -1), sdt)
     return u, s, o
 
 
 def gguf_qarray(data: np.ndarray, type_name: str, shape: Tuple[int, int], where: str, *,
                 rows: Optional[Callable[[np.ndarray], np.ndarray]] = None):
     """A GGUF matrix of HF `shape` [N, K] (GGML `type_name`, raw bytes `data`) as the packed QArray of its Flax
-    kernel: logical shape [K, N] quantized along axis 0, codes [N, packed K], float32 scales (and offsets) [N, K /
-    g], scheme `QuantScheme(format, "group", g, scale_format="float32")` (table: module docstring), so that
+    kernel: logical shape [K, N] quantized along axis 0, codes [N, packed K], scales (and offsets) [N, K / g] as
+    `decode_blocks` gives them (float16 for `F16_SCALE_TYPES`, else float32), scheme `QuantScheme(format, "group",
+    g, scale_format="float16" | "float32")`, `compute_dtype` float32 (table: module docstring), so that
     `dequantize(q).T` equals `gguf.quants.dequantize(data, type)` bit for bit.
 
     `rows`: an optional permutation of rows applied to every part (`unpermute_rope_rows` for llama's Q/K); rows
@@ -267,12 +278,13 @@ def gguf_qarray(data: np.ndarray, type_name: str, shape: Tuple[int, int], where:
         u, s = rows(u), rows(s)
         o = None if o is None else rows(o)
     mx = fmt == "fp4_e2m1"
-    scheme = QuantScheme(fmt, "group", group_size=g, scale_format="e8m0" if mx else "float32",
+    scheme = QuantScheme(fmt, "group", group_size=g, scale_format="e8m0" if mx else np.dtype(s.dtype).name,
                          scale_rule="floor" if mx else "absmax")
     bits = scheme.bits
     codes = u if bits == 8 else np.asarray(pack(jnp.asarray(u), bits))
     n, k = (int(x) for x in shape)
     q = QArray(jnp.asarray(codes), jnp.asarray(s), None, None,
-               scheme=scheme, shape=(k, n), dtype=jnp.float32, axis=0, offset=None if o is None else jnp.asarray(o))
+               scheme=scheme, shape=(k, n), dtype=jnp.float32, axis=0, offset=None if o is None else jnp.asarray(o),
+               compute_dtype=jnp.float32)
     q.check()
     return q

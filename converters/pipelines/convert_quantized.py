@@ -63,6 +63,7 @@ class GGUFConversion:
     dequantized: Dict[str, List[str]]
     dense: Dict[str, List[str]]
     num_bits: Dict[str, int] = dataclasses.field(default_factory=dict)
+    widened: Dict[str, int] = dataclasses.field(default_factory=dict)  # GGML type -> its bits, written as num_bits 8
 
     def summary(self) -> List[str]:
         """One line per GGML type and outcome, for people (the CLI prints these)."""
@@ -72,7 +73,11 @@ class GGUFConversion:
             note = ""
             if fmt == "pack-quantized" and bits not in VLLM_WNA16_BITS:
                 note = (f" (num_bits {bits}: transformers + compressed-tensors load it; vLLM's compressed-tensors "
-                        f"WNA16 scheme takes num_bits {' and '.join(map(str, VLLM_WNA16_BITS))} only)")
+                        f"WNA16 scheme takes num_bits {' and '.join(map(str, VLLM_WNA16_BITS))} only; --widen "
+                        f"writes num_bits 8)")
+            elif t in self.widened:
+                note = (f" (its {self.widened[t]}-bit integers widened to num_bits 8 for vLLM's WNA16: the same "
+                        f"values, 8 bits per weight)")
             lines.append(f"{t}: {len(n)} Linear weight(s) kept quantized as {fmt}{note}")
         if not self.quantized:
             lines.append("no Linear weight kept quantized: the checkpoint is dense (no quantization_config)")
@@ -89,7 +94,7 @@ VLLM_WNA16_BITS = (4, 8)
 GGUF_OFFSET_TYPES = ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")
 
 
-def gguf_ct_qarray(q):
+def gguf_ct_qarray(q, widen: bool = False):
     """The compressed-tensors form of a GGUF QArray without an offset (`converters.formats.gguf_packed.gguf_qarray`),
     the same codes and scales under the scheme compressed-tensors 0.20 names:
 
@@ -101,7 +106,14 @@ def gguf_ct_qarray(q):
         for bit. (float16 scales would hold Q4_0 / Q8_0's d exactly but round d (q - 8) in float16.)
       MXFP4: `mxfp4-pack-quantized`, E2M1 codes and the E8M0 exponent codes as stored: w = v 2^(e - 127).
 
+    `widen`: an integer type of b bits outside `VLLM_WNA16_BITS` (Q3_K, Q5_0, Q6_K) is written with num_bits 8: the
+    same integers q (|q| <= 2^(b-1) <= 32, inside int8) as int8 codes, the same scales, so compressed-tensors'
+    decompression q s gives the same values bit for bit (the products are the same real numbers, exact in float32),
+    at 8 bits per weight in place of b.
+
     Returns None for a QArray with an offset (GGUF_OFFSET_TYPES): compressed-tensors cannot hold it."""
+    import jax.numpy as jnp
+
     from qformats.formats import IntFormat
     from qformats.qarray import QArray
     from qformats.schemes import QuantScheme
@@ -112,9 +124,14 @@ def gguf_ct_qarray(q):
     if s.format.name == "fp4_e2m1":
         scheme = QuantScheme("fp4_e2m1", "group", group_size=32, scale_format="e8m0", scale_rule="ct")
     else:
-        scheme = QuantScheme(IntFormat(s.bits, signed=True), "group", group_size=s.group_size, symmetric=True,
+        bits = 8 if widen and s.bits not in VLLM_WNA16_BITS else s.bits
+        scheme = QuantScheme(IntFormat(bits, signed=True), "group", group_size=s.group_size, symmetric=True,
                              scale_format="float32")
-    return QArray(q.codes, q.scale, None, None, scheme=scheme, shape=q.shape, dtype=q.dtype, axis=q.axis)
+    codes = q.codes
+    if scheme.bits != s.bits:  # the element values q, re-stored as int8 codes (8-bit signed ints are stored as is)
+        codes = q.element_values(jnp.float32).astype(jnp.int8)
+    scale = q.scale if scheme.scale_format == "e8m0" else q.scale.astype("float32")  # float16 d: exact in float32
+    return QArray(codes, scale, None, None, scheme=scheme, shape=q.shape, dtype=q.dtype, axis=q.axis)
 
 
 def _gguf_plan(g) -> Tuple[Dict[str, str], Set[str]]:
@@ -133,7 +150,7 @@ def _grouped(names_by_type: Mapping[str, List[str]], shown: int = 4) -> str:
 
 def convert_gguf_compressed(src: "str | os.PathLike", dst: "str | os.PathLike", *, dequantize: bool = False,
                             tokenizer: bool = True, max_shard_size: "int | str" = "5GB",
-                            overwrite: bool = False, progress: bool = False) -> GGUFConversion:
+                            overwrite: bool = False, progress: bool = False, widen: bool = False) -> GGUFConversion:
     """Write a GGUF causal LM (`converters.formats.gguf_convert.open_gguf`: llama / mistral / qwen2 / qwen3) as a
     compressed-tensors checkpoint at `dst` that holds the file's values exactly, as transformers + compressed-tensors
     load it (`AutoModelForCausalLM.from_pretrained`; `CompressedTensorsConfig(run_compressed=False)` decompresses).
@@ -149,7 +166,9 @@ def convert_gguf_compressed(src: "str | os.PathLike", dst: "str | os.PathLike", 
     path (each module decompressed under its own group's scheme); its `CompressedTensorsConfig(dequantize=True)`
     path (transformers 5.24, `get_dense_scheme`) applies the first group's scheme to every dense module, so it
     loads the one-scheme checkpoints only. pack-quantized num_bits other than 4 and 8 (Q5_0, Q6_K, Q3_K) load in
-    transformers + compressed-tensors but not in vLLM's WNA16 scheme (`VLLM_WNA16_BITS`; the summary says so).
+    transformers + compressed-tensors but not in vLLM's WNA16 scheme (`VLLM_WNA16_BITS`; the summary says so); with
+    `widen` they are written with num_bits 8 instead (`gguf_ct_qarray(widen=True)`: the same values bit for bit,
+    8 bits per weight; vLLM's Marlin kernels also want groups of 32 / 64 / 128, which Q6_K / Q3_K's 16 are not).
     Other files: config.json (`GGUFModel.config` + quantization_config),
     generation_config.json, the tokenizer files (with `tokenizer`). Atomic (a temp directory renamed into place).
 
@@ -192,6 +211,7 @@ def convert_gguf_compressed(src: "str | os.PathLike", dst: "str | os.PathLike", 
             + f"): {_grouped(refused)}")
     formats: Dict[str, str] = {}
     bits: Dict[str, int] = {}
+    widened: Dict[str, int] = {}
     kept = {n for v in quantized.values() for n in v}
     # every Linear module left dense, and lm_head when it is tied (no tensor of its own) or dense: the config
     # groups target their modules by name, and ignore tells transformers which Linear modules hold plain weights
@@ -209,7 +229,10 @@ def convert_gguf_compressed(src: "str | os.PathLike", dst: "str | os.PathLike", 
             for i, n in enumerate(names):
                 t = types[n]
                 if n in kept:
-                    ct = gguf_ct_qarray(g.get_packed(n))
+                    pq = g.get_packed(n)
+                    ct = gguf_ct_qarray(pq, widen=widen)
+                    if ct.scheme.bits != pq.scheme.bits:
+                        widened[t] = pq.scheme.bits
                     formats[t] = w.add_qarray(n[: -len(".weight")], ct)
                     bits[t] = ct.scheme.bits
                 else:
@@ -221,4 +244,4 @@ def convert_gguf_compressed(src: "str | os.PathLike", dst: "str | os.PathLike", 
             config = {k: v for k, v in g.config.items() if k != "quantization_config"}
             w.finish(config, ignore=ignore, copy_from=extra)
     dequantized = refused if dequantize else {}
-    return GGUFConversion(Path(dst), quantized, formats, dequantized, dense, bits)
+    return GGUFConversion(Path(dst), quantized, formats, dequantized, dense, bits, widened)

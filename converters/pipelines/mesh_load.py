@@ -220,7 +220,8 @@ def place_sliced(w: SlicedQArray, mesh, rules, fpath: str, stats: Optional[ReadS
         placed[leaf] = None if x is None else place(x.shape, x.dtype, NamedSharding(mesh, getattr(specs, leaf)),
                                                     w.reads[leaf], stats)
     return QArray(placed["codes"], placed["scale"], placed["zero_point"], placed["global_scale"], scheme=a.scheme,
-                  shape=a.shape, dtype=a.dtype, axis=a.axis, offset=placed["offset"])
+                  shape=a.shape, dtype=a.dtype, axis=a.axis, offset=placed["offset"],
+                  compute_dtype=a.compute_dtype)
 
 
 def host_sliced(q) -> SlicedQArray:
@@ -232,7 +233,8 @@ def host_sliced(q) -> SlicedQArray:
     leaves = {leaf: getattr(q, leaf) for leaf in _QARRAY_LEAVES}
     sds = {k: None if v is None else jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in leaves.items()}
     abstract = QArray(sds["codes"], sds["scale"], sds["zero_point"], sds["global_scale"], scheme=q.scheme,
-                      shape=q.shape, dtype=q.dtype, axis=q.axis, offset=sds["offset"])
+                      shape=q.shape, dtype=q.dtype, axis=q.axis, offset=sds["offset"],
+                      compute_dtype=q.compute_dtype)
     reads = {k: (lambda ix, v=v: np.asarray(v)[tuple(ix)]) for k, v in leaves.items() if v is not None}
     return SlicedQArray(abstract, reads)
 
@@ -293,7 +295,7 @@ def gguf_sliced(g, name: str, stats: Optional[ReadStats] = None) -> SlicedQArray
 
     sds = lambda a, rows=n: None if a is None else jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype)  # noqa: E731
     abstract = QArray(sds(probe.codes), sds(probe.scale), None, None, scheme=probe.scheme, shape=(k, n),
-                      dtype=probe.dtype, axis=0, offset=sds(probe.offset))
+                      dtype=probe.dtype, axis=0, offset=sds(probe.offset), compute_dtype=probe.compute_dtype)
     reads = {"codes": codes, "scale": part(1)}
     if probe.offset is not None:
         reads["offset"] = part(2)
@@ -328,8 +330,11 @@ def gguf_dense_reader(g, name: str, transpose: bool, stats: Optional[ReadStats] 
 def load_gguf_on_mesh(g, model, cfg, mesh, rules, stats: Optional[ReadStats] = None, packed: bool = True) -> None:
     """Fills the abstract decoder `model` from an open GGUF model `g` onto `mesh`, every parameter placed slice by
     slice from the memory map: with `packed`, each Linear weight in a block type of `gguf_packed.PACKED_TYPES` as
-    the packed QArray `g.get_packed` gives (`gguf_sliced`, swapped in by `qformats.nn.load_quantized`), every other
-    tensor dequantized by gguf (`gguf_dense_reader`).
+    the packed QArray `g.get_packed` gives (`gguf_sliced`, swapped in by `qformats.nn.load_quantized`) and a
+    block-quantized token embedding as a `decoder.PackedEmbed` over its packed QArray (`causal_lm.
+    swap_packed_embedding`; logical [hidden, vocab], codes and scales split by vocabulary rows as the lm_head's
+    kernel: a lookup gathers whole rows, a tied lm_head is a vocabulary-parallel packed GEMV), every other tensor
+    dequantized by gguf (`gguf_dense_reader`).
 
     Raises CheckpointError naming the tensor for a quantized Linear weight of a type not packed (with `packed`), and
     ModelError naming the parameter for a layout the mesh cannot split."""
@@ -345,7 +350,16 @@ def load_gguf_on_mesh(g, model, cfg, mesh, rules, stats: Optional[ReadStats] = N
         raise CheckpointError(f"{g.path}: loading a mixture-of-experts GGUF onto a mesh is not supported")
     slots = decoder.hf_tensor_names(cfg)
     quantized, dense = {}, []
+    embedding = None
+    if packed:  # a block-quantized embedding stays packed, split by vocabulary rows like the lm_head's kernel
+        from converters.pipelines.causal_lm import GGUF_EMBEDDING, swap_packed_embedding
+
+        if swap_packed_embedding(g, model, cfg, lambda n: place_sliced(gguf_sliced(g, n, stats), mesh, rules,
+                                                                        "model/embed_tokens", stats)):
+            embedding = GGUF_EMBEDDING
     for name in g.keys():
+        if name == embedding:
+            continue
         slot = slots.get(name)
         if slot is None:
             raise CheckpointError(f"{g.path}: tensor {name!r}: the model has no place for it")

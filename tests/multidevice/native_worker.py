@@ -100,9 +100,7 @@ def main(n: int, workdir: str):
         ref, _, _ = load_causal_lm(src, tokenizer=False)
         st = ReadStats()
         got, _, _ = load_causal_lm(src, mesh=mesh, tokenizer=False, stats=st)
-        from gguf_mixed import params_dense_embedding
-
-        a = params_dense_embedding(ref)
+        a = jax.tree.leaves(nnx.state(ref, nnx.Param))  # a GGUF's packed embedding too (PackedEmbed on both)
         b = jax.tree.leaves(nnx.state(got, nnx.Param))
         same = len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape
                                         and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))

@@ -51,6 +51,11 @@ def qarray_to_tensors(q: QArray, fmt: str, where: str = "weight") -> Dict[str, n
         raise CheckpointError(f"{where}: {q!r} carries an additive float offset (w = d q + m, GGUF's Q4_1 / Q5_1 / "
                               f"K-quant minima), which compressed-tensors cannot store (its zero point is an integer "
                               f"in code units); write it dense (dequantize) instead")
+    if q.compute_dtype is not None and q.compute_dtype != QArray(q.codes, q.scale, None, None, scheme=q.scheme,
+                                                                 shape=q.shape, dtype=q.dtype, axis=q.axis).work_dtype:
+        raise CheckpointError(f"{where}: {q!r} computes in {q.compute_dtype.name}, not in its scale's dtype, which is "
+                              f"what compressed-tensors computes in: its values would change; widen the scale first "
+                              f"(converters.pipelines.convert_quantized.gguf_ct_qarray for a GGUF weight)")
     s = q.scheme
     n, k = q.tshape
     bits = s.bits

@@ -534,7 +534,8 @@ class PackedEmbed(nnx.Module):
         flat = jnp.asarray(ids, jnp.int32).reshape(-1)
         take = lambda a: a if a is None or a.ndim < 2 else jnp.take(a, flat, axis=0)  # noqa: E731  per-row parts
         rows = QArray(take(q.codes), take(q.scale), take(q.zero_point), q.global_scale, scheme=q.scheme,
-                      shape=(self.features, flat.shape[0]), dtype=q.dtype, axis=0, offset=take(q.offset))
+                      shape=(self.features, flat.shape[0]), dtype=q.dtype, axis=0, offset=take(q.offset),
+                      compute_dtype=q.compute_dtype)
         return dequantize(rows, jnp.float32).T.astype(self.dtype).reshape(tuple(ids.shape) + (self.features,))
 
     def attend(self, h: jax.Array) -> jax.Array:

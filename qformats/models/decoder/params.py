@@ -182,7 +182,7 @@ def _interleave_rows(gate: QArray, up: QArray, where: str) -> QArray:
     gs = None if gate.global_scale is None else same(gate.global_scale, up.global_scale, "global scale")
     off = None if gate.offset is None else rows(gate.offset, up.offset)
     return QArray(rows(gate.codes, up.codes), scale, zp, gs, scheme=s, shape=(gate.shape[0], 2 * gate.shape[1]),
-                  dtype=gate.dtype, axis=0, offset=off)
+                  dtype=gate.dtype, axis=0, offset=off, compute_dtype=gate.compute_dtype)
 
 
 def fuse_gpt_oss_experts(base: str, experts, expert_bias: bool) -> Dict[str, Dict[str, Any]]:

@@ -164,3 +164,35 @@ def test_packed_dot_with_offset(type_name):
     exact = x.astype(np.float64) @ w.astype(np.float64)
     bound = 2 * k * EPS * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)))
     assert np.all(np.abs(y - exact) <= bound)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1"])
+def test_stored_bits_per_weight(type_name):
+    """The block's float16 d (and m) are kept float16, computed in float32: the QArray holds exactly the file's
+    bytes per block (Q4_1: 20 bytes per 32 weights, 5 bits; Q8_0: 8.5), and still decodes as gguf does."""
+    block = PACKED_TYPES[type_name][0]
+    n, k = 3, 4 * block
+    raw = _blocks(type_name, n, k, seed=4)
+    q = gguf_qarray(raw, type_name, (n, k), "t")
+    assert q.scale.dtype == jnp.float16 and q.compute_dtype == jnp.float32 and q.work_dtype == jnp.float32
+    assert q.offset is None or q.offset.dtype == jnp.float16
+    assert q.nbytes == raw.size
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(n, k)
+    np.testing.assert_array_equal(_bits(np.asarray(dequantize(q)).T), _bits(ref))
+    back = jax.tree.unflatten(*reversed(jax.tree.flatten(q)))  # compute_dtype travels as static aux data
+    assert back.compute_dtype == jnp.float32 and back.replace(offset=q.offset).work_dtype == jnp.float32
+
+
+def test_compressed_tensors_writer_refuses_a_compute_dtype_apart_from_the_scale():
+    """A Q8_0 QArray (float16 d, float32 compute) written as is would decompress in float16 in compressed-tensors:
+    refused, naming the tensor; the convert path (gguf_ct_qarray) widens the scale to float32 and is exact."""
+    from converters.formats.compressed_tensors.write import qarray_to_tensors
+    from converters.pipelines.convert_quantized import gguf_ct_qarray
+
+    q = gguf_qarray(_blocks("Q8_0", 2, 64, seed=5), "Q8_0", (2, 64), "t")
+    with pytest.raises(CheckpointError, match="blk.0.weight: .*computes in float32"):
+        qarray_to_tensors(q, "pack-quantized", "blk.0.weight")
+    ct = gguf_ct_qarray(q)
+    assert ct.scale.dtype == jnp.float32 and ct.compute_dtype is None
+    np.testing.assert_array_equal(_bits(dequantize(ct)), _bits(dequantize(q)))
+    assert "weight_packed" in qarray_to_tensors(ct, "pack-quantized", "blk.0.weight")

@@ -92,25 +92,3 @@ def mixed_gguf(path: Path, types: dict, *, hidden=256, heads=4, kv_heads=2, inte
     w.write_tensors_to_file()
     w.close()
     return path
-
-
-def params_dense_embedding(model):
-    """The model's parameter leaves, in state order, with a `PackedEmbed` (the one-device GGUF load keeps a tied
-    Q8_0 embedding packed; on a mesh it is loaded dense) replaced by its dequantized [vocab, hidden] table."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    from qformats.models.decoder import PackedEmbed
-    from qformats.quantize import dequantize
-
-    e = model.model.embed_tokens
-    out = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        if "embed_tokens" in jax.tree_util.keystr(path) and isinstance(e, PackedEmbed):
-            if not any(isinstance(x, np.ndarray) and x.ndim == 2 and x.shape[0] == e.num_embeddings for x in out[-1:]):
-                out.append(np.asarray(dequantize(e.kernel.get_value())).T)
-            continue
-        out.append(leaf)
-    return out
-

@@ -156,6 +156,32 @@ def test_dequantize_writes_offset_types_dense_and_keeps_the_rest(tmp_path):
         np.testing.assert_array_equal(_bits(sd[n].numpy()), _bits(g.get(n)), err_msg=n)
 
 
+def test_widen_writes_3_5_6_bit_types_as_8_bit_exactly(tmp_path):
+    """--widen: Q5_0 / Q6_K / Q3_K keep their integers and scales in num_bits 8 pack-quantized (what vLLM's WNA16
+    serves); transformers + compressed-tensors decompress them to gguf's values bit for bit, and its forward pass on
+    the checkpoint gives our logits on the GGUF file (float32 summation order only)."""
+    src = mixed_gguf(tmp_path / "w.gguf", {"attn_q": "Q5_0", "attn_k": "Q6_K", "attn_v": "Q3_K", "ffn_up": "Q8_0",
+                                           "ffn_down": "Q4_0"}, layers=1)
+    r = convert_gguf_compressed(src, tmp_path / "ct", widen=True)
+    assert r.widened == {"Q5_0": 5, "Q6_K": 6, "Q3_K": 3} and r.num_bits["Q4_0"] == 4
+    lines = {line.split(":")[0]: line for line in r.summary() if "kept quantized" in line}
+    assert all("widened to num_bits 8" in lines[t] and "--widen" not in lines[t] for t in r.widened), lines
+    qc = json.loads((r.path / "config.json").read_text())["quantization_config"]
+    # one group per scheme: widened Q5_0 is Q8_0's (int8, groups of 32), widened Q6_K and Q3_K share int8 groups of 16
+    assert sorted((c["weights"]["num_bits"], c["weights"]["group_size"]) for c in qc["config_groups"].values()) == \
+        [(4, 32), (8, 16), (8, 32)]
+    g = open_gguf(src)
+    model = _load_torch(r.path)
+    got = _ct_weights(model)
+    for n in g.keys():
+        if n.endswith("proj.weight"):
+            np.testing.assert_array_equal(_bits(got[n]), _bits(g.get(n)), err_msg=n)
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(IDS)).logits.numpy()
+    ours = _our_logits(src)
+    assert np.abs(ours - theirs).max() <= ATOL * max(1.0, np.abs(ours).max())
+
+
 def test_cli_convert_gguf(tmp_path, capsys):
     from converters.cli import main
 

@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_mixed import mixed_gguf, params_dense_embedding  # noqa: E402
+from gguf_mixed import mixed_gguf  # noqa: E402
 
 from converters.formats.gguf_convert import open_gguf  # noqa: E402
 from converters.formats.gguf_packed import PACKED_TYPES  # noqa: E402
@@ -77,7 +77,11 @@ def test_gguf_on_a_one_device_mesh_equals_load_causal_lm(tmp_path, packed):
     ref, hf_ref, _ = load_causal_lm(src, tokenizer=False, packed=packed)
     got, hf, _ = load_causal_lm(src, mesh=Mesh(np.array(jax.devices()[:1]), ("tp",)), tokenizer=False, packed=packed)
     assert hf == hf_ref
-    a, b = params_dense_embedding(ref), jax.tree.leaves(nnx.state(got, nnx.Param))
+    from qformats.models.decoder import PackedEmbed
+
+    # the Q8_0 embedding packed (a PackedEmbed) on the mesh as on one device: the same leaves, bit for bit
+    assert isinstance(got.model.embed_tokens, PackedEmbed) == isinstance(ref.model.embed_tokens, PackedEmbed) == packed
+    a, b = jax.tree.leaves(nnx.state(ref, nnx.Param)), jax.tree.leaves(nnx.state(got, nnx.Param))
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.dtype == y.dtype and x.shape == y.shape
