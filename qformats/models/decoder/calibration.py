@@ -54,7 +54,7 @@ from flax import nnx
 
 from qformats.algorithms import awq, smoothquant
 from qformats.algorithms.gptq import GPTQOptions
-from qformats.algorithms.sequential import Batches, input_groups, make_batches
+from qformats.algorithms.sequential import Batches, input_groups, make_batches, pack_batches, packed_mask
 from qformats.algorithms.shared_scales import fused_global_scales
 from qformats.algorithms.weight_search import RTN, quantize_group, quantize_projection, search_name
 from qformats.errors import ModelError
@@ -155,7 +155,7 @@ def _propagate(layer, xs, layer_inputs) -> None:
             lin.schemes = SchemeSet(lin.schemes.name, lin.schemes.weights)
     try:
         for j in range(len(xs)):
-            xs[j] = _forward(layer, xs[j], *layer_inputs(xs[j].shape[1]))
+            xs[j] = _forward(layer, xs[j], *layer_inputs(j))
     finally:
         for rel, schemes in saved.items():
             _get(layer, rel).schemes = schemes
@@ -177,17 +177,25 @@ def _observer(scheme):
     return _OBSERVERS[scheme]
 
 
-def _layer_inputs(config, t: int, window):
-    positions = jnp.arange(t, dtype=jnp.int32)
+def _layer_inputs(config, batches: Batches, j: int, window):
+    """(cos, sin, mask) of batch j: [T, D] tables and a [T, T] causal mask for one sample a row, or per-row
+    [B, T, D] tables of each token's position in its sample and a [B, T, T] mask within samples (packed rows)."""
+    t = batches.ids[j].shape[1]
+    if batches.positions is None:
+        positions = jnp.arange(t, dtype=jnp.int32)
+        mask = attention_mask(positions, t, window)
+    else:
+        positions = jnp.asarray(batches.positions[j])
+        mask = jnp.asarray(packed_mask(batches.positions[j], batches.segments[j], window))
     cos, sin = rope_tables(positions, inv_freq(config), config.rope.attention_scaling)
-    return cos, sin, attention_mask(positions, t, window)
+    return cos, sin, mask
 
 
 def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = "gptq",
                       gptq: GPTQOptions = GPTQOptions(), propagate: str = "quantized", guard: bool = True,
                       transform: Optional[Callable] = None, kv_cache: Optional[KVCacheScheme] = None,
                       tokens_per_batch: int = 2048, bucket: int = 32, max_padding: float = 0.125,
-                      shape_cost: Optional[int] = None,
+                      shape_cost: Optional[int] = None, pack: bool = True,
                       embed: Optional[Callable] = None, load_layer: Optional[Callable] = None,
                       store_layer: Optional[Callable] = None, between_phases: Optional[Callable[[], None]] = None,
                       timings: Optional[Dict[str, float]] = None, log: Callable[[str], None] = lambda m: None,
@@ -205,13 +213,17 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
       guard: keep round-to-nearest for a projection where the search does not lower tr(dW^T H dW).
       transform: optional `transform(layer, index, xs, valid, layer_inputs)` run on the float layer before its
         calibration pass (e.g. `smoothquant_transform` folding scales into the layer): `xs`
-        the layer's input batches [B, T, d], `valid` their [B, T] real-token masks, `layer_inputs(T) -> (cos,
-        sin, mask)` the layer's other arguments.
+        the layer's input batches [B, T, d], `valid` their [B, T] real-token masks, `layer_inputs(j) -> (cos,
+        sin, mask)` batch j's other arguments.
       kv_cache: quantize the KV cache too (`qformats.kv_cache`): static scales k_scale = max|keys| / 448 (per
         tensor or per KV head) over the real tokens of every layer's calibration pass, i.e. from that layer's
         float projections fed by the propagated (quantized-weight) outputs of the layers below, as
         llm-compressor 0.14 observes them; a dynamic scheme is enabled as is.
-      tokens_per_batch, bucket, max_padding, shape_cost: batching (`make_batches`). shape_cost None: the
+      pack: several samples per row (`pack_batches`: one batch shape, so each layer pass compiles once, and
+        few padded positions; each sample attends to itself only, so the statistics are those of one sample a
+        row); False: one sample a row (`make_batches`, with the options below).
+      tokens_per_batch, bucket, max_padding, shape_cost: batching (`make_batches`; with `pack`, tokens_per_batch
+        and bucket only). shape_cost None: the
         layer passes' compilation cost in token positions, SHAPE_COST_PARAMS / (layers * parameters per layer)
         (one [B, T] shape's two compilations cost about what running that many positions through every layer
         does: measured on SmolLM2, ~200 positions); 0: bucket merging by max_padding only. A layer pass's temporaries grow with the
@@ -266,9 +278,13 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         per_layer = sum(int(np.prod(_get(model.model.layers[0], rel).kernel.get_value().shape))
                         for rel in _linear_projections(model.model.layers[0]) + _expert_paths(model.model.layers[0]))
         shape_cost = SHAPE_COST_PARAMS // max(1, len(model.model.layers) * per_layer)
-    batches = samples if isinstance(samples, Batches) else make_batches(samples, tokens_per_batch=tokens_per_batch,
-                                                                      bucket=bucket, max_padding=max_padding,
-                                                                      shape_cost=shape_cost)
+    if isinstance(samples, Batches):
+        batches = samples
+    elif pack:
+        batches = pack_batches(samples, tokens_per_batch=tokens_per_batch, bucket=bucket)
+    else:
+        batches = make_batches(samples, tokens_per_batch=tokens_per_batch, bucket=bucket, max_padding=max_padding,
+                               shape_cost=shape_cost)
     cfg = model.config
     layers = model.model.layers
     fits = []
@@ -291,10 +307,11 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
 
     tables = {}
 
-    def layer_inputs(t: int, window):
-        if (t, window) not in tables:
-            tables[(t, window)] = _layer_inputs(cfg, t, window)
-        return tables[(t, window)]
+    def layer_inputs(j: int, window):
+        key = (batches.ids[j].shape[1] if batches.positions is None else j, window)
+        if key not in tables:
+            tables[key] = _layer_inputs(cfg, batches, j, window)
+        return tables[key]
 
     clock = _Clock(timings)
     xs = [_embed(model, jnp.asarray(ids)) if embed is None else jnp.asarray(embed(ids)) for ids in batches.ids]
@@ -309,7 +326,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             load_layer(i, layer)
             clock("load layer")
         if transform is not None:
-            transform(layer, i, xs, valid, lambda t: layer_inputs(t, window))
+            transform(layer, i, xs, valid, lambda j: layer_inputs(j, window))
             clock("transform", nnx.state(layer))
         projs = _linear_projections(layer)
         groups = input_groups(projs)
@@ -330,7 +347,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         keep = propagate == "float"
         amax = None
         for j, (x, v) in enumerate(zip(xs, valid)):
-            args = (layer, x, v, *layer_inputs(x.shape[1], window))
+            args = (layer, x, v, *layer_inputs(j, window))
             if kv_static:
                 out, cur = _calibration_pass_kv(*args, kv_cache, keep)
                 amax = cur if amax is None else tuple(jnp.maximum(a, c) for a, c in zip(amax, cur))
@@ -376,7 +393,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             projections += n_experts
         clock("weight search", nnx.state(layer))
         if propagate == "quantized":
-            _propagate(layer, xs, lambda t: layer_inputs(t, window))
+            _propagate(layer, xs, lambda j: layer_inputs(j, window))
             clock("propagation", xs)
             if between_phases is not None:
                 between_phases()
@@ -796,7 +813,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
         mappings = _awq_mappings(layer, index)
         taps = tuple(dict.fromkeys(m.balances[0] for m in mappings))
         graphdef, state = nnx.split(layer)
-        extras = [layer_inputs(x.shape[1]) for x in xs]
+        extras = [layer_inputs(j) for j in range(len(xs))]
         seen = [_capture(graphdef, state, x, *e, taps) for x, e in zip(xs, extras)]
         tokens = int(sum(int(np.sum(np.asarray(v))) for v in valid))
         for m in mappings:
@@ -891,8 +908,8 @@ def smoothquant_transform(alpha: float, moe: Optional[bool] = None) -> Callable:
             norms[norm] = inner
             setattr(layer, norm, _RangeTap(inner, int(inner.weight.get_value().shape[0])))
         try:
-            for x, v in zip(xs, valid):
-                _range_pass(layer, x, v, *layer_inputs(x.shape[1]))
+            for j, (x, v) in enumerate(zip(xs, valid)):
+                _range_pass(layer, x, v, *layer_inputs(j))
             ranges = {n: getattr(layer, n).hi.get_value() - getattr(layer, n).lo.get_value() for n in norms}
         finally:
             for n, inner in norms.items():
