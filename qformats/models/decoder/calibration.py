@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 from qformats.algorithms import awq, smoothquant
-from qformats.algorithms.gptq import GPTQOptions
+from qformats.algorithms.gptq import GPTQOptions, _one_blas_thread
 from qformats.algorithms.sequential import Batches, input_groups, make_batches, pack_batches, packed_mask
 from qformats.algorithms.shared_scales import fused_global_scales
 from qformats.algorithms.weight_search import RTN, quantize_group, quantize_projection, search_name
@@ -86,15 +86,39 @@ shape, as token positions times (layers * parameters per layer) run through them
 
 class _Masked(nnx.Module):
     """Calibration wrapper of one projection: the calibrating QLinear inside sees its input with padding rows
-    zeroed (`valid` is set before each batch), so they add nothing to its sum of x x^T or activation range."""
+    zeroed (`valid` is set before each batch), so they add nothing to its sum of x x^T or activation range.
+    With `tap`, that masked input is also sown (nnx.Intermediate "x") for H to be summed on the host
+    (`_host_moments`)."""
 
-    def __init__(self, inner: QLinear):
+    def __init__(self, inner: QLinear, tap: bool = False):
         self.inner = inner
+        self.tap = tap
         self.valid = CalibStat(jnp.ones((1, 1), jnp.float32))
 
     def __call__(self, x):
         v = self.valid.get_value().reshape(x.shape[:-1])  # [B, T], or [M] inside an MoE block (flattened tokens)
-        return self.inner(x * v[..., None].astype(x.dtype))
+        x = x * v[..., None].astype(x.dtype)
+        if self.tap:
+            self.sow(nnx.Intermediate, "x", x)
+        return self.inner(x)
+
+
+def _host_moments(taps, sums: Dict[str, np.ndarray]) -> None:
+    """Adds x^T x of each input sown by a layer's tapped projections (`_Masked` with tap) in one pass (`taps`, as
+    nnx.capture returns them) to `sums[path]` (float32 [K, K]; path relative to the layer).
+
+    On the host: NumPy's `x.T @ x` is BLAS syrk (one triangle, half the multiply-adds of XLA:CPU's general product),
+    on one BLAS thread (`gptq._one_blas_thread`)."""
+    with _one_blas_thread():
+        for path, var in nnx.to_flat_state(taps):  # path: the _Masked module's, then "x"; value: the sown tuple
+            rel = "/".join(str(p) for p in path[:-1])
+            for x in (var.get_value() if isinstance(var, nnx.Variable) else var):
+                a = np.asarray(x)
+                a = a.reshape(-1, a.shape[-1]).astype(np.float32, copy=False)
+                if rel in sums:
+                    sums[rel] += a.T @ a
+                else:
+                    sums[rel] = a.T @ a
 
 
 def _get(layer, rel: str):
@@ -119,11 +143,12 @@ def _set_valid(layer, valid) -> None:
 
 @functools.partial(nnx.jit, static_argnames=("keep_output",))
 def _calibration_pass(layer, x, valid, cos, sin, mask, keep_output):
-    """Runs the calibrating layer (its projections record their statistics); returns its output only with
-    `keep_output`: otherwise XLA drops what no statistic needs (down_proj's product and the residual after it)."""
+    """Runs the calibrating layer (its projections record their statistics); returns (its output, the inputs its
+    tapped projections sowed: `_host_moments`), the output only with `keep_output`: otherwise XLA drops what no
+    statistic needs (down_proj's product and the residual after it)."""
     _set_valid(layer, valid)
-    out = layer(x, cos, sin, mask)[0]
-    return out if keep_output else None
+    out, taps = nnx.capture(lambda m: m(x, cos, sin, mask)[0], nnx.Intermediate)(layer)
+    return (out if keep_output else None), taps
 
 
 @functools.partial(nnx.jit, static_argnames=("kv_scheme", "keep_output"))
@@ -131,10 +156,10 @@ def _calibration_pass_kv(layer, x, valid, cos, sin, mask, kv_scheme, keep_output
     """The calibration pass, plus max |state| of the keys / values this batch's real tokens put into the cache
     (shapes `kv_scheme.scale_shape`: per tensor or per KV head)."""
     _set_valid(layer, valid)
-    out, (k, v) = layer(x, cos, sin, mask)
+    (out, (k, v)), taps = nnx.capture(lambda m: m(x, cos, sin, mask), nnx.Intermediate)(layer)
     real = valid[:, None, :, None]
     amax = tuple(amax_of(jnp.where(real, s, jnp.zeros((), s.dtype)), kv_scheme) for s in (k, v))
-    return (out if keep_output else None), amax
+    return (out if keep_output else None), taps, amax
 
 
 @nnx.jit
@@ -336,11 +361,12 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 lin = _get(layer, rel)
                 floats[rel] = lin.kernel.get_value()
                 obs = _observer(a if a is not None else ss.weights)
-                cal = QLinear.from_module(lin, ss, mode="calibrate", path=rel, observer=obs,
-                                          full_moments=weight_search != RTN and rel == group[0])
-                # the group's members read the same input: its first member records H and the input range
+                cal = QLinear.from_module(lin, ss, mode="calibrate", path=rel, observer=obs)
+                # the group's members read the same input: its first member records the input range, and its
+                # input is tapped for H = sum x x^T (summed on the host, `_host_moments`)
                 cal.record_inputs = rel == group[0]
-                _set(layer, rel, _Masked(cal))
+                _set(layer, rel, _Masked(cal, tap=weight_search != RTN and rel == group[0]))
+        sums: Dict[str, np.ndarray] = {}
         moe = _moe_calibrating(layer, weight_search, moe_statistics)
         # the calibration pass's outputs are the next layer's inputs only with float propagation; otherwise
         # the propagation pass makes them, and this pass keeps none (nor computes what only they need)
@@ -349,12 +375,14 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         for j, (x, v) in enumerate(zip(xs, valid)):
             args = (layer, x, v, *layer_inputs(j, window))
             if kv_static:
-                out, cur = _calibration_pass_kv(*args, kv_cache, keep)
+                out, taps, cur = _calibration_pass_kv(*args, kv_cache, keep)
                 amax = cur if amax is None else tuple(jnp.maximum(a, c) for a, c in zip(amax, cur))
             else:
-                out = _calibration_pass(*args, keep)
+                out, taps = _calibration_pass(*args, keep)
             if keep:
                 xs[j] = out
+            _host_moments(taps, sums)
+            del taps
         if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
         moe_stats = None if moe is None else moe.finish(layer)  # the MoE block back in place, its statistics out
@@ -365,8 +393,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         results = {}
         for group in groups:
             first = _get(layer, group[0]).inner
-            total, _ = first.input_moments
-            h = total / batches.tokens if total.ndim == 2 else None
+            h = jnp.asarray(sums.pop(group[0]) / np.float32(batches.tokens)) if group[0] in sums else None
             results.update(quantize_group({r: floats[r] for r in group}, ss, h, weight_search, gptq, guard, shared))
             for rel in group[1:]:  # the input range the first member observed is theirs too
                 _get(layer, rel).inner.calib_amax.set_value(first.calib_amax.get_value())
