@@ -200,6 +200,27 @@ RECIPES = {"gptq": ("W4A16:g{group}", "W4A16:g{group} GPTQ (block 128, dampening
            "smoothquant-gptq": ("W8A8", "SmoothQuant 0.5 + GPTQ W8A8 (block 128, dampening 0.01, actorder static)")}
 
 
+def phase_table(ph: dict, cpu_s: float, wall_s: float, layers: int):
+    """Markdown rows: each phase's wall and CPU seconds, and for the per-layer phases the first layer's excess CPU
+    over the mean of the other layers (compilation: the first layer compiles the layer passes and the weight
+    search), from `quantize_calibrated_lm(timings=...)`; the rest of the process (interpreter start, exit) last."""
+    out = ["| phase | wall s | CPU s | of which compiling (layer 1's excess CPU s) |", "| --- | ---: | ---: | ---: |"]
+    names = [k for k in ph if not k.endswith((" cpu", "(layer 1)"))]
+    cw = cc = 0.0
+    for k in names:
+        w, c = ph[k], ph.get(k + " cpu", float("nan"))
+        if k == "imports":
+            c = ph["imports cpu"]  # process CPU time when the imports were done (the interpreter's start included)
+        first = ph.get(f"{k} cpu (layer 1)")
+        comp = "" if first is None else f"{first - (c - first) / (layers - 1):.1f}"
+        out.append(f"| {k} | {w:.1f} | {c:.1f} | {comp} |")
+        cw += w
+        cc += 0.0 if c != c else c
+    out.append(f"| rest (unaccounted: exit, untimed) | {wall_s - cw:.1f} | {cpu_s - cc:.1f} | |")
+    out.append(f"| whole process | {wall_s:.1f} | {cpu_s:.1f} | |")
+    return out
+
+
 def _run(cmd, env, what):
     """Runs cmd, returns (its last stdout line as JSON, the wall seconds of the whole process)."""
     t0 = time.perf_counter()
@@ -345,10 +366,7 @@ def main():
                         f"median oneshot call: wall {r['wall_s'] / t_med:.3f}, CPU {r['cpu_s'] / c_med:.3f} "
                         f"(goal <= 0.5); VmHWM {r['vmhwm_mib'] / m_med:.2f} (goal <= 0.5)")
             if "phases" in r:
-                ph = r["phases"]
-                rows.append("phases, wall / CPU s: " + ", ".join(
-                    f"{k} {v:.1f} / {ph.get(k + ' cpu', float('nan')):.1f}" for k, v in ph.items()
-                    if not k.endswith(" cpu")))
+                rows += ["", *phase_table(r["phases"], r["cpu_s"], r["wall_s"], 30), ""]
     print("\n".join(rows))
 
 

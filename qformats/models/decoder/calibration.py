@@ -266,7 +266,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
       timings: optional dict; the wall seconds of each phase are added to it under "embed", "load layer",
         "transform", "calibration pass", "weight search", "propagation", "store layer", and the process's CPU
         seconds under the same name + " cpu" (compilations included: each phase waits for its results before
-        the clock is read, so the figures add up to the call's time).
+        the clock is read, so the figures add up to the call's time); the same after the first layer under
+        NAME + " (layer 1)" (the first layer compiles the layer passes and the weight search).
       log: progress messages.
       moe_statistics: mixture-of-experts layers (`MOE_STATISTICS`): "all" (default, llm-compressor 0.14's
         `moe_calibrate_all_experts=True`): in the calibration pass every real token goes through every expert for
@@ -429,6 +430,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         if store_layer is not None:
             store_layer(i, layer)
             clock("store layer")
+        if timings is not None and i == 0:  # layer 1 alone: its excess over the others' mean is compilation
+            timings.update({f"{k} (layer 1)": v for k, v in list(timings.items()) if "(layer 1)" not in k})
         log(f"layer {i + 1}/{len(layers)}: {weight_search}")
     if kv_cache is not None:
         enable_kv_cache_quantization(model, kv_cache, kv_scales if kv_static else None)
