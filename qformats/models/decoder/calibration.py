@@ -119,6 +119,8 @@ def _host_moments(taps, sums: Dict[str, np.ndarray]) -> None:
                     sums[rel] += a.T @ a
                 else:
                     sums[rel] = a.T @ a
+            if isinstance(var, nnx.Variable):  # flax keeps the captured Variables referenced: let go of the arrays
+                var.set_value(())
 
 
 def _get(layer, rel: str):
