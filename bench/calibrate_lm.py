@@ -117,7 +117,10 @@ import json, resource, sys, time
 _t0 = time.perf_counter()
 from converters.pipelines.calibrate import quantize_calibrated_lm
 from converters.process import lean_calibration
-src, dst, text, seq_len, tokens, scheme, kind, seed = sys.argv[1:9]
+src, dst, text, seq_len, tokens, scheme, kind, seed, cache = sys.argv[1:10]
+if cache:  # JAX's persistent compilation cache, as `qformats quantize --calibrate` turns it on (converters.cli.common)
+    import jax
+    jax.config.update("jax_compilation_cache_dir", cache)
 phases = {"imports": time.perf_counter() - _t0, "imports cpu": time.process_time()}
 with lean_calibration() as between_phases:  # the process tuning `qformats quantize --calibrate` applies
     info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),
@@ -253,6 +256,9 @@ def main():
     ap.add_argument("--no-table", action="store_true",
                     help="measure only (e.g. under the bench lock); the perplexities and the table come from a later "
                          "--side none run")
+    ap.add_argument("--compile-cache", action="store_true",
+                    help="ours with JAX's persistent compilation cache in WORK/jax-cache (the qformats CLI's default; "
+                         "programs compiling in over 1 s): a second run reads them instead of compiling")
     ap.add_argument("--src", default=None, help="a dense SmolLM2 HF directory (default: converted from the GGUF)")
     ap.add_argument("--llmc-python", default="/work/oneshot/bin/python")
     ap.add_argument("--work", default=None)
@@ -289,7 +295,8 @@ def main():
             if side == "ours":
                 seed = 0 if dst.name.endswith("-ours") else int(dst.name.rsplit("-s", 1)[1])
                 r, wall = _run([sys.executable, "-c", OURS, str(src), str(dst), str(text), str(a.seq_len),
-                                str(total), scheme, a.recipe, str(seed)], env, "ours")
+                                str(total), scheme, a.recipe, str(seed),
+                                str(work / "jax-cache") if a.compile_cache else ""], env, "ours")
                 r["wall_s"] = wall
                 if r["tokens"] != total:
                     raise SystemExit(f"calibration tokens differ: ours {r['tokens']}, theirs {total}")
