@@ -214,7 +214,8 @@ def phase_table(ph: dict, cpu_s: float, wall_s: float, layers: int):
         w, c = ph[k], ph.get(k + " cpu", float("nan"))
         if k == "imports":
             c = ph["imports cpu"]  # process CPU time when the imports were done (the interpreter's start included)
-        first = ph.get(f"{k} cpu (layer 1)")
+        first = ph.get(f"{k} cpu (layer 1)") if k in ("transform", "calibration pass", "weight search",
+                                                         "propagation") else None
         comp = "" if first is None else f"{first - (c - first) / (layers - 1):.1f}"
         out.append(f"| {k} | {w:.1f} | {c:.1f} | {comp} |")
         cw += w
