@@ -1,4 +1,4 @@
-"""Layer-by-layer (sequential) calibration, the pure pieces: calibration samples padded into batches, and the
+"""Layer-by-layer (sequential) calibration, the pure pieces: calibration samples padded or packed into batches, and the
 projections of a layer grouped by the input they read (one Hessian per group).
 
 The layer loop itself (calibration pass, weight search per input group, propagation pass) needs the model: for the

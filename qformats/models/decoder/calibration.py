@@ -6,7 +6,7 @@ NVFP4 global scales, calibration batches); this module knows the decoder's modul
 
 As llm-compressor's sequential pipeline does it, with the decoder layer as the unit:
 
-    x_0 = embed(ids)                                  (every calibration sample, padded into batches)
+    x_0 = embed(ids)                                  (every calibration sample, packed into batches)
     for layer i = 0 .. L-1:
         [transforms: SmoothQuant / AWQ scales folded into the layer, from a float pass over x_i]
         calibration pass: layer_i(x_i) in float, recording H_p = E[x x^T] over real tokens for each projection p,
@@ -32,11 +32,13 @@ through every expert for the statistics, the routed experts only for the layer's
 stack becomes a `QExperts`.
 
 So only one layer's activations (its inputs and outputs for every sample) and its Hessians are alive at
-once: peak memory grows with one layer, not with the model. Samples of different lengths are right-padded to
-a bucket length and padding rows are zeroed at every projection's input, so they add nothing to H (causal
-attention: a real position never sees a padded one, so the real tokens' activations are those of the
-unpadded sample). Each layer's projections are built with paths relative to the layer, so every layer has
-the same graph and each (batch, length) shape compiles once for the whole model.
+once: peak memory grows with one layer, not with the model. Samples of different lengths are packed into rows
+of one length (`pack_batches`: each token attends only to the earlier tokens of its own sample, positions restart
+per sample) or, with pack=False, right-padded to a bucket length; padding positions are zeroed at every
+projection's input, so they add nothing to H, and the real tokens' activations are those of each sample alone.
+Each group's H = sum x x^T is summed on the host from the inputs the calibration pass captures (BLAS syrk).
+Each layer's projections are built with paths relative to the layer, so every layer has the same graph and each
+(batch, length) shape compiles once for the whole model (packed: one shape).
 
 Takes a `CausalLM` and token arrays, quantizes it in place; no file I/O (converters.pipelines.calibrate drives it).
 """
