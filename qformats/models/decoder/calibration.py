@@ -263,8 +263,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         embeddings of a batch's token ids (default: the model's embed_tokens); `load_layer(i, layer)` fills
         layer i's parameters just before its turn; `store_layer(i, layer)` receives layer i once quantized
         and propagated (full module paths set), after which calibration never touches it again.
-      between_phases: optional `between_phases()` called after each layer's calibration pass, the weight search of
-        each of its input groups (q/k/v, o, gate/up, down) and its propagation (e.g.
+      between_phases: optional `between_phases()` called after each layer's transform, calibration pass, the weight
+        search of each of its input groups (q/k/v, o, gate/up, down) and its propagation (e.g.
         `converters.process.trim_malloc`: the temporaries of one phase, its first compilation included, handed back
         before the next).
       timings: optional dict; the wall seconds of each phase are added to it under "embed", "load layer",
@@ -358,6 +358,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         if transform is not None:
             transform(layer, i, xs, valid, lambda j: layer_inputs(j, window))
             clock("transform", nnx.state(layer))
+            if between_phases is not None:
+                between_phases()
         projs = _linear_projections(layer)
         groups = input_groups(projs)
         floats = {}
