@@ -117,7 +117,10 @@ import json, resource, sys, time
 _t0 = time.perf_counter()
 from converters.pipelines.calibrate import quantize_calibrated_lm
 from converters.process import lean_calibration
-src, dst, text, seq_len, tokens, scheme, kind, seed = sys.argv[1:9]
+src, dst, text, seq_len, tokens, scheme, kind, seed, cache = sys.argv[1:10]
+if cache:  # JAX's persistent compilation cache, as `qformats quantize --calibrate` turns it on (converters.cli.common)
+    import jax
+    jax.config.update("jax_compilation_cache_dir", cache)
 phases = {"imports": time.perf_counter() - _t0, "imports cpu": time.process_time()}
 with lean_calibration() as between_phases:  # the process tuning `qformats quantize --calibrate` applies
     info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),
@@ -200,6 +203,28 @@ RECIPES = {"gptq": ("W4A16:g{group}", "W4A16:g{group} GPTQ (block 128, dampening
            "smoothquant-gptq": ("W8A8", "SmoothQuant 0.5 + GPTQ W8A8 (block 128, dampening 0.01, actorder static)")}
 
 
+def phase_table(ph: dict, cpu_s: float, wall_s: float, layers: int):
+    """Markdown rows: each phase's wall and CPU seconds, and for the per-layer phases the first layer's excess CPU
+    over the mean of the other layers (compilation: the first layer compiles the layer passes and the weight
+    search), from `quantize_calibrated_lm(timings=...)`; the rest of the process (interpreter start, exit) last."""
+    out = ["| phase | wall s | CPU s | of which compiling (layer 1's excess CPU s) |", "| --- | ---: | ---: | ---: |"]
+    names = [k for k in ph if not k.endswith((" cpu", "(layer 1)"))]
+    cw = cc = 0.0
+    for k in names:
+        w, c = ph[k], ph.get(k + " cpu", float("nan"))
+        if k == "imports":
+            c = ph["imports cpu"]  # process CPU time when the imports were done (the interpreter's start included)
+        first = ph.get(f"{k} cpu (layer 1)") if k in ("transform", "calibration pass", "weight search",
+                                                         "propagation") else None
+        comp = "" if first is None else f"{first - (c - first) / (layers - 1):.1f}"
+        out.append(f"| {k} | {w:.1f} | {c:.1f} | {comp} |")
+        cw += w
+        cc += 0.0 if c != c else c
+    out.append(f"| rest (unaccounted: exit, untimed) | {wall_s - cw:.1f} | {cpu_s - cc:.1f} | |")
+    out.append(f"| whole process | {wall_s:.1f} | {cpu_s:.1f} | |")
+    return out
+
+
 def _run(cmd, env, what):
     """Runs cmd, returns (its last stdout line as JSON, the wall seconds of the whole process)."""
     t0 = time.perf_counter()
@@ -232,6 +257,9 @@ def main():
     ap.add_argument("--no-table", action="store_true",
                     help="measure only (e.g. under the bench lock); the perplexities and the table come from a later "
                          "--side none run")
+    ap.add_argument("--compile-cache", action="store_true",
+                    help="ours with JAX's persistent compilation cache in WORK/jax-cache (the qformats CLI's default; "
+                         "programs compiling in over 1 s): a second run reads them instead of compiling")
     ap.add_argument("--src", default=None, help="a dense SmolLM2 HF directory (default: converted from the GGUF)")
     ap.add_argument("--llmc-python", default="/work/oneshot/bin/python")
     ap.add_argument("--work", default=None)
@@ -268,7 +296,8 @@ def main():
             if side == "ours":
                 seed = 0 if dst.name.endswith("-ours") else int(dst.name.rsplit("-s", 1)[1])
                 r, wall = _run([sys.executable, "-c", OURS, str(src), str(dst), str(text), str(a.seq_len),
-                                str(total), scheme, a.recipe, str(seed)], env, "ours")
+                                str(total), scheme, a.recipe, str(seed),
+                                str(work / "jax-cache") if a.compile_cache else ""], env, "ours")
                 r["wall_s"] = wall
                 if r["tokens"] != total:
                     raise SystemExit(f"calibration tokens differ: ours {r['tokens']}, theirs {total}")
@@ -345,10 +374,7 @@ def main():
                         f"median oneshot call: wall {r['wall_s'] / t_med:.3f}, CPU {r['cpu_s'] / c_med:.3f} "
                         f"(goal <= 0.5); VmHWM {r['vmhwm_mib'] / m_med:.2f} (goal <= 0.5)")
             if "phases" in r:
-                ph = r["phases"]
-                rows.append("phases, wall / CPU s: " + ", ".join(
-                    f"{k} {v:.1f} / {ph.get(k + ' cpu', float('nan')):.1f}" for k, v in ph.items()
-                    if not k.endswith(" cpu")))
+                rows += ["", *phase_table(r["phases"], r["cpu_s"], r["wall_s"], 30), ""]
     print("\n".join(rows))
 
 

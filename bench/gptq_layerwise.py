@@ -195,15 +195,15 @@ def main() -> None:
     from qformats.algorithms.gptq import gptq_quantize
 
     scheme = QuantScheme("int4", "group", group_size=a.group)
-    from qformats.algorithms.sequential import make_batches
-    b = make_batches([np.asarray(x, np.int32) for x in ids], tokens_per_batch=2048, bucket=32, max_padding=0.125)
+    from qformats.algorithms.sequential import pack_batches
+    b = pack_batches([np.asarray(x, np.int32) for x in ids], tokens_per_batch=2048, bucket=32)  # calibrate_decoder's
     key = {json.dumps(list(x)): k for k, x in enumerate(ids)}
-    where = {}  # sample -> (batch, row)
-    for bi, (bid, bv) in enumerate(zip(b.ids, b.valid)):
+    where = {}  # sample -> (batch, row, first column, length)
+    for bi, (bid, bseg) in enumerate(zip(b.ids, b.segments)):
         for r in range(bid.shape[0]):
-            n = int(bv[r].sum())
-            if n:
-                where[key[json.dumps(bid[r, :n].tolist())]] = (bi, r, n)
+            for g in range(int(bseg[r].max()) + 1):
+                cols = np.flatnonzero(bseg[r] == g)
+                where[key[json.dumps(bid[r, cols].tolist())]] = (bi, r, int(cols[0]), cols.size)
     nsamples = len(ids)
     o_ck = safe_open(str(work / "ours" / "model.safetensors"), "np")
     t_ck = safe_open(str(work / "theirs" / "model.safetensors"), "np")
@@ -218,8 +218,8 @@ def main() -> None:
         if i in layers:
             num = den = 0.0
             for k in range(nsamples):
-                bi, r, n = where[k]
-                xo = ours["inputs"][i][bi][0][r, :n]
+                bi, r, c, n = where[k]
+                xo = ours["inputs"][i][bi][0][r, c:c + n]
                 xt = th[f"x{i}_{k}"]
                 num += float(np.sum((xo.astype(np.float64) - xt) ** 2))
                 den += float(np.sum(xt.astype(np.float64) ** 2))

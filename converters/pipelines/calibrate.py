@@ -356,6 +356,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
     after (store_layer), its arrays then dropped; the embeddings of the calibration tokens are gathered from
     the map. The dense model is never resident: peak memory is one layer (plus the packed layers waiting in the
     writer's shard and the calibration activations). Same tensors, values and checks as loading it whole."""
+    c0 = time.process_time()
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -378,11 +379,11 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
         raise CheckpointError(f"{src / 'config.json'}: {e}") from None
     model = nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
     tok = load_tokenizer(src)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     samples = load_calibration(calibration, None if tok is None else (lambda text, t=tok: t.encode(text).ids),
                                seq_len=seq_len, max_tokens=calibration_tokens, seed=seed, vocab_size=cfg.vocab_size)
     del tok  # the tokenizer's tables (~50 MiB) are not needed while calibrating
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     slots = hf_tensor_names(cfg)
 
     with open_checkpoint(src) as ck:
@@ -419,7 +420,9 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
         plan = _stream_plan(ck, scheme, slots, per_layer, outside, model)
         if timings is not None:
             timings["read calibration"] = timings.get("read calibration", 0.0) + t2 - t1
+            timings["read calibration cpu"] = timings.get("read calibration cpu", 0.0) + c2 - c1
             timings["load"] = timings.get("load", 0.0) + time.perf_counter() - t0 - (t2 - t1)
+            timings["load cpu"] = timings.get("load cpu", 0.0) + time.process_time() - c0 - (c2 - c1)
         with CompressedWriter(dst, overwrite=overwrite, plan=plan, sources=(src,)) as w:
             def load_layer(i, layer):
                 experts = {}  # stacked [E, ...] parameters, filled expert by expert (mixture-of-experts layers)
@@ -466,7 +469,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                                      propagate=propagate, transform=transform, embed=embed, load_layer=load_layer,
                                      store_layer=store_layer, between_phases=between_phases, timings=timings,
                                      guard=guard, moe_statistics=moe_statistics, log=log)
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.process_time()
             for n in outside:
                 w.add_dense(n, np.asarray(ck.get(n), np.float32))
             w.finish(dict(hf_config), ignore=([] if cfg.tie_word_embeddings else ["lm_head"]) + moe_ignored(cfg),
@@ -474,6 +477,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
     seconds = time.perf_counter() - t0
     if timings is not None:
         timings["write"] = timings.get("write", 0.0) + time.perf_counter() - t3
+        timings["write cpu"] = timings.get("write cpu", 0.0) + time.process_time() - c3
     log(f"wrote {dst}: {info['projections']} projections "
         f"({search_text(info['projections'], info['searched'], weight_search)}) in {seconds:.1f} s")
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}

@@ -1,4 +1,4 @@
-"""Layer-by-layer (sequential) calibration, the pure pieces: calibration samples padded into batches, and the
+"""Layer-by-layer (sequential) calibration, the pure pieces: calibration samples padded or packed into batches, and the
 projections of a layer grouped by the input they read (one Hessian per group).
 
 The layer loop itself (calibration pass, weight search per input group, propagation pass) needs the model: for the
@@ -8,24 +8,32 @@ decoder family it is `qformats.models.decoder.calibration.calibrate_decoder`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from qformats.algorithms.shared_scales import sibling_groups
 from qformats.errors import ModelError
 
-__all__ = ["Batches", "make_batches", "input_groups"]
+__all__ = ["Batches", "make_batches", "pack_batches", "input_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Batches:
     """Calibration samples padded into batches: `ids[b]` [B, T_b] int32, `valid[b]` [B, T_b] bool (True = a real
-    token; real tokens come first in each row). `tokens` = the number of real tokens."""
+    token). `tokens` = the number of real tokens.
+
+    One sample a row (`make_batches`: `positions` and `segments` None; real tokens first in each row, position t at
+    column t), or several samples packed into each row (`pack_batches`): then `positions[b]` [B, T_b] int32 is each
+    token's position within its own sample and `segments[b]` [B, T_b] int32 the sample it belongs to within its
+    row (0, 1, ...; -1 on padding), so a token attends only to the earlier tokens of its own sample
+    (`packed_mask`)."""
 
     ids: Tuple[np.ndarray, ...]
     valid: Tuple[np.ndarray, ...]
     tokens: int
+    positions: Optional[Tuple[np.ndarray, ...]] = None
+    segments: Optional[Tuple[np.ndarray, ...]] = None
 
 
 def make_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 8192, bucket: int = 32,
@@ -83,6 +91,75 @@ def make_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 8192,
             ids.append(a)
             valid.append(v)
     return Batches(tuple(ids), tuple(valid), int(sum(np.asarray(s).size for s in samples)))
+
+
+def pack_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 2048, bucket: int = 32) -> Batches:
+    """Samples (1-D int token arrays) -> Batches with several samples per row: one row length
+    T = bucket * ceil(longest sample / bucket), samples placed into rows first-fit in decreasing length (ties in
+    sample order), the rows split into n = ceil(rows / B0) batches of B = ceil(rows / n) rows each
+    (B0 = max(1, tokens_per_batch // T); empty rows pad the last batch). One [B, T] shape for every batch, so the
+    layer passes compile once, and far fewer padded positions than one sample per row when lengths vary.
+
+    Each token keeps its position within its sample (`Batches.positions`) and attends to its own sample only
+    (`Batches.segments`, `packed_mask`): the layer's output on a packed row equals its output on each sample alone
+    (the masked keys get probability exactly 0)."""
+    if not samples:
+        raise ModelError("calibration needs at least one sample")
+    if bucket < 1 or tokens_per_batch < 1:
+        raise ModelError(f"pack_batches: bucket and tokens_per_batch must be >= 1, got {bucket}, {tokens_per_batch}")
+    arrays = []
+    for i, s in enumerate(samples):
+        s = np.asarray(s)
+        if s.ndim != 1 or s.size == 0 or not np.issubdtype(s.dtype, np.integer):
+            raise ModelError(f"calibration sample {i}: expected a non-empty 1-D integer token array, got "
+                             f"{s.dtype} of shape {s.shape}")
+        arrays.append(s)
+    t = bucket * -(-max(s.size for s in arrays) // bucket)
+    rows: List[List[np.ndarray]] = []
+    free: List[int] = []
+    for i in sorted(range(len(arrays)), key=lambda i: -arrays[i].size):  # stable: ties keep sample order
+        s = arrays[i]
+        r = next((r for r, f in enumerate(free) if f >= s.size), None)
+        if r is None:
+            rows.append([])
+            free.append(t)
+            r = len(rows) - 1
+        rows[r].append(s)
+        free[r] -= s.size
+    n = -(-len(rows) // max(1, tokens_per_batch // t))
+    b = -(-len(rows) // n)
+    rows += [[] for _ in range(n * b - len(rows))]
+    ids, valid, pos, seg = [], [], [], []
+    for j in range(0, len(rows), b):
+        a = np.zeros((b, t), np.int32)
+        v = np.zeros((b, t), bool)
+        p = np.zeros((b, t), np.int32)
+        g = np.full((b, t), -1, np.int32)
+        for r, row in enumerate(rows[j:j + b]):
+            c = 0
+            for k, s in enumerate(row):
+                a[r, c:c + s.size] = s
+                v[r, c:c + s.size] = True
+                p[r, c:c + s.size] = np.arange(s.size)
+                g[r, c:c + s.size] = k
+                c += s.size
+            p[r, c:] = np.arange(t - c)  # padding: a run of its own (segment -1)
+        ids.append(a)
+        valid.append(v)
+        pos.append(p)
+        seg.append(g)
+    return Batches(tuple(ids), tuple(valid), int(sum(s.size for s in arrays)), tuple(pos), tuple(seg))
+
+
+def packed_mask(positions: np.ndarray, segments: np.ndarray, window: Optional[int] = None) -> np.ndarray:
+    """[B, T, T] visibility of a packed batch (`pack_batches`): key k is seen by query p iff both are in the same
+    segment and positions[k] <= positions[p] (and positions[k] > positions[p] - window with a sliding window)."""
+    same = segments[:, :, None] == segments[:, None, :]
+    qp, kp = positions[:, :, None], positions[:, None, :]
+    mask = same & (kp <= qp)
+    if window is not None:
+        mask &= kp > qp - window
+    return mask
 
 
 def _positions(t: int, n: int, tokens_per_batch: int) -> int:

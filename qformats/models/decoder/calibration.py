@@ -6,7 +6,7 @@ NVFP4 global scales, calibration batches); this module knows the decoder's modul
 
 As llm-compressor's sequential pipeline does it, with the decoder layer as the unit:
 
-    x_0 = embed(ids)                                  (every calibration sample, padded into batches)
+    x_0 = embed(ids)                                  (every calibration sample, packed into batches)
     for layer i = 0 .. L-1:
         [transforms: SmoothQuant / AWQ scales folded into the layer, from a float pass over x_i]
         calibration pass: layer_i(x_i) in float, recording H_p = E[x x^T] over real tokens for each projection p,
@@ -33,11 +33,13 @@ stack becomes a `QExperts`; a static activation scheme (FP8, NVFP4) gives each e
 input scale from the max |x| of the tokens it observed under the same semantics (`expert_ranges`).
 
 So only one layer's activations (its inputs and outputs for every sample) and its Hessians are alive at
-once: peak memory grows with one layer, not with the model. Samples of different lengths are right-padded to
-a bucket length and padding rows are zeroed at every projection's input, so they add nothing to H (causal
-attention: a real position never sees a padded one, so the real tokens' activations are those of the
-unpadded sample). Each layer's projections are built with paths relative to the layer, so every layer has
-the same graph and each (batch, length) shape compiles once for the whole model.
+once: peak memory grows with one layer, not with the model. Samples of different lengths are packed into rows
+of one length (`pack_batches`: each token attends only to the earlier tokens of its own sample, positions restart
+per sample) or, with pack=False, right-padded to a bucket length; padding positions are zeroed at every
+projection's input, so they add nothing to H, and the real tokens' activations are those of each sample alone.
+Each group's H = sum x x^T is summed on the host from the inputs the calibration pass captures (BLAS syrk).
+Each layer's projections are built with paths relative to the layer, so every layer has the same graph and each
+(batch, length) shape compiles once for the whole model (packed: one shape).
 
 Takes a `CausalLM` and token arrays, quantizes it in place; no file I/O (converters.pipelines.calibrate drives it).
 """
@@ -54,8 +56,8 @@ import numpy as np
 from flax import nnx
 
 from qformats.algorithms import awq, smoothquant
-from qformats.algorithms.gptq import GPTQOptions
-from qformats.algorithms.sequential import Batches, input_groups, make_batches
+from qformats.algorithms.gptq import GPTQOptions, _one_blas_thread
+from qformats.algorithms.sequential import Batches, input_groups, make_batches, pack_batches, packed_mask
 from qformats.algorithms.shared_scales import fused_global_scales
 from qformats.algorithms.weight_search import RTN, quantize_group, quantize_projection, search_name
 from qformats.errors import ModelError
@@ -87,15 +89,41 @@ shape, as token positions times (layers * parameters per layer) run through them
 
 class _Masked(nnx.Module):
     """Calibration wrapper of one projection: the calibrating QLinear inside sees its input with padding rows
-    zeroed (`valid` is set before each batch), so they add nothing to its sum of x x^T or activation range."""
+    zeroed (`valid` is set before each batch), so they add nothing to its sum of x x^T or activation range.
+    With `tap`, that masked input is also sown (nnx.Intermediate "x") for H to be summed on the host
+    (`_host_moments`)."""
 
-    def __init__(self, inner: QLinear):
+    def __init__(self, inner: QLinear, tap: bool = False):
         self.inner = inner
+        self.tap = tap
         self.valid = CalibStat(jnp.ones((1, 1), jnp.float32))
 
     def __call__(self, x):
         v = self.valid.get_value().reshape(x.shape[:-1])  # [B, T], or [M] inside an MoE block (flattened tokens)
-        return self.inner(x * v[..., None].astype(x.dtype))
+        x = x * v[..., None].astype(x.dtype)
+        if self.tap:
+            self.sow(nnx.Intermediate, "x", x)
+        return self.inner(x)
+
+
+def _host_moments(taps, sums: Dict[str, np.ndarray]) -> None:
+    """Adds x^T x of each input sown by a layer's tapped projections (`_Masked` with tap) in one pass (`taps`, as
+    nnx.capture returns them) to `sums[path]` (float32 [K, K]; path relative to the layer).
+
+    On the host: NumPy's `x.T @ x` is BLAS syrk (one triangle, half the multiply-adds of XLA:CPU's general product),
+    on one BLAS thread (`gptq._one_blas_thread`)."""
+    with _one_blas_thread():
+        for path, var in nnx.to_flat_state(taps):  # path: the _Masked module's, then "x"; value: the sown tuple
+            rel = "/".join(str(p) for p in path[:-1])
+            for x in (var.get_value() if isinstance(var, nnx.Variable) else var):
+                a = np.asarray(x)
+                a = a.reshape(-1, a.shape[-1]).astype(np.float32, copy=False)
+                if rel in sums:
+                    sums[rel] += a.T @ a
+                else:
+                    sums[rel] = a.T @ a
+            if isinstance(var, nnx.Variable):  # flax keeps the captured Variables referenced: let go of the arrays
+                var.set_value(())
 
 
 def _get(layer, rel: str):
@@ -120,11 +148,12 @@ def _set_valid(layer, valid) -> None:
 
 @functools.partial(nnx.jit, static_argnames=("keep_output",))
 def _calibration_pass(layer, x, valid, cos, sin, mask, keep_output):
-    """Runs the calibrating layer (its projections record their statistics); returns its output only with
-    `keep_output`: otherwise XLA drops what no statistic needs (down_proj's product and the residual after it)."""
+    """Runs the calibrating layer (its projections record their statistics); returns (its output, the inputs its
+    tapped projections sowed: `_host_moments`), the output only with `keep_output`: otherwise XLA drops what no
+    statistic needs (down_proj's product and the residual after it)."""
     _set_valid(layer, valid)
-    out = layer(x, cos, sin, mask)[0]
-    return out if keep_output else None
+    out, taps = nnx.capture(lambda m: m(x, cos, sin, mask)[0], nnx.Intermediate)(layer)
+    return (out if keep_output else None), taps
 
 
 @functools.partial(nnx.jit, static_argnames=("kv_scheme", "keep_output"))
@@ -132,10 +161,10 @@ def _calibration_pass_kv(layer, x, valid, cos, sin, mask, kv_scheme, keep_output
     """The calibration pass, plus max |state| of the keys / values this batch's real tokens put into the cache
     (shapes `kv_scheme.scale_shape`: per tensor or per KV head)."""
     _set_valid(layer, valid)
-    out, (k, v) = layer(x, cos, sin, mask)
+    (out, (k, v)), taps = nnx.capture(lambda m: m(x, cos, sin, mask), nnx.Intermediate)(layer)
     real = valid[:, None, :, None]
     amax = tuple(amax_of(jnp.where(real, s, jnp.zeros((), s.dtype)), kv_scheme) for s in (k, v))
-    return (out if keep_output else None), amax
+    return (out if keep_output else None), taps, amax
 
 
 @nnx.jit
@@ -156,7 +185,7 @@ def _propagate(layer, xs, layer_inputs) -> None:
             lin.schemes = SchemeSet(lin.schemes.name, lin.schemes.weights)
     try:
         for j in range(len(xs)):
-            xs[j] = _forward(layer, xs[j], *layer_inputs(xs[j].shape[1]))
+            xs[j] = _forward(layer, xs[j], *layer_inputs(j))
     finally:
         for rel, schemes in saved.items():
             _get(layer, rel).schemes = schemes
@@ -178,17 +207,25 @@ def _observer(scheme):
     return _OBSERVERS[scheme]
 
 
-def _layer_inputs(config, t: int, window):
-    positions = jnp.arange(t, dtype=jnp.int32)
+def _layer_inputs(config, batches: Batches, j: int, window):
+    """(cos, sin, mask) of batch j: [T, D] tables and a [T, T] causal mask for one sample a row, or per-row
+    [B, T, D] tables of each token's position in its sample and a [B, T, T] mask within samples (packed rows)."""
+    t = batches.ids[j].shape[1]
+    if batches.positions is None:
+        positions = jnp.arange(t, dtype=jnp.int32)
+        mask = attention_mask(positions, t, window)
+    else:
+        positions = jnp.asarray(batches.positions[j])
+        mask = jnp.asarray(packed_mask(batches.positions[j], batches.segments[j], window))
     cos, sin = rope_tables(positions, inv_freq(config), config.rope.attention_scaling)
-    return cos, sin, attention_mask(positions, t, window)
+    return cos, sin, mask
 
 
 def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = "gptq",
                       gptq: GPTQOptions = GPTQOptions(), propagate: str = "quantized", guard: bool = True,
                       transform: Optional[Callable] = None, kv_cache: Optional[KVCacheScheme] = None,
                       tokens_per_batch: int = 2048, bucket: int = 32, max_padding: float = 0.125,
-                      shape_cost: Optional[int] = None,
+                      shape_cost: Optional[int] = None, pack: bool = True,
                       embed: Optional[Callable] = None, load_layer: Optional[Callable] = None,
                       store_layer: Optional[Callable] = None, between_phases: Optional[Callable[[], None]] = None,
                       timings: Optional[Dict[str, float]] = None, log: Callable[[str], None] = lambda m: None,
@@ -206,13 +243,17 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
       guard: keep round-to-nearest for a projection where the search does not lower tr(dW^T H dW).
       transform: optional `transform(layer, index, xs, valid, layer_inputs)` run on the float layer before its
         calibration pass (e.g. `smoothquant_transform` folding scales into the layer): `xs`
-        the layer's input batches [B, T, d], `valid` their [B, T] real-token masks, `layer_inputs(T) -> (cos,
-        sin, mask)` the layer's other arguments.
+        the layer's input batches [B, T, d], `valid` their [B, T] real-token masks, `layer_inputs(j) -> (cos,
+        sin, mask)` batch j's other arguments.
       kv_cache: quantize the KV cache too (`qformats.kv_cache`): static scales k_scale = max|keys| / 448 (per
         tensor or per KV head) over the real tokens of every layer's calibration pass, i.e. from that layer's
         float projections fed by the propagated (quantized-weight) outputs of the layers below, as
         llm-compressor 0.14 observes them; a dynamic scheme is enabled as is.
-      tokens_per_batch, bucket, max_padding, shape_cost: batching (`make_batches`). shape_cost None: the
+      pack: several samples per row (`pack_batches`: one batch shape, so each layer pass compiles once, and
+        few padded positions; each sample attends to itself only, so the statistics are those of one sample a
+        row); False: one sample a row (`make_batches`, with the options below).
+      tokens_per_batch, bucket, max_padding, shape_cost: batching (`make_batches`; with `pack`, tokens_per_batch
+        and bucket only). shape_cost None: the
         layer passes' compilation cost in token positions, SHAPE_COST_PARAMS / (layers * parameters per layer)
         (one [B, T] shape's two compilations cost about what running that many positions through every layer
         does: measured on SmolLM2, ~200 positions); 0: bucket merging by max_padding only. A layer pass's temporaries grow with the
@@ -223,14 +264,15 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         embeddings of a batch's token ids (default: the model's embed_tokens); `load_layer(i, layer)` fills
         layer i's parameters just before its turn; `store_layer(i, layer)` receives layer i once quantized
         and propagated (full module paths set), after which calibration never touches it again.
-      between_phases: optional `between_phases()` called after each layer's calibration pass, the weight search of
-        each of its input groups (q/k/v, o, gate/up, down) and its propagation (e.g.
+      between_phases: optional `between_phases()` called after each layer's transform, calibration pass, the weight
+        search of each of its input groups (q/k/v, o, gate/up, down) and its propagation (e.g.
         `converters.process.trim_malloc`: the temporaries of one phase, its first compilation included, handed back
         before the next).
       timings: optional dict; the wall seconds of each phase are added to it under "embed", "load layer",
         "transform", "calibration pass", "weight search", "propagation", "store layer", and the process's CPU
         seconds under the same name + " cpu" (compilations included: each phase waits for its results before
-        the clock is read, so the figures add up to the call's time).
+        the clock is read, so the figures add up to the call's time); the same after the first layer under
+        NAME + " (layer 1)" (the first layer compiles the layer passes and the weight search).
       log: progress messages.
       moe_statistics: mixture-of-experts layers (`MOE_STATISTICS`): "all" (default, llm-compressor 0.14's
         `moe_calibrate_all_experts=True`): in the calibration pass every real token goes through every expert for
@@ -270,9 +312,13 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         per_layer = sum(int(np.prod(_get(model.model.layers[0], rel).kernel.get_value().shape))
                         for rel in _linear_projections(model.model.layers[0]) + _expert_paths(model.model.layers[0]))
         shape_cost = SHAPE_COST_PARAMS // max(1, len(model.model.layers) * per_layer)
-    batches = samples if isinstance(samples, Batches) else make_batches(samples, tokens_per_batch=tokens_per_batch,
-                                                                      bucket=bucket, max_padding=max_padding,
-                                                                      shape_cost=shape_cost)
+    if isinstance(samples, Batches):
+        batches = samples
+    elif pack:
+        batches = pack_batches(samples, tokens_per_batch=tokens_per_batch, bucket=bucket)
+    else:
+        batches = make_batches(samples, tokens_per_batch=tokens_per_batch, bucket=bucket, max_padding=max_padding,
+                               shape_cost=shape_cost)
     cfg = model.config
     layers = model.model.layers
     fits = []
@@ -295,10 +341,11 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
 
     tables = {}
 
-    def layer_inputs(t: int, window):
-        if (t, window) not in tables:
-            tables[(t, window)] = _layer_inputs(cfg, t, window)
-        return tables[(t, window)]
+    def layer_inputs(j: int, window):
+        key = (batches.ids[j].shape[1] if batches.positions is None else j, window)
+        if key not in tables:
+            tables[key] = _layer_inputs(cfg, batches, j, window)
+        return tables[key]
 
     clock = _Clock(timings)
     xs = [_embed(model, jnp.asarray(ids)) if embed is None else jnp.asarray(embed(ids)) for ids in batches.ids]
@@ -313,8 +360,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             load_layer(i, layer)
             clock("load layer")
         if transform is not None:
-            transform(layer, i, xs, valid, lambda t: layer_inputs(t, window))
+            transform(layer, i, xs, valid, lambda j: layer_inputs(j, window))
             clock("transform", nnx.state(layer))
+            if between_phases is not None:
+                between_phases()
         projs = _linear_projections(layer)
         groups = input_groups(projs)
         floats = {}
@@ -323,25 +372,28 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 lin = _get(layer, rel)
                 floats[rel] = lin.kernel.get_value()
                 obs = _observer(a if a is not None else ss.weights)
-                cal = QLinear.from_module(lin, ss, mode="calibrate", path=rel, observer=obs,
-                                          full_moments=weight_search != RTN and rel == group[0])
-                # the group's members read the same input: its first member records H and the input range
+                cal = QLinear.from_module(lin, ss, mode="calibrate", path=rel, observer=obs)
+                # the group's members read the same input: its first member records the input range, and its
+                # input is tapped for H = sum x x^T (summed on the host, `_host_moments`)
                 cal.record_inputs = rel == group[0]
-                _set(layer, rel, _Masked(cal))
+                _set(layer, rel, _Masked(cal, tap=weight_search != RTN and rel == group[0]))
+        sums: Dict[str, np.ndarray] = {}
         moe = _moe_calibrating(layer, weight_search, moe_statistics, static)
         # the calibration pass's outputs are the next layer's inputs only with float propagation; otherwise
         # the propagation pass makes them, and this pass keeps none (nor computes what only they need)
         keep = propagate == "float"
         amax = None
         for j, (x, v) in enumerate(zip(xs, valid)):
-            args = (layer, x, v, *layer_inputs(x.shape[1], window))
+            args = (layer, x, v, *layer_inputs(j, window))
             if kv_static:
-                out, cur = _calibration_pass_kv(*args, kv_cache, keep)
+                out, taps, cur = _calibration_pass_kv(*args, kv_cache, keep)
                 amax = cur if amax is None else tuple(jnp.maximum(a, c) for a, c in zip(amax, cur))
             else:
-                out = _calibration_pass(*args, keep)
+                out, taps = _calibration_pass(*args, keep)
             if keep:
                 xs[j] = out
+            _host_moments(taps, sums)
+            del taps
         if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
         moe_stats = None if moe is None else moe.finish(layer)  # the MoE block back in place, its statistics out
@@ -352,8 +404,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         results = {}
         for group in groups:
             first = _get(layer, group[0]).inner
-            total, _ = first.input_moments
-            h = total / batches.tokens if total.ndim == 2 else None
+            h = jnp.asarray(sums.pop(group[0]) / np.float32(batches.tokens)) if group[0] in sums else None
             results.update(quantize_group({r: floats[r] for r in group}, ss, h, weight_search, gptq, guard, shared))
             for rel in group[1:]:  # the input range the first member observed is theirs too
                 _get(layer, rel).inner.calib_amax.set_value(first.calib_amax.get_value())
@@ -380,7 +431,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             projections += n_experts
         clock("weight search", nnx.state(layer))
         if propagate == "quantized":
-            _propagate(layer, xs, lambda t: layer_inputs(t, window))
+            _propagate(layer, xs, lambda j: layer_inputs(j, window))
             clock("propagation", xs)
             if between_phases is not None:
                 between_phases()
@@ -389,6 +440,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         if store_layer is not None:
             store_layer(i, layer)
             clock("store layer")
+        if timings is not None and i == 0:  # layer 1 alone: its excess over the others' mean is compilation
+            timings.update({f"{k} (layer 1)": v for k, v in list(timings.items()) if "(layer 1)" not in k})
         log(f"layer {i + 1}/{len(layers)}: {weight_search}")
     if kv_cache is not None:
         enable_kv_cache_quantization(model, kv_cache, kv_scales if kv_static else None)
@@ -865,7 +918,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
             _check_awq_moe(layer, index, moe)
         taps = tuple(dict.fromkeys([m.balances[0] for m in mappings] + ([] if moe is None else [moe[0]])))
         graphdef, state = nnx.split(layer)
-        extras = [layer_inputs(x.shape[1]) for x in xs]
+        extras = [layer_inputs(j) for j in range(len(xs))]
         seen = [_capture(graphdef, state, x, *e, taps) for x, e in zip(xs, extras)]
         tokens = int(sum(int(np.sum(np.asarray(v))) for v in valid))
         for m in mappings:
@@ -1076,8 +1129,8 @@ def smoothquant_transform(alpha: float, moe: Optional[bool] = None) -> Callable:
             norms[norm] = inner
             setattr(layer, norm, _RangeTap(inner, int(inner.weight.get_value().shape[0])))
         try:
-            for x, v in zip(xs, valid):
-                _range_pass(layer, x, v, *layer_inputs(x.shape[1]))
+            for j, (x, v) in enumerate(zip(xs, valid)):
+                _range_pass(layer, x, v, *layer_inputs(j))
             ranges = {n: getattr(layer, n).hi.get_value() - getattr(layer, n).lo.get_value() for n in norms}
         finally:
             for n, inner in norms.items():

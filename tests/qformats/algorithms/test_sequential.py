@@ -55,3 +55,23 @@ def test_make_batches_shape_cost_is_the_cheapest_partition():
         assert sum(a.size for a in got.ids) + cost * len({a.shape for a in got.ids}) == best
         assert got.tokens == sum(x.size for x in s) and sum(int(v.sum()) for v in got.valid) == got.tokens
     assert len({a.shape for a in make_batches(s, tokens_per_batch=256, bucket=32, shape_cost=1 << 20).ids}) == 1
+
+
+def test_pack_batches_rows_positions_segments():
+    from qformats.algorithms.sequential import pack_batches, packed_mask
+
+    s = [np.arange(1, 4), np.arange(1, 40), np.arange(1, 6), np.arange(1, 30)]
+    b = pack_batches(s, tokens_per_batch=80, bucket=8)  # rows of 40; first-fit decreasing: [39], [29, 5, 3]
+    assert [a.shape for a in b.ids] == [(2, 40)] and b.tokens == 3 + 39 + 5 + 29
+    ids, pos, seg = b.ids[0], b.positions[0], b.segments[0]
+    np.testing.assert_array_equal(ids[0, :39], np.arange(1, 40))
+    np.testing.assert_array_equal(ids[1, :37], np.concatenate([np.arange(1, 30), np.arange(1, 6), np.arange(1, 4)]))
+    np.testing.assert_array_equal(pos[1, 29:34], np.arange(5))
+    np.testing.assert_array_equal(seg[1, [0, 28, 29, 34, 36, 37]], [0, 0, 1, 2, 2, -1])
+    assert b.valid[0].sum() == b.tokens and not b.valid[0][0, 39] and not b.valid[0][1, 37:].any()
+    m = packed_mask(pos, seg)
+    assert m[1, 30, 29] and m[1, 30, 30] and not m[1, 30, 31] and not m[1, 29, 28] and m[1, 28, 0]
+    w = packed_mask(pos, seg, window=2)
+    assert w[1, 31, 30] and not w[1, 31, 29]
+    c = pack_batches([np.arange(1, 9)] * 5, tokens_per_batch=16, bucket=8)  # 5 rows, 2 a batch -> 3 batches of 2
+    assert [a.shape for a in c.ids] == [(2, 8)] * 3 and c.valid[2].sum() == 8

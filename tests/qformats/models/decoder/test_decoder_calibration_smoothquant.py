@@ -52,7 +52,7 @@ def test_transform_is_exact_in_float():
     pos = jnp.arange(16)
     cos, sin = rope_tables(pos, inv_freq(CFG))
     tf = smoothquant_transform(0.8)
-    tf(m.model.layers[0], 0, xs, valid, lambda t: (cos, sin, attention_mask(pos, t, None)))
+    tf(m.model.layers[0], 0, xs, valid, lambda j: (cos, sin, attention_mask(pos, 16, None)))  # batch j's
     assert float(jnp.max(jnp.abs(m.model.layers[0].input_layernorm.weight.get_value() - 1))) > 0.1
     np.testing.assert_allclose(np.asarray(m(ids)[0]), np.asarray(ref), atol=1e-4)  # float rounding only
 
