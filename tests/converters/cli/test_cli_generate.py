@@ -93,10 +93,11 @@ def test_json_tokens_equal_the_library_and_the_process_talks(tiny, capsys):
     lines = err.splitlines()
     assert lines[0].startswith(f"qformats: loading {tiny} (") and lines[1].startswith("qformats: loaded ")
     assert lines[1].endswith("/s)")
-    assert lines[2].startswith("qformats: compiled prefill [1 x 16 tokens] and decode (cache of 16 positions) in ")
-    assert "cache" in lines[2]
-    assert lines[3].startswith("qformats: prefill: 3 tokens in ") and lines[3].endswith("tokens/s)")
-    assert lines[4].startswith(f"qformats: decode: {len(got['tokens']) - 1} tokens in ") and "tokens/s" in lines[4]
+    assert lines[2].startswith("qformats: layers: 2 in 1 scanned run(s) (0-1), stacked in ")
+    assert lines[3].startswith("qformats: compiled prefill [1 x 16 tokens] and decode (cache of 16 positions) in ")
+    assert "cache" in lines[3]
+    assert lines[4].startswith("qformats: prefill: 3 tokens in ") and lines[4].endswith("tokens/s)")
+    assert lines[5].startswith(f"qformats: decode: {len(got['tokens']) - 1} tokens in ") and "tokens/s" in lines[5]
 
 
 def test_sampled_tokens_equal_the_library(tiny, capsys):
