@@ -1,7 +1,7 @@
 """Autoregressive generation with a causal LM and its KV cache: one jit, prefill then a lax loop of decode steps
 (`generate`), or the same steps one at a time for streaming (`TokenStream`); ragged batches, shapes padded to
-buckets (`plan_shapes`); many requests through a fixed number of batch rows, a finished row refilled with the next
-pending request (`ContinuousBatch`)."""
+buckets (`plan_shapes`); many requests through a number of batch rows, a finished row refilled with the next
+pending request, refills prefilled together, the batch shrunk once nothing is pending (`ContinuousBatch`)."""
 
 from __future__ import annotations
 
