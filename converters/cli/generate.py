@@ -147,7 +147,9 @@ def run(a) -> int:
     if not a.no_scan:
         from qformats.models.decoder.scan import scan_layers
         t0 = time.perf_counter()
-        scan_layers(model)
+        # RowLinear (one-row float products reading the stack in place) only where every decode step has one row:
+        # its transposed stack makes several-row products slower on XLA:CPU (BENCHMARKS.md)
+        scan_layers(model, row_linear=None if a.prompts is None or a.batch_size == 1 else False)
         runs = model.model.layers.runs
         say(f"layers: {model.model.layers.num_layers} in {len(runs)} scanned run(s) "
             f"({', '.join(f'{r.first}-{r.first + r.count - 1}' for r in runs)}), stacked in "

@@ -17,8 +17,9 @@ stack, and XLA:CPU copies it out before a library dot (it fuses a producer only 
 elemental loop; see `qformats.packed_dot`). One activation row (a decode step at batch 1) is where that copy costs
 most (it reads and writes the weight once more, the GEMV reads it once), so there each float `nnx.Linear` of a run
 becomes a `RowLinear` whose stack is kept transposed, [count, N, K], and which computes one row as a vector-matrix
-dot that XLA:CPU fuses the slice into (row n of W^T contiguous along k): no copy. More rows keep the library dot
-(one copy amortised over the rows).
+dot that XLA:CPU fuses the slice into (row n of W^T contiguous along k): no copy. More rows keep a library dot, but
+against the transposed stack XLA:CPU's dot of several rows is slower than against the [K, N] one, so a caller that
+decodes several rows at a time passes `row_linear=False` (the `generate` CLI with --batch-size > 1).
 """
 
 from __future__ import annotations
