@@ -349,9 +349,11 @@ class ContinuousBatch:
     replace its row's (every position of the row, so nothing of the previous request is left) and the row's
     length is set to the request's (`KVCache.length` [B]).
 
-    Shrinking (`shrink`, default): once no request is pending and at most half of the rows are live, the live rows'
+    Shrinking (`shrink=True`): once no request is pending and at most half of the rows are live, the live rows'
     cache rows are gathered into a batch of the next power of two >= their count and decoding goes on there, so
-    finished rows stop costing decode compute.
+    finished rows stop costing decode compute; each smaller batch is one more decode program to compile. Off by
+    default: where a decode step costs about the same for 1 and 8 rows (reading the weights dominates, XLA:CPU) it
+    saves row-steps, not time (BENCHMARKS.md).
 
     The decode step is `TokenStream`'s: every row at its own position, a finished or empty row masked (its length
     is not advanced, its token is the pad). So a request's greedy tokens are the ones it gets alone, whatever
@@ -376,7 +378,7 @@ class ContinuousBatch:
     def __init__(self, model: nnx.Module, prompts: Sequence, max_new_tokens: Union[int, Sequence[int]], *,
                  batch_size: int, key: Optional[jax.Array] = None, temperature: float = 0.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 eos_id: Union[int, Sequence[int], None] = None, buckets: bool = True, shrink: bool = True):
+                 eos_id: Union[int, Sequence[int], None] = None, buckets: bool = True, shrink: bool = False):
         if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
             raise ModelError(f"ContinuousBatch: batch_size must be a positive integer, got {batch_size!r}")
         rows, _ = _rows(list(prompts) if not isinstance(prompts, np.ndarray) else prompts)

@@ -243,13 +243,13 @@ def test_continuous_batch_rows_equal_each_request_alone(model):
 def test_continuous_batch_batched_refills_and_shrinking_keep_each_request_alone(model):
     """4 rows for 6 requests: the first fill prefills 4 requests in one [4, W] call, the rest refill one at a time;
     once nothing is pending the live rows move into a batch of 2, then 1 (fewer row-steps than a fixed batch of
-    4); every request's tokens equal `generate` of it alone, with and without shrinking."""
+    4); every request's tokens equal `generate` of it alone, with and without shrinking (off by default)."""
     alone = [np.asarray(generate(model, p, n)) for p, n in zip(REQUESTS, REQUEST_COUNTS)]
-    batch = ContinuousBatch(model, REQUESTS, REQUEST_COUNTS, batch_size=4)
+    batch = ContinuousBatch(model, REQUESTS, REQUEST_COUNTS, batch_size=4, shrink=True)
     got = dict(batch)
     width = max(batch.widths[:4])
     assert (4, width) in batch._prefills and sorted(batch._decodes)[0] < 4
-    fixed = ContinuousBatch(model, REQUESTS, REQUEST_COUNTS, batch_size=4, shrink=False)
+    fixed = ContinuousBatch(model, REQUESTS, REQUEST_COUNTS, batch_size=4)
     got_fixed = dict(fixed)
     assert sorted(fixed._decodes) == [4] and batch.decode_row_steps < fixed.decode_row_steps
     assert batch.decode_tokens == fixed.decode_tokens == sum(REQUEST_COUNTS) - 6
