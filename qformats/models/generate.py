@@ -1,7 +1,7 @@
 """Autoregressive generation with a causal LM and its KV cache: one jit, prefill then a lax loop of decode steps
 (`generate`), or the same steps one at a time for streaming (`TokenStream`); ragged batches, shapes padded to
-buckets (`plan_shapes`); many requests through a fixed number of batch rows, a finished row refilled with the next
-pending request (`ContinuousBatch`)."""
+buckets (`plan_shapes`); many requests through a number of batch rows, a finished row refilled with the next
+pending request, refills prefilled together, the batch shrunk once nothing is pending (`ContinuousBatch`)."""
 
 from __future__ import annotations
 
@@ -337,23 +337,38 @@ def _decode(graphdef, state, tok, cache, done, i, key, *, per_row, temperature, 
 
 
 class ContinuousBatch:
-    """Many generation requests through `batch_size` rows of one decode program: when a row finishes (an eos id or
-    its own max_new_tokens) the next pending request is prefilled into that row's cache (continuous batching inside
-    the fixed batch shape); iterating yields (request index, its new tokens as numpy int32) as each request
+    """Many generation requests through up to `batch_size` rows of one decode program: when a row finishes (an eos
+    id or its own max_new_tokens) the next pending request is prefilled into that row's cache (continuous batching
+    inside a fixed batch shape); iterating yields (request index, its new tokens as numpy int32) as each request
     finishes.
 
-    Each request is prefilled alone, [1, bucket_length(its length)] as `generate` of that prompt alone does, into
-    a cache of S positions, then its cache rows replace the free row's (every position of the row, so nothing of
-    the previous request is left) and the row's length is set to the request's (`KVCache.length` [B]). The decode
-    step is `TokenStream`'s: every row at its own position, a finished or empty row masked (its length is not
-    advanced, its token is the pad). So a request's greedy tokens are the ones it gets alone, whatever shares the
-    batch. Sampling (temperature > 0) chooses request r's first token with fold_in(fold_in(key, r), 0) and every
-    decode step n (counted over the whole run, from 1) with fold_in(key, n) for the batch.
+    Refills: when more than half of the rows are free (the first fill, or many rows finishing at once) the next
+    pending requests, one per free row, are prefilled together in one [batch_size, W] call (W: the largest
+    `bucket_length` among them; unused rows compute padding and write nowhere); otherwise each request is prefilled
+    alone, [1, bucket_length(its length)], as `generate` of that prompt alone does. Each request's cache rows then
+    replace its row's (every position of the row, so nothing of the previous request is left) and the row's
+    length is set to the request's (`KVCache.length` [B]).
 
-    Programs: one prefill per prompt-length bucket (batch 1) and one decode (batch `batch_size`), all with the
-    cache size S = `plan_shapes` over every request (so a long request sets S for all). `compile()` builds them
-    ahead; `compile_seconds`, `prefill_seconds`, `decode_seconds`, `prefill_tokens` and `decode_tokens` (real
-    tokens of unfinished rows) hold the totals so far; `shapes` is (batch_size, S).
+    Shrinking (`shrink=True`): once no request is pending and at most half of the rows are live, the live rows'
+    cache rows are gathered into a batch of the next power of two >= their count and decoding goes on there, so
+    finished rows stop costing decode compute; each smaller batch is one more decode program to compile. Off by
+    default: where a decode step costs about the same for 1 and 8 rows (reading the weights dominates, XLA:CPU) it
+    saves row-steps, not time (BENCHMARKS.md).
+
+    The decode step is `TokenStream`'s: every row at its own position, a finished or empty row masked (its length
+    is not advanced, its token is the pad). So a request's greedy tokens are the ones it gets alone, whatever
+    shares the batch (up to the float32 summation order of a one-row product against a several-row one, where the
+    backend computes them differently: `qformats.models.decoder.scan.RowLinear`). Sampling (temperature > 0)
+    chooses request r's first token with fold_in(fold_in(key, r), 0) and every decode step n (counted over the
+    whole run, from 1) with fold_in(key, n) for the batch.
+
+    Programs: prefills per (rows 1 or batch_size, prompt-length bucket) and a decode per batch size, all with the
+    cache size S = `plan_shapes` over every request (so a long request sets S for all). `compile()` builds the
+    one-row prefill of every bucket, the batch prefill of the first fill and the full-batch decode ahead; a program
+    first needed later (a batch refill of another width, a shrunk decode) is compiled then, its time counted in
+    `compile_seconds`. `compile_seconds`, `prefill_seconds`, `decode_seconds`, `prefill_tokens`, `decode_tokens`
+    (real tokens of unfinished rows) and `decode_row_steps` (rows computed, live or not) hold the totals so far;
+    `shapes` is (batch_size, S).
 
     Raises ModelError before any compute for bad arguments (`generate`'s checks, per request) and for a model whose
     KV cache cannot keep one length per row (a dynamic fp8 KV-cache scheme: run such requests with `generate`, one
@@ -363,7 +378,7 @@ class ContinuousBatch:
     def __init__(self, model: nnx.Module, prompts: Sequence, max_new_tokens: Union[int, Sequence[int]], *,
                  batch_size: int, key: Optional[jax.Array] = None, temperature: float = 0.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 eos_id: Union[int, Sequence[int], None] = None, buckets: bool = True):
+                 eos_id: Union[int, Sequence[int], None] = None, buckets: bool = True, shrink: bool = False):
         if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
             raise ModelError(f"ContinuousBatch: batch_size must be a positive integer, got {batch_size!r}")
         rows, _ = _rows(list(prompts) if not isinstance(prompts, np.ndarray) else prompts)
@@ -379,36 +394,87 @@ class ContinuousBatch:
         self.eos, self.sampling = req.eos, req.sampling
         self.key = key if temperature > 0 else None
         self.batch_size = min(int(batch_size), len(rows))
+        self.shrink = bool(shrink)
         self.max_len = req.max_len
         self.widths = [bucket_length(len(r), limit) if buckets else len(r) for r in self.rows]
         self.graphdef, self.state = nnx.split(model)
         self._prefills: dict = {}
-        self._decode = None
+        self._decodes: dict = {}
+        self._gathers: dict = {}
+        self._cache_info = None
         self.compile_seconds = self.prefill_seconds = self.decode_seconds = 0.0
-        self.prefill_tokens = self.decode_tokens = 0
+        self.prefill_tokens = self.decode_tokens = self.decode_row_steps = 0
 
     @property
     def shapes(self) -> Tuple[int, int]:
         return (self.batch_size, self.max_len)
 
+    def _group(self, free: int, pending: int) -> int:
+        """How many pending requests one refill call takes with `free` rows free: all that fit when more than half
+        of the rows are free (one batch_size-row prefill), else one."""
+        n = min(free, pending)
+        return n if n > 1 and 2 * free > self.batch_size else min(n, 1)
+
+    def _cache_spec(self, rows: int):
+        """The batch cache with `rows` rows as shapes and layouts (what the programs take)."""
+        def spec(x, sharding):
+            shape = list(x.shape)
+            shape[x.ndim - 4 if x.ndim >= 4 else 0] = rows  # a buffer's batch axis, or the lengths [B]
+            return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=sharding)
+
+        return jax.tree.map(spec, *self._cache_info)
+
+    def _keys(self, requests: Sequence[int], rows: int):
+        """Per prefill row the key of its request (fold_in(key, r)), padding rows repeating the first; None when
+        greedy."""
+        if self.key is None:
+            return None
+        ks = [jax.random.fold_in(self.key, r) for r in requests]
+        return jnp.stack(ks + [ks[0]] * (rows - len(ks)))
+
+    def _prefill_program(self, rows: int, width: int):
+        if (rows, width) not in self._prefills:
+            t0 = time.perf_counter()
+            keys = self._keys([0] * rows, rows)
+            self._prefills[rows, width] = _prefill_rows.lower(
+                self.graphdef, self.state, self._cache_spec(self.batch_size),
+                jax.ShapeDtypeStruct((rows, width), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+                jax.ShapeDtypeStruct((rows,), jnp.int32), keys, **self.sampling).compile()
+            self.compile_seconds += time.perf_counter() - t0
+        return self._prefills[rows, width]
+
+    def _decode_program(self, rows: int):
+        if rows not in self._decodes:
+            t0 = time.perf_counter()
+            tok, done = jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.bool_)
+            self._decodes[rows] = _decode.lower(self.graphdef, self.state, tok, self._cache_spec(rows), done,
+                                                jnp.int32(1), self.key, per_row=True, **self.sampling).compile()
+            self.compile_seconds += time.perf_counter() - t0
+        return self._decodes[rows]
+
+    def _gather_program(self, rows: int, into: int):
+        if (rows, into) not in self._gathers:
+            t0 = time.perf_counter()
+            self._gathers[rows, into] = _gather_rows.lower(
+                self._cache_spec(rows), jax.ShapeDtypeStruct((into,), jnp.int32)).compile()
+            self.compile_seconds += time.perf_counter() - t0
+        return self._gathers[rows, into]
+
     def compile(self) -> "ContinuousBatch":
-        """Lowers and compiles the empty batch cache, the prefill program of every prompt-length bucket and the
-        decode program (once); returns self."""
-        t0 = time.perf_counter()
-        if self._decode is None:
+        """Lowers and compiles the empty batch cache, the one-row prefill of every prompt-length bucket, the batch
+        prefill of the first fill and the full-batch decode program (once); returns self."""
+        if self._cache_info is None:
+            t0 = time.perf_counter()
             self._empty = _empty_cache.lower(self.graphdef, self.state, self.batch_size, self.max_len).compile()
             # the programs take the cache as it comes out of the one before, layout (mesh) included
-            cache = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                 self._empty.out_info, self._empty.output_shardings)
-            b = self.batch_size
-            tok, done = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_)
-            for width in sorted(set(self.widths)):
-                self._prefills[width] = _prefill_row.lower(
-                    self.graphdef, self.state, cache, jax.ShapeDtypeStruct((1, width), jnp.int32),
-                    jax.ShapeDtypeStruct((1,), jnp.int32), jnp.int32(0), self.key, **self.sampling).compile()
-            self._decode = _decode.lower(self.graphdef, self.state, tok, cache, done, jnp.int32(1), self.key,
-                                         per_row=True, **self.sampling).compile()
-        self.compile_seconds += time.perf_counter() - t0
+            self._cache_info = (self._empty.out_info, self._empty.output_shardings)
+            self.compile_seconds += time.perf_counter() - t0
+            first = self._group(self.batch_size, len(self.rows))
+            if first > 1:
+                self._prefill_program(self.batch_size, max(self.widths[:first]))
+            for width in sorted(set(self.widths[first:] if first > 1 else self.widths)):
+                self._prefill_program(1, width)
+            self._decode_program(self.batch_size)
         return self
 
     def _finished(self, r: int, tokens: List[int]) -> bool:
@@ -425,34 +491,55 @@ class ContinuousBatch:
         cache = self._empty(self.state)
         step = 0
         while True:
-            for s in range(b):  # refill the free rows
-                while slot[s] is None and pending:
-                    r = pending.popleft()
-                    ids = np.zeros((1, self.widths[r]), np.int32)
-                    ids[0, :len(self.rows[r])] = self.rows[r]
-                    key = None if self.key is None else jax.random.fold_in(self.key, r)
-                    t0 = time.perf_counter()
-                    first, cache = self._prefills[self.widths[r]](
-                        self.state, cache, jnp.asarray(ids), jnp.asarray([len(self.rows[r])], jnp.int32),
-                        jnp.int32(s), key)
-                    out[r].append(int(np.asarray(first)[0]))
-                    self.prefill_seconds += time.perf_counter() - t0
+            free = [s for s in range(b) if slot[s] is None]
+            while free and pending:  # refill the free rows
+                group = [pending.popleft() for _ in range(self._group(len(free), len(pending)))]
+                rows = b if len(group) > 1 else 1
+                width = max(self.widths[r] for r in group)
+                ids = np.zeros((rows, width), np.int32)
+                lens = np.ones((rows,), np.int32)
+                where = np.full((rows,), b, np.int32)  # padding rows write out of bounds: dropped
+                for i, r in enumerate(group):
+                    ids[i, :len(self.rows[r])] = self.rows[r]
+                    lens[i], where[i] = len(self.rows[r]), free[i]
+                program = self._prefill_program(rows, width)
+                t0 = time.perf_counter()
+                first, cache = program(self.state, cache, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(where),
+                                       self._keys(group, rows))
+                first = np.asarray(first)
+                self.prefill_seconds += time.perf_counter() - t0
+                for i, r in enumerate(group):
+                    out[r].append(int(first[i]))
                     self.prefill_tokens += len(self.rows[r])
                     if self._finished(r, out[r]):
                         yield r, np.asarray(out.pop(r), np.int32)
                     else:
-                        slot[s], tok[s] = r, out[r][-1]
+                        slot[free[i]], tok[free[i]] = r, out[r][-1]
+                free = [s for s in range(b) if slot[s] is None]
             active = [s for s in range(b) if slot[s] is not None]
             if not active:
                 return
+            if self.shrink and not pending and 2 * len(active) <= b:  # compact the live rows into a smaller batch
+                into = 1 << (len(active) - 1).bit_length()
+                t0 = time.perf_counter()
+                program = self._gather_program(b, into)
+                keep = np.asarray(active + [active[0]] * (into - len(active)), np.int32)
+                cache = program(cache, jnp.asarray(keep))
+                tok = tok[keep]
+                slot = [slot[s] for s in active] + [None] * (into - len(active))
+                tok[len(active):] = pad
+                b = into
+                self.decode_seconds += time.perf_counter() - t0
+                continue
             step += 1
             done = np.asarray([slot[s] is None for s in range(b)])
+            program = self._decode_program(b)
             t0 = time.perf_counter()
-            nxt, cache = self._decode(self.state, jnp.asarray(tok), cache, jnp.asarray(done), jnp.int32(step),
-                                      self.key)
+            nxt, cache = program(self.state, jnp.asarray(tok), cache, jnp.asarray(done), jnp.int32(step), self.key)
             nxt = np.asarray(nxt)
             self.decode_seconds += time.perf_counter() - t0
             self.decode_tokens += len(active)
+            self.decode_row_steps += b
             for s in active:
                 r = slot[s]
                 out[r].append(int(nxt[s]))
@@ -467,18 +554,39 @@ def _empty_cache(graphdef, state, batch, max_len):
     return nnx.merge(graphdef, state).init_cache(batch, max_len, per_row=True)
 
 
+def _batch_axis(x) -> int:
+    """The batch axis of a cache buffer: 0 of a per-layer [B, G, S, D], 1 of a stacked [L, B, G, S, D]."""
+    return x.ndim - 4
+
+
+@jax.jit
+def _gather_rows(cache, keep):
+    """The batch cache reduced to rows `keep` [m] (in that order): every buffer and the lengths."""
+    return dataclasses.replace(cache, keys=tuple(jnp.take(k, keep, axis=_batch_axis(k)) for k in cache.keys),
+                               values=tuple(jnp.take(v, keep, axis=_batch_axis(v)) for v in cache.values),
+                               length=cache.length[keep])
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("temperature", "top_k", "top_p"),
                    donate_argnames=("cache",))
-def _prefill_row(graphdef, state, cache, ids, length, row, key, *, temperature, top_k, top_p):
-    """One request's prompt ids [1, T] (length [1] real tokens) prefilled alone into a cache of the batch cache's
-    size; its cache rows replace row `row` of the batch cache (batch axis: 0 of a per-layer buffer, 1 of a stacked
-    one) and the row's length becomes the request's. Returns (its first token [1], the batch cache)."""
+def _prefill_rows(graphdef, state, cache, ids, lengths, rows, keys, *, temperature, top_k, top_p):
+    """Prompts ids [n, T] (lengths [n] real tokens each) prefilled together into a fresh cache of the batch cache's
+    size, their cache rows then written over rows `rows` [n] of the batch cache (batch axis: 0 of a per-layer
+    buffer, 1 of a stacked one; a row index out of range writes nothing) with their lengths. Prompt i's first token
+    is chosen with fold_in(keys[i], 0). Returns (the first tokens [n], the batch cache)."""
     model = nnx.merge(graphdef, state)
-    first, own = _prefill_step(model, ids, length, cache.max_len, True, key, temperature, top_k, top_p)
+    n = ids.shape[0]
+    logits, own = model(ids, model.init_cache(n, cache.max_len), logit_index=lengths - 1)
+    if keys is None:
+        first = next_token(logits[:, -1], None, temperature, top_k, top_p)
+    else:
+        first = jax.vmap(lambda lg, k: next_token(lg[None], jax.random.fold_in(k, 0), temperature, top_k,
+                                                  top_p)[0])(logits[:, -1], keys)
 
     def put(big, small):
-        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), row, big.ndim - 4)
+        index = (slice(None),) * _batch_axis(big) + (rows,)
+        return big.at[index].set(small.astype(big.dtype), mode="drop")
 
     return first, dataclasses.replace(cache, keys=tuple(map(put, cache.keys, own.keys)),
                                       values=tuple(map(put, cache.values, own.values)),
-                                      length=cache.length.at[row].set(own.length[0]))
+                                      length=cache.length.at[rows].set(lengths, mode="drop"))

@@ -11,10 +11,20 @@ classes and static attributes, where a string naming the layer's own index, such
 identical dense layers is one run; a heterogeneous stack (dense and MoE layers, layers quantized with different
 schemes) forms several runs, each scanned. Sliding windows are data, not structure: a run mixing window sizes scans
 over the index of each layer's mask.
+
+Float projections on XLA:CPU (`RowLinear`): inside the scan body layer j's [K, N] kernel is a `dynamic-slice` of the
+stack, and XLA:CPU copies it out before a library dot (it fuses a producer only into a matrix-*vector* dot, as an
+elemental loop; see `qformats.packed_dot`). One activation row (a decode step at batch 1) is where that copy costs
+most (it reads and writes the weight once more, the GEMV reads it once), so there each float `nnx.Linear` of a run
+becomes a `RowLinear` whose stack is kept transposed, [count, N, K], and which computes one row as a vector-matrix
+dot that XLA:CPU fuses the slice into (row n of W^T contiguous along k): no copy. More rows keep a library dot, but
+against the transposed stack XLA:CPU's dot of several rows is slower than against the [K, N] one, so a caller that
+decodes several rows at a time passes `row_linear=False` (the `generate` CLI with --batch-size > 1).
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -25,7 +35,71 @@ from flax import nnx
 
 from qformats.errors import ModelError
 
-__all__ = ["LayerRun", "ScannedLayers", "scan_layers", "layer_runs"]
+__all__ = ["LayerRun", "ScannedLayers", "RowLinear", "scan_layers", "layer_runs"]
+
+ROW_CHUNK = 2048
+"""Most elements of x per fused vector-matrix dot (XLA:CPU fuses a weight's producer into such a dot only while
+the vector is under 16 KiB; `qformats.packed_dot.CHUNK`)."""
+
+
+class RowLinear(nnx.Module):
+    """`nnx.Linear` with its kernel stored transposed (`kernel_t` = W^T [N, K]), for scanned runs on XLA:CPU:
+
+        y[..., n] = sum_k x[..., k] W[k, n] (+ b[n])
+
+    computed as `nnx.Linear` does (operands promoted to `dtype`, its precision) by one dot_general for several rows
+    of x, and for a single row as vector-matrix dots y = sum_c x[c] . W^T[:, c]^T over chunks c of at most
+    `ROW_CHUNK` elements of K, the form XLA:CPU fuses the weight's producer (a scan's dynamic-slice) into. The two
+    forms equal each other up to float32 summation order."""
+
+    def __init__(self, linear: nnx.Linear):
+        self.kernel_t = nnx.Param(jnp.asarray(linear.kernel.get_value()).T)
+        self.bias = None if linear.bias is None else nnx.Param(linear.bias.get_value())
+        self.dtype = linear.dtype
+        self.precision = linear.precision
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        from flax.nnx.nn.dtypes import promote_dtype
+
+        w = self.kernel_t.get_value()
+        b = None if self.bias is None else self.bias.get_value()
+        x, w, b = promote_dtype((x, w, b), dtype=self.dtype)
+        k = x.shape[-1]
+        if int(np.prod(x.shape[:-1])) == 1:
+            v = x.reshape(k)
+            parts = [jax.lax.dot_general(v[k0:k0 + ROW_CHUNK], w[:, k0:k0 + ROW_CHUNK].T, (((0,), (0,)), ((), ())),
+                                         precision=self.precision) for k0 in range(0, k, ROW_CHUNK)]
+            # summed as ones . stack: XLA output-fuses a plain `a + b` of such dots into one of them, which makes
+            # that dot a library call again (qformats.packed_dot)
+            y = parts[0] if len(parts) == 1 else jax.lax.dot_general(
+                jnp.ones((len(parts),), parts[0].dtype), jnp.stack(parts), (((0,), (0,)), ((), ())))
+            y = y.reshape(x.shape[:-1] + (w.shape[0],))
+        else:
+            y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=self.precision)
+        if b is not None:
+            y = y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
+        return y
+
+
+_LINEAR_PROMOTE = inspect.signature(nnx.Linear.__init__).parameters["promote_dtype"].default
+
+
+def _row_linears(layer: nnx.Module) -> None:
+    """Every float `nnx.Linear` inside `layer` (default dot_general, a 2-D kernel) replaced in place by its
+    `RowLinear`."""
+    found = [(path, m) for path, m in nnx.iter_modules(layer)
+             if type(m) is nnx.Linear and m.dot_general is jax.lax.dot_general
+             and m.promote_dtype is _LINEAR_PROMOTE and m.kernel.get_value().ndim == 2
+             and jnp.issubdtype(m.kernel.get_value().dtype, jnp.floating) and path]
+    for path, m in found:
+        parent = layer
+        for part in path[:-1]:
+            parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+        if isinstance(path[-1], int):
+            parent[path[-1]] = RowLinear(m)
+        else:
+            setattr(parent, path[-1], RowLinear(m))
 
 
 class LayerRun(nnx.Module):
@@ -141,7 +215,7 @@ def _stack(leaves: List[Any]) -> Any:
     return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
 
 
-def scan_layers(model):
+def scan_layers(model, row_linear: Optional[bool] = None):
     """Regroups `model.model.layers` (a `CausalLM`'s per-layer list) in place into a `ScannedLayers` of runs of
     consecutive layers of one structure (`layer_runs`) and returns the model; a model already scanned is returned
     as it is.
@@ -156,6 +230,11 @@ def scan_layers(model):
     that address layers by index (`load_hf_tensors`, `quantize_model` rules, calibration, `shard_model`,
     `enable_kv_cache_quantization`, rotations) must run before it. Variables a layer writes during its call are
     not kept across a scan.
+
+    row_linear: turn each float `nnx.Linear` of the layers into a `RowLinear` (the kernel stacked transposed; one
+    activation row computed as a vector-matrix dot XLA:CPU fuses the layer's slice into, module docstring): True,
+    False, or None (default) for "on a CPU backend, on one device" (`model.sharding` unset). Its values equal the
+    `nnx.Linear`'s bit for bit for several rows, and up to float32 summation order for one row.
     """
     layers = model.model.layers
     if isinstance(layers, ScannedLayers):
@@ -165,8 +244,12 @@ def scan_layers(model):
         raise ModelError(f"scan_layers: the model has {len(layers)} layers and {len(windows)} sliding-window "
                          f"entries in its config")
     spans = layer_runs(model)
+    if row_linear is None:
+        row_linear = jax.default_backend() == "cpu" and getattr(model, "sharding", None) is None
     pieces = []
     for layer in layers:
+        if row_linear:
+            _row_linears(layer)
         graphdef, state = nnx.split(layer)
         leaves, treedef = jax.tree.flatten(state)
         pieces.append([graphdef, treedef, leaves])

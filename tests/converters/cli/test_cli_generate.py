@@ -93,10 +93,11 @@ def test_json_tokens_equal_the_library_and_the_process_talks(tiny, capsys):
     lines = err.splitlines()
     assert lines[0].startswith(f"qformats: loading {tiny} (") and lines[1].startswith("qformats: loaded ")
     assert lines[1].endswith("/s)")
-    assert lines[2].startswith("qformats: compiled prefill [1 x 16 tokens] and decode (cache of 16 positions) in ")
-    assert "cache" in lines[2]
-    assert lines[3].startswith("qformats: prefill: 3 tokens in ") and lines[3].endswith("tokens/s)")
-    assert lines[4].startswith(f"qformats: decode: {len(got['tokens']) - 1} tokens in ") and "tokens/s" in lines[4]
+    assert lines[2].startswith("qformats: layers: 2 in 1 scanned run(s) (0-1), stacked in ")
+    assert lines[3].startswith("qformats: compiled prefill [1 x 16 tokens] and decode (cache of 16 positions) in ")
+    assert "cache" in lines[3]
+    assert lines[4].startswith("qformats: prefill: 3 tokens in ") and lines[4].endswith("tokens/s)")
+    assert lines[5].startswith(f"qformats: decode: {len(got['tokens']) - 1} tokens in ") and "tokens/s" in lines[5]
 
 
 def test_sampled_tokens_equal_the_library(tiny, capsys):
@@ -208,12 +209,12 @@ def test_prompts_file_in_input_order(tiny, tmp_path, capsys):
         singles.append(json.loads(o))
     assert got == singles and len(got[1]["tokens"]) <= 3 and len(got[2]["tokens"]) <= 5
     # 2 rows, the third request takes the row of the first one done (one prefill each, one decode program), the
-    # layers unrolled (the default) and scanned: the same lines
+    # layers scanned (the default) and unrolled: the same lines
     rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 2)
     assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and err.count("qformats: request ") == 3
     assert "compiled prefill [1 x 16 tokens] and decode [2 rows] (cache of 16 positions)" in err
-    rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 3, "--scan")
-    assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and "in 1 scanned run(s)" in err
+    rc, out, err = _run(capsys, tiny, "--prompts", f, "--max-new-tokens", 7, "--batch-size", 3, "--no-scan")
+    assert rc == 0 and [json.loads(x) for x in out.splitlines()] == got and "scanned run(s)" not in err
 
 
 @pytest.mark.parametrize("line, msg", [
@@ -296,7 +297,7 @@ def test_help_names_the_cache_directory(capsys, monkeypatch, tmp_path):
     assert main(["generate", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "--no-compile-cache" in out and str(tmp_path / "qformats" / "jax") in out.replace(" ", "")
-    assert "--batch-size" in out and "--scan" in out and "--no-buckets" in out
+    assert "--batch-size" in out and "--no-scan" in out and "--no-buckets" in out
 
 
 def test_eval_takes_no_compile_cache_for_both_measures(monkeypatch, tmp_path, capsys):

@@ -240,6 +240,33 @@ def test_continuous_batch_rows_equal_each_request_alone(model):
     np.testing.assert_array_equal(got[2], want[:stop + 1])
 
 
+def test_continuous_batch_batched_refills_and_shrinking_keep_each_request_alone(model):
+    """4 rows for 6 requests: the first fill prefills 4 requests in one [4, W] call, the rest refill one at a time;
+    once nothing is pending the live rows move into a batch of 2, then 1 (fewer row-steps than a fixed batch of
+    4); every request's tokens equal `generate` of it alone, with and without shrinking (off by default)."""
+    alone = [np.asarray(generate(model, p, n)) for p, n in zip(REQUESTS, REQUEST_COUNTS)]
+    batch = ContinuousBatch(model, REQUESTS, REQUEST_COUNTS, batch_size=4, shrink=True)
+    got = dict(batch)
+    width = max(batch.widths[:4])
+    assert (4, width) in batch._prefills and sorted(batch._decodes)[0] < 4
+    fixed = ContinuousBatch(model, REQUESTS, REQUEST_COUNTS, batch_size=4)
+    got_fixed = dict(fixed)
+    assert sorted(fixed._decodes) == [4] and batch.decode_row_steps < fixed.decode_row_steps
+    assert batch.decode_tokens == fixed.decode_tokens == sum(REQUEST_COUNTS) - 6
+    for r in range(6):
+        np.testing.assert_array_equal(got[r], alone[r])
+        np.testing.assert_array_equal(got_fixed[r], alone[r])
+
+
+def test_continuous_batch_batched_prefill_samples_each_first_token_with_its_request_key(model):
+    """Sampling: request r's first token is chosen with fold_in(fold_in(key, r), 0), whether its prefill ran alone
+    (batch of 1) or with others (batch of 4): the first tokens of both runs agree."""
+    kw = dict(key=jax.random.key(7), temperature=1.5)
+    together = dict(ContinuousBatch(model, REQUESTS[:4], 1, batch_size=4, **kw))
+    one_by_one = dict(ContinuousBatch(model, REQUESTS[:4], 1, batch_size=1, **kw))
+    assert {r: list(t) for r, t in together.items()} == {r: list(t) for r, t in one_by_one.items()}
+
+
 def test_continuous_batch_on_scanned_layers_and_its_errors():
     from qformats.models.decoder.scan import scan_layers
     m = scan_layers(random_model())

@@ -125,3 +125,37 @@ def test_dynamic_kv_cache_refuses_per_row_lengths():
         m.init_cache(2, 16, per_row=True)
     with pytest.raises(ModelError, match="prompts of one length"):
         generate(m, [IDS[0, :3], IDS[1]], 4)
+
+
+def test_float_projections_become_row_linears_with_one_row_within_summation_order():
+    """On CPU the float projections of a scanned run are `RowLinear`s (kernel stacked transposed): several rows are
+    the unrolled values bit for bit (the tests above), one row (a batch-1 decode step) equals them up to float32
+    summation order; row_linear=False keeps nnx.Linear."""
+    from qformats.models.decoder.scan import RowLinear
+
+    a = build()
+    b = scanned_copy(a)
+    attn = b.model.layers.runs[0].layer.self_attn
+    assert isinstance(attn.q_proj, RowLinear) and attn.q_proj.kernel_t.get_value().shape == (4, 32, 32)
+    assert isinstance(b.model.layers.runs[0].layer.mlp.down_proj, RowLinear)
+    assert type(scan_layers(nnx.clone(a), row_linear=False).model.layers.runs[0].layer.self_attn.q_proj) is nnx.Linear
+    ids = jnp.asarray(IDS[:1])
+    ca, cb = a.init_cache(1, 16), b.init_cache(1, 16)
+    (_, ca), (_, cb) = step(a, ids, ca), step(b, ids, cb)
+    tok = jnp.asarray([[3]], jnp.int32)
+    (la, _), (lb, _) = step(a, tok, ca), step(b, tok, cb)
+    np.testing.assert_allclose(np.asarray(lb), np.asarray(la), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(generate(a, IDS[0], 6)), np.asarray(generate(b, IDS[0], 6)))
+
+
+def test_row_linear_chunks_long_rows():
+    """K over ROW_CHUNK: the one-row product is summed over chunks; equal to nnx.Linear up to summation order, and
+    bit for bit for several rows."""
+    from qformats.models.decoder.scan import ROW_CHUNK, RowLinear
+
+    lin = nnx.Linear(ROW_CHUNK + 100, 8, rngs=nnx.Rngs(0))
+    row = RowLinear(lin)
+    x = jax.random.normal(jax.random.key(1), (3, ROW_CHUNK + 100))
+    f = nnx.jit(lambda m, v: m(v))
+    np.testing.assert_array_equal(np.asarray(f(row, x)), np.asarray(f(lin, x)))
+    np.testing.assert_allclose(np.asarray(f(row, x[:1])), np.asarray(f(lin, x[:1])), rtol=1e-5, atol=1e-5)
