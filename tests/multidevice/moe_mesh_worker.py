@@ -136,8 +136,8 @@ def case_load(workdir: str):
     from moe_tiny import write_checkpoint
 
     wd = Path(workdir)
-    write_checkpoint("qwen3_moe", wd / "qwen3_moe")
-    write_checkpoint("gpt_oss", wd / "gpt_oss")
+    write_checkpoint("qwen3_moe", wd / "qwen3_moe", num_hidden_layers=2)  # layer 0 sparse, layer 1 dense
+    write_checkpoint("gpt_oss", wd / "gpt_oss", num_hidden_layers=2)  # a sliding and a full attention layer
     quantize_checkpoint(wd / "qwen3_moe", wd / "w4", "W4A16:g16", progress=False)
     quantize_checkpoint(wd / "qwen3_moe", wd / "nvfp4", "NVFP4A16", progress=False)
     placed = []  # (global shape, host shard shape) of every array placed shard by shard
