@@ -2,10 +2,11 @@
 
     python tests/multidevice/moe_mesh_worker.py CASE[,CASE...] WORKDIR
 
-prints RESULT {case: {json}} for the cases asked, run one after the other in the one interpreter. Cases: "hlo" (a random qwen3_moe decoder, float / W4A16 / NVFP4A16, on an 8-way expert mesh
-and on 4 experts x 2 tensor devices: greedy tokens against one device, the collectives of the compiled prefill and
-decode steps), "load" (checkpoints written by transformers -- qwen3_moe dense and compressed-tensors, gpt_oss with
-fused expert tensors -- loaded straight onto the mesh: parameters and tokens against the one-device load, and the
+prints RESULT {case: {json}} for the cases asked, run one after the other in the one interpreter. Cases: "hlo" (a
+random qwen3_moe decoder, float / W4A16 / NVFP4A16, on an 8-way expert mesh and on 4 experts x 2 tensor devices:
+greedy tokens against one device, the collectives of the compiled prefill and decode steps), "load" (2-layer
+checkpoints written by transformers -- qwen3_moe dense and compressed-tensors, gpt_oss with fused expert tensors --
+loaded straight onto the mesh: parameters and tokens against the one-device load, and the
 host shard of every expert stack read).
 """
 
