@@ -1,4 +1,4 @@
-"""Suite-wide fixtures: one JAX compilation cache per test run, and the embedded SmolLM2 converted once per process."""
+"""Suite-wide fixtures: one JAX compilation cache per test run, and the embedded SmolLM2 converted once per run."""
 
 from __future__ import annotations
 
@@ -18,6 +18,31 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def pytest_configure(config):
     if sys.modules.get("torch") is not None:  # imported before this file (a plugin): its pool size is fixed
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # `-n N --dist loadfile` (or loadscope): xdist hands out files in the order the workers collected them
+    # (pytest_collection_modifyitems below: the heaviest first), not re-sorted by its own default, the number of
+    # tests per file, which left the few-test files of one long fixture each (the 8-device workers) for the end
+    if getattr(config.option, "dist", None) in ("loadfile", "loadscope") and hasattr(config.option,
+                                                                                     "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+# The estimated cost of a test for the order of files under xdist: marked slow (over ~20 s), or not (most well under
+# a second). Only the order of whole files changes, and only in xdist workers; a file's tests keep theirs.
+SLOW_COST, FAST_COST = 20.0, 0.5
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, the files of the collection heaviest first (the sum of SLOW_COST / FAST_COST over their tests;
+    ties in collection order), so that with `--dist loadfile` the long files start at once and the workers finish
+    on short ones: the wall time approaches the total over the workers instead of waiting for one long file last."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    cost, first = {}, {}
+    for i, item in enumerate(items):
+        f = item.nodeid.split("::", 1)[0]
+        first.setdefault(f, i)
+        cost[f] = cost.get(f, 0.0) + (SLOW_COST if item.get_closest_marker("slow") else FAST_COST)
+    items.sort(key=lambda item: (-cost[item.nodeid.split("::", 1)[0]], first[item.nodeid.split("::", 1)[0]]))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,9 +67,7 @@ def jax_compilation_cache(tmp_path_factory):
         return
     import jax
 
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's root under xdist
-    path = root / "jax-compilation-cache"
+    path = run_root(tmp_path_factory) / "jax-compilation-cache"
     path.mkdir(exist_ok=True)
     keys = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
     saved = {k: os.environ.get(k) for k in keys}
@@ -64,16 +87,37 @@ def jax_compilation_cache(tmp_path_factory):
             os.environ[k] = v
 
 
+def run_root(tmp_path_factory):
+    """The temporary root of this pytest run: shared by its xdist workers (each worker's basetemp is a folder of
+    it), pytest's own basetemp without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def smollm2_dense(tmp_path_factory):
     """The embedded SmolLM2-135M-Instruct GGUF converted by `converters.formats.gguf_convert.convert_gguf` into a dense
-    float32 HF directory, once per test process (tests must not write into it)."""
+    float32 HF directory, once per test run: the first xdist worker that needs it converts it under a file lock
+    (convert_gguf renames the finished directory into place), the others wait for it and read the same directory
+    (tests must not write into it)."""
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
+    import fcntl
+
     from converters.evaluation.embedded import smollm2_gguf
     from converters.formats.gguf_convert import convert_gguf
 
-    return convert_gguf(smollm2_gguf(), tmp_path_factory.mktemp("smollm2") / "dense")
+    home = run_root(tmp_path_factory) / "smollm2"
+    home.mkdir(exist_ok=True)
+    dst = home / "dense"
+    with open(home / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not dst.is_dir():
+                convert_gguf(smollm2_gguf(), dst)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return dst
 
 
 @pytest.fixture(scope="module", autouse=True)

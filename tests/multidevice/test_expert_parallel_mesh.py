@@ -4,6 +4,7 @@ tensor devices); the compiled prefill and decode steps move activations, never e
 (per-expert HF tensors, compressed-tensors experts, gpt-oss fused stacks) load straight onto the mesh, each host
 read one device's experts. The refusals (experts not divisible, no experts) run here, fast."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -15,22 +16,26 @@ from run_worker import ROOT, _env, _result
 WORKER = Path(__file__).with_name("moe_mesh_worker.py")
 
 
-def _run(case, tmp_path_factory):
-    p = subprocess.run([sys.executable, str(WORKER), case, str(tmp_path_factory.mktemp(case))], capture_output=True,
-                       text=True, env=_env(), cwd=ROOT, timeout=1200)
-    return _result(p.stdout, p.stderr, p.returncode, f"moe_mesh_worker {case} (8 devices)")
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """The worker's cases in one fresh 8-device interpreter (one start, one backend): "hlo", and "load" when torch
+    and transformers (which write its checkpoints) are installed."""
+    cases = ["hlo"] + (["load"] if all(importlib.util.find_spec(m) for m in ("torch", "transformers")) else [])
+    p = subprocess.run([sys.executable, str(WORKER), ",".join(cases), str(tmp_path_factory.mktemp("moe_mesh"))],
+                       capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=1800)
+    return _result(p.stdout, p.stderr, p.returncode, f"moe_mesh_worker {','.join(cases)} (8 devices)")
 
 
 @pytest.fixture(scope="module")
-def hlo(tmp_path_factory):
-    return _run("hlo", tmp_path_factory)
+def hlo(results):
+    return results["hlo"]
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    return _run("load", tmp_path_factory)
+def loaded(results):
+    if "load" not in results:
+        pytest.skip("torch and transformers write the MoE checkpoints")
+    return results["load"]
 
 
 SCHEMES = ["dense", "W4A16:g16", "NVFP4A16"]
