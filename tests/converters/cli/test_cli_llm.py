@@ -119,10 +119,10 @@ def test_convert_refuses_existing_dst(smol, capsys):
 
 @pytest.mark.slow
 def test_generate_greedy_equals_transformers(smol, hf_smol, capsys):
-    """The real 30-layer model through the CLI, its layers scanned (--scan: one compiled layer body, not 30; the
-    unrolled default on SmolLM2, packed: test_causal_lm's test_smollm2_gguf_greedy_tokens_equal_transformers; through
-    the CLI: test_tiny_generate_equals_transformers)."""
-    assert main(["generate", str(smol), "--prompt", PROMPT, "--max-new-tokens", "8", "--scan", "--json"]) == 0
+    """The real 30-layer model through the CLI, its layers scanned (the CLI's default: one compiled layer body, not
+    30; unrolled layers on SmolLM2, packed: test_causal_lm's test_smollm2_gguf_greedy_tokens_equal_transformers;
+    the tiny llama through the CLI: test_tiny_generate_equals_transformers; --no-scan: test_cli_generate)."""
+    assert main(["generate", str(smol), "--prompt", PROMPT, "--max-new-tokens", "8", "--json"]) == 0
     got = _json(capsys)
     want, tok = _hf_greedy(smol, 8, hf_smol)
     assert got["tokens"] == want
