@@ -17,9 +17,9 @@ stack, and XLA:CPU copies it out before a library dot (it fuses a producer only 
 elemental loop; see `qformats.packed_dot`). One activation row (a decode step at batch 1) is where that copy costs
 most (it reads and writes the weight once more, the GEMV reads it once), so there each float `nnx.Linear` of a run
 becomes a `RowLinear` whose stack is kept transposed, [count, N, K], and which computes one row as a vector-matrix
-dot that XLA:CPU fuses the slice into (row n of W^T contiguous along k): no copy. More rows keep a library dot, but
-against the transposed stack XLA:CPU's dot of several rows is slower than against the [K, N] one, so a caller that
-decodes several rows at a time passes `row_linear=False` (the `generate` CLI with --batch-size > 1).
+dot that XLA:CPU fuses the slice into (row n of W^T contiguous along k): no copy. More rows run nnx.Linear's
+library dot on the layer's W materialised [K, N] (the copy a plain nnx.Linear makes too, shared by the rows); the
+`generate` CLI with --batch-size > 1 passes `row_linear=False`.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ class RowLinear(nnx.Module):
 
     computed as `nnx.Linear` does (operands promoted to `dtype`, its precision) by one dot_general for several rows
     of x, and for a single row as vector-matrix dots y = sum_c x[c] . W^T[:, c]^T over chunks c of at most
-    `ROW_CHUNK` elements of K, the form XLA:CPU fuses the weight's producer (a scan's dynamic-slice) into. The two
-    forms equal each other up to float32 summation order."""
+    `ROW_CHUNK` elements of K, the form XLA:CPU fuses the weight's producer (a scan's dynamic-slice) into. Several
+    rows equal nnx.Linear bit for bit (the same dot on W materialised [K, N]); one row up to float32 summation
+    order."""
 
     def __init__(self, linear: nnx.Linear):
         self.kernel_t = nnx.Param(jnp.asarray(linear.kernel.get_value()).T)
@@ -76,7 +77,11 @@ class RowLinear(nnx.Module):
                 jnp.ones((len(parts),), parts[0].dtype), jnp.stack(parts), (((0,), (0,)), ((), ())))
             y = y.reshape(x.shape[:-1] + (w.shape[0],))
         else:
-            y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=self.precision)
+            # several rows: W [K, N] materialised (one copy, shared by every row) behind a barrier, so XLA keeps the
+            # dot nnx.Linear runs (a transpose folded into the dot's dimension numbers is another library kernel:
+            # a different summation order on multi-threaded XLA:CPU, and slower)
+            wk = jax.lax.optimization_barrier(w.T)
+            y = jax.lax.dot_general(x, wk, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
         if b is not None:
             y = y + jnp.reshape(b, (1,) * (y.ndim - 1) + (-1,))
         return y
