@@ -3,18 +3,19 @@
 The expected result is llm-compressor 0.14's (`oneshot` + [AWQModifier(n_grid=20, duo_scaling=True),
 QuantizationModifier(W4A16 int4 symmetric groups of 32, lm_head and routers ignored)], its Qwen3-MoE mappings,
 `moe_calibrate_all_experts=True`, one sample per batch), pinned in data/awq_llmc_moe_tiny.npz by
-bench/awq_llmc_moe_fixture.py on bench/gptq_llmc_moe_fixture.py's model (2 sparse layers, 8 experts of 32, top-2;
-its weights' digest is checked here) and the first 32 of its one-token samples. Ours: the same dense checkpoint through
+bench/awq_llmc_moe_fixture.py on bench/gptq_llmc_moe_fixture.py's model (2 sparse layers, 8 experts of 32, top-2; its
+weights' digest is checked here) and the first 32 of its one-token samples. Ours: the same dense checkpoint through
 `load_causal_lm` + `calibrate_decoder` with `awq_transform` (round-to-nearest, float propagation, as their pipeline
 runs this recipe; pack=False: one sample a row, their layout. Packed rows change the normed activations by float32
 ulps (the reductions' order follows the batch shape), which on this tiny model moves layer 0's attention mapping to
-another grid point (two grid points whose losses are within 0.1% of each other trade places). Measured (BENCHMARKS.md, MoE calibration): the attention's input_layernorm mapping picks the same
-grid point (norms within 2.2e-7 relative; q/k/v/o codes 99.7-100% equal); each expert's up -> down mapping agrees
-(down_proj codes 99.8-100%, one expert 81%); the block mapping (post_attention_layernorm over the router and the
-experts' gate / up) takes the same x_mean and w_mean (their scales are our candidate scales at their grid point within
-1.7e-7) but another grid point (layer 0: ratio 0.222 theirs, 0.167 ours, whose loss is 4% lower in our evaluation of
-the block): their loss of the MoE block differs from ours by more than rounding, not resolved; gate / up codes 81-91%
-equal, 91.8% of all codes. Bounds: layer 0's input_layernorm within 1e-6, all codes >= 90%.
+another grid point (two grid points whose losses are within 0.1% of each other trade places). Measured (BENCHMARKS.md,
+MoE calibration): the attention's input_layernorm mapping picks the same grid point (norms within 2.2e-7 relative;
+q/k/v/o codes 99.7-100% equal); each expert's up -> down mapping agrees (down_proj codes 99.8-100%, one expert 81%);
+the block mapping (post_attention_layernorm over the router and the experts' gate / up) takes the same x_mean and
+w_mean (their scales are our candidate scales at their grid point within 1.7e-7) but another grid point (layer 0:
+ratio 0.222 theirs, 0.167 ours, whose loss is 4% lower in our evaluation of the block): their loss of the MoE block
+differs from ours by more than rounding, not resolved; gate / up codes 81-91% equal, 91.8% of all codes. Bounds: layer
+0's input_layernorm within 1e-6, all codes >= 90%.
 """
 
 import importlib.util
