@@ -171,6 +171,10 @@ _SIGNAL = r"""
 import json, os, signal, sys, time
 import numpy as np
 from converters.formats.shard_writer import ShardedWriter
+# a run started with nohup or in a shell's background inherits SIGHUP / SIGINT ignored (the writer then leaves them
+# ignored): the dispositions a terminal session gives
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 out = []
 for dst, sig in json.loads(sys.argv[1]):
     try:
