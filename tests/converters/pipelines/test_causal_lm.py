@@ -329,7 +329,8 @@ def test_smollm2_gguf_greedy_tokens_equal_transformers(smollm2):
 @pytest.mark.slow
 def test_smollm2_gguf_runs_packed_and_logits_equal_transformers(smollm2):
     """The SmolLM2 GGUF (Q4_1 projections, Q8_0 tied embedding) loads packed by default: all 210 projections are
-    uint4 group-32 QLinears with the file's minima as offsets, the embedding a PackedEmbed of int8 codes; its logits
+    uint4 group-32 QLinears with the file's minima as offsets, the embedding a PackedEmbed of int8 codes, at the
+    file's bits per weight (Q4_1 5.0, Q8_0 8.5); its logits
     equal transformers' float32 model on the same dequantized weights to float32 accumulation order, for a prompt
     (dequantize-then-dot) and for one token (the fused packed GEMV). (Greedy generation of the packed model:
     test_smollm2_gguf_greedy_tokens_equal_transformers; `packed=False` GGUF loading, dequantized at load:
@@ -343,6 +344,22 @@ def test_smollm2_gguf_runs_packed_and_logits_equal_transformers(smollm2):
 
     assert isinstance(model.model.embed_tokens, PackedEmbed)
     assert model.model.embed_tokens.kernel.get_value().codes.dtype == jnp.int8
+    # the file's bits per weight: float16 d (and m) kept as stored, computed in float32; bits of the loaded leaves
+    # (codes + scales + offsets) / weights = the block sizes, Q4_1 20 bytes and Q8_0 34 bytes per 32 weights
+    import math
+
+    import jax
+
+    from qformats.qarray import QArray
+
+    by_bits = {}
+    for leaf in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, QArray)):
+        if isinstance(leaf, QArray):
+            assert leaf.scale.dtype == jnp.float16 and leaf.compute_dtype == jnp.float32
+            assert leaf.offset is None or leaf.offset.dtype == jnp.float16
+            b, n = by_bits.get(leaf.scheme.bits, (0, 0))
+            by_bits[leaf.scheme.bits] = (b + leaf.nbytes, n + math.prod(leaf.shape))
+    assert {k: 8 * b / n for k, (b, n) in by_bits.items()} == {4: 20 * 8 / 32, 8: 34 * 8 / 32}
     ids = np.array([tok.encode(PROMPT).ids])
     for x in (ids, ids[:, :1]):
         with torch.no_grad():
