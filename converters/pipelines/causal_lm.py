@@ -281,54 +281,11 @@ def _load_gguf_packed(g, model, cfg, embedding: bool = True) -> list[str]:
             t["bias"] = g.get(bias)
             dense.remove(bias)
     load_quantized(model, quantized)
+    from converters.formats.gguf_packed import GGUF_EMBEDDING, swap_packed_embedding
+
     if embedding and GGUF_EMBEDDING in dense and swap_packed_embedding(g, model, cfg, g.get_packed):
         dense.remove(GGUF_EMBEDDING)
     return dense
-
-
-#: The HF name of the token embedding in a GGUF model's tensors (`GGUFModel.keys`).
-GGUF_EMBEDDING = "model.embed_tokens.weight"
-
-
-def swap_packed_embedding(g, model, cfg, get) -> bool:
-    """Swaps `model`'s `nnx.Embed` for a `decoder.PackedEmbed` holding `get(GGUF_EMBEDDING)` (the packed QArray of
-    the GGUF token embedding, logical [hidden, vocab]: `g.get_packed` on one device, its slices placed on a mesh by
-    `converters.pipelines.mesh_load`) when the file stores the embedding in a packed block type and, for a tied
-    lm_head (which reads it every step), only where the fused GEMV takes it (4 / 8 bits: a wider type would be
-    dequantized whole per step). Returns whether it swapped; `get` is called only then.
-
-    Raises:
-      CheckpointError: the packed embedding is not [hidden_size, vocab_size].
-    """
-    from flax import nnx
-
-    from converters.formats.gguf_packed import PACKED_TYPES
-    from qformats.models.decoder import PackedEmbed
-    from qformats.packed_dot import packed_dot_supported
-
-    emb = GGUF_EMBEDDING
-    if emb not in g.keys() or g.tensor_type(emb) not in PACKED_TYPES \
-            or not isinstance(model.model.embed_tokens, nnx.Embed):
-        return False
-    want = (cfg.hidden_size, cfg.vocab_size)
-    n, k = g.shape(emb)
-    if (k, n) != want:
-        raise CheckpointError(f"{g.path}: tensor {emb}: expected the embedding [{want[1]}, {want[0]}], found "
-                              f"[{n}, {k}]")
-    if cfg.tie_word_embeddings and not packed_dot_supported((1, cfg.hidden_size), _probe(g, emb)):
-        return False
-    model.model.embed_tokens = PackedEmbed(get(emb), dtype=model.dtype)
-    return True
-
-
-def _probe(g, name):
-    """The packed QArray of the first row of GGUF tensor `name` (its scheme and layout; what `packed_dot_supported`
-    reads besides the shape), with the tensor's logical shape."""
-    from converters.formats.gguf_packed import gguf_qarray
-
-    data, type_name = g.raw(name)
-    n, k = g.shape(name)
-    return gguf_qarray(np.asarray(data[:1]), type_name, (1, k), f"{g.path}: tensor {name!r}").replace(shape=(k, n))
 
 
 def _mesh_rules(cfg, mesh, rules):

@@ -331,7 +331,7 @@ def load_gguf_on_mesh(g, model, cfg, mesh, rules, stats: Optional[ReadStats] = N
     """Fills the abstract decoder `model` from an open GGUF model `g` onto `mesh`, every parameter placed slice by
     slice from the memory map: with `packed`, each Linear weight in a block type of `gguf_packed.PACKED_TYPES` as
     the packed QArray `g.get_packed` gives (`gguf_sliced`, swapped in by `qformats.nn.load_quantized`) and a
-    block-quantized token embedding as a `decoder.PackedEmbed` over its packed QArray (`causal_lm.
+    block-quantized token embedding as a `decoder.PackedEmbed` over its packed QArray (`gguf_packed.
     swap_packed_embedding`; logical [hidden, vocab], codes and scales split by vocabulary rows as the lm_head's
     kernel: a lookup gathers whole rows, a tied lm_head is a vocabulary-parallel packed GEMV), every other tensor
     dequantized by gguf (`gguf_dense_reader`).
@@ -352,7 +352,7 @@ def load_gguf_on_mesh(g, model, cfg, mesh, rules, stats: Optional[ReadStats] = N
     quantized, dense = {}, []
     embedding = None
     if packed:  # a block-quantized embedding stays packed, split by vocabulary rows like the lm_head's kernel
-        from converters.pipelines.causal_lm import GGUF_EMBEDDING, swap_packed_embedding
+        from converters.formats.gguf_packed import GGUF_EMBEDDING, swap_packed_embedding
 
         if swap_packed_embedding(g, model, cfg, lambda n: place_sliced(gguf_sliced(g, n, stats), mesh, rules,
                                                                         "model/embed_tokens", stats)):
