@@ -18,24 +18,19 @@ differs from ours by more than rounding, not resolved; gate / up codes 81-91% eq
 0's input_layernorm within 1e-6, all codes >= 90%.
 """
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from llmc_pinned import pinned_llmc_source  # noqa: E402
+
 pytestmark = pytest.mark.slow  # one AWQ calibration of the tiny two-layer MoE decoder (~1-3 min on the busy machine)
 
 DATA = Path(__file__).parent / "data" / "awq_llmc_moe_tiny.npz"
-_GEN = Path(__file__).resolve().parents[4] / "bench" / "gptq_llmc_moe_fixture.py"
-
-
-def _gen():
-    spec = importlib.util.spec_from_file_location("gptq_llmc_moe_fixture", _GEN)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +40,7 @@ def ours(tmp_path_factory):
     from qformats.nn import quantized_layers
     from qformats.nn.experts import QExperts
 
-    gen = _gen()
-    fx = dict(np.load(DATA))
-    tensors = gen.tiny_qwen3_moe()
-    assert gen.digest(tensors) == str(fx["digest"]), "the tiny MoE decoder's weights changed: regenerate the fixture"
-    src = gen.write_checkpoint(tmp_path_factory.mktemp("tinymoe") / "src", tensors)
-    samples = np.split(fx["ids"], np.cumsum(fx["lengths"])[:-1])
+    gen, fx, src, samples = pinned_llmc_source(DATA, tmp_path_factory.mktemp("tinymoe") / "src")
     model, _, _ = load_causal_lm(src, tokenizer=False)
     scheme = f"W4A16:g{gen.GROUP}"
     rec = []

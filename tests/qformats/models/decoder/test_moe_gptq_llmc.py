@@ -23,24 +23,19 @@ test_decoder_gptq_llmc.py). Measured when the fixtures were made (BENCHMARKS.md,
     layer 0 >= 99%, the rest >= 60%.
 """
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from llmc_pinned import pinned_llmc_source  # noqa: E402
+
 pytestmark = pytest.mark.slow  # ~60 s on the loaded 2-core machine (one calibration of the tiny MoE decoder)
 
 DATA = {"single": Path(__file__).parent / "data" / "gptq_llmc_moe_tiny_single.npz",
         "varied": Path(__file__).parent / "data" / "gptq_llmc_moe_tiny.npz"}
-_GEN = Path(__file__).resolve().parents[4] / "bench" / "gptq_llmc_moe_fixture.py"
-
-
-def _gen():
-    spec = importlib.util.spec_from_file_location("gptq_llmc_moe_fixture", _GEN)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def ours_codes(gen, src, samples):
@@ -67,12 +62,7 @@ def ours_codes(gen, src, samples):
 
 @pytest.fixture(scope="module", params=["single", "varied"])
 def calibrated(request, tmp_path_factory):
-    gen = _gen()
-    fx = dict(np.load(DATA[request.param]))
-    tensors = gen.tiny_qwen3_moe()
-    assert gen.digest(tensors) == str(fx["digest"]), "the tiny MoE decoder's weights changed: regenerate the fixture"
-    src = gen.write_checkpoint(tmp_path_factory.mktemp("tinymoe") / "src", tensors)
-    samples = np.split(fx["ids"], np.cumsum(fx["lengths"])[:-1])
+    gen, fx, src, samples = pinned_llmc_source(DATA[request.param], tmp_path_factory.mktemp("tinymoe") / "src")
     return gen, fx, ours_codes(gen, src, samples), request.param
 
 

@@ -9,32 +9,22 @@ Ours: the same dense checkpoint through `load_causal_lm` + `calibrate_decoder` (
 propagation: llm-compressor's QuantizationModifier leaves the weights float until saving).
 """
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from llmc_pinned import pinned_llmc_source  # noqa: E402
+
 DATA = Path(__file__).parent / "data" / "static_llmc_moe_tiny.npz"
-_GEN = Path(__file__).resolve().parents[4] / "bench" / "gptq_llmc_moe_fixture.py"
 LOCAL = {"FP8": "input_scale", "NVFP4": "input_global_scale"}
-
-
-def _gen():
-    spec = importlib.util.spec_from_file_location("gptq_llmc_moe_fixture", _GEN)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    gen = _gen()
-    fx = dict(np.load(DATA))
-    tensors = gen.tiny_qwen3_moe()
-    assert gen.digest(tensors) == str(fx["digest"]), "the tiny MoE decoder's weights changed: regenerate the fixture"
-    src = gen.write_checkpoint(tmp_path_factory.mktemp("tinymoe") / "src", tensors)
-    return gen, fx, src, np.split(fx["ids"], np.cumsum(fx["lengths"])[:-1])
+    return pinned_llmc_source(DATA, tmp_path_factory.mktemp("tinymoe") / "src")
 
 
 def ours_scales(src, samples, scheme: str, statistics: str) -> dict:

@@ -1,0 +1,23 @@
+"""The tiny Qwen3-MoE cross-checks against llm-compressor (test_moe_*_llmc.py): the model and samples of
+bench/gptq_llmc_moe_fixture.py with the results pinned from llm-compressor (no torch needed here)."""
+
+from pathlib import Path
+
+import numpy as np
+
+
+def pinned_llmc_source(data: Path, dst: Path):
+    """The llm-compressor cross-checks' inputs: (bench/gptq_llmc_moe_fixture.py as a module, the pinned results in
+    `data` (.npz), the tiny Qwen3-MoE checkpoint written to `dst`, the pinned calibration samples). The model's weight
+    digest must equal the one pinned with the results."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gptq_llmc_moe_fixture", Path(__file__).resolve().parents[4] / "bench" / "gptq_llmc_moe_fixture.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    fx = dict(np.load(data))
+    tensors = gen.tiny_qwen3_moe()
+    assert gen.digest(tensors) == str(fx["digest"]), "the tiny MoE decoder's weights changed: regenerate the fixture"
+    src = gen.write_checkpoint(dst, tensors)
+    return gen, fx, src, np.split(fx["ids"], np.cumsum(fx["lengths"])[:-1])
