@@ -1,10 +1,10 @@
-"""Element formats: FloatFormat (any 1-sign-bit EyMz and its special-value convention), IntFormat, E8M0."""
+"""Element formats: FloatFormat (any 1-sign-bit EyMz and its special-value convention), IntFormat, TableFormat, E8M0."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Union
+from typing import Tuple, Union
 
 from qformats.errors import FormatError
 
@@ -208,6 +208,72 @@ class IntFormat:
 
 
 @dataclasses.dataclass(frozen=True)
+class TableFormat:
+    """A lookup-table (codebook) format: a b-bit code c, 0 <= c < 2^b, stands for `values[c]`.
+
+    `values` holds exactly 2^b finite numbers (b = 1..8), strictly ascending; the element value of code c is
+    values[c] (then scaled as any element: w = values[c] * s). Each value must be exact in float16 and bfloat16
+    (an integer or dyadic number of at most 8 significant bits), so decoding is exact in every float dtype a
+    QArray computes in. Codes are stored packed like integer codes (two 4-bit codes per byte, element 2i in the
+    low nibble). `quantize` does not choose table codes (the codebook's own quantizer picks codes and scales
+    together, e.g. llama.cpp's IQ4_NL search); tables come from files (`IQ4_NL`: GGUF IQ4_NL / IQ4_XS).
+    """
+
+    table_name: str
+    values: Tuple[float, ...]
+
+    def __post_init__(self):
+        vals = tuple(float(v) for v in self.values)
+        n = len(vals)
+        if n < 2 or n > 256 or n & (n - 1):
+            raise FormatError(f"TableFormat {self.table_name!r}: expected 2^b values, b in 1..8, got {n}")
+        if any(not (v == v and abs(v) < float("inf")) for v in vals) or any(b <= a for a, b in zip(vals, vals[1:])):
+            raise FormatError(f"TableFormat {self.table_name!r}: expected strictly ascending finite values, got {vals}")
+        for v in vals:
+            if _significant_bits(v) > 8:
+                raise FormatError(f"TableFormat {self.table_name!r}: value {v} has more than 8 significant bits "
+                                  f"(not exact in bfloat16)")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.table_name or ""):
+            raise FormatError(f"TableFormat: expected a lower-case name ([a-z][a-z0-9_]*), got {self.table_name!r}")
+        object.__setattr__(self, "values", vals)
+
+    @property
+    def bits(self) -> int:
+        return len(self.values).bit_length() - 1
+
+    @property
+    def kind(self) -> str:
+        return "table"
+
+    @property
+    def max(self) -> float:
+        """Largest magnitude in the table."""
+        return max(abs(v) for v in self.values)
+
+    @property
+    def name(self) -> str:
+        return self.table_name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _significant_bits(v: float) -> int:
+    """Significant bits of a float v: the bit length of the odd integer m with |v| = m 2^e (0 for v = 0)."""
+    num, _ = abs(v).as_integer_ratio()  # denominator a power of two, numerator odd unless v is an integer
+    while num and num % 2 == 0:
+        num //= 2
+    return num.bit_length()
+
+
+#: GGUF's IQ4_NL / IQ4_XS non-linear 4-bit grid (llama.cpp's `kvalues_iq4nl`): w = d * IQ4_NL.values[code].
+IQ4_NL = TableFormat("iq4_nl", (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113))
+
+#: Table formats by name (`get_format`).
+TABLE_FORMATS = {IQ4_NL.name: IQ4_NL}
+
+
+@dataclasses.dataclass(frozen=True)
 class E8M0Format:
     """OCP MX scale format: an unsigned power of two 2^(E - 127), E in 0..254; E = 255 is NaN. No zero."""
 
@@ -236,7 +302,7 @@ class E8M0Format:
 
 
 E8M0 = E8M0Format()
-Format = Union[FloatFormat, IntFormat, E8M0Format]
+Format = Union[FloatFormat, IntFormat, TableFormat, E8M0Format]
 
 _ALIASES = {
     # ml_dtypes / jnp names (their sub-byte "fn" means finite: no inf, no NaN).
@@ -254,17 +320,18 @@ _INT_RE = re.compile(r"^(u?)int(\d)$")
 EXAMPLE_NAMES = (
     "fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz", "fp8_e4m3b11fnuz", "fp8_e3m4", "fp8_e4m3",
     "fp6_e3m2", "fp6_e2m3", "fp5_e2m2", "fp5_e3m1", "fp4_e2m1", "fp4_e3m0", "fp3_e2m0", "fpX_eYmZ",
-    "int1..int8", "uint1..uint8", "e8m0",
+    "int1..int8", "uint1..uint8", "e8m0", *TABLE_FORMATS,
 )
 
 
 def get_format(name: "str | Format") -> Format:
-    """Parse a format name: `fpX_eYmZ[b<bias>][fn|fnuz|ieee|finite]`, `intN`, `uintN`, `e8m0`, or an ml_dtypes name.
+    """Parse a format name: `fpX_eYmZ[b<bias>][fn|fnuz|ieee|finite]`, `intN`, `uintN`, `e8m0`, a table format's name
+    (`TABLE_FORMATS`: `iq4_nl`), or an ml_dtypes name.
 
     Without a suffix an 8-bit name is IEEE-like (`fp8_e5m2`, `fp8_e4m3`, `fp8_e3m4`) and a narrower one is
     finite (`fp6_e3m2`). X must equal 1 + Y + Z.
     """
-    if isinstance(name, (FloatFormat, IntFormat, E8M0Format)):
+    if isinstance(name, (FloatFormat, IntFormat, TableFormat, E8M0Format)):
         return name
     if not isinstance(name, str):
         raise FormatError(f"format name must be a string, got {type(name).__name__}")
@@ -272,6 +339,8 @@ def get_format(name: "str | Format") -> Format:
     key = _ALIASES.get(key, key)
     if key == "e8m0":
         return E8M0
+    if key in TABLE_FORMATS:
+        return TABLE_FORMATS[key]
     m = _INT_RE.match(key)
     if m:
         bits = int(m.group(2))

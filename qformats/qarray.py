@@ -11,7 +11,7 @@ import numpy as np
 
 from qformats.codec import decode, encode
 from qformats.errors import SchemeError
-from qformats.formats import FloatFormat, IntFormat
+from qformats.formats import FloatFormat, IntFormat, TableFormat
 from qformats.grouping import expand, expected_shapes, transposed_shape
 from qformats.packing import unpack
 from qformats.rounding import FLOAT_DTYPES as _FLOAT_DTYPES
@@ -25,8 +25,16 @@ def round_elements(scaled: jax.Array, fmt: "FloatFormat | IntFormat") -> jax.Arr
     except signed int8, stored as int8 q. Floats: `encode(y, fmt, overflow="saturate")` (nearest code, ties
     to even, +-max on overflow), with an exact -0 input giving the +0 code, as llm-compressor's oneshot
     writes it (compressed-tensors adds a zero point of 0 to symmetric weights: -0 + 0 = +0); tiny negatives
-    that round to zero keep their sign (-0 code).
+    that round to zero keep their sign (-0 code). Table formats are refused: their codes and scales are chosen
+    together by the codebook's own quantizer (they are read from files, `qformats.formats.TableFormat`).
+
+    Raises:
+      SchemeError: a table format.
     """
+    if isinstance(fmt, TableFormat):
+        raise SchemeError(f"quantize: table format {fmt.name} is read from files (GGUF IQ4_NL / IQ4_XS), not made by "
+                          f"quantize (its codes and scales are chosen together by the codebook's own search); "
+                          f"expected a float or integer element format")
     if isinstance(fmt, IntFormat):
         q = jnp.round(jnp.clip(scaled, fmt.qmin, fmt.qmax))
         q = jnp.where(jnp.isnan(q), 0, q).astype(jnp.int32)
@@ -37,12 +45,15 @@ def round_elements(scaled: jax.Array, fmt: "FloatFormat | IntFormat") -> jax.Arr
     return encode(scaled, fmt, overflow="saturate")
 
 
-def element_values(codes: jax.Array, fmt: "FloatFormat | IntFormat", dtype=jnp.float32) -> jax.Array:
+def element_values(codes: jax.Array, fmt: "FloatFormat | IntFormat | TableFormat", dtype=jnp.float32) -> jax.Array:
     """Inverse of `round_elements` on the codes it returns: the element values before scaling.
 
-    Integers: q = u + qmin (int8: q itself), the zero point not yet subtracted; floats: `decode(codes, fmt)`.
+    Integers: q = u + qmin (int8: q itself), the zero point not yet subtracted; floats: `decode(codes, fmt)`;
+    tables: `fmt.values[c]` (a gather from the 2^b-entry table, exact in float32 / bf16 / f16).
     Exact in float32; a narrower `dtype` rounds as `astype` does.
     """
+    if isinstance(fmt, TableFormat):
+        return jnp.asarray(np.asarray(fmt.values, np.float32), dtype)[codes]  # uint8 index: no negative wrap
     if isinstance(fmt, IntFormat):
         if codes.dtype == jnp.int8:
             return codes.astype(dtype)
@@ -60,7 +71,8 @@ class QArray:
 
       codes:        uint8 `tshape[:-1] + (ceil(K * bits / 8),)`, codes packed little-endian along the last
                     axis (`qformats.packing.pack`); 8-bit formats unpacked (int8 for int8, else uint8 bit
-                    patterns). Integer codes are stored offset: u = q - qmin (q + 2^(bits-1) when signed).
+                    patterns). Integer codes are stored offset: u = q - qmin (q + 2^(bits-1) when signed); table
+                    formats (`TableFormat`, e.g. GGUF's IQ4_NL grid) store the table index c, value(c) = values[c].
       scale:        contracted, never expanded: tensor `[1]`; channel/token `tshape[:-1] + (1,)`; group and
                     tensor_group `tshape[:-1] + (K / g,)`; block (2-D) `[ceil(O/bh), ceil(K/bw)]`. Its dtype
                     is the scheme's scale format (float32/bf16/f16, float8_e4m3fn, or uint8 E8M0 codes).

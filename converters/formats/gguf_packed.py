@@ -9,7 +9,8 @@ K (`qformats.packing.pack`), group scales `s [N, K / g]` and, for the types with
 
     w = q s            (symmetric types)           w = q s + o     (types with a minimum)
 
-with q the integer element (`element_values`: code u minus qmin). Stored type by type (d, dmin: the block's
+with q the element value (`element_values`: code u minus qmin for the integer formats; for IQ4_NL / IQ4_XS the
+entry `kvalues[c]` of the 16-entry table format `qformats.formats.IQ4_NL`, c the file's 4-bit index). Stored type by type (d, dmin: the block's
 float16 super-scales, read exactly into float32; sc, m: the sub-block scale and minimum integers):
 
   type    block  element        group  s                 o              gguf's `dequantize_blocks`
@@ -23,8 +24,8 @@ float16 super-scales, read exactly into float32; sc, m: the sub-block scale and 
   Q4_K    256    uint4          32     d * sc (6 bits)   -(dmin * m)    d * q - dm
   Q5_K    256    uint5          32     d * sc (6 bits)   -(dmin * m)    d * q - dm
   Q6_K    256    int6           16     d * sc (int8)     -              d * q
-  IQ4_NL  32     int8 table[q]  32     d                 -              d * kvalues[q]
-  IQ4_XS  256    int8 table[q]  32     d * (sc - 32)     -              dl * kvalues[q]
+  IQ4_NL  32     iq4_nl table   32     d                 -              d * kvalues[q]
+  IQ4_XS  256    iq4_nl table   32     d * (sc - 32)     -              dl * kvalues[q]
   MXFP4   32     fp4_e2m1       32     E8M0 code e       -              2^(e - 128) * (2 v)   (OCP MXFP4)
 
 Exactness: d and dmin are float16 (11 significant bits) and every sc, m is an integer of at most 8 bits, so
@@ -42,8 +43,8 @@ Q4_1, Q5_1, IQ4_NL -- scale and offset are kept float16, the file's bytes, and t
 weights takes 16 + 2 + 2 bytes (5 bits per weight, as in the file) and a Q8_0 block 32 + 2 (8.5, as in the file).
 The super-block types store the float32 products d * sc, -(dmin * m) (they do not fit float16): Q4_K / Q5_K /
 Q2_K / Q3_K / Q6_K / IQ4_XS take 4 bytes per group of 16 or 32 (e.g. Q4_K 5 bits per weight, the file's 4.5).
-IQ4_NL / IQ4_XS store the table's values as int8 codes (8 bits per weight plus scales, the file's 4.5 / 4.25):
-exact, but not a 16-entry table format.
+IQ4_NL / IQ4_XS keep the file's 4-bit table indices, two per byte, under the table format `qformats.formats.IQ4_NL`
+(IQ4_NL 4.5 bits per weight, as in the file; IQ4_XS 5, the file's 4.25, for its float32 group scales).
 
 GGUF MXFP4 is OCP MXFP4 (E2M1 codes, E8M0 scales stored as is) for block exponents 2 .. 254; a tensor with an
 exponent code 255 (2^127 to ggml, NaN to OCP) or 0 / 1 (subnormal float32 results, which XLA:CPU flushes) is
@@ -69,7 +70,6 @@ _QK_K = 256
 
 #: GGML types whose group scale (and offset) is the block's float16 d (and m) itself: kept float16, as stored.
 F16_SCALE_TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "IQ4_NL")
-_KVALUES = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.int8)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -99,7 +99,7 @@ def _k_scale_min(scales: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 
 
 # Each decoder: blocks uint8 [n, block_bytes] -> (u uint8 [n, block] element codes (u = q - qmin; int8 q for the
-# int8 formats), scale float32 [n, block / g], offset float32 [n, block / g] or None).
+# int8 formats; the table index for IQ4_NL / IQ4_XS), scale float32 [n, block / g], offset float32 [n, block / g] or None).
 Decoded = Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]
 
 
@@ -172,7 +172,7 @@ def _q6_k(b):
 
 
 def _iq4_nl(b):
-    return _KVALUES[_nibbles32(b[:, 2:])], _f16(b[:, :2]), None
+    return _nibbles32(b[:, 2:]), _f16(b[:, :2]), None
 
 
 def _iq4_xs(b):
@@ -185,7 +185,7 @@ def _iq4_xs(b):
     sc = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
     qs = b[:, 8:].reshape(n, 8, 16)
     u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, _QK_K)
-    return _KVALUES[u], d * sc.astype(np.float32), None
+    return u, d * sc.astype(np.float32), None
 
 
 def _mxfp4(b):
@@ -208,14 +208,15 @@ PACKED_TYPES: Dict[str, Tuple[int, str, int, Callable[[np.ndarray], Decoded]]] =
     "Q4_K": (_QK_K, "uint4", 32, _q4_k),
     "Q5_K": (_QK_K, "uint5", 32, _q5_k),
     "Q6_K": (_QK_K, "int6", 16, _q6_k),
-    "IQ4_NL": (32, "int8", 32, _iq4_nl),
-    "IQ4_XS": (_QK_K, "int8", 32, _iq4_xs),
+    "IQ4_NL": (32, "iq4_nl", 32, _iq4_nl),
+    "IQ4_XS": (_QK_K, "iq4_nl", 32, _iq4_xs),
     "MXFP4": (32, "fp4_e2m1", 32, _mxfp4),
 }
 
 
 def decode_blocks(data: np.ndarray, type_name: str, shape: Tuple[int, int], where: str) -> Decoded:
-    """The element codes u [N, K] (uint8 u = q - qmin, int8 q for int8; E2M1 codes for MXFP4), scales [N, K / g]
+    """The element codes u [N, K] (uint8 u = q - qmin, int8 q for int8; E2M1 codes for MXFP4; the 4-bit table
+    index for IQ4_NL / IQ4_XS), scales [N, K / g]
     (float16 for `F16_SCALE_TYPES`, the stored d; float32 otherwise; MXFP4: uint8 E8M0 codes) and offsets [N, K / g]
     (or None; float16 / float32 alike) of a GGUF tensor of `shape` (N rows of
     K values, HF order) stored as GGML `type_name` in `data` (its raw bytes, uint8, any shape of the right size).
