@@ -193,6 +193,9 @@ def mgpu_unsupported_reason(q) -> Optional[str]:
     if q.ndim != 2 or q.axis != 0:
         return f"needs a 2-D weight [K, N] quantized along axis 0, got shape {q.shape} axis {q.axis}"
     fmt = s.format
+    if fmt.kind == "table":  # the in-kernel decode is bit arithmetic on the codes (SWAR into f16), not a gather
+        return (f"element format {fmt.name} is a {2 ** fmt.bits}-entry table; the kernel decodes float / int codes by "
+                f"bit arithmetic only (the XLA path and its fused GEMV take tables)")
     if not isinstance(fmt, (FloatFormat, IntFormat)):
         return f"element format {fmt.name} is not a float or int format"
     if isinstance(fmt, FloatFormat) and (fmt.ebits > 5 or (fmt.ebits == 5 and fmt.specials != "ieee")):

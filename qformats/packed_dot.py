@@ -69,7 +69,8 @@ MAX_ROWS = 8
 
 def packed_dot_supported(x_shape, q: QArray) -> bool:
     """Whether `packed_dot` takes activations of shape `x_shape` [..., K] times q: at most `MAX_ROWS` activation
-    rows (the product of the leading dimensions), and q a 2-D [K, N] weight of a 4- or 8-bit format quantized
+    rows (the product of the leading dimensions), and q a 2-D [K, N] weight of a 4- or 8-bit format (float, int or a
+    16-entry table such as GGUF's IQ4_NL grid) quantized
     along K (axis 0) with tensor, channel, group or tensor_group scales (4-bit groups of even size)."""
     if not isinstance(q, QArray) or q.ndim != 2 or q.axis != 0:
         return False
@@ -170,9 +171,9 @@ def _apart(a: jax.Array, one: jax.Array) -> jax.Array:
 
 
 def _values(u: jax.Array, fmt, sdt) -> jax.Array:
-    """element_values(u, fmt, sdt) for 4- or 8-bit codes u: integers as `element_values` computes them; float
-    formats by a 2^bits-entry table of `element_values` itself (one table read per element instead of the
-    bit-level decode; the same values)."""
+    """element_values(u, fmt, sdt) for 4- or 8-bit codes u: integers and table formats (`TableFormat`: its own
+    2^bits values) as `element_values` computes them; float formats by a 2^bits-entry table of `element_values`
+    itself (one table read per element instead of the bit-level decode; the same values)."""
     if isinstance(fmt, FloatFormat):
         with jax.ensure_compile_time_eval():
             codes = jnp.arange(2 ** fmt.bits, dtype=jnp.int32).astype(jnp.uint8)

@@ -105,6 +105,9 @@ def gguf_ct_qarray(q, widen: bool = False):
         every product is exact (`gguf_packed`'s module docstring), so w = q s equals gguf's dequantization bit
         for bit. (float16 scales would hold Q4_0 / Q8_0's d exactly but round d (q - 8) in float16.)
       MXFP4: `mxfp4-pack-quantized`, E2M1 codes and the E8M0 exponent codes as stored: w = v 2^(e - 127).
+      IQ4_NL / IQ4_XS (the 16-entry table format `qformats.formats.IQ4_NL`, whose values are integers in
+        [-127, 113]): `pack-quantized` int8, the table's values q = kvalues[c] as int8 codes (8 bits per weight),
+        the same scales: q s is the same product, so the same values bit for bit.
 
     `widen`: an integer type of b bits outside `VLLM_WNA16_BITS` (Q3_K, Q5_0, Q6_K) is written with num_bits 8: the
     same integers q (|q| <= 2^(b-1) <= 32, inside int8) as int8 codes, the same scales, so compressed-tensors'
@@ -114,7 +117,7 @@ def gguf_ct_qarray(q, widen: bool = False):
     Returns None for a QArray with an offset (GGUF_OFFSET_TYPES): compressed-tensors cannot hold it."""
     import jax.numpy as jnp
 
-    from qformats.formats import IntFormat
+    from qformats.formats import IntFormat, TableFormat
     from qformats.qarray import QArray
     from qformats.schemes import QuantScheme
 
@@ -124,11 +127,12 @@ def gguf_ct_qarray(q, widen: bool = False):
     if s.format.name == "fp4_e2m1":
         scheme = QuantScheme("fp4_e2m1", "group", group_size=32, scale_format="e8m0", scale_rule="ct")
     else:
-        bits = 8 if widen and s.bits not in VLLM_WNA16_BITS else s.bits
+        table = isinstance(s.format, TableFormat)  # compressed-tensors has no table: its int8 values
+        bits = 8 if table or (widen and s.bits not in VLLM_WNA16_BITS) else s.bits
         scheme = QuantScheme(IntFormat(bits, signed=True), "group", group_size=s.group_size, symmetric=True,
                              scale_format="float32")
     codes = q.codes
-    if scheme.bits != s.bits:  # the element values q, re-stored as int8 codes (8-bit signed ints are stored as is)
+    if scheme.bits != s.bits or scheme.format != s.format:  # the element values q, re-stored as int8 codes (8-bit signed ints are stored as is)
         codes = q.element_values(jnp.float32).astype(jnp.int8)
     scale = q.scale if scheme.scale_format == "e8m0" else q.scale.astype("float32")  # float16 d: exact in float32
     return QArray(codes, scale, None, None, scheme=scheme, shape=q.shape, dtype=q.dtype, axis=q.axis)
@@ -231,7 +235,7 @@ def convert_gguf_compressed(src: "str | os.PathLike", dst: "str | os.PathLike", 
                 if n in kept:
                     pq = g.get_packed(n)
                     ct = gguf_ct_qarray(pq, widen=widen)
-                    if ct.scheme.bits != pq.scheme.bits:
+                    if ct.scheme.bits != pq.scheme.bits and pq.scheme.format.kind == "int":  # not a table's
                         widened[t] = pq.scheme.bits
                     formats[t] = w.add_qarray(n[: -len(".weight")], ct)
                     bits[t] = ct.scheme.bits
