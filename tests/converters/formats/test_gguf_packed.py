@@ -140,7 +140,7 @@ def test_wrong_byte_count_refused():
         gguf_qarray(np.zeros(100, np.uint8), "Q8_0", (2, 64), "w")
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q8_0", "Q2_K", "MXFP4"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q8_0", "Q2_K", "MXFP4", "IQ4_NL", "IQ4_XS"])
 def test_packed_dot_with_offset(type_name):
     """The fused GEMV honours the offset: one-hot activations read back each weight row bit for bit; random ones
     equal dequantize-then-dot within float32 accumulation order."""
@@ -166,7 +166,37 @@ def test_packed_dot_with_offset(type_name):
     assert np.all(np.abs(y - exact) <= bound)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1"])
+# bits per weight: (the file's, the packed QArray's). The block's float16 d (and m) are kept as stored; the
+# super-block types hold float32 per-group products d * sc, -(dmin * m) (gguf_packed's module docstring: "Storage")
+BITS_PER_WEIGHT = {"Q4_0": (4.5, 4.5), "Q5_0": (5.5, 5.5), "Q8_0": (8.5, 8.5), "Q4_1": (5.0, 5.0), "Q5_1": (6.0, 6.0),
+                   "IQ4_NL": (4.5, 4.5), "MXFP4": (4.25, 4.25), "IQ4_XS": (4.25, 5.0), "Q2_K": (2.625, 6.0),
+                   "Q3_K": (3.4375, 5.0), "Q4_K": (4.5, 6.0), "Q5_K": (5.5, 7.0), "Q6_K": (6.5625, 8.0)}
+
+
+def test_bits_per_weight_every_type():
+    assert set(BITS_PER_WEIGHT) == set(PACKED_TYPES)
+    for type_name, (file_bits, ours) in BITS_PER_WEIGHT.items():
+        n, k = 4, 2 * 256
+        raw = _blocks(type_name, n, k, seed=8)
+        q = gguf_qarray(raw, type_name, (n, k), "t")
+        assert (8 * raw.size / (n * k), 8 * q.nbytes / (n * k)) == (file_bits, ours), type_name
+
+
+def test_iq4_codes_are_the_files_indices():
+    """IQ4_NL keeps the file's 4-bit table indices (as Q4_0 its nibbles, reordered within a byte pair) under the table
+    format IQ4_NL, two codes per byte."""
+    from qformats.formats import IQ4_NL
+
+    raw = _blocks("IQ4_NL", 2, 64)
+    q = gguf_qarray(raw, "IQ4_NL", (2, 64), "t")
+    assert q.scheme.format is IQ4_NL and q.codes.dtype == jnp.uint8 and q.codes.shape == (2, 32)
+    blocks = raw.reshape(-1, 18)[:, 2:]
+    u = np.asarray(q.element_codes()).reshape(-1, 32)
+    np.testing.assert_array_equal(u[:, :16], blocks & 15)
+    np.testing.assert_array_equal(u[:, 16:], blocks >> 4)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "IQ4_NL"])
 def test_stored_bits_per_weight(type_name):
     """The block's float16 d (and m) are kept float16, computed in float32: the QArray holds exactly the file's
     bytes per block (Q4_1: 20 bytes per 32 weights, 5 bits; Q8_0: 8.5), and still decodes as gguf does."""
