@@ -41,10 +41,16 @@ Storage: where the group scale is the block's own float16 d (and the offset its 
 Q4_1, Q5_1, IQ4_NL -- scale and offset are kept float16, the file's bytes, and the QArray computes in float32
 (`compute_dtype`: d and m widen exactly, then the products and sums above round as gguf's do), so a Q4_1 block of 32
 weights takes 16 + 2 + 2 bytes (5 bits per weight, as in the file) and a Q8_0 block 32 + 2 (8.5, as in the file).
-The super-block types store the float32 products d * sc, -(dmin * m) (they do not fit float16): Q4_K / Q5_K /
-Q2_K / Q3_K / Q6_K / IQ4_XS take 4 bytes per group of 16 or 32 (e.g. Q4_K 5 bits per weight, the file's 4.5).
-IQ4_NL / IQ4_XS keep the file's 4-bit table indices, two per byte, under the table format `qformats.formats.IQ4_NL`
-(IQ4_NL 4.5 bits per weight, as in the file; IQ4_XS 5, the file's 4.25, for its float32 group scales).
+The super-block types store the float32 products d * sc, -(dmin * m): a float16 d times a 6-bit sc has up to 17
+significant bits (19 for Q6_K's int8 sc), which neither float16 nor bfloat16 holds, so one float per group has to be a
+float32. The alternative, a two-level scale (the float16 d, dmin per super-block and the small integer sc, m per group as
+QArray leaves of their own, multiplied out exactly in float32 when decoding), would hold the file's 4.5 bits per Q4_K
+weight in 4.625 (sc, m as uint8), Q2_K's 2.625 in 3.125, Q6_K's 6.5625 in 6.5625; it is not done: it is a new kind of
+QArray leaf that every code building or slicing QArrays part by part (mesh placement and sharding specs, the decoder's
+gate / up fusion and packed-embedding row gather, both kernel layouts, the compressed-tensors writer) would have to carry.
+So a b-bit super-block type holds b + 32 / g bits per weight (+ 32 / g more with an offset; per type against the
+file's: `bench/gguf_bits.py`, BENCHMARKS.md). IQ4_NL / IQ4_XS keep the file's 4-bit table indices, two per byte, under the
+16-entry table format `qformats.formats.IQ4_NL`.
 
 GGUF MXFP4 is OCP MXFP4 (E2M1 codes, E8M0 scales stored as is) for block exponents 2 .. 254; a tensor with an
 exponent code 255 (2^127 to ggml, NaN to OCP) or 0 / 1 (subnormal float32 results, which XLA:CPU flushes) is

@@ -98,7 +98,7 @@ def gguf_ct_qarray(q, widen: bool = False):
     """The compressed-tensors form of a GGUF QArray without an offset (`converters.formats.gguf_packed.gguf_qarray`),
     the same codes and scales under the scheme compressed-tensors 0.20 names:
 
-      integer types (Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS): `pack-quantized`, type int, num_bits b,
+      integer types (Q8_0, Q4_0, Q5_0, Q6_K, Q3_K): `pack-quantized`, type int, num_bits b,
         symmetric, strategy group (32, or 16 for Q6_K / Q3_K), scale_dtype torch.float32. The codes are the
         file's u = q + 2^(b-1) packed densely little-endian, which is compressed-tensors' own packing
         (`pack_to_int32` of q + 2^(b-1)); its decompression computes (q) * s in the scale's dtype, float32, where

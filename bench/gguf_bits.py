@@ -1,0 +1,78 @@
+"""Bits per weight of every GGUF block type kept packed (`converters.formats.gguf_packed`) against the file's own.
+
+Usage: python bench/gguf_bits.py [--rows 64] [--cols 1024] [--out /tmp/gguf_bits.gguf]
+
+Writes one small GGUF file with `gguf.GGUFWriter` holding an [rows, cols] tensor of each type of
+`gguf_packed.PACKED_TYPES` (gguf's own quantizer where it has one, random blocks with finite float16 super-scales
+elsewhere), reads it back with `gguf.GGUFReader`, and prints, per type, the file's bits per weight (8 x its bytes /
+weights), the packed QArray's (8 x `QArray.nbytes` / weights: codes + scales + offsets as held in memory), their ratio,
+and whether `dequantize` equals `gguf.quants.dequantize` bit for bit. Deterministic: no timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# byte offsets of each block's float16 d (and dmin / m), as gguf.quants' readers take them
+_F16 = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+        "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": ()}
+
+
+def _tensor(gguf, t, rows, cols, rng):
+    qt = gguf.GGMLQuantizationType[t]
+    try:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qt)
+    except NotImplementedError:
+        block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+        raw = rng.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
+        if t == "MXFP4":
+            raw[:, 0] = rng.integers(120, 128, raw.shape[0], dtype=np.uint8)
+        for at in _F16[t]:
+            raw[:, at:at + 2] = rng.uniform(1e-4, 1e-2, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        return raw.reshape(rows, -1)
+
+
+def main(argv=None) -> None:
+    import gguf
+
+    from converters.formats.gguf_packed import PACKED_TYPES, gguf_qarray
+    from qformats import dequantize
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--cols", type=int, default=1024)
+    p.add_argument("--out", default=None, help="the GGUF file to write (default: a temporary one)")
+    a = p.parse_args(argv)
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = a.out or os.path.join(tmp, "bits.gguf")
+        w = gguf.GGUFWriter(path, "llama")
+        for t in PACKED_TYPES:
+            w.add_tensor(f"{t.lower()}.weight", _tensor(gguf, t, a.rows, a.cols, rng), raw_dtype=gguf.GGMLQuantizationType[t])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        r = gguf.GGUFReader(path)
+        print("| GGML type | element format | file bits / weight | packed QArray bits / weight | ratio | bit-exact |")
+        print("| --- | --- | ---: | ---: | ---: | --- |")
+        for tensor in r.tensors:
+            t = tensor.tensor_type.name
+            raw = np.asarray(tensor.data)
+            n, k = int(tensor.shape[1]), int(tensor.shape[0])
+            q = gguf_qarray(raw, t, (n, k), f"{path}: {tensor.name}")
+            ref = gguf.quants.dequantize(raw, tensor.tensor_type).reshape(n, k)
+            exact = np.array_equal(np.asarray(dequantize(q)).T.view(np.uint32), ref.astype(np.float32).view(np.uint32))
+            fb, qb = 8 * raw.nbytes / (n * k), 8 * q.nbytes / (n * k)
+            print(f"| {t} | {q.scheme.format.name} | {fb:.4g} | {qb:.4g} | {qb / fb:.2f}x | {'yes' if exact else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
