@@ -47,6 +47,10 @@ def qarray_to_tensors(q: QArray, fmt: str, where: str = "weight") -> Dict[str, n
         q.check()
     except QFormatsError as e:
         raise CheckpointError(f"{where}: {e}") from None
+    if q.scheme.format.kind == "table":
+        raise CheckpointError(f"{where}: {q!r} stores {q.scheme.format.name} table indices, and compressed-tensors has "
+                              f"no table format; write the table's values as int8 codes "
+                              f"(converters.pipelines.convert_quantized.gguf_ct_qarray) or dense (dequantize) instead")
     if q.offset is not None:
         raise CheckpointError(f"{where}: {q!r} carries an additive float offset (w = d q + m, GGUF's Q4_1 / Q5_1 / "
                               f"K-quant minima), which compressed-tensors cannot store (its zero point is an integer "

@@ -226,3 +226,18 @@ def test_compressed_tensors_writer_refuses_a_compute_dtype_apart_from_the_scale(
     assert ct.scale.dtype == jnp.float32 and ct.compute_dtype is None
     np.testing.assert_array_equal(_bits(dequantize(ct)), _bits(dequantize(q)))
     assert "weight_packed" in qarray_to_tensors(ct, "pack-quantized", "blk.0.weight")
+
+
+def test_compressed_tensors_writer_refuses_a_table_and_convert_writes_its_values_as_int8():
+    """compressed-tensors has no table format: an IQ4_NL QArray written as is is refused, naming the tensor; the
+    convert path writes the table's values as int8 codes under the same scales, equal bit for bit."""
+    from converters.formats.compressed_tensors.write import qarray_to_tensors
+    from converters.pipelines.convert_quantized import gguf_ct_qarray
+
+    q = gguf_qarray(_blocks("IQ4_XS", 2, 256, seed=5), "IQ4_XS", (2, 256), "t")
+    with pytest.raises(CheckpointError, match="blk.0.weight: .*iq4_nl table indices"):
+        qarray_to_tensors(q, "pack-quantized", "blk.0.weight")
+    ct = gguf_ct_qarray(q)
+    assert ct.scheme.format.name == "int8" and ct.codes.dtype == jnp.int8
+    np.testing.assert_array_equal(_bits(dequantize(ct)), _bits(dequantize(q)))
+    assert "weight_packed" in qarray_to_tensors(ct, "pack-quantized", "blk.0.weight")
