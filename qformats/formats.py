@@ -212,9 +212,9 @@ class TableFormat:
     """A lookup-table (codebook) format: a b-bit code c, 0 <= c < 2^b, stands for `values[c]`.
 
     `values` holds exactly 2^b finite numbers (b = 1..8), strictly ascending; the element value of code c is
-    values[c] (then scaled as any element: w = values[c] * s). Each value must be exact in float16 and bfloat16
-    (an integer or dyadic number of at most 8 significant bits), so decoding is exact in every float dtype a
-    QArray computes in. Codes are stored packed like integer codes (two 4-bit codes per byte, element 2i in the
+    values[c] (then scaled as any element: w = values[c] * s). Each value has at most 8 significant bits (an
+    integer or dyadic number m 2^e, m < 2^8), so decoding is exact in float32 and bfloat16, and in float16 for values
+    inside its range (IQ4_NL's integers up to 127 are). Codes are stored packed like integer codes (two 4-bit codes per byte, element 2i in the
     low nibble). `quantize` does not choose table codes (the codebook's own quantizer picks codes and scales
     together, e.g. llama.cpp's IQ4_NL search); tables come from files (`IQ4_NL`: GGUF IQ4_NL / IQ4_XS).
     """

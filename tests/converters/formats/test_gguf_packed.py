@@ -241,3 +241,37 @@ def test_compressed_tensors_writer_refuses_a_table_and_convert_writes_its_values
     assert ct.scheme.format.name == "int8" and ct.codes.dtype == jnp.int8
     np.testing.assert_array_equal(_bits(dequantize(ct)), _bits(dequantize(q)))
     assert "weight_packed" in qarray_to_tensors(ct, "pack-quantized", "blk.0.weight")
+
+
+@pytest.mark.slow  # two model compiles
+def test_iq4_model_runs_packed_with_logits_of_the_dequantized_run(tmp_path):
+    """A tiny llama GGUF whose projections are IQ4_NL / IQ4_XS (gguf.GGUFWriter, random blocks: gguf has no IQ4
+    quantizer) loads with 4-bit table QLinears whose kernels equal the dense load's bit for bit, and its logits for one
+    token (the fused packed GEMV) equal the dense model's up to float32 accumulation order."""
+    import sys
+    from pathlib import Path
+
+    from flax import nnx
+
+    from converters.pipelines.causal_lm import load_causal_lm
+    from qformats.formats import IQ4_NL
+    from qformats.nn import QLinear
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+    from gguf_mixed import mixed_gguf
+
+    types = {"attn_q": "IQ4_NL", "attn_k": "IQ4_NL", "attn_v": "IQ4_NL", "attn_output": "IQ4_XS",
+             "ffn_gate": "IQ4_XS", "ffn_up": "IQ4_XS", "ffn_down": "IQ4_NL"}
+    src = mixed_gguf(tmp_path / "iq4.gguf", types, hidden=256, heads=4, kv_heads=2, inter=256, layers=1)
+    packed, _, _ = load_causal_lm(src, tokenizer=False)
+    dense, _, _ = load_causal_lm(src, tokenizer=False, packed=False)
+    mods = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(packed) if isinstance(m, QLinear)}
+    dmods = dict((("/".join(map(str, p))), m) for p, m in nnx.iter_modules(dense))
+    assert len(mods) >= 6
+    for name, m in mods.items():
+        q = m.kernel.get_value()
+        assert q.scheme.format is IQ4_NL and q.scheme.bits == 4
+        np.testing.assert_array_equal(_bits(dequantize(q)), _bits(dmods[name].kernel.get_value()))
+    x = jnp.asarray([[5]], jnp.int32)
+    ours, theirs = (np.asarray(model(x)[0]) for model in (packed, dense))
+    assert np.abs(ours - theirs).max() <= 2e-5 * np.abs(theirs).max()
