@@ -2,7 +2,7 @@
 
 import importlib
 from qformats.errors import CheckpointError, FormatError, KernelError, ModelError, QFormatsError, SchemeError
-from qformats.formats import E8M0, E8M0Format, FloatFormat, IntFormat, get_format
+from qformats.formats import E8M0, IQ4_NL, E8M0Format, FloatFormat, IntFormat, TableFormat, get_format
 from qformats.codec import code_table, decode, encode, encode_e8m0
 from qformats.schemes import QuantScheme, SchemeSet
 from qformats.qarray import QArray
@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "FormatError", "KernelError", "ModelError", "QFormatsError", "SchemeError",
-    "E8M0", "E8M0Format", "FloatFormat", "IntFormat", "get_format",
+    "E8M0", "E8M0Format", "FloatFormat", "IntFormat", "TableFormat", "IQ4_NL", "get_format",
     "code_table", "decode", "encode", "encode_e8m0",
     "QuantScheme", "SchemeSet", "QArray", "dequantize", "fake_quantize", "quantize", "presets",
     "prepare_weight", "qdot", "register_kernel", "scaled_dot", "set_kernels_enabled",
