@@ -428,3 +428,30 @@ def mtp_layer(config: DecoderConfig, name: str):
 def _listing(names: List[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def interleave_gate_up(gate: QArray, up: QArray, where: str) -> QArray:
+    """gpt_oss's fused gate_up QArray [K, 2N] of gate_proj's and up_proj's [K, N] ones: column 2j = gate's j,
+    2j + 1 = up's j (`_interleave_rows`: per-row leaves interleaved, per-tensor leaves equal in both)."""
+    return _interleave_rows(gate, up, where)
+
+
+def split_gate_up(q: QArray, where: str) -> Tuple[QArray, QArray]:
+    """The inverse of `interleave_gate_up`: (gate_proj's, up_proj's) QArray [K, N] of a fused gate_up QArray [K, 2N]
+    (axis 0): every per-row leaf's even rows and odd rows (bytes copied), per-tensor leaves (a "tensor" scale, a
+    tensor_group global scale) given to both. ModelError for a layout whose scales span rows (`_ROW_STRATEGIES`)."""
+    s = q.scheme
+    if q.ndim != 2 or q.axis != 0 or q.shape[1] % 2 or s.strategy not in _ROW_STRATEGIES + ("tensor",):
+        raise ModelError(f"{where}: expected a fused gate_up QArray [in, 2 out] along axis 0 with scales per output "
+                         f"row ({', '.join(_ROW_STRATEGIES)}) or per tensor, found {q!r}")
+
+    def part(j):
+        rows = lambda a: None if a is None else np.asarray(a)[j::2]  # noqa: E731
+        per_tensor = s.strategy == "tensor"
+        return QArray(rows(q.codes), np.asarray(q.scale) if per_tensor else rows(q.scale),
+                      None if q.zero_point is None else (np.asarray(q.zero_point) if per_tensor else rows(q.zero_point)),
+                      None if q.global_scale is None else np.asarray(q.global_scale), scheme=s,
+                      shape=(q.shape[0], q.shape[1] // 2), dtype=q.dtype, axis=0, offset=rows(q.offset),
+                      compute_dtype=q.compute_dtype)
+
+    return part(0), part(1)
