@@ -109,15 +109,19 @@ class _Masked(nnx.Module):
         return self.inner(x)
 
 
-def _host_moments(taps, sums: Dict[str, np.ndarray]) -> None:
+def _host_moments(taps, sums: Dict[str, np.ndarray], inside: Optional[str] = None) -> None:
     """Adds x^T x of each input sown by a layer's tapped projections (`_Masked` with tap) in one pass (`taps`, as
     nnx.capture returns them) to `sums[path]` (float32 [K, K]; path relative to the layer).
 
     On the host: NumPy's `x.T @ x` is BLAS syrk (one triangle, half the multiply-adds of XLA:CPU's general product),
-    on one BLAS thread (`gptq._one_blas_thread`)."""
+    on one BLAS thread (`gptq._one_blas_thread`). `inside`: the attribute name of a `_CalibMoE` wrapping the layer's
+    MoE block, whose taps (the shared expert's) are keyed at the block's own path ("mlp/shared_expert/gate_proj",
+    not "mlp/block/shared_expert/gate_proj")."""
     with _one_blas_thread():
         for path, var in nnx.to_flat_state(taps):  # path: the _Masked module's, then "x"; value: the sown tuple
             rel = "/".join(str(p) for p in path[:-1])
+            if inside is not None and rel.startswith(f"{inside}/block/"):
+                rel = f"{inside}/" + rel[len(f"{inside}/block/"):]
             for x in (var.get_value() if isinstance(var, nnx.Variable) else var):
                 a = np.asarray(x)
                 a = a.reshape(-1, a.shape[-1]).astype(np.float32, copy=False)
@@ -393,7 +397,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 out, taps = _calibration_pass(*args, keep)
             if keep:
                 xs[j] = out
-            _host_moments(taps, sums)
+            _host_moments(taps, sums, None if moe is None else moe.name)
             del taps
         if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
@@ -405,6 +409,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         results = {}
         for group in groups:
             first = _get(layer, group[0]).inner
+            if weight_search != RTN and group[0] not in sums:  # never a silent round-to-nearest
+                raise ModelError(f"model/layers/{i}/{group[0]}: the calibration pass recorded no input statistics "
+                                 f"for this projection's {weight_search} search")
             h = jnp.asarray(sums.pop(group[0]) / np.float32(batches.tokens)) if group[0] in sums else None
             results.update(quantize_group({r: floats[r] for r in group}, ss, h, weight_search, gptq, guard, shared))
             for rel in group[1:]:  # the input range the first member observed is theirs too
