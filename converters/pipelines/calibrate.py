@@ -8,8 +8,9 @@ under the HF tensor names, next to the packaged tokenizer and sentence-transform
 compressed-tensors checkpoint: GPTQ changes the codes, not the format (transformers / vLLM load a W4A16 GPTQ
 checkpoint like an RTN one).
 
-Causal LMs (llama / mistral / qwen2 / qwen3, and the qwen2_moe / qwen3_moe / mixtral mixtures of experts, every
-expert calibrated: `quantize_calibrated_lm`): the checkpoint is loaded into the Flax
+Causal LMs (llama / mistral / qwen2 / qwen3, and the qwen2_moe / qwen3_moe / mixtral / gpt_oss / deepseek_v3 mixtures
+of experts, every expert calibrated: `quantize_calibrated_lm`; gpt-oss's fused experts written per expert as
+llm-compressor writes them): the checkpoint is loaded into the Flax
 decoder (`converters.pipelines.causal_lm`), calibrated layer by layer on samples from a text / jsonl / .npy file
 (`converters.evaluation.calibration_data`, `qformats.models.decoder.calibration`), optionally after SmoothQuant or AWQ scales are
 folded into each layer, and written with `converters.pipelines.flax_io.save_compressed` (lm_head left dense and listed
@@ -124,8 +125,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     "seconds", "path"}.
 
     Args:
-      src: a dense HF checkpoint directory (llama / mistral / qwen2 / qwen3 / qwen2_moe / qwen3_moe / mixtral) or a
-        .gguf file.
+      src: a dense HF checkpoint directory (llama / mistral / qwen2 / qwen3 / qwen2_moe / qwen3_moe / mixtral / gpt_oss
+        / deepseek_v3) or a .gguf file. gpt_oss is written in llm-compressor's per-expert layout
+        (`experts.{e}.{gate,up,down}_proj` with biases) by the streamed path only (no rotate / kv_cache).
       dst: the output directory (atomic write; tokenizer and other files of a directory `src` copied, a .gguf
         file's tokenizer written as tokenizer.json / tokenizer_config.json).
       scheme: a scheme string ("W4A16", "W4A16:g64", "W8A8", ...) for every projection; lm_head stays dense.

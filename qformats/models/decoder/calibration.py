@@ -25,8 +25,12 @@ leaves the weights float until saving, which is propagate="float" here. Static a
 NVFP4 input observer `static_minmax` (max |x| over every calibration token); the KV-cache ranges too (its own
 default for `kv_cache_scheme` is the moving-average `minmax`, which depends on the sample order).
 
-Mixture-of-experts layers (qwen2_moe, qwen3_moe, mixtral): the attention's and the shared expert's projections as
-above; the router and the shared expert's gate stay float; every expert's gate / up / down is quantized like its own
+DeepSeek-V3's latent attention, dense first layers and shared experts, and gpt-oss's fused experts: which Linears a
+layer has and what each reads are in `qformats.models.decoder.calibration_families` (every Linear's H from its own
+input; gpt-oss's gate / up quantized apart as llm-compressor linearizes them, then interleaved back).
+
+Mixture-of-experts layers (qwen2_moe, qwen3_moe, mixtral, gpt_oss, deepseek_v3): the attention's and the shared
+expert's projections as above; the router and the shared expert's gate stay float; every expert's gate / up / down is quantized like its own
 Linear with its own H, recorded with llm-compressor's `moe_calibrate_all_experts` semantics by default (every token
 through every expert for the statistics, the routed experts only for the layer's output: `MOE_STATISTICS`), and the
 stack becomes a `QExperts`; a static activation scheme (FP8, NVFP4) gives each expert's gate / up / down its own
@@ -297,7 +301,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
 
     Raises:
       ModelError: a scheme that does not fit a projection, a bad weight_search / propagate, no samples, or a
-        model whose projections are already quantized. Static activation scales (FP8's per-tensor input scale =
+        model whose projections are already quantized; gpt-oss with weight scales per tensor or 2-D block (they would
+        span its fused gate / up rows: `calibration_families.check_fused_experts`); a KV-cache scheme on latent
+        attention; AWQ / SmoothQuant transforms on DeepSeek-V3 or gpt-oss layers (`calibration_families.refuse_scaling`). Static activation scales (FP8's per-tensor input scale =
         max|x| / 448, NVFP4's input global scale = 448 * 6 / max|x|, compressed-tensors' generate_gparam) come from
         each projection's max |x| over the real tokens of the calibration pass (llm-compressor's static_minmax),
         for each expert over the tokens `moe_statistics` gives it (`expert_ranges`; an expert without tokens under
