@@ -30,11 +30,12 @@ layer has and what each reads are in `qformats.models.decoder.calibration_famili
 input; gpt-oss's gate / up quantized apart as llm-compressor linearizes them, then interleaved back).
 
 Mixture-of-experts layers (qwen2_moe, qwen3_moe, mixtral, gpt_oss, deepseek_v3): the attention's and the shared
-expert's projections as above; the router and the shared expert's gate stay float; every expert's gate / up / down is quantized like its own
-Linear with its own H, recorded with llm-compressor's `moe_calibrate_all_experts` semantics by default (every token
-through every expert for the statistics, the routed experts only for the layer's output: `MOE_STATISTICS`), and the
-stack becomes a `QExperts`; a static activation scheme (FP8, NVFP4) gives each expert's gate / up / down its own
-input scale from the max |x| of the tokens it observed under the same semantics (`expert_ranges`).
+expert's projections as above; the router and the shared expert's gate stay float; every expert's gate / up / down
+is quantized like its own Linear with its own H, recorded with llm-compressor's `moe_calibrate_all_experts` semantics
+by default (every token through every expert for the statistics, the routed experts only for the layer's output:
+`MOE_STATISTICS`), and the stack becomes a `QExperts`; a static activation scheme (FP8, NVFP4) gives each expert's
+gate / up / down its own input scale from the max |x| of the tokens it observed under the same semantics
+(`expert_ranges`).
 
 So only one layer's activations (its inputs and outputs for every sample) and its Hessians are alive at
 once: peak memory grows with one layer, not with the model. Samples of different lengths are packed into rows
@@ -303,7 +304,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
       ModelError: a scheme that does not fit a projection, a bad weight_search / propagate, no samples, or a
         model whose projections are already quantized; gpt-oss with weight scales per tensor or 2-D block (they would
         span its fused gate / up rows: `calibration_families.check_fused_experts`); a KV-cache scheme on latent
-        attention; AWQ / SmoothQuant transforms on DeepSeek-V3 or gpt-oss layers (`calibration_families.refuse_scaling`). Static activation scales (FP8's per-tensor input scale =
+        attention; AWQ / SmoothQuant transforms on DeepSeek-V3 or gpt-oss layers
+        (`calibration_families.refuse_scaling`). Static activation scales (FP8's per-tensor input scale =
         max|x| / 448, NVFP4's input global scale = 448 * 6 / max|x|, compressed-tensors' generate_gparam) come from
         each projection's max |x| over the real tokens of the calibration pass (llm-compressor's static_minmax),
         for each expert over the tokens `moe_statistics` gives it (`expert_ranges`; an expert without tokens under
@@ -318,7 +320,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
     ss = resolve_scheme(scheme)
     if ss is None or ss.weights is None:
         raise ModelError(f"calibrate_decoder: scheme {scheme!r} quantizes no weights")
-    _check_moe(model, ss, moe_statistics)
+    _check_moe(model, ss, moe_statistics, weight_search)
     if shape_cost is None:
         per_layer = sum(int(np.prod(_get(model.model.layers[0], rel).kernel.get_value().shape))
                         for rel in _linear_projections(model.model.layers[0]) + _expert_paths(model.model.layers[0]))
@@ -549,14 +551,14 @@ def moe_ignored(config) -> List[str]:
     return out
 
 
-def _check_moe(model, ss: SchemeSet, statistics: str) -> None:
+def _check_moe(model, ss: SchemeSet, statistics: str, weight_search: str) -> None:
     """ModelError for MoE calibrations this driver does not do (before any work)."""
     if statistics not in MOE_STATISTICS:
         raise ModelError(f"calibrate_decoder: moe_statistics must be one of {MOE_STATISTICS}, got {statistics!r}")
     m = model.config.moe
     if m is None:
         return
-    check_fused_experts(model.config.model_type, m, ss.weights)
+    check_fused_experts(model.config.model_type, m, ss.weights, weight_search)
 
 
 def expert_moments(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str = "all", gate_bias=None,

@@ -67,11 +67,16 @@ def expert_gate_up(experts, cfg) -> Tuple[object, object, Optional[object], Opti
     return k[..., 0::2], k[..., 1::2], None if b is None else b[..., 0::2], None if b is None else b[..., 1::2]
 
 
-def check_fused_experts(model_type: str, cfg, weights) -> None:
+def check_fused_experts(model_type: str, cfg, weights, weight_search: str) -> None:
     """ModelError, before any work, for a weight scheme that gpt-oss's fused gate_up_proj cannot hold as
-    llm-compressor's separate gate_proj / up_proj would (scales per tensor or per 2-D block span both)."""
+    llm-compressor's separate gate_proj / up_proj would (scales per tensor or per 2-D block span both), and for an
+    MSE search of NVFP4 weights (it picks each Linear's own global scale; the fused rows hold one per expert)."""
     if cfg is None or not cfg.fused_gate_up:
         return
+    if weights.strategy == "tensor_group" and weight_search not in ("rtn", "gptq"):
+        raise ModelError(f"calibrate_decoder: the {model_type} experts' fused gate_up_proj holds one NVFP4 global "
+                         f"scale per expert for gate_proj and up_proj; weight_search {weight_search!r} would give "
+                         "each its own; use 'gptq' or 'rtn' (the global scale shared, as llm-compressor fuses it)")
     if weights.strategy not in ROW_STRATEGIES:
         raise ModelError(f"calibrate_decoder: the {model_type} experts' fused gate_up_proj holds gate_proj and "
                          f"up_proj interleaved; weight scales of strategy {weights.strategy!r} span both, so the "

@@ -448,8 +448,8 @@ def split_gate_up(q: QArray, where: str) -> Tuple[QArray, QArray]:
     def part(j):
         rows = lambda a: None if a is None else np.asarray(a)[j::2]  # noqa: E731
         per_tensor = s.strategy == "tensor"
-        return QArray(rows(q.codes), np.asarray(q.scale) if per_tensor else rows(q.scale),
-                      None if q.zero_point is None else (np.asarray(q.zero_point) if per_tensor else rows(q.zero_point)),
+        zp = None if q.zero_point is None else (np.asarray(q.zero_point) if per_tensor else rows(q.zero_point))
+        return QArray(rows(q.codes), np.asarray(q.scale) if per_tensor else rows(q.scale), zp,
                       None if q.global_scale is None else np.asarray(q.global_scale), scheme=s,
                       shape=(q.shape[0], q.shape[1] // 2), dtype=q.dtype, axis=0, offset=rows(q.offset),
                       compute_dtype=q.compute_dtype)

@@ -86,7 +86,8 @@ def test_cli_calibrated_checkpoint_reads_back(family, scheme, tmp_path):
 
 def test_refusals(tmp_path):
     """Typed errors before any work: a gpt-oss weight scheme whose scales span the fused gate / up rows (per tensor,
-    2-D blocks), AWQ and SmoothQuant on either family, a KV-cache scheme on latent attention."""
+    2-D blocks) or an MSE search of its NVFP4 global scales, AWQ and SmoothQuant on either family, a KV-cache scheme
+    on latent attention."""
     from converters.pipelines.calibrate import quantize_calibrated_lm
     from qformats.models.decoder.calibration import awq_transform, smoothquant_transform
 
@@ -98,6 +99,8 @@ def test_refusals(tmp_path):
     for scheme in ("FP8", "FP8_BLOCK"):
         with pytest.raises(ModelError, match=r"fused gate_up_proj .* strategy '(tensor|block)'"):
             calibrate_decoder(model, samples, scheme)
+    with pytest.raises(ModelError, match=r"one NVFP4 global scale per expert .* weight_search 'mse'"):
+        calibrate_decoder(model, samples, "NVFP4", weight_search="mse")
     with pytest.raises(ModelError, match="model/layers/0/mlp/experts: AWQ on gpt-oss"):
         calibrate_decoder(model, samples, "W4A16:g16", weight_search="rtn", transform=awq_transform("W4A16:g16"))
     model, _, _ = load_causal_lm(ds, tokenizer=False)
