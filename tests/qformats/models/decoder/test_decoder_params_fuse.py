@@ -122,3 +122,26 @@ def test_refusals_name_the_module():
     mods[f"{X}.8.gate_proj"] = mods[f"{X}.0.gate_proj"]
     with pytest.raises(ModelError, match=r"are not gpt_oss experts"):
         fuse_linearized_experts(CFG, mods)
+
+
+@pytest.mark.parametrize("preset", ["W4A16:g16", "W8A8", "NVFP4", "FP8"])
+def test_split_gate_up_inverts_interleave(preset):
+    """params.split_gate_up (the calibrated gpt-oss checkpoint's per-expert gate_proj / up_proj) gives back exactly the
+    two QArrays interleave_gate_up fused: every leaf equal, bytes copied."""
+    from qformats.models.decoder.params import interleave_gate_up, split_gate_up
+    from qformats.nn import resolve_scheme
+
+    ws = resolve_scheme(preset).weights
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((H, I)).astype(np.float32))
+    gate = jax.tree.map(np.asarray, quantize(k, ws, axis=0))
+    up = jax.tree.map(np.asarray, quantize(2 * k, ws, axis=0, **({} if gate.global_scale is None else
+                                                                  {"global_scale": gate.global_scale})))
+    if ws.strategy == "tensor":  # per-tensor scales must be equal to fuse
+        up = jax.tree.map(np.asarray, quantize(k[:, ::-1], ws, axis=0))
+    fused = interleave_gate_up(gate, up, "x")
+    g, u = split_gate_up(fused, "x")
+    for mine, ref in ((g, gate), (u, up)):
+        assert (mine.shape, mine.scheme) == (ref.shape, ref.scheme)
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

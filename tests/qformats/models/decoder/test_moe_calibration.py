@@ -298,8 +298,9 @@ def test_expert_moments_with_biases_follow_the_clamped_swiglu():
 @pytest.mark.slow  # ~40 s on the loaded 2-core machine: one calibration of a one-layer model
 def test_gpt_oss_fused_experts_quantized_as_separate_gate_and_up(tmp_path):
     """gpt-oss: each expert's fused gate_up_proj holds exactly the interleaved codes of its gate (even columns) and up
-    (odd columns) quantized as two Linears with the block input's H (llm-compressor's linearized experts), and its
-    down_proj GPTQ's with H of the biased clamped-SwiGLU activation; the router stays float."""
+    (odd columns) quantized as two Linears with the expert's input H (llm-compressor's linearized experts), and its
+    down_proj GPTQ's with H of the biased clamped-SwiGLU activation (routed-or-all statistics); the router stays
+    float."""
     from flax import nnx
 
     from converters.pipelines.causal_lm import load_causal_lm
@@ -313,16 +314,19 @@ def test_gpt_oss_fused_experts_quantized_as_separate_gate_and_up(tmp_path):
     samples = _samples(4, 6, 20)
     n = float(sum(len(s) for s in samples))
     rec = []
-    info = calibrate_decoder(model, samples, SCHEME, moe_record=rec, guard=False)
+    info = calibrate_decoder(model, samples, SCHEME, moe_record=rec, guard=False, moe_statistics="routed-or-all")
     assert info["projections"] == 4 + 3 * 8
     assert type(model.model.layers[0].mlp.router) is nnx.Linear
     ss = resolve_scheme(SCHEME)
-    h_in = jnp.asarray(rec[0]["h_in"] / n)
-    for e in range(8):
+    tokens = rec[0]["tokens"]
+    assert tokens.sum() == 2 * n
+    for e in range(8):  # routed statistics: H over the expert's own tokens (every token for an expert with none)
+        c = tokens[e] if tokens[e] else n
+        h_in = rec[0]["h_in"][e] if tokens[e] else rec[0]["h_in_all"]
+        h_mid = rec[0]["h_mid"][e] if tokens[e] else rec[0]["h_mid_all"][e]
         want = quantize_group({"gate_proj": jnp.asarray(k[e][:, 0::2]), "up_proj": jnp.asarray(k[e][:, 1::2])}, ss,
-                              h_in, "gptq", GPTQOptions(), False)
-        down = quantize_projection(jnp.asarray(dk[e]), ss, jnp.asarray(rec[0]["h_mid"][e] / n), "gptq", GPTQOptions(),
-                                   False)[0]
+                              jnp.asarray(h_in / c), "gptq", GPTQOptions(), False)
+        down = quantize_projection(jnp.asarray(dk[e]), ss, jnp.asarray(h_mid / c), "gptq", GPTQOptions(), False)[0]
         got_g, got_u = split_gate_up(ex.gate_up_proj.expert_weight(e), "gate_up")
         for mine, ref in ((got_g, want["gate_proj"][0]), (got_u, want["up_proj"][0]),
                           (ex.down_proj.expert_weight(e), down)):
