@@ -239,6 +239,9 @@ def fuse_gpt_oss_experts(base: str, experts, expert_bias: bool) -> Dict[str, Dic
     return out
 
 
+_INPUT_SCALES = ("input_scale", "input_global_scale")
+
+
 def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping[str, Any]]
                             ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, List[str]]]:
     """gpt_oss: per-expert Linear modules (llm-compressor's linearized names "<P>.experts.{e}.gate_proj" /
@@ -253,8 +256,11 @@ def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping
     per-expert entries replaced, fused module -> the per-expert modules it
     came from). Other families, and layers whose experts are stored fused already, are returned unchanged.
 
+    Static input scales (`input_scale`, `input_global_scale`: FP8 / NVFP4 checkpoints) are stacked per fused module
+    ([E, ...]; gate's and up's must be equal, they observe one input).
+
     Raises ModelError naming the module: some but not all 3·E per-expert modules of a layer, tensors other than
-    weight / bias, packed and dense experts mixed, experts packed differently, or a packed layout whose rows
+    weight / bias / static input scales, packed and dense experts mixed, experts packed differently, or a packed layout whose rows
     cannot interleave exactly (`_interleave_rows`)."""
     m = config.moe
     out = {k: dict(v) for k, v in modules.items()}
@@ -279,13 +285,25 @@ def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping
             miss = [n for n in want if n not in out]
             raise ModelError(f"{base}: {len(miss)} of its {len(want)} per-expert modules missing: {miss[:6]}")
         for n in want:
-            extra = sorted(set(out[n]) - {"weight", "bias"})
+            extra = sorted(set(out[n]) - {"weight", "bias"} - set(_INPUT_SCALES))
             if extra or "weight" not in out[n] or (("bias" in out[n]) != m.expert_bias):
                 raise ModelError(f"{n}: expected tensors weight{' and bias' if m.expert_bias else ''} (a gpt_oss "
-                                 f"expert), found {sorted(out[n])}")
+                                 f"expert; static input_scale / input_global_scale allowed), found {sorted(out[n])}")
         experts = [tuple(out.pop(f"{base}.{e}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
                    for e in range(e_n)]
         out.update(fuse_gpt_oss_experts(base, experts, m.expert_bias))
+        for local in _INPUT_SCALES:  # static input scales: gate's and up's must agree (one input), stacked [E, ...]
+            have = [local in t for g, u, d in experts for t in (g, u, d)]
+            if not any(have):
+                continue
+            if not all(have):
+                raise ModelError(f"{base}: {local} on some experts' projections only")
+            for e, (g, u, _) in enumerate(experts):
+                if not np.array_equal(np.asarray(g[local]), np.asarray(u[local])):
+                    raise ModelError(f"{base}.{e}: gate_proj and up_proj have different {local}s; gpt_oss's fused "
+                                     "gate_up_proj reads one input with one scale")
+            out[f"{base}.gate_up_proj"][local] = np.stack([np.asarray(g[local]) for g, _, _ in experts])
+            out[f"{base}.down_proj"][local] = np.stack([np.asarray(d[local]) for _, _, d in experts])
         for proj, projs in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
             sources[f"{base}.{proj}"] = [f"{base}.{e}.{p}" for e in range(e_n) for p in projs]
     return out, sources
