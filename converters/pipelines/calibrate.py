@@ -8,8 +8,9 @@ under the HF tensor names, next to the packaged tokenizer and sentence-transform
 compressed-tensors checkpoint: GPTQ changes the codes, not the format (transformers / vLLM load a W4A16 GPTQ
 checkpoint like an RTN one).
 
-Causal LMs (llama / mistral / qwen2 / qwen3, and the qwen2_moe / qwen3_moe / mixtral mixtures of experts, every
-expert calibrated: `quantize_calibrated_lm`): the checkpoint is loaded into the Flax
+Causal LMs (llama / mistral / qwen2 / qwen3, and the qwen2_moe / qwen3_moe / mixtral / gpt_oss / deepseek_v3 mixtures
+of experts, every expert calibrated: `quantize_calibrated_lm`; gpt-oss's fused experts written per expert as
+llm-compressor writes them): the checkpoint is loaded into the Flax
 decoder (`converters.pipelines.causal_lm`), calibrated layer by layer on samples from a text / jsonl / .npy file
 (`converters.evaluation.calibration_data`, `qformats.models.decoder.calibration`), optionally after SmoothQuant or AWQ scales are
 folded into each layer, and written with `converters.pipelines.flax_io.save_compressed` (lm_head left dense and listed
@@ -124,8 +125,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     "seconds", "path"}.
 
     Args:
-      src: a dense HF checkpoint directory (llama / mistral / qwen2 / qwen3 / qwen2_moe / qwen3_moe / mixtral) or a
-        .gguf file.
+      src: a dense HF checkpoint directory (llama / mistral / qwen2 / qwen3 / qwen2_moe / qwen3_moe / mixtral / gpt_oss
+        / deepseek_v3) or a .gguf file. gpt_oss is written in llm-compressor's per-expert layout
+        (`experts.{e}.{gate,up,down}_proj` with biases) by the streamed path only (no rotate / kv_cache).
       dst: the output directory (atomic write; tokenizer and other files of a directory `src` copied, a .gguf
         file's tokenizer written as tokenizer.json / tokenizer_config.json).
       scheme: a scheme string ("W4A16", "W4A16:g64", "W8A8", ...) for every projection; lm_head stays dense.
@@ -191,6 +193,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                          "choose one")
     if awq:
         _refuse_moe_awq(src, moe_statistics)
+    if smooth is not None and _model_type(src) in ("gpt_oss", "deepseek_v3"):
+        raise ModelError(f"{src}: SmoothQuant on {_model_type(src)} models is not supported (llm-compressor has no "
+                         "mappings for their latent attention / fused experts); use GPTQ (--weight-search gptq)")
     if isinstance(kv_cache, str):
         kv_cache = parse_kv_cache(kv_cache)
     if weight_search is None:
@@ -223,6 +228,10 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
             log(f"rotated {src}: SpinQuant R1 + R2, {rotate}")
         model, hf_config, tok = load_causal_lm(src if rotated is None else Path(rot_dir) / "rotated",
                                                packed=False)  # a .gguf file dequantized: calibration starts dense
+        if model.config.moe is not None and model.config.moe.fused_gate_up:
+            raise ModelError(f"{src}: a calibrated {model.config.model_type} checkpoint is written in llm-compressor's "
+                             "per-expert layout by the streamed path only (a dense checkpoint directory, without "
+                             "rotate / kv_cache); this combination would write the fused gate_up_proj stacks")
         # the model holds its parameters now; the rotated copy goes (its tokenizer files are src's)
     tokenize = None if tok is None else (lambda text: tok.encode(text).ids)
     samples = load_calibration(calibration, tokenize, seq_len=seq_len, max_tokens=calibration_tokens, seed=seed,
@@ -264,6 +273,15 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
     log(f"wrote {dst}: {info['projections']} projections "
         f"({search_text(info['projections'], info['searched'], weight_search)}) in {seconds:.1f} s")
     return {**info, "samples": len(samples), "seconds": seconds, "path": str(dst)}
+
+
+def _model_type(src) -> Optional[str]:
+    """config.json's model_type of a checkpoint directory (None for a file or a directory without one)."""
+    from converters.formats.safetensors_io import read_json
+
+    src = Path(src)
+    cfg = read_json(src / "config.json") if src.is_dir() and (src / "config.json").is_file() else {}
+    return cfg.get("model_type") if isinstance(cfg, dict) else None
 
 
 def _is_moe(src) -> bool:
@@ -322,6 +340,8 @@ def _stream_plan(ck, scheme, slots, per_layer, outside, model):
     a = ss.input_activations
     if a is not None and a.dynamic is not True:
         return None
+    if model.config.moe is not None and model.config.moe.fused_gate_up:  # written per expert (`_write_fused_experts`)
+        return None
     plan, cache = [], {}
     for i, names in per_layer.items():
         quantized = set(quantized_paths(model.model.layers[i]))
@@ -333,6 +353,40 @@ def _stream_plan(ck, scheme, slots, per_layer, outside, model):
                 plan.append(TensorSpec(n, np.dtype(np.float32), tuple(ck.info(n).shape)))
     plan += [TensorSpec(n, np.dtype(np.float32), tuple(ck.info(n).shape)) for n in outside]
     return plan
+
+
+def _write_fused_experts(w, name: str, slot, layer, packed: dict, rel: str) -> None:
+    """Writes one of gpt-oss's fused expert tensors of a calibrated layer (`name`: "<P>.experts.gate_up_proj",
+    "..._bias", "<P>.experts.down_proj", "..._bias") per expert, in the layout llm-compressor 0.14 writes after
+    linearizing them (`converters.formats.moe_layout`): gate_up_proj's packed rows split into
+    `<P>.experts.{e}.gate_proj` (even columns) and `.up_proj` (odd; `params.split_gate_up`), biases alike, down_proj
+    as `<P>.experts.{e}.down_proj`; each expert's static input scales (FP8, NVFP4) under both of its gate / up."""
+    import jax
+    import numpy as np
+
+    from qformats.models.decoder.params import resolve_path, split_gate_up
+
+    base, local = name.rsplit(".", 1)
+    proj = local[:-len("_bias")] if local.endswith("_bias") else local
+    parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else (proj,)
+    if local.endswith("_bias"):
+        b = np.asarray(resolve_path(layer, slot.path[3:]).get_value())
+        for e in range(b.shape[0]):
+            for j, p in enumerate(parts):
+                w.add_dense(f"{base}.{e}.{p}.bias", b[e, j::len(parts)])
+        return
+    if rel not in packed:
+        raise CheckpointError(f"{name}: gpt-oss's fused experts were not quantized by the calibration; a fused stack "
+                              "cannot be written in llm-compressor's per-expert layout dense")
+    q = packed[rel]["weight"]
+    for e in range(q.codes.shape[0]):
+        qe = jax.tree.map(lambda leaf, e=e: leaf[e], q)
+        qs = split_gate_up(qe, f"{base}.{e}") if len(parts) == 2 else (qe,)
+        for p, qp in zip(parts, qs):
+            w.add_qarray(f"{base}.{e}.{p}", qp, packed[rel]["schemes"])
+            for extra in ("input_scale", "input_global_scale"):
+                if extra in packed[rel]:
+                    w.add_dense(f"{base}.{e}.{p}.{extra}", np.asarray(packed[rel][extra][e]))
 
 
 def _release(module) -> None:
@@ -444,6 +498,9 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
                 for n in per_layer[i]:
                     slot = slots[n]
                     rel = "/".join(str(p) for p in slot.path[3:-1])
+                    if cfg.moe is not None and cfg.moe.fused_gate_up and n.rsplit(".", 1)[0].endswith(".experts"):
+                        _write_fused_experts(w, n, slot, layer, packed, rel)
+                        continue
                     if rel in packed and slot.path[-1] == "kernel":
                         mod = n.rsplit(".", 1)[0]
                         q = packed[rel]["weight"]

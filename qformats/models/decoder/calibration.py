@@ -25,12 +25,17 @@ leaves the weights float until saving, which is propagate="float" here. Static a
 NVFP4 input observer `static_minmax` (max |x| over every calibration token); the KV-cache ranges too (its own
 default for `kv_cache_scheme` is the moving-average `minmax`, which depends on the sample order).
 
-Mixture-of-experts layers (qwen2_moe, qwen3_moe, mixtral): the attention's and the shared expert's projections as
-above; the router and the shared expert's gate stay float; every expert's gate / up / down is quantized like its own
-Linear with its own H, recorded with llm-compressor's `moe_calibrate_all_experts` semantics by default (every token
-through every expert for the statistics, the routed experts only for the layer's output: `MOE_STATISTICS`), and the
-stack becomes a `QExperts`; a static activation scheme (FP8, NVFP4) gives each expert's gate / up / down its own
-input scale from the max |x| of the tokens it observed under the same semantics (`expert_ranges`).
+DeepSeek-V3's latent attention, dense first layers and shared experts, and gpt-oss's fused experts: which Linears a
+layer has and what each reads are in `qformats.models.decoder.calibration_families` (every Linear's H from its own
+input; gpt-oss's gate / up quantized apart as llm-compressor linearizes them, then interleaved back).
+
+Mixture-of-experts layers (qwen2_moe, qwen3_moe, mixtral, gpt_oss, deepseek_v3): the attention's and the shared
+expert's projections as above; the router and the shared expert's gate stay float; every expert's gate / up / down
+is quantized like its own Linear with its own H, recorded with llm-compressor's `moe_calibrate_all_experts` semantics
+by default (every token through every expert for the statistics, the routed experts only for the layer's output:
+`MOE_STATISTICS`), and the stack becomes a `QExperts`; a static activation scheme (FP8, NVFP4) gives each expert's
+gate / up / down its own input scale from the max |x| of the tokens it observed under the same semantics
+(`expert_ranges`).
 
 So only one layer's activations (its inputs and outputs for every sample) and its Hessians are alive at
 once: peak memory grows with one layer, not with the model. Samples of different lengths are packed into rows
@@ -63,7 +68,10 @@ from qformats.algorithms.weight_search import RTN, quantize_group, quantize_proj
 from qformats.errors import ModelError
 from qformats.kv_cache import KVCacheScheme, amax_of, scale_from_amax
 from qformats.models.decoder import CausalLM, attention_mask, enable_kv_cache_quantization, inv_freq, rope_tables
+from qformats.models.decoder.calibration_families import (attention_projections, check_fused_experts, expert_gate_up,
+                                                          refuse_scaling)
 from qformats.models.decoder.moe import MoEBlock, MoEConfig, activation, route
+from qformats.models.decoder.params import interleave_gate_up
 from qformats.matching import resolve_scheme
 from qformats.nn import CalibStat, QLinear
 from qformats.nn.experts import Experts, QExperts
@@ -106,15 +114,19 @@ class _Masked(nnx.Module):
         return self.inner(x)
 
 
-def _host_moments(taps, sums: Dict[str, np.ndarray]) -> None:
+def _host_moments(taps, sums: Dict[str, np.ndarray], inside: Optional[str] = None) -> None:
     """Adds x^T x of each input sown by a layer's tapped projections (`_Masked` with tap) in one pass (`taps`, as
     nnx.capture returns them) to `sums[path]` (float32 [K, K]; path relative to the layer).
 
     On the host: NumPy's `x.T @ x` is BLAS syrk (one triangle, half the multiply-adds of XLA:CPU's general product),
-    on one BLAS thread (`gptq._one_blas_thread`)."""
+    on one BLAS thread (`gptq._one_blas_thread`). `inside`: the attribute name of a `_CalibMoE` wrapping the layer's
+    MoE block, whose taps (the shared expert's) are keyed at the block's own path ("mlp/shared_expert/gate_proj",
+    not "mlp/block/shared_expert/gate_proj")."""
     with _one_blas_thread():
         for path, var in nnx.to_flat_state(taps):  # path: the _Masked module's, then "x"; value: the sown tuple
             rel = "/".join(str(p) for p in path[:-1])
+            if inside is not None and rel.startswith(f"{inside}/block/"):
+                rel = f"{inside}/" + rel[len(f"{inside}/block/"):]
             for x in (var.get_value() if isinstance(var, nnx.Variable) else var):
                 a = np.asarray(x)
                 a = a.reshape(-1, a.shape[-1]).astype(np.float32, copy=False)
@@ -290,24 +302,25 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
 
     Raises:
       ModelError: a scheme that does not fit a projection, a bad weight_search / propagate, no samples, or a
-        model whose projections are already quantized. Static activation scales (FP8's per-tensor input scale =
+        model whose projections are already quantized; gpt-oss with weight scales per tensor or 2-D block (they would
+        span its fused gate / up rows: `calibration_families.check_fused_experts`); a KV-cache scheme on latent
+        attention; AWQ / SmoothQuant transforms on DeepSeek-V3 or gpt-oss layers
+        (`calibration_families.refuse_scaling`). Static activation scales (FP8's per-tensor input scale =
         max|x| / 448, NVFP4's input global scale = 448 * 6 / max|x|, compressed-tensors' generate_gparam) come from
         each projection's max |x| over the real tokens of the calibration pass (llm-compressor's static_minmax),
         for each expert over the tokens `moe_statistics` gives it (`expert_ranges`; an expert without tokens under
         "routed" is the same ModelError).
     """
-    if model.config.mla is not None:
-        raise ModelError(f"calibrate_decoder: the {model.config.model_type} model's multi-head latent attention "
-                         "(q_a_proj / q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, their LoRA norms) is not "
-                         "calibrated by this driver yet, nor its first_k_dense_replace dense layers, shared experts and "
-                         "grouped sigmoid routing; quantize it data-free (qformats.nn.quantize_model)")
+    if model.config.mla is not None and kv_cache is not None:
+        raise ModelError(f"calibrate_decoder: KV-cache quantization of the {model.config.model_type} model's latent "
+                         "cache (multi-head latent attention) is not supported; calibrate without kv_cache")
     weight_search = search_name(weight_search)
     if propagate not in PROPAGATE:
         raise ModelError(f"calibrate_decoder: propagate must be one of {PROPAGATE}, got {propagate!r}")
     ss = resolve_scheme(scheme)
     if ss is None or ss.weights is None:
         raise ModelError(f"calibrate_decoder: scheme {scheme!r} quantizes no weights")
-    _check_moe(model, ss, moe_statistics)
+    _check_moe(model, ss, moe_statistics, weight_search)
     if shape_cost is None:
         per_layer = sum(int(np.prod(_get(model.model.layers[0], rel).kernel.get_value().shape))
                         for rel in _linear_projections(model.model.layers[0]) + _expert_paths(model.model.layers[0]))
@@ -392,7 +405,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 out, taps = _calibration_pass(*args, keep)
             if keep:
                 xs[j] = out
-            _host_moments(taps, sums)
+            _host_moments(taps, sums, None if moe is None else moe.name)
             del taps
         if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
@@ -404,6 +417,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         results = {}
         for group in groups:
             first = _get(layer, group[0]).inner
+            if weight_search != RTN and group[0] not in sums:  # never a silent round-to-nearest
+                raise ModelError(f"model/layers/{i}/{group[0]}: the calibration pass recorded no input statistics "
+                                 f"for this projection's {weight_search} search")
             h = jnp.asarray(sums.pop(group[0]) / np.float32(batches.tokens)) if group[0] in sums else None
             results.update(quantize_group({r: floats[r] for r in group}, ss, h, weight_search, gptq, guard, shared))
             for rel in group[1:]:  # the input range the first member observed is theirs too
@@ -487,16 +503,18 @@ def _moe_block(layer):
 
 
 def _linear_projections(layer) -> Tuple[str, ...]:
-    """The nnx.Linear projections a layer's calibration quantizes, by path relative to the layer: `PROJECTIONS` for a
-    dense layer; in a sparse one the attention's four and the shared expert's gate / up / down (qwen2_moe). The
-    router and the shared expert's sigmoid gate stay float (llm-compressor's MoE recipes ignore `mlp.gate` and
-    `shared_expert_gate`)."""
+    """The nnx.Linear projections a layer's calibration quantizes, by path relative to the layer: the attention's
+    (q/k/v/o, or DeepSeek's latent attention: `calibration_families.attention_projections`), then the dense MLP's
+    gate / up / down, or in a sparse layer the shared expert's (qwen2_moe `shared_expert`, deepseek_v3
+    `shared_experts`). The router and the shared expert's sigmoid gate stay float (llm-compressor's MoE recipes
+    ignore `mlp.gate`, `mlp.router` and `shared_expert_gate`)."""
+    attn = attention_projections(layer)
     found = _moe_block(layer)
     if found is None:
-        return PROJECTIONS
+        return attn + PROJECTIONS[4:]
     name, blk = found
     c = blk.cfg
-    out = PROJECTIONS[:4]
+    out = attn
     if c.shared_expert_intermediate_size:
         out += tuple(f"{name}/{c.shared_name}/{p}" for p in ("gate_proj", "up_proj", "down_proj"))
     return out
@@ -533,25 +551,24 @@ def moe_ignored(config) -> List[str]:
     return out
 
 
-def _check_moe(model, ss: SchemeSet, statistics: str) -> None:
+def _check_moe(model, ss: SchemeSet, statistics: str, weight_search: str) -> None:
     """ModelError for MoE calibrations this driver does not do (before any work)."""
     if statistics not in MOE_STATISTICS:
         raise ModelError(f"calibrate_decoder: moe_statistics must be one of {MOE_STATISTICS}, got {statistics!r}")
     m = model.config.moe
     if m is None:
         return
-    if m.fused_gate_up:
-        raise ModelError(f"calibrate_decoder: the {model.config.model_type} experts' fused interleaved gate_up_proj "
-                         "(with its biases and clamped SwiGLU) is not calibrated by this driver, nor written per expert "
-                         "after calibration; quantize the model data-free (qformats quantize without --calibrate)")
+    check_fused_experts(model.config.model_type, m, ss.weights, weight_search)
 
 
-def expert_moments(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str = "all") -> Dict[str, jax.Array]:
+def expert_moments(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str = "all", gate_bias=None,
+                   up_bias=None) -> Dict[str, jax.Array]:
     """The calibration statistics of an MoE block's experts for one batch of tokens, as sums over tokens.
 
     x [M, d]: the block's input tokens; valid [M]: 1 for a real token, 0 for padding; experts [M, k]: each token's
-    routed experts; gate, up [E, d, I]: the experts' kernels. With a_e(x) = act(x W_gate[e], x W_up[e]) (the
-    block's activation, `moe.activation`) and the real tokens T (all of them) or T_e (those routed to expert e):
+    routed experts; gate, up [E, d, I]: the experts' kernels (gate_bias, up_bias [E, I]: their biases, gpt-oss).
+    With a_e(x) = act(x W_gate[e] + b_gate[e], x W_up[e] + b_up[e]) (the block's activation, `moe.activation`) and
+    the real tokens T (all of them) or T_e (those routed to expert e):
 
         tokens[e] = |T_e|
         "all":    h_in = sum_{t in T} x_t x_t^T [d, d] (every expert's gate / up input),
@@ -570,7 +587,7 @@ def expert_moments(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str 
     out = {"tokens": jnp.sum(onehot, axis=0)}
 
     def mid(e, mask):
-        a = activation(xm @ gate[e].astype(f32), xm @ up[e].astype(f32), cfg) * mask[:, None]
+        a = _expert_activation(xm, gate, up, gate_bias, up_bias, e, cfg) * mask[:, None]
         return a.T @ a
 
     if statistics != "routed":
@@ -587,10 +604,20 @@ def expert_moments(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str 
     return out
 
 
-def expert_ranges(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str = "all") -> Dict[str, jax.Array]:
+def _expert_activation(x, gate, up, gate_bias, up_bias, e, cfg: MoEConfig):
+    """a_e(x) = act(x W_gate[e] (+ b_gate[e]), x W_up[e] (+ b_up[e])) in float32: expert e's down_proj input."""
+    f32 = jnp.float32
+    g, u = x @ gate[e].astype(f32), x @ up[e].astype(f32)
+    if gate_bias is not None:
+        g, u = g + gate_bias[e].astype(f32), u + up_bias[e].astype(f32)
+    return activation(g, u, cfg)
+
+
+def expert_ranges(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str = "all", gate_bias=None,
+                  up_bias=None) -> Dict[str, jax.Array]:
     """The static activation ranges of an MoE block's experts for one batch of tokens (maxima over tokens).
 
-    With `expert_moments`' notation (x [M, d], valid [M], experts [M, k], gate / up [E, d, I]):
+    With `expert_moments`' notation (x [M, d], valid [M], experts [M, k], gate / up [E, d, I] and their biases):
 
         "all":    amax_in[e] = max_{t in T} max|x_t| (every expert's gate / up input, the same for all e),
                   amax_mid[e] = max_{t in T} max|a_e(x_t)| (expert e's down_proj input)
@@ -608,7 +635,7 @@ def expert_ranges(x, valid, experts, gate, up, cfg: MoEConfig, statistics: str =
     xf = x.astype(f32)
 
     def mid(e):
-        return jnp.max(jnp.abs(activation(xf @ gate[e].astype(f32), xf @ up[e].astype(f32), cfg)), axis=-1)
+        return jnp.max(jnp.abs(_expert_activation(xf, gate, up, gate_bias, up_bias, e, cfg)), axis=-1)
 
     mids = jax.lax.map(mid, jnp.arange(n))  # [E, M]
     out = {}
@@ -635,13 +662,12 @@ class _CalibMoE(nnx.Module):
         self.ranges = ranges
         self.valid = CalibStat(jnp.ones((1, 1), jnp.float32))
         c = block.cfg
-        g, u, _ = c.projections
-        d = getattr(block.experts, g).in_features
+        gate, up, gb, ub = expert_gate_up(block.experts, c)
+        d = int(gate.shape[1])
         args = (jax.ShapeDtypeStruct((1, d), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32),
-                jax.ShapeDtypeStruct((1, c.top_k), jnp.int32), getattr(block.experts, g).kernel.get_value(),
-                getattr(block.experts, u).kernel.get_value())
+                jax.ShapeDtypeStruct((1, c.top_k), jnp.int32), gate, up)
         zeros = lambda fn: {k: jnp.zeros(v.shape, v.dtype) for k, v in jax.eval_shape(  # noqa: E731
-            functools.partial(fn, cfg=c, statistics=statistics), *args).items()}
+            functools.partial(fn, cfg=c, statistics=statistics, gate_bias=gb, up_bias=ub), *args).items()}
         self.sums = CalibStat(zeros(expert_moments) if record else
                               {"tokens": jnp.zeros((c.num_experts,), jnp.float32)} if ranges else {})
         self.maxima = CalibStat(zeros(expert_ranges) if ranges else {})
@@ -655,18 +681,18 @@ class _CalibMoE(nnx.Module):
         xf = x.reshape(-1, x.shape[-1])
         router = getattr(b, c.router_name)
         _, idx = route(b.router_logits(xf), c, getattr(router, "e_score_correction_bias", None))
-        g, u, _ = c.projections
-        args = (xf, self.valid.get_value().reshape(-1), idx, getattr(b.experts, g).kernel.get_value(),
-                getattr(b.experts, u).kernel.get_value(), c, self.statistics)
+        gate, up, gb, ub = expert_gate_up(b.experts, c)
+        args = (xf, self.valid.get_value().reshape(-1), idx, gate, up, c, self.statistics)
+        bias = dict(gate_bias=gb, up_bias=ub)
         if self.record:
-            cur = expert_moments(*args)
+            cur = expert_moments(*args, **bias)
         else:  # the routed token counts alone (the empty-expert check of "routed" statistics)
             real = args[1].astype(jnp.float32)
             cur = {"tokens": jnp.zeros((xf.shape[0], c.num_experts), jnp.float32).at[
                 jnp.arange(xf.shape[0])[:, None], idx].set(1.0).T @ real}
         self.sums.set_value({k: v + cur[k] for k, v in self.sums.get_value().items()})
         if self.ranges:
-            cur = expert_ranges(*args)
+            cur = expert_ranges(*args, **bias)
             self.maxima.set_value({k: jnp.maximum(v, cur[k]) for k, v in self.maxima.get_value().items()})
         return out
 
@@ -701,14 +727,18 @@ def _quantize_experts(layer, stats: Dict[str, jax.Array], ss: SchemeSet, weight_
     calibration pass's `stats` (`expert_moments` sums): H = sum / token count, per expert (moe_statistics); a static
     activation scheme's per-expert input scales from `expert_ranges`' maxima (`qformats.observers.static_scale`:
     FP8 input_scale = amax / 448, NVFP4 input_global_scale = 448 * 6 / amax).
-    NVFP4 weight global scales are shared by each expert's gate and up (vLLM fuses them per expert). Returns
-    (expert projections whose search won, expert projections)."""
+    NVFP4 weight global scales are shared by each expert's gate and up (vLLM fuses them per expert). gpt-oss's fused
+    gate_up_proj: its gate (even) and up (odd) columns are quantized as two Linears, as llm-compressor's linearized
+    experts are, and interleaved back (`params.interleave_gate_up`). Returns (expert projections whose search won,
+    expert projections), gate and up counted apart."""
     name, blk = _moe_block(layer)
     c = blk.cfg
     ex = blk.experts
-    gname, uname, dname = c.projections
+    fused_name = c.projections[1] if c.fused_gate_up else None  # gpt-oss: gate / up quantized apart, then fused
+    gname, uname, dname = ("gate_proj", "up_proj", c.projections[2]) if fused_name else c.projections
     n = c.num_experts
-    kernels = {p: getattr(ex, p).kernel.get_value() for p in (gname, uname, dname)}
+    gk, uk, _, _ = expert_gate_up(ex, c)
+    kernels = {gname: gk, uname: uk, dname: getattr(ex, dname).kernel.get_value()}
     if record is not None and stats:
         record.append({"layer": index, "statistics": statistics, **{k: np.asarray(v) for k, v in stats.items()}})
     h_in: List = [None] * n
@@ -734,7 +764,7 @@ def _quantize_experts(layer, stats: Dict[str, jax.Array], ss: SchemeSet, weight_
                 amax[k][counts == 0] = np.asarray(stats[k + "_all"])[counts == 0]
         sdt = kernels[gname].dtype if kernels[gname].dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
         per = jax.vmap(lambda m: static_scale(m, a, sdt))
-        for key, projs in (("amax_in", (gname, uname)), ("amax_mid", (dname,))):
+        for key, projs in (("amax_in", (fused_name,) if fused_name else (gname, uname)), ("amax_mid", (dname,))):
             sc, gl = per(jnp.asarray(amax[key], jnp.float32))
             for p in projs:
                 scales[p] = {"input_scale": sc, "input_global_scale": gl}
@@ -764,16 +794,18 @@ def _quantize_experts(layer, stats: Dict[str, jax.Array], ss: SchemeSet, weight_
                                       {k: v for k, v in shared.items() if k in group}))
     for e in range(n):
         results[f"{e}/{dname}"] = quantize_projection(kernels[dname][e], ss, h_mid[e], weight_search, gptq, guard)
-    searched = 0
-    for p in (gname, uname, dname):
-        per = [results[f"{e}/{p}"] for e in range(n)]
-        q = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[r[0] for r in per])
+    searched = sum(r[1] != RTN for r in results.values())
+    targets = (((fused_name, (gname, uname)), (dname, (dname,))) if fused_name else
+               tuple((p, (p,)) for p in (gname, uname, dname)))
+    for p, parts in targets:
+        per = [[results[f"{e}/{q}"] for q in parts] for e in range(n)]
+        qs = [rs[0][0] if len(rs) == 1 else interleave_gate_up(rs[0][0], rs[1][0], f"{where}/{name}/experts/{p}/{e}")
+              for e, rs in enumerate(per)]
+        q = jax.tree.map(lambda *leaves: jnp.stack([jnp.asarray(x) for x in leaves]), *qs)
         old = getattr(ex, p)
         new = QExperts.from_packed(q, None if old.bias is None else old.bias.get_value(), ss, dtype=old.dtype,
                                    path=f"{name}/experts/{p}", **scales.get(p, {}))
-        won = sum(r[1] != RTN for r in per)
-        new.weight_method = weight_search if won else RTN
-        searched += won
+        new.weight_method = weight_search if any(r[1] != RTN for rs in per for r in rs) else RTN
         setattr(ex, p, new)
     return searched, 3 * n
 
@@ -912,6 +944,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
                          "scale per tensor; pass duo_scaling=False")
 
     def transform(layer, index: int, xs, valid, layer_inputs) -> None:
+        refuse_scaling(layer, index, "AWQ")
         mappings = _awq_mappings(layer, index)
         moe = _moe_block(layer)
         if moe is not None:
@@ -1121,6 +1154,7 @@ def smoothquant_transform(alpha: float, moe: Optional[bool] = None) -> Callable:
     alpha = smoothquant.check_alpha(alpha)
 
     def transform(layer, index: int, xs, valid, layer_inputs) -> None:
+        refuse_scaling(layer, index, "SmoothQuant")
         sparse = _moe_block(layer) is not None if moe is None else moe
         mappings = MOE_SMOOTHQUANT_MAPPINGS if sparse else SMOOTHQUANT_MAPPINGS
         norms = {}

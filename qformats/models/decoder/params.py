@@ -239,6 +239,9 @@ def fuse_gpt_oss_experts(base: str, experts, expert_bias: bool) -> Dict[str, Dic
     return out
 
 
+_INPUT_SCALES = ("input_scale", "input_global_scale")
+
+
 def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping[str, Any]]
                             ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, List[str]]]:
     """gpt_oss: per-expert Linear modules (llm-compressor's linearized names "<P>.experts.{e}.gate_proj" /
@@ -253,8 +256,11 @@ def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping
     per-expert entries replaced, fused module -> the per-expert modules it
     came from). Other families, and layers whose experts are stored fused already, are returned unchanged.
 
+    Static input scales (`input_scale`, `input_global_scale`: FP8 / NVFP4 checkpoints) are stacked per fused module
+    ([E, ...]; gate's and up's must be equal, they observe one input).
+
     Raises ModelError naming the module: some but not all 3·E per-expert modules of a layer, tensors other than
-    weight / bias, packed and dense experts mixed, experts packed differently, or a packed layout whose rows
+    weight / bias / static input scales, packed and dense experts mixed, experts packed differently, or a packed layout whose rows
     cannot interleave exactly (`_interleave_rows`)."""
     m = config.moe
     out = {k: dict(v) for k, v in modules.items()}
@@ -279,13 +285,25 @@ def fuse_linearized_experts(config: DecoderConfig, modules: Mapping[str, Mapping
             miss = [n for n in want if n not in out]
             raise ModelError(f"{base}: {len(miss)} of its {len(want)} per-expert modules missing: {miss[:6]}")
         for n in want:
-            extra = sorted(set(out[n]) - {"weight", "bias"})
+            extra = sorted(set(out[n]) - {"weight", "bias"} - set(_INPUT_SCALES))
             if extra or "weight" not in out[n] or (("bias" in out[n]) != m.expert_bias):
                 raise ModelError(f"{n}: expected tensors weight{' and bias' if m.expert_bias else ''} (a gpt_oss "
-                                 f"expert), found {sorted(out[n])}")
+                                 f"expert; static input_scale / input_global_scale allowed), found {sorted(out[n])}")
         experts = [tuple(out.pop(f"{base}.{e}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
                    for e in range(e_n)]
         out.update(fuse_gpt_oss_experts(base, experts, m.expert_bias))
+        for local in _INPUT_SCALES:  # static input scales: gate's and up's must agree (one input), stacked [E, ...]
+            have = [local in t for g, u, d in experts for t in (g, u, d)]
+            if not any(have):
+                continue
+            if not all(have):
+                raise ModelError(f"{base}: {local} on some experts' projections only")
+            for e, (g, u, _) in enumerate(experts):
+                if not np.array_equal(np.asarray(g[local]), np.asarray(u[local])):
+                    raise ModelError(f"{base}.{e}: gate_proj and up_proj have different {local}s; gpt_oss's fused "
+                                     "gate_up_proj reads one input with one scale")
+            out[f"{base}.gate_up_proj"][local] = np.stack([np.asarray(g[local]) for g, _, _ in experts])
+            out[f"{base}.down_proj"][local] = np.stack([np.asarray(d[local]) for _, _, d in experts])
         for proj, projs in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
             sources[f"{base}.{proj}"] = [f"{base}.{e}.{p}" for e in range(e_n) for p in projs]
     return out, sources
@@ -428,3 +446,30 @@ def mtp_layer(config: DecoderConfig, name: str):
 def _listing(names: List[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def interleave_gate_up(gate: QArray, up: QArray, where: str) -> QArray:
+    """gpt_oss's fused gate_up QArray [K, 2N] of gate_proj's and up_proj's [K, N] ones: column 2j = gate's j,
+    2j + 1 = up's j (`_interleave_rows`: per-row leaves interleaved, per-tensor leaves equal in both)."""
+    return _interleave_rows(gate, up, where)
+
+
+def split_gate_up(q: QArray, where: str) -> Tuple[QArray, QArray]:
+    """The inverse of `interleave_gate_up`: (gate_proj's, up_proj's) QArray [K, N] of a fused gate_up QArray [K, 2N]
+    (axis 0): every per-row leaf's even rows and odd rows (bytes copied), per-tensor leaves (a "tensor" scale, a
+    tensor_group global scale) given to both. ModelError for a layout whose scales span rows (`_ROW_STRATEGIES`)."""
+    s = q.scheme
+    if q.ndim != 2 or q.axis != 0 or q.shape[1] % 2 or s.strategy not in _ROW_STRATEGIES + ("tensor",):
+        raise ModelError(f"{where}: expected a fused gate_up QArray [in, 2 out] along axis 0 with scales per output "
+                         f"row ({', '.join(_ROW_STRATEGIES)}) or per tensor, found {q!r}")
+
+    def part(j):
+        rows = lambda a: None if a is None else np.asarray(a)[j::2]  # noqa: E731
+        per_tensor = s.strategy == "tensor"
+        zp = None if q.zero_point is None else (np.asarray(q.zero_point) if per_tensor else rows(q.zero_point))
+        return QArray(rows(q.codes), np.asarray(q.scale) if per_tensor else rows(q.scale), zp,
+                      None if q.global_scale is None else np.asarray(q.global_scale), scheme=s,
+                      shape=(q.shape[0], q.shape[1] // 2), dtype=q.dtype, axis=0, offset=rows(q.offset),
+                      compute_dtype=q.compute_dtype)
+
+    return part(0), part(1)

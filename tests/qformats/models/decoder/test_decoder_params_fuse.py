@@ -115,10 +115,57 @@ def test_refusals_name_the_module():
     with pytest.raises(ModelError, match=rf"{X}: some experts are packed, others dense"):
         fuse_linearized_experts(CFG, mods)
     mods = _modules(None)
-    mods[f"{X}.1.gate_proj"]["input_scale"] = np.ones(1, np.float32)
+    mods[f"{X}.1.gate_proj"]["smooth_scale"] = np.ones(1, np.float32)
     with pytest.raises(ModelError, match=rf"{X}\.1\.gate_proj: expected tensors weight and bias"):
+        fuse_linearized_experts(CFG, mods)
+    mods = _modules(None)  # static input scales: on every projection or none, gate's equal to up's
+    mods[f"{X}.1.gate_proj"]["input_scale"] = np.ones(1, np.float32)
+    with pytest.raises(ModelError, match=rf"{X}: input_scale on some experts' projections only"):
+        fuse_linearized_experts(CFG, mods)
+    mods = _modules(None)
+    for e in range(E):
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            mods[f"{X}.{e}.{p}"]["input_scale"] = np.full(1, 1.0 + e + (p == "up_proj" and e == 3), np.float32)
+    with pytest.raises(ModelError, match=rf"{X}\.3: gate_proj and up_proj have different input_scales"):
         fuse_linearized_experts(CFG, mods)
     mods = _modules(None)
     mods[f"{X}.8.gate_proj"] = mods[f"{X}.0.gate_proj"]
     with pytest.raises(ModelError, match=r"are not gpt_oss experts"):
         fuse_linearized_experts(CFG, mods)
+
+
+@pytest.mark.parametrize("preset", ["W4A16:g16", "W8A8", "NVFP4", "FP8"])
+def test_split_gate_up_inverts_interleave(preset):
+    """params.split_gate_up (the calibrated gpt-oss checkpoint's per-expert gate_proj / up_proj) gives back exactly the
+    two QArrays interleave_gate_up fused: every leaf equal, bytes copied."""
+    from qformats.models.decoder.params import interleave_gate_up, split_gate_up
+    from qformats.nn import resolve_scheme
+
+    ws = resolve_scheme(preset).weights
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((H, I)).astype(np.float32))
+    gate = jax.tree.map(np.asarray, quantize(k, ws, axis=0))
+    up = jax.tree.map(np.asarray, quantize(2 * k, ws, axis=0, **({} if gate.global_scale is None else
+                                                                  {"global_scale": gate.global_scale})))
+    if ws.strategy == "tensor":  # per-tensor scales must be equal to fuse
+        up = jax.tree.map(np.asarray, quantize(k[:, ::-1], ws, axis=0))
+    fused = interleave_gate_up(gate, up, "x")
+    g, u = split_gate_up(fused, "x")
+    for mine, ref in ((g, gate), (u, up)):
+        assert (mine.shape, mine.scheme) == (ref.shape, ref.scheme)
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_static_input_scales_stacked_per_fused_module():
+    """Per-expert static input scales (an FP8 / NVFP4 checkpoint in llm-compressor's linearized layout) become [E, 1]
+    stacks on the fused gate_up_proj (gate's, equal to up's) and down_proj."""
+    mods = _modules(None)
+    for e in range(E):
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            mods[f"{X}.{e}.{p}"]["input_global_scale"] = np.full(1, 10.0 * e + (p == "down_proj"), np.float32)
+    out, _ = fuse_linearized_experts(CFG, mods)
+    np.testing.assert_array_equal(out[f"{X}.gate_up_proj"]["input_global_scale"],
+                                  10.0 * np.arange(E, dtype=np.float32)[:, None])
+    np.testing.assert_array_equal(out[f"{X}.down_proj"]["input_global_scale"],
+                                  10.0 * np.arange(E, dtype=np.float32)[:, None] + 1)

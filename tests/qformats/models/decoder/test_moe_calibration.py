@@ -1,8 +1,8 @@
 """Calibration of mixture-of-experts decoders (`calibrate_decoder` on qwen3_moe / qwen2_moe / mixtral): every expert's
 statistics against a naive per-expert computation on transformers 5's own activations and routing, each expert's
 codes exactly GPTQ's for its own kernel and H, routed-only statistics refusing an expert without tokens (or taking
-every token for it when asked), static activation ranges per expert over the same tokens, and the refusals (fused
-gpt-oss experts)."""
+every token for it when asked), static activation ranges per expert over the same tokens, gpt-oss's fused experts
+(biases, the clamped SwiGLU, gate / up quantized apart) and the refusals."""
 
 from __future__ import annotations
 
@@ -256,17 +256,82 @@ def test_qwen2_moe_shared_expert_and_dense_layers_calibrated(tmp_path):
 
 
 def test_refusals(tmp_path):
-    """Fused gpt-oss experts, an unknown moe_statistics: typed errors before any work (AWQ's: test_moe_awq.py)."""
+    """An unknown moe_statistics: a typed error before any work (AWQ's: test_moe_awq.py; gpt-oss's and DeepSeek-V3's:
+    tests/converters/pipelines/test_calibrate_moe_families.py)."""
     from converters.pipelines.causal_lm import load_causal_lm
     moe_tiny.write_checkpoint("qwen3_moe", tmp_path / "q", num_hidden_layers=1)
     model, _, _ = load_causal_lm(tmp_path / "q", tokenizer=False)
     samples = [np.arange(8, dtype=np.int32)]
     with pytest.raises(ModelError, match="moe_statistics must be one of"):
         calibrate_decoder(model, samples, SCHEME, moe_statistics="some")
-    moe_tiny.write_checkpoint("gpt_oss", tmp_path / "g", num_hidden_layers=1)
-    model, _, _ = load_causal_lm(tmp_path / "g", tokenizer=False)
-    with pytest.raises(ModelError, match="fused interleaved gate_up_proj"):
-        calibrate_decoder(model, samples, SCHEME)
+
+
+def test_expert_moments_with_biases_follow_the_clamped_swiglu():
+    """gpt-oss: a_e = act(x W_g + b_g, x W_u + b_u) with the clamped SwiGLU; padding rows (whose a_e = act(b) is not
+    zero) add nothing."""
+    cfg = MoEConfig(num_experts=4, top_k=2, intermediate_size=8, activation="swiglu_oai", expert_bias=True,
+                    routing="topk_softmax", projections=(None, "gate_up_proj", "down_proj"))
+    rng = np.random.default_rng(1)
+    m, d = 20, 8
+    x = 3 * rng.standard_normal((m, d)).astype(np.float32)
+    valid = (np.arange(m) < 17).astype(np.float32)
+    experts = np.stack([rng.permutation(4)[:2] for _ in range(m)]).astype(np.int32)
+    gate, up = (rng.standard_normal((4, d, 8)).astype(np.float32) for _ in range(2))
+    gb, ub = (rng.standard_normal((4, 8)).astype(np.float32) for _ in range(2))
+    args = [jnp.asarray(a) for a in (x, valid, experts, gate, up, gb, ub)]
+    got = jax.jit(lambda x, v, i, g, u, gb, ub: expert_moments(x, v, i, g, u, cfg, "routed-or-all", gate_bias=gb,
+                                                               up_bias=ub))(*args)
+    ranges = jax.jit(lambda x, v, i, g, u, gb, ub: expert_ranges(x, v, i, g, u, cfg, "all", gate_bias=gb,
+                                                             up_bias=ub))(*args)
+    for e in range(4):
+        for routed in (False, True):
+            sel = (valid > 0) & ((experts == e).any(-1) if routed else True)
+            g = np.minimum(x[sel] @ gate[e] + gb[e], 7.0).astype(np.float64)  # the clamped SwiGLU, numpy float64
+            u = np.clip(x[sel] @ up[e] + ub[e], -7.0, 7.0).astype(np.float64)
+            a = (u + 1) * g / (1 + np.exp(-1.702 * g))
+            key = "h_mid" if routed else "h_mid_all"
+            np.testing.assert_allclose(np.asarray(got[key][e]), a.T @ a, rtol=2e-5, atol=1e-3)  # float32 sums
+            if not routed:
+                np.testing.assert_allclose(np.asarray(ranges["amax_mid"][e]), np.max(np.abs(a)), rtol=1e-6)
+
+
+@pytest.mark.slow  # ~40 s on the loaded 2-core machine: one calibration of a one-layer model
+def test_gpt_oss_fused_experts_quantized_as_separate_gate_and_up(tmp_path):
+    """gpt-oss: each expert's fused gate_up_proj holds exactly the interleaved codes of its gate (even columns) and up
+    (odd columns) quantized as two Linears with the expert's input H (llm-compressor's linearized experts), and its
+    down_proj GPTQ's with H of the biased clamped-SwiGLU activation (routed-or-all statistics); the router stays
+    float."""
+    from flax import nnx
+
+    from converters.pipelines.causal_lm import load_causal_lm
+    from qformats.models.decoder.params import split_gate_up
+
+    moe_tiny.write_checkpoint("gpt_oss", tmp_path / "src", num_hidden_layers=1)
+    model, _, _ = load_causal_lm(tmp_path / "src", tokenizer=False)
+    ex = model.model.layers[0].mlp.experts
+    k = np.asarray(ex.gate_up_proj.kernel.get_value())
+    dk = np.asarray(ex.down_proj.kernel.get_value())
+    samples = _samples(4, 6, 20)
+    n = float(sum(len(s) for s in samples))
+    rec = []
+    info = calibrate_decoder(model, samples, SCHEME, moe_record=rec, guard=False, moe_statistics="routed-or-all")
+    assert info["projections"] == 4 + 3 * 8
+    assert type(model.model.layers[0].mlp.router) is nnx.Linear
+    ss = resolve_scheme(SCHEME)
+    tokens = rec[0]["tokens"]
+    assert tokens.sum() == 2 * n
+    for e in range(8):  # routed statistics: H over the expert's own tokens (every token for an expert with none)
+        c = tokens[e] if tokens[e] else n
+        h_in = rec[0]["h_in"][e] if tokens[e] else rec[0]["h_in_all"]
+        h_mid = rec[0]["h_mid"][e] if tokens[e] else rec[0]["h_mid_all"][e]
+        want = quantize_group({"gate_proj": jnp.asarray(k[e][:, 0::2]), "up_proj": jnp.asarray(k[e][:, 1::2])}, ss,
+                              jnp.asarray(h_in / c), "gptq", GPTQOptions(), False)
+        down = quantize_projection(jnp.asarray(dk[e]), ss, jnp.asarray(h_mid / c), "gptq", GPTQOptions(), False)[0]
+        got_g, got_u = split_gate_up(ex.gate_up_proj.expert_weight(e), "gate_up")
+        for mine, ref in ((got_g, want["gate_proj"][0]), (got_u, want["up_proj"][0]),
+                          (ex.down_proj.expert_weight(e), down)):
+            for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(ref)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"expert {e}")
 
 
 @pytest.mark.slow  # ~60 s on the loaded 2-core machine: one calibration of a one-layer model
