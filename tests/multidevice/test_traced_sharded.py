@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a fresh 8-device interpreter that quantizes four models
-
 from run_worker import ROOT, _env
+
+pytestmark = pytest.mark.slow  # a fresh 8-device interpreter that quantizes four models
 
 WORKER = Path(__file__).with_name("traced_worker.py")
 CASES = ("nnx W4A16", "nnx FP8_DYNAMIC", "linen NVFP4A16", "linen FP8_E4M3")
