@@ -2,26 +2,23 @@
 the jitted forward on the mesh equals the one-device forward (a fresh interpreter: tests/multidevice/traced_worker.py)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from run_worker import ROOT, _env
+
 pytestmark = pytest.mark.slow  # a fresh 8-device interpreter that quantizes four models
 
 WORKER = Path(__file__).with_name("traced_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 CASES = ("nnx W4A16", "nnx FP8_DYNAMIC", "linen NVFP4A16", "linen FP8_E4M3")
 
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = _env("--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false")
     p = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, p.stderr[-4000:]
