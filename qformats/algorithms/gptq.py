@@ -81,9 +81,11 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
       5. For blocks of `block_size` rows [i1, i2), for k = i1 .. i2 - 1 (W1 = the block's rows, updated):
            q_k   = dequantize(quantize(W1[k], scales of row k))             (the row's fixed scales)
            e_k   = (W1[k] - q_k) / U[k, k]
-           W1[j] -= e_k * U[k, j]            for j in [k, i2)               (within the block, eagerly)
-         then W[i2:] -= U[i1:i2, i2:]^T E    (E = the block's e rows; the lazy batch update) and the block's
-         rows become the q_k. The quantize-dequantize is the scheme's own (qformats' rounding, in float32
+           W1[j] -= e_k * U[k, j]            for j in k's sub-block of 8 rows     (eagerly)
+         after each sub-block s, W1[later rows] -= U[s, later]^T E_s (llm-compressor updates every later row of
+         the block eagerly: the same products, summed in groups of 8 before the subtraction, so rare rounding
+         ties may differ), then W[i2:] -= U[i1:i2, i2:]^T E (E = the block's e rows; the lazy batch update) and
+         the block's rows become the q_k. The quantize-dequantize is the scheme's own (qformats' rounding, in float32
          as llm-compressor's float32 working copy; the product value * scale is rounded to the stored
          scale's dtype, as compressed-tensors' `_dequantize` does).
     The result is re-quantized through `quantize(Q, scheme, axis, scale=..., zero_point=..., global_scale=...)`
@@ -138,8 +140,8 @@ def gptq_quantize_shared(ws: Sequence, scheme: QuantScheme, h, *, block_size: in
     are concatenated along N into [K, sum N_i], run through one column loop (one compilation per concatenated
     shape, one sequential pass over the K columns instead of one per weight) and split again; each piece is
     re-quantized with its own scales as `gptq_quantize` does. The element operations are the same ones, so the
-    codes equal the separate calls' (the lazy block update's matmul sums the same 128-term products per
-    element; tests/qformats/algorithms/test_gptq.py checks equality).
+    codes equal the separate calls' (the sub-block and lazy block updates' matmuls sum the same 8- and 128-term
+    products per element; tests/qformats/algorithms/test_gptq.py checks equality).
 
     Weights whose qparams carry different NVFP4 global scales cannot share the loop (the scale is one scalar
     there): they are quantized one by one.
