@@ -81,9 +81,11 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
       5. For blocks of `block_size` rows [i1, i2), for k = i1 .. i2 - 1 (W1 = the block's rows, updated):
            q_k   = dequantize(quantize(W1[k], scales of row k))             (the row's fixed scales)
            e_k   = (W1[k] - q_k) / U[k, k]
-           W1[j] -= e_k * U[k, j]            for j in [k, i2)               (within the block, eagerly)
-         then W[i2:] -= U[i1:i2, i2:]^T E    (E = the block's e rows; the lazy batch update) and the block's
-         rows become the q_k. The quantize-dequantize is the scheme's own (qformats' rounding, in float32
+           W1[j] -= e_k * U[k, j]            for j in k's sub-block of 8 rows     (eagerly)
+         after each sub-block s, W1[later rows] -= U[s, later]^T E_s (llm-compressor updates every later row of
+         the block eagerly: the same products, summed in groups of 8 before the subtraction, so rare rounding
+         ties may differ), then W[i2:] -= U[i1:i2, i2:]^T E (E = the block's e rows; the lazy batch update) and
+         the block's rows become the q_k. The quantize-dequantize is the scheme's own (qformats' rounding, in float32
          as llm-compressor's float32 working copy; the product value * scale is rounded to the stored
          scale's dtype, as compressed-tensors' `_dequantize` does).
     The result is re-quantized through `quantize(Q, scheme, axis, scale=..., zero_point=..., global_scale=...)`
@@ -138,8 +140,8 @@ def gptq_quantize_shared(ws: Sequence, scheme: QuantScheme, h, *, block_size: in
     are concatenated along N into [K, sum N_i], run through one column loop (one compilation per concatenated
     shape, one sequential pass over the K columns instead of one per weight) and split again; each piece is
     re-quantized with its own scales as `gptq_quantize` does. The element operations are the same ones, so the
-    codes equal the separate calls' (the lazy block update's matmul sums the same 128-term products per
-    element; tests/qformats/algorithms/test_gptq.py checks equality).
+    codes equal the separate calls' (the sub-block and lazy block updates' matmuls sum the same 8- and 128-term
+    products per element; tests/qformats/algorithms/test_gptq.py checks equality).
 
     Weights whose qparams carry different NVFP4 global scales cannot share the loop (the scale is one scalar
     there): they are quantized one by one.
@@ -382,18 +384,32 @@ def _qdq_row(x, s, z, g, scheme: QuantScheme, sdt):
     return R.mul(vals, scale, sdt)
 
 
+_SUB_BLOCK = 8
+"""Rows per sub-block of `_gptq_sweep`: a column's rank-1 update reaches only its sub-block's rows; the block's later
+rows get the sub-block's errors in one GEMM (per column the loop then touches sb rows, not the block's b)."""
+
+
 @functools.partial(jax.jit, static_argnames=("scheme", "block_size", "sdt"))
 def _gptq_sweep(w, u, dead, perm, s_rows, z_rows, g, scheme: QuantScheme, block_size: int, sdt: str):
     """GPTQ's column sweep (`gptq_quantize` step 5) on W [K, N], given U [K, K] and the dead inputs of the
-    (permuted, when `perm` is not None) H; rows processed in `perm` order and returned in the original order."""
+    (permuted, when `perm` is not None) H; rows processed in `perm` order and returned in the original order.
+
+    Within a block of b rows, the column loop runs over sub-blocks of sb = `_SUB_BLOCK` rows: column k's rank-1
+    update W1[j] -= e_k U[k, j] reaches only the rows j of its own sub-block; after the sub-block, its rows' errors
+    E_s update the block's later rows at once, W1 -= U[s, :]^T E_s (a GEMM of sb-term sums), then the block's E the
+    rows after the block (the lazy batch update, as before). In exact arithmetic this is llm-compressor's sweep;
+    in float32 an element's sb updates are summed before being subtracted instead of subtracted one by one, so a
+    rounding tie can, rarely, fall the other way (bench/gptq_parity.py measures the agreement)."""
     k, n = w.shape
     if perm is not None:  # llm-compressor's apply_activation_ordering; rows keep their own qparams
         w, s_rows = jnp.take(w, perm, axis=0), jnp.take(s_rows, perm, axis=0)
         if z_rows is not None:
             z_rows = jnp.take(z_rows, perm, axis=0)
     w = jnp.where(dead[:, None], 0.0, w)
-
+    dt = jnp.dtype(sdt)
+    sub = _SUB_BLOCK
     b = min(block_size, k)
+    sb = math.gcd(b, sub)  # sub-blocks tile the block
     kp = -(-k // b) * b
     pad = kp - k
     if pad:  # zero rows with unit scales quantize to 0 with no error; U gets an identity block
@@ -404,29 +420,40 @@ def _gptq_sweep(w, u, dead, perm, s_rows, z_rows, g, scheme: QuantScheme, block_
             z_rows = jnp.pad(z_rows, ((0, pad), (0, 0)))
         u = jnp.pad(u, ((0, pad), (0, pad))) + jnp.diag(jnp.concatenate(
             [jnp.zeros((k,), jnp.float32), jnp.ones((pad,), jnp.float32)]))
-    dt = jnp.dtype(sdt)
+    hi = jax.lax.Precision.HIGHEST
     row_ids = jnp.arange(kp)
+
+    def column(i, c):
+        ws, us, ss, zs, qs, es = c
+        x = ws[i]
+        q = _qdq_row(x, ss[i], None if zs is None else zs[i], g, scheme, dt)
+        e = (x - q) / us[i, i]
+        # U is upper triangular: us[i, j] == 0 for j < i, so rows already done are left unchanged
+        ws = ws - us[i][:, None] * e[None, :]
+        return ws, us, ss, zs, qs.at[i].set(q), es.at[i].set(e)
 
     def block(bi, wq):
         i1 = bi * b
         w1 = jax.lax.dynamic_slice(wq, (i1, 0), (b, n))
         u1 = jax.lax.dynamic_slice(u, (i1, i1), (b, b))
-        s1 = jax.lax.dynamic_slice(s_rows, (i1, 0), (b, n))
-        z1 = None if z_rows is None else jax.lax.dynamic_slice(z_rows, (i1, 0), (b, n))
 
-        def column(i, c):
+        def step(j, c):  # one sub-block of sb rows: its column loop, then its update of the block's later rows
             w1, q1, e1 = c
-            x = w1[i]
-            q = _qdq_row(x, s1[i], None if z1 is None else z1[i], g, scheme, dt)
-            e = (x - q) / u1[i, i]
-            # U is upper triangular: u1[i, j] == 0 for j < i, so rows already done are left unchanged
-            w1 = w1 - u1[i][:, None] * e[None, :]
-            return w1, q1.at[i].set(q), e1.at[i].set(e)
+            r = j * sb
+            ws = jax.lax.dynamic_slice(w1, (r, 0), (sb, n))
+            us = jax.lax.dynamic_slice(u1, (r, r), (sb, sb))
+            ss = jax.lax.dynamic_slice(s_rows, (i1 + r, 0), (sb, n))
+            zs = None if z_rows is None else jax.lax.dynamic_slice(z_rows, (i1 + r, 0), (sb, n))
+            zeros = jnp.zeros((sb, n), jnp.float32)
+            *_, qs, es = jax.lax.fori_loop(0, sb, column, (ws, us, ss, zs, zeros, zeros))
+            # U[r:r+sb, :] is zero before column r: earlier rows unchanged; the sub-block's own rows are done
+            w1 = w1 - jnp.matmul(jax.lax.dynamic_slice(u1, (r, 0), (sb, b)).T, es, precision=hi)
+            return w1, jax.lax.dynamic_update_slice(q1, qs, (r, 0)), jax.lax.dynamic_update_slice(e1, es, (r, 0))
 
         zeros = jnp.zeros((b, n), jnp.float32)
-        _, q1, e1 = jax.lax.fori_loop(0, b, column, (w1, zeros, zeros))
-        ub = jax.lax.dynamic_slice(u, (i1, 0), (b, kp))  # U[i1:i2, :]
-        upd = jnp.matmul(ub.T, e1, precision=jax.lax.Precision.HIGHEST)
+        _, q1, e1 = jax.lax.fori_loop(0, b // sb, step, (w1, zeros, zeros))
+        ub = jax.lax.dynamic_slice(u, (i1, 0), (b, kp))  # U[i1:i2, :]: the lazy batch update of the later rows
+        upd = jnp.matmul(ub.T, e1, precision=hi)
         wq = wq - jnp.where((row_ids >= i1 + b)[:, None], upd, 0.0)
         return jax.lax.dynamic_update_slice(wq, q1, (i1, 0))
 

@@ -100,8 +100,12 @@ _output_error_jit = jax.jit(output_error_array)
 @jax.jit
 def _search_wins(q: QArray, rtn: QArray, w, h) -> jax.Array:
     """The guard of `quantize_projection`: tr(dW^T H dW) of q < that of round-to-nearest's `rtn`, in one compiled
-    call (op by op, the dequantizations and products would each compile and dispatch separately per shape)."""
-    return output_error_array(q, w, h) < output_error_array(rtn, w, h)
+    call, with one product by H: for dq = Q - W and dr = R - W (dequantized q and rtn), H symmetric,
+      tr(dq^T H dq) - tr(dr^T H dr) = tr((dq - dr)^T H (dq + dr)) = sum((Q - R) * (H (dq + dr)))
+    so the search wins when that sum is negative (the same decision, up to rounding, at half the multiply-adds)."""
+    wf = w.astype(jnp.float32)
+    dq, dr = dequantize(q, jnp.float32) - wf, dequantize(rtn, jnp.float32) - wf
+    return jnp.sum((dq - dr) * (h @ (dq + dr))) < 0
 
 
 def calibrated_weight(w, schemes: SchemeSet, weight_search: Optional[str], moments, count, *,

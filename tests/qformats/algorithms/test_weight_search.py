@@ -77,6 +77,29 @@ def test_output_error_is_the_trace_formula():
     np.testing.assert_allclose(output_error(q, W, jnp.asarray(h, jnp.float32)), want, rtol=1e-4)
 
 
+def test_guard_is_the_output_error_comparison():
+    """_search_wins (one product by H: sum((Q - R) * H (dq + dr)) < 0) decides as comparing the two output errors
+    tr(dW^T H dW) in float64 does, both ways round and on a tie (the same QArray: RTN kept)."""
+    from qformats.algorithms.weight_search import _search_wins
+
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    x = rng.standard_normal((256, 64)) * np.linspace(0.1, 3, 64)
+    h = x.T @ x / 256
+    ss = parse_scheme("W4A16:g32")
+    rtn = quantize(w, ss.weights, 0)
+    g = gptq_quantize(w, ss.weights, jnp.asarray(h, jnp.float32), actorder="static")
+
+    def err(q):
+        d = np.asarray(dequantize(q, jnp.float32), np.float64) - np.asarray(w, np.float64)
+        return np.trace(d.T @ h @ d)
+
+    assert err(g) < err(rtn)
+    hf = jnp.asarray(h, jnp.float32)
+    assert bool(_search_wins(g, rtn, w, hf)) and not bool(_search_wins(rtn, g, w, hf))
+    assert not bool(_search_wins(rtn, rtn, w, hf))
+
+
 def test_quantize_projection_options():
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
