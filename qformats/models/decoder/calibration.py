@@ -868,9 +868,11 @@ AWQ_CHUNK_TOKENS = 512
 point stops after a fraction of the tokens, large enough to keep the matmuls efficient."""
 
 
-def _token_chunks(inputs, valid, size: int = AWQ_CHUNK_TOKENS):
+def _token_chunks(inputs, valid, size: Optional[int] = None):
     """The real tokens of batches [B, T, d], largest |x_t|^2 first (ties in token order), as chunks [1, size, d]
-    with their masks [1, size] (the last padded with zero rows): the inputs of a token-wise parent (the MLP)."""
+    with their masks [1, size] (the last padded with zero rows): the inputs of a token-wise parent (the MLP).
+    size: AWQ_CHUNK_TOKENS by default."""
+    size = AWQ_CHUNK_TOKENS if size is None else size
     x = jnp.concatenate([jnp.asarray(b).reshape(-1, b.shape[-1])[np.asarray(v).reshape(-1)]
                          for b, v in zip(inputs, valid)])
     order = np.argsort(-np.asarray(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1)), kind="stable")
@@ -881,12 +883,14 @@ def _token_chunks(inputs, valid, size: int = AWQ_CHUNK_TOKENS):
     return [(x[None, c:c + size], None, jnp.asarray(v[None, c:c + size])) for c in range(0, n + pad, size)]
 
 
-def _row_chunks(inputs, valid, extras, size: int = 2 * AWQ_CHUNK_TOKENS):
+def _row_chunks(inputs, valid, extras, size: Optional[int] = None):
     """The rows of batches [B, T, d] regrouped, largest sum of real |x_t|^2 first, into chunks of r rows (r the
     largest divisor of B with r T <= size, at least 1) with their (cos, sin, mask) and masks [r, T] (a last chunk
     filled up with masked copies of a row): the inputs of a parent that mixes the tokens of a row (the attention).
     Only rows of batches of one shape share a chunk; per-row tables ([B, T, D] cos / sin, [B, T, T] masks of
-    packed batches) follow their rows, shared ones ([T, D], [T, T]) are passed as they are."""
+    packed batches) follow their rows, shared ones ([T, D], [T, T]) are passed as they are. size: 2 *
+    AWQ_CHUNK_TOKENS by default."""
+    size = 2 * AWQ_CHUNK_TOKENS if size is None else size
     groups: Dict[tuple, list] = {}
     for j, (x, v) in enumerate(zip(inputs, valid)):
         w = np.asarray(jnp.sum(jnp.where(v[..., None], jnp.square(x.astype(jnp.float32)), 0.0), axis=(1, 2)))
