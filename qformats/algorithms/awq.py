@@ -16,6 +16,9 @@ the decoder family's mappings and the model glue are `qformats.models.decoder.ca
     loss(r)  = sum over tokens and outputs of (parent(X; W_p <- Q(W_p diag(s)) diag(s)^-1) - parent(X))^2 / count
     best     = the first r of the grid with the smallest finite loss (strict <)
 
+(`race_scales` finds the same best without summing every term: the loss summed over chunks of tokens, a grid point
+dropped once its partial sum cannot win.)
+
 where Q is the weight scheme's round-to-nearest fake quantization (min-max scales of W diag(s), as llm-compressor's
 memoryless_minmax observer), W diag(s) and Q(.) diag(s)^-1 are formed in the scales' dtype and rounded to the
 weight's. The chosen s is folded so the float model's function is unchanged:
