@@ -16,6 +16,9 @@ the decoder family's mappings and the model glue are `qformats.models.decoder.ca
     loss(r)  = sum over tokens and outputs of (parent(X; W_p <- Q(W_p diag(s)) diag(s)^-1) - parent(X))^2 / count
     best     = the first r of the grid with the smallest finite loss (strict <)
 
+(`race_scales` finds the same best without summing every term: the loss summed over chunks of tokens, a grid point
+dropped once its partial sum cannot win.)
+
 where Q is the weight scheme's round-to-nearest fake quantization (min-max scales of W diag(s), as llm-compressor's
 memoryless_minmax observer), W diag(s) and Q(.) diag(s)^-1 are formed in the scales' dtype and rounded to the
 weight's. The chosen s is folded so the float model's function is unchanged:
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, List, NamedTuple, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +47,7 @@ from qformats.quantize import dequantize, quantize
 from qformats.schemes import QuantScheme
 
 __all__ = ["grid", "weight_means", "activation_means", "candidate_scales", "fake_quantize_scaled", "ScaleSearch",
-           "search_scales", "scale_rows", "unscale_cols", "unscale"]
+           "race_scales", "search_scales", "scale_rows", "unscale_cols", "unscale"]
 
 
 SCALE_FLOOR = 1e-4
@@ -210,36 +213,76 @@ def unscale(v, s):
 
 
 class ScaleSearch(NamedTuple):
-    """The result of `search_scales`: the chosen scales, their grid point (ratio, duo), the loss at every grid
-    point in order, the loss at the first point and the best loss."""
+    """The result of `search_scales` / `race_scales`: the chosen scales, their grid point (ratio, duo), the loss at
+    every grid point in order (None for a point the race pruned: its loss is known to lose), the loss at the first
+    point (None if pruned), the best loss, and the fraction of (point, chunk) terms evaluated."""
 
     scales: np.ndarray
     ratio: float
     duo: bool
-    errors: List[float]
-    initial_error: float
+    errors: List[Optional[float]]
+    initial_error: Optional[float]
     best_error: float
+    evaluated: float = 1.0
+
+
+def race_scales(x_mean, w_mean, kernels: Sequence, scheme: QuantScheme, points: Sequence[Tuple[float, bool]],
+                chunk_sse: Callable[[tuple, int], float], chunks: int, count: float, where: str = "AWQ",
+                parent: str = "the parent", prune: bool = True) -> ScaleSearch:
+    """AWQ's grid search (module docstring) with the loss summed over `chunks` parts of the calibration tokens:
+
+        s_i = candidate_scales(x_mean, w_mean, ratio_i, duo_i),   K_i = Q(W_p diag(s_i)) diag(s_i)^-1 per kernel
+        loss_i = (sse_i(0) + sse_i(1) + ... + sse_i(chunks - 1)) / count      (summed left to right, float64)
+
+    with sse_i(c) = chunk_sse(K_i, c) >= 0 (the parent's squared output error over chunk c). The result is the first
+    grid point with the smallest finite loss (strict <, as `search_scales`), found without summing every term: every
+    point's chunk 0 first, then the points in increasing order of that sum, each summed chunk by chunk while its
+    partial loss can still win (partial < best, or == best at an earlier grid index). Chunk sums are non-negative and
+    rounded addition and division are monotone, so a partial loss that already cannot win bounds a total that cannot
+    either: the choice equals that of evaluating every term (`prune=False` evaluates every term).
+
+    Put the chunks that carry most of the error first (e.g. tokens of the largest |x|): a losing point's partial sum
+    then passes the best total early.
+
+    Raises ModelError naming `where` and `parent` when no point gives a finite loss."""
+    n = len(points)
+    scales = [candidate_scales(x_mean, w_mean, r, d) for r, d in points]
+
+    def quantized(i):
+        return tuple(fake_quantize_scaled(k, scales[i], scheme) for k in kernels)
+
+    sse = [float(chunk_sse(quantized(i), 0)) for i in range(n)]
+    done = [1] * n
+    best, best_loss = None, math.inf
+
+    def can_win(loss, i):
+        return loss < best_loss or (loss == best_loss and best is not None and i < best)
+
+    order = sorted(range(n), key=lambda i: (not math.isfinite(sse[i]), sse[i] if math.isfinite(sse[i]) else 0.0, i))
+    for i in order:
+        ks = None
+        while done[i] < chunks and math.isfinite(sse[i]) and (not prune or best is None or can_win(sse[i] / count, i)):
+            ks = quantized(i) if ks is None else ks
+            sse[i] += float(chunk_sse(ks, done[i]))
+            done[i] += 1
+        if done[i] == chunks and math.isfinite(sse[i] / count) and can_win(sse[i] / count, i):
+            best, best_loss = i, sse[i] / count
+    if best is None:
+        raise ModelError(f"{where}: AWQ found no finite loss on the grid (NaN or inf in the outputs of {parent} "
+                         "under the scaled weights)")
+    errors = [sse[i] / count if done[i] == chunks else None for i in range(n)]
+    return ScaleSearch(scales[best], points[best][0], points[best][1], errors, errors[0], best_loss,
+                       sum(done) / (n * chunks))
 
 
 def search_scales(x_mean, w_mean, kernels: Sequence, scheme: QuantScheme, points: Sequence[Tuple[float, bool]],
                   loss: Callable[[tuple], float], where: str = "AWQ", parent: str = "the parent") -> ScaleSearch:
-    """AWQ's grid search (module docstring): for each grid point (ratio, duo) of `points` (`grid`), in order,
+    """AWQ's grid search (module docstring): for each grid point (ratio, duo) of `points` (`grid`),
 
         s = candidate_scales(x_mean, w_mean, ratio, duo),   err = loss(Q(W_p diag(s)) diag(s)^-1 for each kernel)
 
     (`fake_quantize_scaled` of each Flax kernel [K, N_p] in `kernels` under the weight `scheme`); `loss` maps those
     kernels to the parent's mean squared output error. The first point with the smallest finite error wins
-    (strict <). Raises ModelError naming `where` and `parent` when no point gives a finite error."""
-    best, best_err, best_point, first, errors = None, math.inf, None, None, []
-    for ratio, duo in points:
-        s = candidate_scales(x_mean, w_mean, ratio, duo)
-        err = loss(tuple(fake_quantize_scaled(k, s, scheme) for k in kernels))
-        errors.append(err)
-        if first is None:
-            first = err
-        if err < best_err:
-            best, best_err, best_point = s, err, (ratio, duo)
-    if best is None:
-        raise ModelError(f"{where}: AWQ found no finite loss on the grid (NaN or inf in the outputs of {parent} "
-                         "under the scaled weights)")
-    return ScaleSearch(best, best_point[0], best_point[1], errors, first, best_err)
+    (strict <). `race_scales` with one chunk (every point evaluated). Raises ModelError naming `where` and `parent`
+    when no point gives a finite error."""
+    return race_scales(x_mean, w_mean, kernels, scheme, points, lambda ks, c: loss(ks), 1, 1.0, where, parent)

@@ -881,6 +881,69 @@ def _kernel(lin):
     return lin.kernel.get_value()
 
 
+@jax.jit
+def _gram(x, valid):
+    """H = sum over real tokens of x_t^T x_t (float32 [K, K]) for a batch x [B, T, K]."""
+    v = jnp.where(valid[..., None], x.astype(jnp.float32), 0.0).reshape(-1, x.shape[-1])
+    return v.T @ v
+
+
+@jax.jit
+def _gram_sse(h, new, orig):
+    """sum over the real tokens of |x_t (W' - W)|^2 = sum(dW * (H dW)), dW = W' - W (Flax kernels [K, N])."""
+    d = (new - orig).astype(jnp.float32)
+    return jnp.sum(d * (h @ d))
+
+
+AWQ_CHUNK_TOKENS = 512
+"""Token positions per chunk of the AWQ race (`qformats.algorithms.awq.race_scales`): small enough that a losing grid
+point stops after a fraction of the tokens, large enough to keep the matmuls efficient."""
+
+
+def _token_chunks(inputs, valid, size: Optional[int] = None):
+    """The real tokens of batches [B, T, d], largest |x_t|^2 first (ties in token order), as chunks [1, size, d]
+    with their masks [1, size] (the last padded with zero rows): the inputs of a token-wise parent (the MLP).
+    size: AWQ_CHUNK_TOKENS by default."""
+    size = AWQ_CHUNK_TOKENS if size is None else size
+    x = jnp.concatenate([jnp.asarray(b).reshape(-1, b.shape[-1])[np.asarray(v).reshape(-1)]
+                         for b, v in zip(inputs, valid)])
+    order = np.argsort(-np.asarray(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1)), kind="stable")
+    n = x.shape[0]
+    pad = -n % size
+    x = jnp.concatenate([x[jnp.asarray(order)], jnp.zeros((pad, x.shape[-1]), x.dtype)])
+    v = np.arange(n + pad) < n
+    return [(x[None, c:c + size], None, jnp.asarray(v[None, c:c + size])) for c in range(0, n + pad, size)]
+
+
+def _row_chunks(inputs, valid, extras, size: Optional[int] = None):
+    """The rows of batches [B, T, d] regrouped, largest sum of real |x_t|^2 first, into chunks of r rows (r the
+    largest divisor of B with r T <= size, at least 1) with their (cos, sin, mask) and masks [r, T] (a last chunk
+    filled up with masked copies of a row): the inputs of a parent that mixes the tokens of a row (the attention).
+    Only rows of batches of one shape share a chunk; per-row tables ([B, T, D] cos / sin, [B, T, T] masks of
+    packed batches) follow their rows, shared ones ([T, D], [T, T]) are passed as they are. size: 2 *
+    AWQ_CHUNK_TOKENS by default."""
+    size = 2 * AWQ_CHUNK_TOKENS if size is None else size
+    groups: Dict[tuple, list] = {}
+    for j, (x, v) in enumerate(zip(inputs, valid)):
+        w = np.asarray(jnp.sum(jnp.where(v[..., None], jnp.square(x.astype(jnp.float32)), 0.0), axis=(1, 2)))
+        groups.setdefault(tuple(x.shape), []).extend((-float(w[i]), j, i) for i in range(x.shape[0]))
+    chunks = []
+    for shape, rows in groups.items():
+        b, t = shape[0], shape[1]
+        r = max(d for d in range(1, b + 1) if b % d == 0 and (d * t <= size or d == 1))
+        rows.sort()
+        real = len(rows)
+        rows += [rows[0]] * (-real % r)
+        for c in range(0, len(rows), r):
+            part = rows[c:c + r]
+            first = extras[part[0][1]]
+            ex = tuple(jnp.stack([extras[j][k][i] for _, j, i in part]) if e.ndim == 3 else e
+                       for k, e in enumerate(first))
+            vs = jnp.stack([valid[j][i] & (c + n < real) for n, (_, j, i) in enumerate(part)])
+            chunks.append((jnp.stack([inputs[j][i] for _, j, i in part]), ex, vs))
+    return chunks
+
+
 def _awq_mappings(layer, index: int) -> List[AWQMapping]:
     """The mappings that apply to this layer: v_proj -> o_proj is dropped when v_proj's output size differs from
     o_proj's input size (llm-compressor's `_check_layers_are_compatible`)."""
@@ -910,7 +973,7 @@ def _awq_mappings(layer, index: int) -> List[AWQMapping]:
     return out
 
 
-def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = True,
+def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = True, prune: bool = True,
                   record: Optional[list] = None) -> Callable:
     """A `calibrate_decoder` transform: per decoder layer, one float pass over the calibration batches records each
     mapping's input (`AWQ_MAPPINGS`), then, mapping by mapping, the grid search (`qformats.algorithms.awq`) picks
@@ -927,8 +990,14 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
       scheme: the weight scheme of the projections (a preset string such as "W4A16:g64", a SchemeSet or a
         QuantScheme), the one `calibrate_decoder` then quantizes with.
       n_grid, duo_scaling: llm-compressor's AWQModifier options (`qformats.algorithms.awq.grid`).
+      prune: the dense mappings' grid search as a race (`qformats.algorithms.awq.race_scales`: a grid point stops
+        being evaluated once its partial loss cannot win; the same choice as evaluating every point). The loss of a
+        linear parent (v_proj -> o_proj, up_proj -> down_proj) is sum(dW * (H dW)) / count with H = sum x_t^T x_t
+        over the real tokens (float32), that of the attention summed over chunks of rows and that of the MLP over
+        chunks of tokens, largest |x| first (`AWQ_CHUNK_TOKENS`).
       record: optional list; one dict per applied mapping is appended ({"layer", "smooth", "balances", "ratio",
-        "duo", "scales", "x_mean", "errors" (the loss at each grid point), "initial_error", "best_error"}).
+        "duo", "scales", "x_mean", "errors" (the loss at each grid point; None where the race pruned it),
+        "initial_error", "best_error", "evaluated" (the fraction of the race's terms evaluated)}).
 
     Raises:
       ModelError: a scheme without weights, duo scaling with per-tensor weights (llm-compressor refuses it), bad
@@ -962,15 +1031,26 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
             origs = [_kernel(lin) for lin in lins]
             w_mean = awq.weight_means(origs, ws, where) if duo_scaling is not False else None
             graphdef, state = nnx.split(layer)
-            refs = [_parent_out(graphdef, state, x, *e, m.parent) for x, e in zip(inputs, extras)]
-            count = tokens * int(refs[0].shape[-1])
+            if m.balances == (m.parent,):  # a linear parent: its output error x_t (W' - W), summed through H
+                h = _gram(inputs[0], valid[0])
+                for x, v in zip(inputs[1:], valid[1:]):
+                    h = h + _gram(x, v)
+                parts, count = [None], tokens * int(origs[0].shape[-1])
 
-            def loss(ks, m=m, graphdef=graphdef, state=state, inputs=inputs, refs=refs, count=count):
-                sse = sum(float(_parent_sse(graphdef, state, ks, x, *e, r, v, m.parent, m.balances))
-                          for x, e, r, v in zip(inputs, extras, refs, valid))
-                return sse / count
+                def chunk_sse(ks, c, h=h, orig=origs[0]):
+                    return float(_gram_sse(h, ks[0], orig))
+            else:  # the attention mixes a row's tokens; the MLP acts token by token
+                parts = _row_chunks(inputs, valid, extras) if m.parent == "self_attn" else _token_chunks(inputs, valid)
+                refs = [_parent_out(graphdef, state, x, *(e or (None,) * 3), m.parent) for x, e, _ in parts]
+                count = tokens * int(refs[0].shape[-1])
 
-            found = awq.search_scales(x_mean, w_mean, origs, ws, points, loss, where=where, parent=m.parent)
+                def chunk_sse(ks, c, m=m, graphdef=graphdef, state=state, parts=parts, refs=refs):
+                    x, e, v = parts[c]
+                    return float(_parent_sse(graphdef, state, ks, x, *(e or (None,) * 3), refs[c], v, m.parent,
+                                             m.balances))
+
+            found = awq.race_scales(x_mean, w_mean, origs, ws, points, chunk_sse, len(parts), count, where=where,
+                                    parent=m.parent, prune=prune)
             best = found.scales
             for lin, k in zip(lins, origs):
                 lin.kernel.set_value(awq.scale_rows(k, best))
@@ -985,7 +1065,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
                 record.append({"layer": index, "smooth": m.smooth, "balances": m.balances, "ratio": found.ratio,
                                "duo": found.duo, "scales": np.asarray(best), "x_mean": x_mean,
                                "errors": found.errors, "initial_error": found.initial_error,
-                               "best_error": found.best_error})
+                               "best_error": found.best_error, "evaluated": found.evaluated})
         if moe is not None:
             _awq_moe(layer, index, moe, [s[moe[0]] for s in seen], valid, extras, tokens, ws, points,
                      duo_scaling is not False, record)

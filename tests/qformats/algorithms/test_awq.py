@@ -62,3 +62,62 @@ def test_fake_quantize_scaled_is_q_of_ws_over_s():
     q = np.asarray(dequantize(quantize(jnp.asarray(scaled), ws, 0)))
     np.testing.assert_array_equal(np.asarray(fake_quantize_scaled(k, s, ws)),
                                   (q.astype(np.float64) / s[:, None]).astype(np.float32))
+
+
+def _table_race(table, prune, chunks):
+    """race_scales over a grid of 8 points whose chunk sums are table[i][c] (each point told apart by its scales)."""
+    from qformats.algorithms.awq import race_scales
+
+    ws = parse_scheme(SCHEME).weights
+    k = jnp.asarray(np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32))
+    x = np.random.default_rng(1).uniform(0.1, 3, 16).astype(np.float32)
+    points = grid(8, True)
+    wm = weight_means([k], ws)
+    keys = [np.asarray(fake_quantize_scaled(k, candidate_scales(x, wm, r, d), ws)).tobytes() for r, d in points]
+    assert len(set(keys)) == len(keys)
+    calls = []
+
+    def chunk_sse(ks, c):
+        i = keys.index(np.asarray(ks[0]).tobytes())
+        calls.append((i, c))
+        return table[i][c]
+
+    return race_scales(x, wm, [k], ws, points, chunk_sse, chunks, 4.0, prune=prune), calls
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_race_picks_what_every_point_evaluated_picks(seed):
+    rng = np.random.default_rng(seed)
+    chunks = 5
+    # chunk sums >= 0, heavier first; seed 1: exact ties between points (the first grid index wins); seed 2: a NaN
+    # and an inf point
+    table = [list(rng.uniform(0, 1, chunks) * np.linspace(4, 1, chunks) * rng.uniform(1, 3)) for _ in range(8)]
+    if seed == 1:
+        table[6] = list(table[2])
+        table[4] = list(table[2])
+    if seed == 2:
+        table[0][3] = math.nan
+        table[5][1] = math.inf
+    full, n_full = _table_race(table, False, chunks)
+    fast, n_fast = _table_race(table, True, chunks)
+    totals = []
+    for row in table:
+        t = 0.0
+        for v in row:
+            t += v
+        totals.append(t / 4.0)
+    ok = [i for i, t in enumerate(totals) if math.isfinite(t)]
+    best = min(ok, key=lambda i: (totals[i], i))
+    for r in (full, fast):
+        assert (r.ratio, r.duo) == grid(8, True)[best] and r.best_error == totals[best]
+    assert [e if e is None or math.isfinite(e) else None for e in full.errors] == \
+        [t if math.isfinite(t) else None for t in totals]
+    assert all(e is None or e == t for e, t in zip(fast.errors, totals))
+    assert len(n_full) == 8 * chunks - (1 + 3 if seed == 2 else 0)  # a non-finite partial sum stops its point
+    assert len(n_fast) < len(n_full) and fast.evaluated == len(n_fast) / (8 * chunks)
+    assert sorted(set(n_fast)) == sorted(n_fast)  # no term evaluated twice
+
+
+def test_race_without_finite_loss():
+    with pytest.raises(ModelError, match="no finite loss"):
+        _table_race([[math.nan] * 2] * 8, True, 2)

@@ -4,6 +4,7 @@ picks, and AWQ lowers the W4 output error."""
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -78,6 +79,9 @@ def _direct_search(layer, x, cos, sin, mask, mp, ws, points, x_mean):
         h = x + layer.self_attn(a, cos, sin, mask)[0]
         inp = layer.post_attention_layernorm(h)
         run = lambda: layer.mlp(inp)  # noqa: E731
+        if mp.smooth == "mlp/up_proj":
+            inp = jax.nn.silu(layer.mlp.gate_proj(inp)) * layer.mlp.up_proj(inp)
+            run = lambda: layer.mlp.down_proj(inp)  # noqa: E731
     # x_mean as the transform recorded it (its formula: test_activation_means_ignore_padding): a 1-ulp difference
     # (another summation order, or inputs computed outside jit) flips a few 4-bit codes and moves a loss by ~1%
     xm = x_mean
@@ -103,7 +107,7 @@ def _direct_search(layer, x, cos, sin, mask, mp, ws, points, x_mean):
     return errs
 
 
-@pytest.mark.parametrize("mapping", [0, 2])
+@pytest.mark.parametrize("mapping", [0, 2, 3])
 def test_grid_search_matches_direct_formulas(mapping):
     mp = AWQ_MAPPINGS[mapping]
     ws = resolve_scheme(SCHEME).weights
@@ -114,7 +118,7 @@ def test_grid_search_matches_direct_formulas(mapping):
     xs, valid, li = _inputs(m, ids)
     cos, sin, mask = li(ids.shape[1])
     rec = []
-    awq_transform(SCHEME, n_grid=8, record=rec)(_model(seed=3).model.layers[0], 0, xs, valid, li)
+    awq_transform(SCHEME, n_grid=8, prune=False, record=rec)(_model(seed=3).model.layers[0], 0, xs, valid, li)
     r = next(r for r in rec if r["smooth"] == mp.smooth)
     errs = _direct_search(layer, xs[0], cos, sin, mask, mp, ws, points, r["x_mean"])
     best = int(np.argmin(errs))
@@ -122,6 +126,33 @@ def test_grid_search_matches_direct_formulas(mapping):
     assert (r["ratio"], r["duo"]) == points[best]
     assert math.isclose(r["initial_error"], errs[0], rel_tol=1e-4)
     assert math.isclose(r["best_error"], errs[best], rel_tol=1e-4)
+
+
+def test_race_chooses_as_every_point_evaluated(monkeypatch):
+    """The race (prune=True: chunks of 8 tokens, 16 rows, largest |x| first; packed rows of varying samples) picks
+    the grid points and so the codes that evaluating every point picks, evaluating fewer terms."""
+    import qformats.models.decoder.calibration as cal
+
+    monkeypatch.setattr(cal, "AWQ_CHUNK_TOKENS", 8)
+    rng = np.random.default_rng(7)
+    samples = [rng.integers(0, 128, n).astype(np.int32) for n in (16, 13, 9, 16, 5, 11, 16, 7)]
+    recs, codes = {}, {}
+    for prune in (False, True):
+        m = _model(seed=4)
+        recs[prune] = []
+        calibrate_decoder(m, samples, SCHEME, weight_search="rtn", propagate="float", bucket=4,
+                          transform=awq_transform(SCHEME, n_grid=10, prune=prune, record=recs[prune]))
+        codes[prune] = [np.asarray(m.model.layers[i].mlp.down_proj.kernel.get_value().codes) for i in range(2)] + \
+            [np.asarray(m.model.layers[i].self_attn.q_proj.kernel.get_value().codes) for i in range(2)]
+    for a, b in zip(recs[False], recs[True]):
+        assert (a["layer"], a["smooth"], a["ratio"], a["duo"], a["best_error"]) == \
+            (b["layer"], b["smooth"], b["ratio"], b["duo"], b["best_error"])
+        np.testing.assert_array_equal(a["scales"], b["scales"])
+        assert all(y is None or x == y for x, y in zip(a["errors"], b["errors"]))
+    assert all(r["evaluated"] == 1 for r in recs[False])
+    assert min(r["evaluated"] for r in recs[True]) < 0.9
+    for a, b in zip(codes[False], codes[True]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_gqa_skips_v_to_o():
