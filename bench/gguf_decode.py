@@ -13,7 +13,8 @@ t(1)), t(1) a prefill-only call. llama.cpp (`llama-cpp-python`, a bench-only dep
 requirement): a subprocess that evaluates the same prompt ids, then `new` greedy tokens one `eval` at a time (top-1
 of the logits), timing the decode loop only, best of --repeat. `--threads N` pins this process (and so the llama.cpp
 child) to N CPUs and gives llama.cpp n_threads=N, so both sides run on the same cores. "greedy = ..." compares
-the tokens of each run with the packed run's. Prints the markdown table of BENCHMARKS.md's section "GGUF decode
+the tokens of each run with the packed run's. "CPU ms / token": process CPU time (all threads; the llama.cpp
+child's for its row) of the same best calls over the decoded tokens, steadier than wall time on a busy machine. Prints the markdown table of BENCHMARKS.md's section "GGUF decode
 (SmolLM2, packed)", with the bits per weight of the loaded QArrays (8 * their leaves' bytes / their weights).
 `--profile` adds where one packed decode step's time goes: the 210 packed projections
 alone (one jit calling each QLinear on a vector), the lm_head alone (`attend`), each best of --repeat over 8 steps.
@@ -39,31 +40,37 @@ from llama_cpp import Llama, __version__
 a = json.loads(sys.argv[1])
 llm = Llama(model_path=a["gguf"], n_ctx=a["ctx"], n_threads=a["threads"], n_threads_batch=a["threads"],
             n_batch=512, logits_all=True, verbose=False)  # scores[] is filled only with logits_all
-best, toks = float("inf"), None
+best, cpu, toks = float("inf"), None, None
 for _ in range(a["repeat"] + 1):
     llm.reset()
     llm.eval(a["prompt"])
     out = []
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     for i in range(a["new"]):
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         out.append(tok)
         if i + 1 < a["new"]:
             llm.eval([tok])
-    dt = time.perf_counter() - t
-    best, toks = min(best, dt), out
-print(json.dumps({"decode_s": best, "tokens": toks, "version": __version__}))
+    dt, dc = time.perf_counter() - t, time.process_time() - c
+    if dt < best:
+        best, cpu = dt, dc
+    toks = out
+print(json.dumps({"decode_s": best, "decode_cpu_s": cpu, "tokens": toks, "version": __version__}))
 """
 
 
-def _time(fn, repeat):
+def _time(fn, repeat, cpu=False):
+    """Best wall seconds of `repeat` calls after a warm-up, and the last output; with `cpu`, also the process CPU
+    seconds (every thread) of that best call."""
     fn()  # warm-up (compile)
-    best = float("inf")
+    best, best_cpu = float("inf"), None
     for _ in range(repeat):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
+        dt, dc = time.perf_counter() - t, time.process_time() - c
+        if dt < best:
+            best, best_cpu = dt, dc
+    return (best, best_cpu, out) if cpu else (best, out)
 
 
 def main(argv=None) -> int:
@@ -95,9 +102,12 @@ def main(argv=None) -> int:
         model, cfg, _ = load_causal_lm(path, packed=packed, tokenizer=False)
         if prompt is None:
             prompt = np.random.RandomState(0).randint(0, cfg["vocab_size"], (1, args.prompt)).astype(np.int32)
-        full, toks = _time(lambda: np.asarray(jax.block_until_ready(generate(model, prompt, args.new))), args.repeat)
-        one, _ = _time(lambda: np.asarray(jax.block_until_ready(generate(model, prompt, 1))), args.repeat)
+        full, cfull, toks = _time(lambda: np.asarray(jax.block_until_ready(generate(model, prompt, args.new))),
+                                  args.repeat, cpu=True)
+        one, cone, _ = _time(lambda: np.asarray(jax.block_until_ready(generate(model, prompt, 1))), args.repeat,
+                             cpu=True)
         rows.append(dict(name=name, mb=param_bytes(model) / 1e6, dtps=(args.new - 1) / max(full - one, 1e-9),
+                         cpu_ms=1e3 * max(cfull - cone, 0.0) / (args.new - 1),
                          tokens=toks[0].tolist(), bpw=_bits_per_weight(model)))
         print(rows[-1]["name"], f"{rows[-1]['dtps']:.2f} decode tokens/s", file=sys.stderr, flush=True)
         if packed and args.profile:
@@ -112,7 +122,8 @@ def main(argv=None) -> int:
         else:
             out = json.loads(r.stdout.strip().splitlines()[-1])
             rows.append(dict(name=f"llama.cpp (llama-cpp-python {out['version']})", mb=os.path.getsize(path) / 1e6,
-                             dtps=(args.new - 1) / out["decode_s"], tokens=out["tokens"]))
+                             dtps=(args.new - 1) / out["decode_s"], tokens=out["tokens"],
+                             cpu_ms=1e3 * out["decode_cpu_s"] / (args.new - 1)))
     ref = rows[0]
     lines = [f"### SmolLM2 GGUF decode, batch 1, prompt {args.prompt} random ids, {args.new} new tokens, greedy, "
              f"{len(os.sched_getaffinity(0))} CPU thread(s) ({platform.machine()}, {os.cpu_count()} CPUs, "
@@ -120,13 +131,13 @@ def main(argv=None) -> int:
              f"{time.strftime('%Y-%m-%d %H:%M')})",
              "",
              "| run | weights MB | bits / weight (block-quantized tensors) | decode tokens/s | vs packed | "
-             "greedy tokens = packed |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "CPU ms / token | greedy tokens = packed |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         same = float(np.mean(np.asarray(r["tokens"]) == np.asarray(ref["tokens"])))
         bpw = r.get("bpw")
         lines.append(f"| {r['name']} | {r['mb']:.1f} | {'-' if bpw is None else f'{bpw:.3f}'} | {r['dtps']:.2f} | "
-                     f"{r['dtps'] / ref['dtps']:.2f}x | {same:.0%} |")
+                     f"{r['dtps'] / ref['dtps']:.2f}x | {r['cpu_ms']:.1f} | {same:.0%} |")
     if args.profile:
         step = 1e3 / ref["dtps"]
         lines += ["", f"Where a packed decode step goes ({step:.1f} ms at {ref['dtps']:.2f} tokens/s, same run):", "",
