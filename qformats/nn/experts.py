@@ -17,8 +17,9 @@ Two ways to run the rows through their experts, chosen by the caller (the MoE bl
   format has one) — the decode path, where the rows (tokens x top_k) are fewer than the experts.
 * `grouped(x, group_sizes)`: the rows are sorted by expert (group_sizes[e] consecutive rows for expert e) and one
   grouped matmul runs per projection: `jax.lax.ragged_dot` on the whole stack ("ragged"; the stack dequantized
-  once for packed weights), or a loop over row tiles of one expert each ("tiled": each tile reads and
-  dequantizes only its expert's weight; empty experts cost nothing). XLA:CPU lowers ragged_dot to one dense
+  once for packed weights), or a loop over row tiles of one expert each ("tiled": each tile reads and decodes
+  only its expert's weight, 4- and 8-bit packed weights through `qformats.packed_dot.packed_matmul`; empty experts
+  cost nothing; one expert's dense weight alive at a time). XLA:CPU lowers ragged_dot to one dense
   product per group over all rows, so "auto" picks "tiled" on the CPU and "ragged" elsewhere. "tiled" runs a
   loop of data-dependent length (forward only: reverse-mode gradients, e.g. QAT, need "ragged").
 """
@@ -36,6 +37,7 @@ from qformats.errors import ModelError
 from qformats.nn.nnx_layers import QuantizedMatmul, QuantStat, _pack
 from qformats.nn.projection import fake_quantize_weight, quantize_acts
 from qformats.observers import Observer
+from qformats.packed_dot import packed_matmul, packed_matmul_supported
 from qformats.qarray import QArray
 from qformats.quantize import dequantize
 from qformats.schemes import SchemeSet
@@ -59,12 +61,13 @@ def tile_rows(rows: int, experts: int) -> int:
     return int(min(128, max(8, 1 << (per - 1).bit_length())))
 
 
-def tiled_grouped_matmul(x, group_sizes, weight_of: Callable, bias_of: Optional[Callable], n: int,
+def tiled_grouped_matmul(x, group_sizes, product_of: Callable, bias_of: Optional[Callable], n: int,
                          tile: Optional[int] = None):
     """y [M, N] float32 with y_m = x_m @ W_e (+ b_e) for rows sorted by expert (group_sizes [E] consecutive rows
     per expert, sum = M), computed tile by tile: every tile is `tile` rows of one expert, so the loop runs
-    sum_e ceil(group_sizes_e / tile) <= M / tile + E times, and `weight_of(e)` [K, N] is read only for experts
-    that have rows. Rows of a tile past its expert's group are masked (they belong to the next tile)."""
+    sum_e ceil(group_sizes_e / tile) <= M / tile + E times, and `product_of(x_tile, e)` (x_tile [tile, K] @ W_e,
+    [tile, N] float32) reads expert e's weight only for experts that have rows, one expert's weight at a time.
+    Rows of a tile past its expert's group are masked (they belong to the next tile)."""
     m, k = x.shape
     e_count = group_sizes.shape[0]
     tile = tile or tile_rows(m, e_count)
@@ -79,7 +82,7 @@ def tiled_grouped_matmul(x, group_sizes, weight_of: Callable, bias_of: Optional[
         e = jnp.minimum(jnp.searchsorted(ends, i, side="right"), e_count - 1)
         j = i - (ends[e] - tiles[e])
         r0 = starts[e] + j * tile
-        y = _dot(jax.lax.dynamic_slice(xp, (r0, 0), (tile, k)), weight_of(e).astype(x.dtype))
+        y = product_of(jax.lax.dynamic_slice(xp, (r0, 0), (tile, k)), e)
         if bias_of is not None:
             y = y + bias_of(e).astype(jnp.float32)
         valid = (j * tile + jnp.arange(tile)) < gs[e]
@@ -136,7 +139,7 @@ class _ExpertOps:
         if _method(method) == "ragged":
             y = ragged_grouped_matmul(x, group_sizes, self._stack(dt), b)
         else:
-            y = tiled_grouped_matmul(x, group_sizes, lambda e: self._one(e, dt),
+            y = tiled_grouped_matmul(x, group_sizes, lambda xt, e: self._tile(xt, e, dt),
                                      None if b is None else (lambda e: b[e]), self.out_features, tile)
         return y.astype(dt)
 
@@ -177,6 +180,11 @@ class _ExpertOps:
     def _row(self, xm, e, dtype):
         """x_m @ W[e] [N] float32 for one row x_m [K] (in the compute dtype) and its expert e (a traced int)."""
         return _dot(xm[None], self._one(e, dtype))[0]
+
+    def _tile(self, xt, e, dtype):
+        """x_t @ W[e] [T, N] float32 for the rows x_t [T, K] (in the compute dtype) of one tile of expert e (a
+        traced int): the "tiled" grouped matmul's product."""
+        return _dot(xt, self._one(e, dtype))
 
     def dense(self, x, expert: int):
         """x [..., K] @ W[expert] + b[expert] for one expert (a reference path; in x's dtype)."""
@@ -343,6 +351,17 @@ class QExperts(_ExpertOps, QuantizedMatmul):
         if self.mode != "ptq":
             return super()._row(xm, e, dtype)
         return xla_qdot(xm[None], _select(self.kernel.get_value(), e))[0].astype(jnp.float32)
+
+    def _tile(self, xt, e, dtype):
+        """x_t @ dequantize(W[e]) [T, N] float32 for one tile: PTQ 4- and 8-bit weights through
+        `qformats.packed_dot.packed_matmul` (expert e's codes decoded once, in their own [N, K] layout, then one
+        dot: the same weight elements as `dequantize`, without its nibble interleave and transpose); other formats,
+        and QAT, dequantize expert e (`_one`) and dot."""
+        if self.mode == "ptq":
+            q = _select(self.kernel.get_value(), e)
+            if packed_matmul_supported(q):
+                return packed_matmul(xt, q)
+        return super()._tile(xt, e, dtype)
 
     def __call__(self, x):
         raise ModelError(f"QExperts {self.path or '<module>'}: call `grouped` or `gathered` (rows and their experts)")

@@ -134,11 +134,11 @@ def test_tiled_grouped_matmul_reads_only_experts_with_rows():
     x = jnp.asarray(np.random.RandomState(1).randn(24, 16).astype(np.float32))
     seen = []
 
-    def weight_of(e):
+    def product_of(xt, e):
         jax.debug.callback(lambda v: seen.append(int(v)), e)
-        return w[e]
+        return xt @ w[e]
 
-    y = tiled_grouped_matmul(x, sizes, weight_of, None, 8, tile=8)
+    y = tiled_grouped_matmul(x, sizes, product_of, None, 8, tile=8)
     jax.effects_barrier()
     assert sorted(set(seen)) == [0, 3, 7] and len(seen) == 1 + 3 + 1  # ceil(3/8) + ceil(20/8) + ceil(1/8) tiles
     rows = np.repeat(np.arange(E), np.asarray(sizes))
