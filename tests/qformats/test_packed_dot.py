@@ -123,7 +123,8 @@ def test_packed_matmul_weight_elements_equal_dequantize():
 
 def test_packed_matmul_supported_and_refused():
     assert packed_matmul_supported(_weight("W4A16:g64", 128, 32))
-    assert packed_matmul_supported(_weight("NVFP4A16", 128, 32)) and packed_matmul_supported(_weight("FP8_E4M3", 128, 32))
+    assert packed_matmul_supported(_weight("NVFP4A16", 128, 32))
+    assert packed_matmul_supported(_weight("FP8_E4M3", 128, 32))
     assert not packed_matmul_supported(_weight("MXFP6A16", 128, 32))
     assert not packed_matmul_supported(_weight(presets["FP8_BLOCK"].weights, 128, 128))
     assert not packed_matmul_supported(quantize(jnp.ones((32, 128)), presets["W4A16"].weights, axis=1))
