@@ -171,7 +171,7 @@ def main(argv=None):
         big = f"{r['largest'][0] / 1024:.1f}" if r["largest"] else "-"
         print(f"| {r['scheme']} | {r['mesh']} | {r['ms']:.1f} | {r['vs_one']:.2f}x | "
               f"{'yes' if r['same_token'] else 'NO'}, {r['max_logit_diff']:.1e} | {ops} | {big} | "
-              f"{r["stack_bytes"] / 2**20:.1f} | {r['compile_s']:.1f} |")
+              f"{r['stack_bytes'] / 2**20:.1f} | {r['compile_s']:.1f} |")
 
 
 if __name__ == "__main__":
