@@ -16,12 +16,13 @@ Two ways to run the rows through their experts, chosen by the caller (the MoE bl
   packed weights only that expert's codes and scales, through the packed GEMV of `qformats.packed_dot` where the
   format has one) — the decode path, where the rows (tokens x top_k) are fewer than the experts.
 * `grouped(x, group_sizes)`: the rows are sorted by expert (group_sizes[e] consecutive rows for expert e) and one
-  grouped matmul runs per projection: `jax.lax.ragged_dot` on the whole stack ("ragged"; the stack dequantized
-  once for packed weights), or a loop over row tiles of one expert each ("tiled": each tile reads and decodes
-  only its expert's weight, 4- and 8-bit packed weights through `qformats.packed_dot.packed_matmul`; empty experts
-  cost nothing; one expert's dense weight alive at a time). XLA:CPU lowers ragged_dot to one dense
-  product per group over all rows, so "auto" picks "tiled" on the CPU and "ragged" elsewhere. "tiled" runs a
-  loop of data-dependent length (forward only: reverse-mode gradients, e.g. QAT, need "ragged").
+  grouped matmul runs per projection: `jax.lax.ragged_dot` on the stack ("ragged"; a packed stack dequantized
+  `RAGGED_CHUNK` experts at a time, chunks without rows skipped), or a loop over row tiles of one expert each
+  ("tiled": each tile reads and decodes only its expert's weight, 4- and 8-bit packed weights through
+  `qformats.packed_dot.packed_matmul`; empty experts cost nothing; one expert's dense weight alive at a time).
+  XLA:CPU lowers ragged_dot to one dense product per group over all rows, so "auto" picks "tiled" on the CPU and
+  "ragged" elsewhere. "tiled" runs a loop of data-dependent length (forward only: reverse-mode gradients, e.g.
+  QAT, need "ragged").
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from qformats.schemes import SchemeSet
 
 GROUPED_METHODS = ("auto", "ragged", "tiled")
 _OTHER = {"input_scale": "input_global_scale", "input_global_scale": "input_scale"}
+
+RAGGED_CHUNK = 8
+"""Most experts of a packed stack the "ragged" grouped matmul dequantizes at once (`chunked_ragged_grouped_matmul`)."""
 
 GATHER_UNROLL = 16
 """Most rows `QExperts.gathered` runs as an unrolled loop of packed GEMVs (more: `jax.lax.map`, one compiled body)."""
@@ -103,6 +107,46 @@ def ragged_grouped_matmul(x, group_sizes, stack, bias):
     return y
 
 
+def chunk_experts(num_experts: int, most: int) -> int:
+    """The experts per chunk of `chunked_ragged_grouped_matmul`: the largest divisor of num_experts <= most."""
+    return max(d for d in range(1, max(1, min(most, num_experts)) + 1) if num_experts % d == 0)
+
+
+def chunked_ragged_grouped_matmul(x, group_sizes, stack_of: Callable, bias, n: int, chunk: int):
+    """`ragged_grouped_matmul` with the dense stack made `chunk` experts at a time (E / chunk chunks, chunk | E):
+
+        for each chunk c of experts [lo, lo + C) that has rows (a chunk without rows is skipped, `jax.lax.cond`):
+            s_c = sum_{e < lo} group_sizes_e                     (its rows are [s_c, s_c + sum of its sizes))
+            y  += roll(ragged_dot(roll(x, -s_c), stack_of(lo), group_sizes[lo:lo + C]), s_c)
+
+    y [M, N] float32 (+ each row's expert's bias). ragged_dot gives 0 for the rows past its groups, so each row is
+    written by its own chunk only. `stack_of(lo)` [C, K, N]: the dense weights of experts lo .. lo + C - 1 (lo
+    traced); at most C experts' dense weights exist at once, not the whole stack's."""
+    m = x.shape[0]
+    e_count = group_sizes.shape[0]
+    if e_count % chunk:
+        raise ModelError(f"experts: a chunk of {chunk} experts does not divide {e_count} experts")
+    gs = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(gs) - gs
+
+    def body(c, out):
+        lo = c * chunk
+        sub = jax.lax.dynamic_slice_in_dim(gs, lo, chunk)
+        first = starts[lo]
+
+        def run(out):
+            y = jax.lax.ragged_dot(jnp.roll(x, -first, axis=0), stack_of(lo).astype(x.dtype), sub,
+                                   preferred_element_type=jnp.float32)
+            return out + jnp.roll(y, first, axis=0)
+
+        return jax.lax.cond(jnp.sum(sub) > 0, run, lambda out: out, out)
+
+    y = jax.lax.fori_loop(0, e_count // chunk, body, jnp.zeros((m, n), jnp.float32))
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[_row_experts(group_sizes, m)]
+    return y
+
+
 def _row_experts(group_sizes, m: int):
     """Each row's expert [M] for rows sorted by expert (group_sizes [E] consecutive rows per expert)."""
     return jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=m)
@@ -137,11 +181,15 @@ class _ExpertOps:
         x = self._input(x.astype(dt), lambda: _row_experts(group_sizes, x.shape[0]))
         b = self._bias()
         if _method(method) == "ragged":
-            y = ragged_grouped_matmul(x, group_sizes, self._stack(dt), b)
+            y = self._ragged(x, group_sizes, b, dt)
         else:
             y = tiled_grouped_matmul(x, group_sizes, lambda xt, e: self._tile(xt, e, dt),
                                      None if b is None else (lambda e: b[e]), self.out_features, tile)
         return y.astype(dt)
+
+    def _ragged(self, x, group_sizes, b, dtype):
+        """The "ragged" grouped matmul: `jax.lax.ragged_dot` on the whole (float) stack."""
+        return ragged_grouped_matmul(x, group_sizes, self._stack(dtype), b)
 
     def gathered(self, x, experts, valid=None):
         """y [M, N] (in x's dtype) for rows x [M, K] and their experts [M] (int): y_m = x_m @ W[e_m] + b[e_m],
@@ -341,6 +389,21 @@ class QExperts(_ExpertOps, QuantizedMatmul):
             return dequantize(_select(k, e), dtype)
         return fake_quantize_weight(k[e], self.schemes).astype(dtype)
 
+    def _ragged(self, x, group_sizes, b, dtype):
+        """The "ragged" grouped matmul with the stack dequantized (PTQ) or fake-quantized (QAT, the same values)
+        `RAGGED_CHUNK` experts at a time (`chunked_ragged_grouped_matmul`; the largest divisor of E up to it), never
+        the whole stack at once; QAT and PTQ run the same chunks, so their products are equal bit for bit."""
+        k = self.kernel.get_value()
+        chunk = chunk_experts(self.num_experts, RAGGED_CHUNK)
+
+        def stack_of(lo):
+            part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, chunk), k)
+            if self.mode == "ptq":
+                return _dequantize_stacked(part, dtype)
+            return fake_quantize_weight(part, self.schemes).astype(dtype)
+
+        return chunked_ragged_grouped_matmul(x, group_sizes, stack_of, b, self.out_features, chunk)
+
     def _unroll_rows(self) -> int:
         return GATHER_UNROLL if self.mode == "ptq" else 0
 
@@ -374,4 +437,5 @@ class QExperts(_ExpertOps, QuantizedMatmul):
         return _select(k, e)
 
 
-__all__ = ["Experts", "QExperts", "GROUPED_METHODS", "tiled_grouped_matmul", "ragged_grouped_matmul", "tile_rows"]
+__all__ = ["Experts", "QExperts", "GROUPED_METHODS", "tiled_grouped_matmul", "ragged_grouped_matmul",
+           "chunked_ragged_grouped_matmul", "chunk_experts", "tile_rows", "RAGGED_CHUNK"]
