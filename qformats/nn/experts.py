@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qformats.dispatch import xla_qdot
+from qformats.dispatch import kernels_enabled, xla_qdot
 from qformats.errors import ModelError
 from qformats.nn.nnx_layers import QuantizedMatmul, QuantStat, _pack
 from qformats.nn.projection import fake_quantize_weight, quantize_acts
@@ -419,8 +419,9 @@ class QExperts(_ExpertOps, QuantizedMatmul):
         """x_t @ dequantize(W[e]) [T, N] float32 for one tile: PTQ 4- and 8-bit weights through
         `qformats.packed_dot.packed_matmul` (expert e's codes decoded once, in their own [N, K] layout, then one
         dot: the same weight elements as `dequantize`, without its nibble interleave and transpose); other formats,
-        and QAT, dequantize expert e (`_one`) and dot."""
-        if self.mode == "ptq":
+        QAT, and kernels turned off (`qformats.dispatch.set_kernels_enabled(False)`) dequantize expert e (`_one`)
+        and dot."""
+        if self.mode == "ptq" and kernels_enabled():
             q = _select(self.kernel.get_value(), e)
             if packed_matmul_supported(q):
                 return packed_matmul(xt, q)
