@@ -3,7 +3,7 @@ parallel 2 / 4 / 8, expert x tensor parallel) against one device in the same pro
 device's, and the collectives of the compiled decode step (what crosses devices: activations, not expert weights).
 
 Usage: python bench/moe_ep_decode.py [--layers 8] [--hidden 1024] [--experts 64] [--moe-inter 512] [--top-k 8]
-                                     [--schemes float,W4A16] [--meshes ep2,ep4,ep8,ep4xtp2,ep2xtp4] [--steps 10]
+                                     [--schemes float,W4A16] [--meshes ep2,ep4,ep8,ep2xtp2,ep4xtp2] [--steps 10]
 
 The script re-runs itself in a fresh interpreter with XLA_FLAGS=--xla_force_host_platform_device_count=8 (and
 --xla_cpu_multi_thread_eigen=false). The forced host devices are threads of one process on the same CPU cores: on a
@@ -70,6 +70,7 @@ def worker(a):
     from flax import nnx
 
     from converters.pipelines.mesh_load import parallel_setup
+    from qformats.errors import ModelError
     from qformats.models.decoder import CausalLM, DecoderConfig, quantization_rules
     from qformats.models.decoder.sharding import decoder_parallel_rules
     from qformats.nn import quantize_model
@@ -84,7 +85,7 @@ def worker(a):
         rms_norm_eps=1e-6))
     meshes = {name: parallel_setup(*_mesh_sizes(name)) for name in a.meshes.split(",") if name}
     tok = jnp.asarray([[17]], jnp.int32)
-    res = dict(devices=len(jax.devices()), rows=[])
+    res = dict(devices=len(jax.devices()), rows=[], refused=[])
 
     def best(fn, n):
         jax.block_until_ready(fn())
@@ -107,7 +108,12 @@ def worker(a):
         for name in ["one"] + list(meshes):
             if name != "one":
                 mesh = meshes[name]
-                shard_model(model, mesh, decoder_parallel_rules(cfg, mesh))
+                try:  # layouts are checked before anything moves: a refused mesh leaves the model as it was
+                    shard_model(model, mesh, decoder_parallel_rules(cfg, mesh))
+                except ModelError as e:
+                    res["refused"].append(dict(scheme=scheme, mesh=name, error=str(e).splitlines()[0]))
+                    print(json.dumps(res["refused"][-1]), file=sys.stderr, flush=True)
+                    continue
             gd, st = nnx.split(model)
             step = jax.jit(lambda s, t, c: nnx.merge(gd, s)(t, c, last_only=True)[0])
             cache = model.init_cache(1, 64)
@@ -142,7 +148,7 @@ def main(argv=None):
     ap.add_argument("--moe-inter", type=int, default=512)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--schemes", default="float,W4A16")
-    ap.add_argument("--meshes", default="ep2,ep4,ep8,ep4xtp2,ep2xtp4")
+    ap.add_argument("--meshes", default="ep2,ep4,ep8,ep2xtp2,ep4xtp2")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -172,6 +178,8 @@ def main(argv=None):
         print(f"| {r['scheme']} | {r['mesh']} | {r['ms']:.1f} | {r['vs_one']:.2f}x | "
               f"{'yes' if r['same_token'] else 'NO'}, {r['max_logit_diff']:.1e} | {ops} | {big} | "
               f"{r['stack_bytes'] / 2**20:.1f} | {r['compile_s']:.1f} |")
+    for r in res["refused"]:
+        print(f"\n{r['scheme']} on {r['mesh']}: refused: {r['error']}")
 
 
 if __name__ == "__main__":
