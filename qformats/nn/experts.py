@@ -394,7 +394,7 @@ class QExperts(_ExpertOps, QuantizedMatmul):
         `RAGGED_CHUNK` experts at a time (`chunked_ragged_grouped_matmul`; the largest divisor of E up to it), never
         the whole stack at once; QAT and PTQ run the same chunks, so their products are equal bit for bit."""
         k = self.kernel.get_value()
-        chunk = chunk_experts(self.num_experts, RAGGED_CHUNK)
+        chunk = chunk_experts(group_sizes.shape[0], RAGGED_CHUNK)  # the experts this device holds (shard_map)
 
         def stack_of(lo):
             part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, chunk), k)
