@@ -11,7 +11,9 @@ expert: minutes per step at this shape.)
 Timing: the fastest of --new timed calls of one decode step (batch 1, one token, KV cache holding the prompt), ours a
 jit call of the model (the dense counterparts quantized with the same scheme), transformers' a forward with its
 cache (a deepcopy of the prompt's cache each step, timed
-with it; small beside the step). tokens/s = 1000 / step ms. Prefill: the fastest of 3 calls on the whole prompt.
+with it; small beside the step). tokens/s = 1000 / step ms. Prefill: the fastest of 3 calls on the whole prompt;
+each packed MoE is also prefilled with kernels off (`set_kernels_enabled(False)`: each tile of the tiled grouped
+matmul dequantizes its expert, then dots -- the path before `packed_matmul`), for a before / after in one run.
 The machine's load average and this process's CPU seconds are printed with the table (figures from a shared machine
 are only comparable as ratios within one run). Prints the markdown table of BENCHMARKS.md's section
 "MoE decode (random Qwen3-MoE shape)".
@@ -33,6 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from converters.pipelines.causal_lm import load_causal_lm  # noqa: E402
+from qformats.dispatch import set_kernels_enabled  # noqa: E402
 from qformats.models.decoder import quantization_rules  # noqa: E402
 from qformats.models.decoder.moe import set_dispatch  # noqa: E402
 from qformats.nn import param_bytes, quantize_model  # noqa: E402
@@ -49,7 +52,7 @@ def _best_ms(step, n):
     return 1e3 * float(np.min(times))
 
 
-def ours(model, prompt, steps):
+def ours(model, prompt, steps, decode=True):
     """Best ms of one jit decode step (one token, batch 1, KV cache after the prompt). The model's state is split
     once and passed to jax.jit (as `generate` does): nnx.jit would hand every parameter back as an output, copying
     the weights on each call."""
@@ -59,6 +62,8 @@ def ours(model, prompt, steps):
     fn = jax.jit(lambda st, ids, c: nnx.merge(graphdef, st)(ids, c, last_only=True))
     empty = model.init_cache(prompt.shape[0], prompt.shape[1] + steps + 2)
     prefill = _best_ms(lambda: jax.block_until_ready(fn(state, prompt, empty)[0]), 3)
+    if not decode:
+        return None, prefill
     _, cache = fn(state, prompt, empty)
     tok = prompt[:, -1:]
     return _best_ms(lambda: jax.block_until_ready(fn(state, tok, cache)[0]), steps), prefill
@@ -121,13 +126,13 @@ def main(argv=None):
                          sum(p.numel() * 4 for p in hf.parameters()), None))
         del hf
         schemes = [s for s in a.schemes.split(",") if s]
-        dense_ms = {}
+        dense_ms, dense_pre = {}, {}
         for scheme in [""] + schemes:
             dense, _, _ = load_causal_lm(f"{tmp}/dense", tokenizer=False)
             if scheme:
                 quantize_model(dense, quantization_rules(scheme))
             ms, pre = ours(dense, prompt, a.new)
-            dense_ms[scheme] = ms
+            dense_ms[scheme], dense_pre[scheme] = ms, pre
             rows.append((f"ours, dense decoder of the same active params{' ' + scheme if scheme else ''}", ms, pre,
                          param_bytes(dense), scheme))
             del dense
@@ -146,6 +151,11 @@ def main(argv=None):
             quantize_model(q, quantization_rules(scheme))
             ms, pre = ours(q, prompt, a.new)
             rows.append((f"ours MoE {scheme} (auto: gathered decode, tiled prefill)", ms, pre, param_bytes(q), scheme))
+            set_kernels_enabled(False)  # the tiles dequantize their expert, then dot (the path before packed_matmul)
+            _, pre = ours(q, prompt, a.new, decode=False)
+            set_kernels_enabled(True)
+            rows.append((f"ours MoE {scheme}, prefill tiles dequantize-then-dot (kernels off)", None, pre,
+                         param_bytes(q), scheme))
             del q
     load = os.getloadavg()
     print(f"\n{a.layers} layers, hidden {a.hidden}, {a.experts} experts x {a.moe_inter}, top-{a.top_k}; batch 1, "
@@ -153,12 +163,14 @@ def main(argv=None):
           f"{jax.__version__} {jax.default_backend()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
           f"(1 / 5 / 15 min) at the end; {time.process_time():.0f} CPU s in {time.perf_counter() - t0:.0f} s\n")
     print(f"| model | decode step ms | decode tokens/s | vs transformers | step vs dense active (same scheme) | "
-          f"prefill {a.prompt} tokens ms | params MB |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          f"prefill {a.prompt} tokens ms | prefill vs dense active | params MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for label, ms, pre, nbytes, scheme in rows:
-        vs_ref = f"{ref_ms / ms:.2f}x" if ref_ms else "-"
-        vs_dense = f"{ms / dense_ms[scheme]:.2f}x" if scheme in dense_ms else "-"
-        print(f"| {label} | {ms:.2f} | {1e3 / ms:.1f} | {vs_ref} | {vs_dense} | {pre:.1f} | {nbytes / 2**20:.0f} |")
+        vs_ref = f"{ref_ms / ms:.2f}x" if ref_ms and ms else "-"
+        vs_dense = f"{ms / dense_ms[scheme]:.2f}x" if ms and scheme in dense_ms else "-"
+        pre_dense = f"{pre / dense_pre[scheme]:.2f}x" if scheme in dense_pre else "-"
+        step = f"{ms:.2f} | {1e3 / ms:.1f}" if ms else "- | -"
+        print(f"| {label} | {step} | {vs_ref} | {vs_dense} | {pre:.1f} | {pre_dense} | {nbytes / 2**20:.0f} |")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Packed matrix-vector products on the XLA path: 4- and 8-bit weights decoded inside XLA:CPU's fused GEMV loops.
+"""Packed products on the XLA path: 4- and 8-bit weights decoded inside XLA:CPU's fused GEMV loops (`packed_dot`), or
+decoded once in the codes' own [N, K] layout for a product of many rows (`packed_matmul`).
 
 Why a path of its own (XLA:CPU; the figures: BENCHMARKS.md, "CPU decode (SmolLM2)"):
 
@@ -55,7 +56,8 @@ from qformats.errors import KernelError
 from qformats.formats import FloatFormat
 from qformats.qarray import QArray, element_values
 
-__all__ = ["packed_dot", "packed_dot_supported", "tie_to", "CHUNK", "MAX_ROWS"]
+__all__ = ["packed_dot", "packed_dot_supported", "packed_matmul", "packed_matmul_supported", "tie_to", "CHUNK",
+           "MAX_ROWS"]
 
 _STRATEGIES = ("tensor", "channel", "group", "tensor_group")
 
@@ -72,12 +74,7 @@ def packed_dot_supported(x_shape, q: QArray) -> bool:
     rows (the product of the leading dimensions), and q a 2-D [K, N] weight of a 4- or 8-bit format (float, int or a
     16-entry table such as GGUF's IQ4_NL grid) quantized
     along K (axis 0) with tensor, channel, group or tensor_group scales (4-bit groups of even size)."""
-    if not isinstance(q, QArray) or q.ndim != 2 or q.axis != 0:
-        return False
-    s = q.scheme
-    if s.bits not in (4, 8) or s.strategy not in _STRATEGIES:
-        return False
-    if s.bits == 4 and s.strategy in ("group", "tensor_group") and s.group_size % 2:
+    if not packed_matmul_supported(q):
         return False
     x_shape = tuple(x_shape)
     return (len(x_shape) >= 1 and x_shape[-1] == q.shape[0] and 1 <= math.prod(x_shape[:-1]) <= MAX_ROWS)
@@ -288,3 +285,63 @@ def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
         y = jnp.stack([jax.lax.dot_general(jnp.ones((per_row,), jnp.float32), jnp.stack(parts[m * per_row:(m + 1) * per_row]),
                                            (((0,), (0,)), ((), ()))) for m in range(rows.shape[0])])
     return y.astype(x.dtype).reshape(x.shape[:-1] + (n,))
+
+
+def packed_matmul_supported(q: QArray) -> bool:
+    """Whether `packed_matmul` takes q: a 2-D [K, N] weight of a 4- or 8-bit format quantized along K (axis 0) with
+    tensor, channel, group or tensor_group scales (4-bit groups of even size); any number of activation rows."""
+    if not isinstance(q, QArray) or q.ndim != 2 or q.axis != 0:
+        return False
+    s = q.scheme
+    if s.bits not in (4, 8) or s.strategy not in _STRATEGIES:
+        return False
+    return not (s.bits == 4 and s.strategy in ("group", "tensor_group") and s.group_size % 2)
+
+
+def packed_matmul(x: jax.Array, q: QArray) -> jax.Array:
+    """y[m, n] = sum_k x[m, k] W[k, n], float32, for any number of rows x [M, K], W = dequantize(q, x.dtype)
+    decoded once per call in the codes' own layout [N, K] (no transpose) and multiplied by XLA's dot contracting K:
+
+        4-bit:  y = x_even W_lo^T + x_odd W_hi^T,  W_j[n, i] = decode((codes[n, i] >> 4 j) & 15)   [N, K / 2]
+        8-bit:  y = x W^T,                         W[n, k]   = decode(codes[n, k])                  [N, K]
+
+    each element (v - z[G(k)]) * (s[G(k)] / c) [+ o[G(k)]] rounded per op as `dequantize` rounds it (the same
+    weight elements, bit for bit). Why not dequantize-then-dot: `dequantize` interleaves the two nibbles of a byte
+    (a concatenate XLA:CPU runs as a slow elemental loop) and moves K back to axis 0 (a transposed copy); here each
+    nibble's matrix is one contiguous, vectorised elementwise loop over the codes. The product is a GEMM (XLA fuses
+    no decode into it), so the decode is paid once for all M rows: the form for the several rows per weight of a
+    prefill (each row its own fused GEMV, `packed_dot`, pays it per row). Equal to dequantize-then-dot up to float32
+    summation order: |y - y_ref| <= 2 K eps sum_k |x[m, k]| |W[k, n]|.
+
+    Args:
+      x: activations [M, K] (float).
+      q: a weight of logical shape [K, N] (`packed_matmul_supported`).
+
+    Returns:
+      [M, N] float32.
+
+    Raises:
+      KernelError: q outside `packed_matmul_supported`, or x not [M, K].
+    """
+    if not packed_matmul_supported(q) or x.ndim != 2 or x.shape[1] != q.shape[0]:
+        raise KernelError(f"packed_matmul: expected activations [M, K] and a 4- or 8-bit [K, N] weight quantized along "
+                          f"K with tensor, channel, group or tensor_group scales; got x {tuple(x.shape)} and {q!r}")
+    scheme = q.scheme
+    sdt = q.work_dtype
+    s = _factor(q, q.scale, q.global_scale, sdt)
+    z = q.zero_point
+    if z is not None and scheme.strategy == "tensor":
+        z = z.reshape(1)
+    o = None if q.offset is None else q.offset.astype(sdt)
+    dims = (((1,), (1,)), ((), ()))
+    if scheme.bits != 4:
+        w = _weight(element_values(q.codes, scheme.format, sdt), s, z, o, q, 0, 1, sdt, x.dtype)
+        return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+    y = None
+    for j in range(2):
+        xj = x[:, j::2]
+        u = ((q.codes >> jnp.uint8(4 * j)) & jnp.uint8(15))[:, :xj.shape[1]]
+        w = _weight(element_values(u, scheme.format, sdt), s, z, o, q, 0, 2, sdt, x.dtype)
+        part = jax.lax.dot_general(xj, w, dims, preferred_element_type=jnp.float32)
+        y = part if y is None else y + part
+    return y

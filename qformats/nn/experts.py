@@ -16,11 +16,13 @@ Two ways to run the rows through their experts, chosen by the caller (the MoE bl
   packed weights only that expert's codes and scales, through the packed GEMV of `qformats.packed_dot` where the
   format has one) — the decode path, where the rows (tokens x top_k) are fewer than the experts.
 * `grouped(x, group_sizes)`: the rows are sorted by expert (group_sizes[e] consecutive rows for expert e) and one
-  grouped matmul runs per projection: `jax.lax.ragged_dot` on the whole stack ("ragged"; the stack dequantized
-  once for packed weights), or a loop over row tiles of one expert each ("tiled": each tile reads and
-  dequantizes only its expert's weight; empty experts cost nothing). XLA:CPU lowers ragged_dot to one dense
-  product per group over all rows, so "auto" picks "tiled" on the CPU and "ragged" elsewhere. "tiled" runs a
-  loop of data-dependent length (forward only: reverse-mode gradients, e.g. QAT, need "ragged").
+  grouped matmul runs per projection: `jax.lax.ragged_dot` on the stack ("ragged"; a packed stack dequantized
+  `RAGGED_CHUNK` experts at a time, chunks without rows skipped), or a loop over row tiles of one expert each
+  ("tiled": each tile reads and decodes only its expert's weight, 4- and 8-bit packed weights through
+  `qformats.packed_dot.packed_matmul`; empty experts cost nothing; one expert's dense weight alive at a time).
+  XLA:CPU lowers ragged_dot to one dense product per group over all rows, so "auto" picks "tiled" on the CPU and
+  "ragged" elsewhere. "tiled" runs a loop of data-dependent length (forward only: reverse-mode gradients, e.g.
+  QAT, need "ragged").
 """
 
 from __future__ import annotations
@@ -31,17 +33,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qformats.dispatch import xla_qdot
+from qformats.dispatch import kernels_enabled, xla_qdot
 from qformats.errors import ModelError
 from qformats.nn.nnx_layers import QuantizedMatmul, QuantStat, _pack
 from qformats.nn.projection import fake_quantize_weight, quantize_acts
 from qformats.observers import Observer
+from qformats.packed_dot import packed_matmul, packed_matmul_supported
 from qformats.qarray import QArray
 from qformats.quantize import dequantize
 from qformats.schemes import SchemeSet
 
 GROUPED_METHODS = ("auto", "ragged", "tiled")
 _OTHER = {"input_scale": "input_global_scale", "input_global_scale": "input_scale"}
+
+RAGGED_CHUNK = 8
+"""Most experts of a packed stack the "ragged" grouped matmul dequantizes at once (`chunked_ragged_grouped_matmul`)."""
 
 GATHER_UNROLL = 16
 """Most rows `QExperts.gathered` runs as an unrolled loop of packed GEMVs (more: `jax.lax.map`, one compiled body)."""
@@ -59,12 +65,13 @@ def tile_rows(rows: int, experts: int) -> int:
     return int(min(128, max(8, 1 << (per - 1).bit_length())))
 
 
-def tiled_grouped_matmul(x, group_sizes, weight_of: Callable, bias_of: Optional[Callable], n: int,
+def tiled_grouped_matmul(x, group_sizes, product_of: Callable, bias_of: Optional[Callable], n: int,
                          tile: Optional[int] = None):
     """y [M, N] float32 with y_m = x_m @ W_e (+ b_e) for rows sorted by expert (group_sizes [E] consecutive rows
     per expert, sum = M), computed tile by tile: every tile is `tile` rows of one expert, so the loop runs
-    sum_e ceil(group_sizes_e / tile) <= M / tile + E times, and `weight_of(e)` [K, N] is read only for experts
-    that have rows. Rows of a tile past its expert's group are masked (they belong to the next tile)."""
+    sum_e ceil(group_sizes_e / tile) <= M / tile + E times, and `product_of(x_tile, e)` (x_tile [tile, K] @ W_e,
+    [tile, N] float32) reads expert e's weight only for experts that have rows, one expert's weight at a time.
+    Rows of a tile past its expert's group are masked (they belong to the next tile)."""
     m, k = x.shape
     e_count = group_sizes.shape[0]
     tile = tile or tile_rows(m, e_count)
@@ -79,7 +86,7 @@ def tiled_grouped_matmul(x, group_sizes, weight_of: Callable, bias_of: Optional[
         e = jnp.minimum(jnp.searchsorted(ends, i, side="right"), e_count - 1)
         j = i - (ends[e] - tiles[e])
         r0 = starts[e] + j * tile
-        y = _dot(jax.lax.dynamic_slice(xp, (r0, 0), (tile, k)), weight_of(e).astype(x.dtype))
+        y = product_of(jax.lax.dynamic_slice(xp, (r0, 0), (tile, k)), e)
         if bias_of is not None:
             y = y + bias_of(e).astype(jnp.float32)
         valid = (j * tile + jnp.arange(tile)) < gs[e]
@@ -97,6 +104,46 @@ def ragged_grouped_matmul(x, group_sizes, stack, bias):
     if bias is not None:
         row_expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=x.shape[0])
         y = y + bias.astype(jnp.float32)[row_expert]
+    return y
+
+
+def chunk_experts(num_experts: int, most: int) -> int:
+    """The experts per chunk of `chunked_ragged_grouped_matmul`: the largest divisor of num_experts <= most."""
+    return max(d for d in range(1, max(1, min(most, num_experts)) + 1) if num_experts % d == 0)
+
+
+def chunked_ragged_grouped_matmul(x, group_sizes, stack_of: Callable, bias, n: int, chunk: int):
+    """`ragged_grouped_matmul` with the dense stack made `chunk` experts at a time (E / chunk chunks, chunk | E):
+
+        for each chunk c of experts [lo, lo + C) that has rows (a chunk without rows is skipped, `jax.lax.cond`):
+            s_c = sum_{e < lo} group_sizes_e                     (its rows are [s_c, s_c + sum of its sizes))
+            y  += roll(ragged_dot(roll(x, -s_c), stack_of(lo), group_sizes[lo:lo + C]), s_c)
+
+    y [M, N] float32 (+ each row's expert's bias). ragged_dot gives 0 for the rows past its groups, so each row is
+    written by its own chunk only. `stack_of(lo)` [C, K, N]: the dense weights of experts lo .. lo + C - 1 (lo
+    traced); at most C experts' dense weights exist at once, not the whole stack's."""
+    m = x.shape[0]
+    e_count = group_sizes.shape[0]
+    if e_count % chunk:
+        raise ModelError(f"experts: a chunk of {chunk} experts does not divide {e_count} experts")
+    gs = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(gs) - gs
+
+    def body(c, out):
+        lo = c * chunk
+        sub = jax.lax.dynamic_slice_in_dim(gs, lo, chunk)
+        first = starts[lo]
+
+        def run(out):
+            y = jax.lax.ragged_dot(jnp.roll(x, -first, axis=0), stack_of(lo).astype(x.dtype), sub,
+                                   preferred_element_type=jnp.float32)
+            return out + jnp.roll(y, first, axis=0)
+
+        return jax.lax.cond(jnp.sum(sub) > 0, run, lambda out: out, out)
+
+    y = jax.lax.fori_loop(0, e_count // chunk, body, jnp.zeros((m, n), jnp.float32))
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[_row_experts(group_sizes, m)]
     return y
 
 
@@ -134,11 +181,15 @@ class _ExpertOps:
         x = self._input(x.astype(dt), lambda: _row_experts(group_sizes, x.shape[0]))
         b = self._bias()
         if _method(method) == "ragged":
-            y = ragged_grouped_matmul(x, group_sizes, self._stack(dt), b)
+            y = self._ragged(x, group_sizes, b, dt)
         else:
-            y = tiled_grouped_matmul(x, group_sizes, lambda e: self._one(e, dt),
+            y = tiled_grouped_matmul(x, group_sizes, lambda xt, e: self._tile(xt, e, dt),
                                      None if b is None else (lambda e: b[e]), self.out_features, tile)
         return y.astype(dt)
+
+    def _ragged(self, x, group_sizes, b, dtype):
+        """The "ragged" grouped matmul: `jax.lax.ragged_dot` on the whole (float) stack."""
+        return ragged_grouped_matmul(x, group_sizes, self._stack(dtype), b)
 
     def gathered(self, x, experts, valid=None):
         """y [M, N] (in x's dtype) for rows x [M, K] and their experts [M] (int): y_m = x_m @ W[e_m] + b[e_m],
@@ -177,6 +228,11 @@ class _ExpertOps:
     def _row(self, xm, e, dtype):
         """x_m @ W[e] [N] float32 for one row x_m [K] (in the compute dtype) and its expert e (a traced int)."""
         return _dot(xm[None], self._one(e, dtype))[0]
+
+    def _tile(self, xt, e, dtype):
+        """x_t @ W[e] [T, N] float32 for the rows x_t [T, K] (in the compute dtype) of one tile of expert e (a
+        traced int): the "tiled" grouped matmul's product."""
+        return _dot(xt, self._one(e, dtype))
 
     def dense(self, x, expert: int):
         """x [..., K] @ W[expert] + b[expert] for one expert (a reference path; in x's dtype)."""
@@ -333,6 +389,21 @@ class QExperts(_ExpertOps, QuantizedMatmul):
             return dequantize(_select(k, e), dtype)
         return fake_quantize_weight(k[e], self.schemes).astype(dtype)
 
+    def _ragged(self, x, group_sizes, b, dtype):
+        """The "ragged" grouped matmul with the stack dequantized (PTQ) or fake-quantized (QAT, the same values)
+        `RAGGED_CHUNK` experts at a time (`chunked_ragged_grouped_matmul`; the largest divisor of E up to it), never
+        the whole stack at once; QAT and PTQ run the same chunks, so their products are equal bit for bit."""
+        k = self.kernel.get_value()
+        chunk = chunk_experts(group_sizes.shape[0], RAGGED_CHUNK)  # the experts this device holds (shard_map)
+
+        def stack_of(lo):
+            part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, chunk), k)
+            if self.mode == "ptq":
+                return _dequantize_stacked(part, dtype)
+            return fake_quantize_weight(part, self.schemes).astype(dtype)
+
+        return chunked_ragged_grouped_matmul(x, group_sizes, stack_of, b, self.out_features, chunk)
+
     def _unroll_rows(self) -> int:
         return GATHER_UNROLL if self.mode == "ptq" else 0
 
@@ -343,6 +414,18 @@ class QExperts(_ExpertOps, QuantizedMatmul):
         if self.mode != "ptq":
             return super()._row(xm, e, dtype)
         return xla_qdot(xm[None], _select(self.kernel.get_value(), e))[0].astype(jnp.float32)
+
+    def _tile(self, xt, e, dtype):
+        """x_t @ dequantize(W[e]) [T, N] float32 for one tile: PTQ 4- and 8-bit weights through
+        `qformats.packed_dot.packed_matmul` (expert e's codes decoded once, in their own [N, K] layout, then one
+        dot: the same weight elements as `dequantize`, without its nibble interleave and transpose); other formats,
+        QAT, and kernels turned off (`qformats.dispatch.set_kernels_enabled(False)`) dequantize expert e (`_one`)
+        and dot."""
+        if self.mode == "ptq" and kernels_enabled():
+            q = _select(self.kernel.get_value(), e)
+            if packed_matmul_supported(q):
+                return packed_matmul(xt, q)
+        return super()._tile(xt, e, dtype)
 
     def __call__(self, x):
         raise ModelError(f"QExperts {self.path or '<module>'}: call `grouped` or `gathered` (rows and their experts)")
@@ -355,4 +438,5 @@ class QExperts(_ExpertOps, QuantizedMatmul):
         return _select(k, e)
 
 
-__all__ = ["Experts", "QExperts", "GROUPED_METHODS", "tiled_grouped_matmul", "ragged_grouped_matmul", "tile_rows"]
+__all__ = ["Experts", "QExperts", "GROUPED_METHODS", "tiled_grouped_matmul", "ragged_grouped_matmul",
+           "chunked_ragged_grouped_matmul", "chunk_experts", "tile_rows", "RAGGED_CHUNK"]

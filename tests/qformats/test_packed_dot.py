@@ -1,4 +1,5 @@
-"""packed_dot: fused 4/8-bit GEMVs equal to dequantize-then-dot up to summation order; no dense copy in a loop."""
+"""packed_dot: fused 4/8-bit GEMVs equal to dequantize-then-dot up to summation order; no dense copy in a loop.
+packed_matmul: many rows, the same weight elements decoded once; the same bound."""
 
 import dataclasses
 import re
@@ -12,7 +13,7 @@ import qformats.packed_dot as packed_dot_module
 from qformats import dequantize, quantize
 from qformats.dispatch import xla_qdot
 from qformats.errors import KernelError
-from qformats.packed_dot import MAX_ROWS, packed_dot, packed_dot_supported
+from qformats.packed_dot import MAX_ROWS, packed_dot, packed_dot_supported, packed_matmul, packed_matmul_supported
 from qformats.presets import presets
 from qformats.schemes import QuantScheme
 
@@ -93,6 +94,44 @@ def test_weight_elements_equal_dequantize():
             x = jnp.zeros((1, 128), jnp.float32).at[0, k].set(1.0)
             np.testing.assert_array_equal(np.asarray(f(x, q))[0], w[k], err_msg=f"{name} row {k}")
 
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+@pytest.mark.parametrize("k,n,rows", [(256, 96, 13), (576, 192, 2)])
+def test_packed_matmul_matches_dequantize_then_dot(scheme, k, n, rows):
+    """Any number of rows: within the float32 accumulation bound of the exact product of dequantize's elements."""
+    q = _weight(_fit(scheme, k), k, n)
+    x = jnp.asarray(np.random.RandomState(1).standard_normal((rows, k)).astype(np.float32))
+    y = np.asarray(jax.jit(packed_matmul)(x, q))
+    assert y.shape == (rows, n) and y.dtype == np.float32
+    ref, bound = _reference(x, q)
+    err = np.abs(y.astype(np.float64) - ref)
+    assert np.all(err <= bound), (err / bound).max()
+
+
+def test_packed_matmul_weight_elements_equal_dequantize():
+    """The decoded weight is dequantize's, bit for bit: with x the identity, y is the weight (odd K included: the
+    last byte's high nibble is padding)."""
+    odd = QuantScheme("int4", "channel", symmetric=False, scale_format="input")
+    for name, k in (("W4A16:g64", 128), ("W4A16_ASYM:g64", 128), ("NVFP4A16", 128), ("MXFP4A16", 128),
+                    ("W8A16:g64", 128), ("FP8_E4M3", 128), ("MXFP8A16", 128), (odd, 77), (odd, 128)):
+        q = _weight(name, k, 48, seed=3)
+        w = np.asarray(dequantize(q, dtype=jnp.float32))
+        y = np.asarray(jax.jit(packed_matmul)(jnp.eye(k, dtype=jnp.float32), q))
+        np.testing.assert_array_equal(y, w, err_msg=f"{name} K={k}")
+
+
+def test_packed_matmul_supported_and_refused():
+    assert packed_matmul_supported(_weight("W4A16:g64", 128, 32))
+    assert packed_matmul_supported(_weight("NVFP4A16", 128, 32))
+    assert packed_matmul_supported(_weight("FP8_E4M3", 128, 32))
+    assert not packed_matmul_supported(_weight("MXFP6A16", 128, 32))
+    assert not packed_matmul_supported(_weight(presets["FP8_BLOCK"].weights, 128, 128))
+    assert not packed_matmul_supported(quantize(jnp.ones((32, 128)), presets["W4A16"].weights, axis=1))
+    with pytest.raises(KernelError, match="4- or 8-bit"):
+        packed_matmul(jnp.ones((3, 128)), _weight("MXFP6A16", 128, 32))
+    with pytest.raises(KernelError, match="activations"):
+        packed_matmul(jnp.ones((3, 64)), _weight("W4A16:g64", 128, 32))
 
 def _dot_fusion_parameters(text: str):
     """The parameter shapes ("u8[64,8]") of every fused computation of an optimized HLO module that holds a dot."""

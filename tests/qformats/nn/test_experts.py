@@ -11,7 +11,8 @@ from flax import nnx
 from qformats import presets
 from qformats.errors import ModelError
 from qformats.nn import Experts, QExperts, QLinear, Rule, quantize_model
-from qformats.nn.experts import tiled_grouped_matmul
+import qformats.nn.experts as experts_module
+from qformats.nn.experts import chunk_experts, chunked_ragged_grouped_matmul, tiled_grouped_matmul
 from qformats.quantize import dequantize
 
 E, D, I = 8, 64, 96
@@ -134,17 +135,75 @@ def test_tiled_grouped_matmul_reads_only_experts_with_rows():
     x = jnp.asarray(np.random.RandomState(1).randn(24, 16).astype(np.float32))
     seen = []
 
-    def weight_of(e):
+    def product_of(xt, e):
         jax.debug.callback(lambda v: seen.append(int(v)), e)
-        return w[e]
+        return xt @ w[e]
 
-    y = tiled_grouped_matmul(x, sizes, weight_of, None, 8, tile=8)
+    y = tiled_grouped_matmul(x, sizes, product_of, None, 8, tile=8)
     jax.effects_barrier()
     assert sorted(set(seen)) == [0, 3, 7] and len(seen) == 1 + 3 + 1  # ceil(3/8) + ceil(20/8) + ceil(1/8) tiles
     rows = np.repeat(np.arange(E), np.asarray(sizes))
     want = np.einsum("mk,mkn->mn", np.asarray(x), np.asarray(w)[rows])
     np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=1e-5)
 
+
+
+def test_chunked_ragged_skips_chunks_without_rows():
+    """The chunk loop makes the dense weights of chunks that have rows only, chunk by chunk; the product is the
+    whole-stack ragged_dot's up to summation order."""
+    w = jnp.asarray(np.random.RandomState(0).randn(E, 16, 8).astype(np.float32))
+    sizes = jnp.asarray([3, 0, 0, 0, 0, 0, 20, 1], jnp.int32)
+    x = jnp.asarray(np.random.RandomState(1).randn(24, 16).astype(np.float32))
+    seen = []
+
+    def stack_of(lo):
+        jax.debug.callback(lambda v: seen.append(int(v)), lo)
+        return jax.lax.dynamic_slice_in_dim(w, lo, 2)
+
+    y = chunked_ragged_grouped_matmul(x, sizes, stack_of, None, 8, 2)
+    jax.effects_barrier()
+    assert sorted(seen) == [0, 6]
+    rows = np.repeat(np.arange(E), np.asarray(sizes))
+    want = np.einsum("mk,mkn->mn", np.asarray(x), np.asarray(w)[rows])
+    np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=1e-5)
+    assert [chunk_experts(e, 8) for e in (64, 60, 8, 7, 1)] == [8, 6, 8, 7, 1]
+
+
+def _dense_buffers(fn, *args):
+    """The element counts of every float32 array of the compiled HLO of fn(*args)."""
+    import re
+
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    shapes = re.findall(r"f32\[([\d,]*)\]", text)
+    return {int(np.prod([int(d) for d in dims.split(",") if d] or [1])) for dims in shapes}
+
+
+@pytest.mark.parametrize("scheme", ["W4A16:g32", "NVFP4A16"])
+def test_packed_grouped_never_dequantizes_the_whole_stack(monkeypatch, scheme):
+    """"ragged" (chunks of RAGGED_CHUNK experts) and "tiled" (one expert per tile): no float32 buffer of the compiled
+    grouped matmul holds more experts' weights than a chunk / one expert; the QAT forward (fake-quantized by the
+    same chunks) equals the packed one bit for bit, and its gradient flows through the chunk loop."""
+    monkeypatch.setattr(experts_module, "RAGGED_CHUNK", 3)  # 8 experts: chunks of 2
+    ks = kernels(4)
+    qat, ptq = StackFFN({"up_proj": ks["up_proj"]}), StackFFN({"up_proj": ks["up_proj"]})
+    quantize_model(qat, [Rule(".*", scheme)], mode="qat")
+    quantize_model(ptq, [Rule(".*", scheme)])
+    x, experts = rows_and_experts(40)
+    xs, sizes = jnp.asarray(x[np.argsort(experts, kind="stable")]), jnp.asarray(np.bincount(experts, minlength=E))
+    m = ptq.experts["up_proj"]
+    g, st = nnx.split(m)
+    one = D * ks["up_proj"].shape[2]
+    for method, most in (("ragged", 2), ("tiled", 1)):
+        sizes_seen = _dense_buffers(lambda s, x, n: nnx.merge(g, s).grouped(x, n, method), st, xs, sizes)
+        assert max(sizes_seen) <= max(most * one, xs.shape[0] * ks["up_proj"].shape[2]), (method, max(sizes_seen))
+    want = np.stack([np.asarray(m.dense(xs[i], int(e))) for i, e in enumerate(np.sort(experts, kind="stable"))])
+    got = np.asarray(m.grouped(xs, sizes, "ragged"))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(got, np.asarray(qat.experts["up_proj"].grouped(xs, sizes, "ragged")))
+    gq, sq = nnx.split(qat.experts["up_proj"], nnx.Param)
+    grad = jax.grad(lambda p: jnp.sum(nnx.merge(gq, p).grouped(xs, sizes, "ragged") ** 2))(sq)
+    gk = np.asarray(jax.tree.leaves(grad)[0])
+    assert np.all(np.isfinite(gk)) and np.any(gk != 0)
 
 def test_qat_forward_is_the_packed_forward_and_converts():
     from qformats.nn import convert
