@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -40,29 +37,15 @@ def _moe_fixture():
     return mod
 
 
-THEIRS = r"""
-import json, sys, warnings
-warnings.filterwarnings("ignore")
-import numpy as np, torch
-from datasets import Dataset
-from transformers import AutoModelForCausalLM
-from llmcompressor import oneshot
+def theirs_script(dense) -> str:
+    """The llm-compressor script (`dense`: bench/gptq_llmc_fixture.py as a module): AWQ then W4A16 RTN, every expert
+    calibrated on every token; saves each quantized module's smoothed weight, codes and scales, the norms, routers."""
+    return dense.ONESHOT_PREAMBLE + dense.W4_GROUP + r"""
 from llmcompressor.modifiers.quantization import QuantizationModifier
 from llmcompressor.modifiers.transform.awq import AWQModifier
 from llmcompressor.pipelines.cache import IntermediatesCache
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 # AWQ pins its cached batches (host -> GPU copies); a CPU-only torch cannot pin: pinning moves no value
 IntermediatesCache.pin_memory = lambda self, batch_index: None
-src, ids_file, out, group = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-ids = json.load(open(ids_file))
-ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
-model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
-tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(
-    model.config.vocab_size)}, unk_token="t0")), pad_token="t0")
-w4 = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True,
-                                                                     strategy="group", group_size=group))
 oneshot(model=model, processor=tok, dataset=ds,
         recipe=[AWQModifier(n_grid=20, duo_scaling=True),
                 QuantizationModifier(config_groups={"group_0": w4}, ignore=["lm_head", "re:.*mlp.gate$"])],
@@ -93,21 +76,16 @@ def main() -> None:
     gen = _moe_fixture()
     tensors = gen.tiny_qwen3_moe()
     samples = gen.tiny_samples("single")[:SAMPLES]
+    dense = gen._dense()
     with tempfile.TemporaryDirectory() as d:
         src = gen.write_checkpoint(Path(d) / "tiny", tensors)
-        ids = Path(d) / "ids.json"
-        ids.write_text(json.dumps([s.tolist() for s in samples]))
-        out = Path(d) / "theirs.npz"
-        env = {**os.environ, "LOGURU_LEVEL": "WARNING", "PYTHONPATH": ""}
-        subprocess.run([a.llmc_python, "-c", THEIRS, str(src), str(ids), str(out), str(gen.GROUP)], check=True,
-                       env=env, cwd=d)
-        theirs = dict(np.load(out))
+        theirs = dense.run_oneshot(a.llmc_python, theirs_script(dense), src, samples, Path(d) / "theirs.npz",
+                                   gen.GROUP)
     fixture = {"digest": np.array(gen.digest(tensors)), "lengths": np.array([len(s) for s in samples]),
                "ids": np.concatenate(samples)}
     missing = [n for n in gen.modules() if n + ".codes" not in theirs]
     if missing:
         raise SystemExit(f"llm-compressor quantized no {missing[:4]} ...; it quantized {sorted(theirs)[:8]}")
-    dense = gen._dense()
     for name in gen.modules():
         fixture[name + ".codes"] = dense.pack(theirs[name + ".codes"])
         fixture[name + ".scale"] = theirs[name + ".scale"]

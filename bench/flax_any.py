@@ -1,7 +1,7 @@
 """Third-party-style Flax models (Gemma-style linen, EasyDeL-style NNX): quantize time, peak memory, error vs qwix.
 
 Usage: python bench/flax_any.py [--embed 512] [--hidden 2048] [--layers 4] [--vocab 8192] [--schemes ...] [--no-qwix]
-       [--repeat 3] [--models gemma,gemma-scan,nnx] [--baseline]
+       [--repeat 3] [--models gemma,gemma-scan,nnx] [--baseline] [--log RUNS.jsonl | --report RUNS.jsonl]
 
 The models are the test suite's re-implementations of Google DeepMind's `gemma` layer style (`Gemma`: its own
 Einsum modules calling `jnp.einsum` on their params, a tied embedding, blocks under `nn.scan`) and of EasyDeL's
@@ -126,44 +126,67 @@ def child(args) -> dict:
     return {"s": dt, "cpu_s": dc, "mb_peak": mem.growth, "params_mb": mb, "err": _rel(run(), ref)}
 
 
+_LOGGED: dict = {}
+
+
 def _run_child(args, model, tool, name):
+    """(result, None) or (None, why it failed) of one fresh-process run, appended to `--log` as a JSON line; with
+    `--report`, the next logged run of (model, tool, scheme) instead ((None, None) when none is left)."""
+    if args.report:
+        left = _LOGGED.get((model, tool, name), [])
+        return (left.pop(0) if left else (None, None))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--tool", tool,
            "--scheme", name] + [f"--{k}={getattr(args, k)}" for k in ("embed", "hidden", "heads", "layers",
                                                                      "vocab", "tokens")]
     res = subprocess.run(cmd, capture_output=True, text=True)
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     if res.returncode == 0 and line:
-        return json.loads(line[-1]), None
-    errs = [ln for ln in res.stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception): ", ln)]
-    why = (errs or res.stderr.strip().splitlines() or ["?"])[-1]
-    if "Check failed" in res.stderr:
-        why = "XLA check failure: " + [ln for ln in res.stderr.splitlines() if "Check failed" in ln][0][-70:]
-    return None, why
+        out = json.loads(line[-1]), None
+    else:
+        errs = [ln for ln in res.stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception): ", ln)]
+        why = (errs or res.stderr.strip().splitlines() or ["?"])[-1]
+        if "Check failed" in res.stderr:
+            why = "XLA check failure: " + [ln for ln in res.stderr.splitlines() if "Check failed" in ln][0][-70:]
+        out = None, why
+    if args.log:
+        with open(args.log, "a") as f:
+            f.write(json.dumps({"model": model, "tool": tool, "scheme": name, "result": out[0], "why": out[1],
+                                "at": time.strftime("%H:%M:%S", time.gmtime()), "load": os.getloadavg()[0]}) + "\n")
+    return out
+
+
+def _read_log(path):
+    for ln in open(path):
+        r = json.loads(ln)
+        _LOGGED.setdefault((r["model"], r["tool"], r["scheme"]), []).append((r["result"], r["why"]))
 
 
 def rows(args, model, schemes, use_qwix) -> list:
     """[(label, scheme, [results of each repeat] or None, why failed)]: each (tool, scheme) run `args.repeat`
-    times, qformats and qwix alternating, each run a fresh process."""
-    out = []
-    for name in schemes:
-        tools = ("qformats", "qwix") if use_qwix else ("qformats",)
-        if name == "float":
-            tools = ("float",)
-        runs = {t: [] for t in tools}
-        why = {}
-        for _ in range(args.repeat):
-            for tool in tools:
-                if tool in why:
+    times, each run a fresh process; the repeats are the outer loop (every scheme once, then again: a cut-short
+    `--log` holds every scheme), qformats and qwix alternating."""
+    tools = {name: ("float",) if name == "float" else ("qformats", "qwix") if use_qwix else ("qformats",)
+             for name in schemes}
+    runs = {(name, t): [] for name in schemes for t in tools[name]}
+    why = {}
+    for _ in range(args.repeat):
+        for name in schemes:
+            for tool in tools[name]:
+                if (name, tool) in why:
                     continue
                 r, err = _run_child(args, model, tool, name)
-                if r is None:
-                    why[tool] = err
-                else:
-                    runs[tool].append(r)
-        for tool in tools:
+                if r is not None:
+                    runs[name, tool].append(r)
+                elif err is not None:
+                    why[name, tool] = err
+    out = []
+    for name in schemes:
+        for tool in tools[name]:
+            if not runs[name, tool] and (name, tool) not in why:
+                continue  # --report: not run yet
             label = "float: first jitted forward" if tool == "float" else (
                 f"{tool} {name if tool == 'qformats' else QWIX[name][0]}")
-            out.append((label, name, runs[tool] if tool not in why else None, why.get(tool)))
+            out.append((label, name, runs[name, tool] if (name, tool) not in why else None, why.get((name, tool))))
     return out
 
 
@@ -214,6 +237,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="gemma,gemma-scan,nnx")
     p.add_argument("--baseline", action="store_true", help="also a row of the float model's first jitted forward "
                    "(compilation included), the reference where qwix fails")
+    p.add_argument("--log", help="append each run's result to this file (JSON lines) as it ends")
+    p.add_argument("--report", help="print the tables from a --log file instead of running (runs not logged yet "
+                   "are left out)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="gemma")
     p.add_argument("--tool", default="qformats")
@@ -223,7 +249,9 @@ def main(argv=None) -> int:
         print(json.dumps(child(args)))
         return 0
     use_qwix = not args.no_qwix
-    if use_qwix:
+    if args.report:
+        _read_log(args.report)
+    elif use_qwix:
         try:
             import qwix  # noqa: F401
         except ImportError:

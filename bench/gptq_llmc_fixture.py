@@ -83,28 +83,36 @@ def write_checkpoint(dst: Path, tensors: dict) -> Path:
     return dst
 
 
-THEIRS = r"""
+ONESHOT_PREAMBLE = r"""
 import json, sys, warnings
 warnings.filterwarnings("ignore")
 import numpy as np, torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM
+from tokenizers import Tokenizer, models
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from llmcompressor import oneshot
-from llmcompressor.modifiers.quantization import GPTQModifier
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-src, ids_file, out, group = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+src, ids_file, out, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 ids = json.load(open(ids_file))
 ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
 # the ids are given; oneshot only asks for a processor to exist (a word-level one over the vocabulary)
 tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(
     model.config.vocab_size)}, unk_token="t0")), pad_token="t0")
+"""
+"""The start of every llm-compressor script of the fixture generators (run as text in llm-compressor's venv, whose
+torch / transformers / llmcompressor this project does not import): argv is (checkpoint dir, ids json, output npz,
+*args); it defines `args`, `out`, the calibration dataset `ds` (the given token ids, unpadded), the float32 `model`
+and a word-level `tok` (oneshot needs a processor to exist; the ids are given)."""
+
+W4_GROUP = r"""
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+group = int(args[0])
 w4 = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True,
                                                                      strategy="group", group_size=group))
-oneshot(model=model, processor=tok, dataset=ds, recipe=GPTQModifier(config_groups={"group_0": w4}, ignore=["lm_head"]),
-        max_seq_length=512, num_calibration_samples=len(ids), shuffle_calibration_samples=False)
+"""
+"""After ONESHOT_PREAMBLE: `w4`, int4 symmetric groups of `group` (args[0]) for every Linear."""
+
+GROUP_CODES = r"""
 res = {}
 for name, m in model.named_modules():
     if hasattr(m, "weight_scale"):
@@ -113,8 +121,29 @@ for name, m in model.named_modules():
         assert torch.equal(codes.float() * s.repeat_interleave(group, dim=1), w), name  # on the grid
         res[name + ".codes"] = codes.numpy()
         res[name + ".scale"] = s.numpy()
+print(sorted(res)[:6], len(res), file=sys.stderr)
 np.savez(out, **res)
 """
+"""After a GPTQ oneshot with W4_GROUP: every quantized module's codes = round(W / s) (asserted to reconstruct W
+exactly: GPTQ leaves W on the grid) and group scales, saved to `out`."""
+
+THEIRS = ONESHOT_PREAMBLE + W4_GROUP + r"""
+from llmcompressor.modifiers.quantization import GPTQModifier
+oneshot(model=model, processor=tok, dataset=ds, recipe=GPTQModifier(config_groups={"group_0": w4}, ignore=["lm_head"]),
+        max_seq_length=512, num_calibration_samples=len(ids), shuffle_calibration_samples=False)
+""" + GROUP_CODES
+
+
+def run_oneshot(llmc_python: str, script: str, src: Path, samples: list, out: Path, *args) -> dict:
+    """Run `script` (ONESHOT_PREAMBLE + ...) in llm-compressor's venv on checkpoint `src` with `samples` (token id
+    arrays, written beside `out` as json) and the extra argv `args`; returns the arrays it saved to `out`."""
+    ids = out.with_suffix(".ids.json")
+    ids.write_text(json.dumps([s.tolist() for s in samples]))
+    env = {**os.environ, "LOGURU_LEVEL": "WARNING",
+           "PYTHONPATH": ""}  # bench/kernels.py must not shadow the `kernels` package transformers probes for
+    subprocess.run([llmc_python, "-c", script, str(src), str(ids), str(out), *map(str, args)], check=True, env=env,
+                   cwd=out.parent)
+    return dict(np.load(out))
 
 
 def pack(codes: np.ndarray) -> np.ndarray:
@@ -140,14 +169,7 @@ def main() -> None:
     samples = tiny_samples()
     with tempfile.TemporaryDirectory() as d:
         src = write_checkpoint(Path(d) / "tiny", tensors)
-        ids = Path(d) / "ids.json"
-        ids.write_text(json.dumps([s.tolist() for s in samples]))
-        out = Path(d) / "theirs.npz"
-        env = {**os.environ, "LOGURU_LEVEL": "WARNING",
-               "PYTHONPATH": ""}  # bench/kernels.py must not shadow the `kernels` package transformers probes for
-        subprocess.run([a.llmc_python, "-c", THEIRS, str(src), str(ids), str(out), str(GROUP)], check=True, env=env,
-                       cwd=d)
-        theirs = dict(np.load(out))
+        theirs = run_oneshot(a.llmc_python, THEIRS, src, samples, Path(d) / "theirs.npz", GROUP)
     fixture = {"digest": np.array(digest(tensors)), "lengths": np.array([len(s) for s in samples]),
                "ids": np.concatenate(samples)}
     for name in (f"model.layers.{i}.{p}" for i in range(CONFIG["num_hidden_layers"]) for p in PROJ):

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -105,40 +103,17 @@ def write_checkpoint(dst: Path, tensors: dict) -> Path:
     return dst
 
 
-THEIRS = r"""
-import json, sys, warnings
-warnings.filterwarnings("ignore")
-import numpy as np, torch
-from datasets import Dataset
-from transformers import AutoModelForCausalLM
-from llmcompressor import oneshot
+def theirs_script() -> str:
+    """The llm-compressor script: GPTQ W4A16 over every Linear (the experts linearized) but lm_head and the routers,
+    every expert calibrated on every token, then each quantized module's codes and scales."""
+    dense = _dense()
+    return dense.ONESHOT_PREAMBLE + dense.W4_GROUP + r"""
 from llmcompressor.modifiers.quantization import GPTQModifier
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-src, ids_file, out, group = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-ids = json.load(open(ids_file))
-ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
-model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
-tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(
-    model.config.vocab_size)}, unk_token="t0")), pad_token="t0")
-w4 = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True,
-                                                                     strategy="group", group_size=group))
 oneshot(model=model, processor=tok, dataset=ds,
         recipe=GPTQModifier(config_groups={"group_0": w4}, ignore=["lm_head", "re:.*mlp.gate$"]),
         max_seq_length=512, num_calibration_samples=len(ids), shuffle_calibration_samples=False,
         moe_calibrate_all_experts=True)
-res = {}
-for name, m in model.named_modules():
-    if hasattr(m, "weight_scale"):
-        w, s = m.weight.detach().float(), m.weight_scale.detach().float()
-        codes = torch.round(w / s.repeat_interleave(group, dim=1)).to(torch.int8)
-        assert torch.equal(codes.float() * s.repeat_interleave(group, dim=1), w), name  # on the grid
-        res[name + ".codes"] = codes.numpy()
-        res[name + ".scale"] = s.numpy()
-print(sorted(res)[:6], len(res), file=sys.stderr)
-np.savez(out, **res)
-"""
+""" + dense.GROUP_CODES
 
 
 def main() -> None:
@@ -155,13 +130,7 @@ def main() -> None:
     samples = tiny_samples(a.samples)
     with tempfile.TemporaryDirectory() as d:
         src = write_checkpoint(Path(d) / "tiny", tensors)
-        ids = Path(d) / "ids.json"
-        ids.write_text(json.dumps([s.tolist() for s in samples]))
-        out = Path(d) / "theirs.npz"
-        env = {**os.environ, "LOGURU_LEVEL": "WARNING", "PYTHONPATH": ""}
-        subprocess.run([a.llmc_python, "-c", THEIRS, str(src), str(ids), str(out), str(GROUP)], check=True, env=env,
-                       cwd=d)
-        theirs = dict(np.load(out))
+        theirs = dense.run_oneshot(a.llmc_python, theirs_script(), src, samples, Path(d) / "theirs.npz", GROUP)
     fixture = {"digest": np.array(digest(tensors)), "lengths": np.array([len(s) for s in samples]),
                "ids": np.concatenate(samples)}
     missing = [n for n in modules() if n + ".codes" not in theirs]

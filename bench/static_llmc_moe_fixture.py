@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -40,22 +37,9 @@ def _moe_fixture():
     return mod
 
 
-THEIRS = r"""
-import json, sys, warnings
-warnings.filterwarnings("ignore")
-import numpy as np, torch
-from datasets import Dataset
-from transformers import AutoModelForCausalLM
-from llmcompressor import oneshot
+BODY = r"""
 from llmcompressor.modifiers.quantization import QuantizationModifier
-src, ids_file, out, scheme, all_experts = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "all"
-ids = json.load(open(ids_file))
-ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
-model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
-tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(
-    model.config.vocab_size)}, unk_token="t0")), pad_token="t0")
+scheme, all_experts = args[0], args[1] == "all"
 oneshot(model=model, processor=tok, dataset=ds,
         recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head", "re:.*mlp.gate$"]),
         max_seq_length=512, num_calibration_samples=len(ids), shuffle_calibration_samples=False,
@@ -68,6 +52,7 @@ for name, m in model.named_modules():
 print(sorted(res)[:6], len(res), file=sys.stderr)
 np.savez(out, **res)
 """
+"""The llm-compressor script after bench/gptq_llmc_fixture.py's ONESHOT_PREAMBLE; args: (preset, "all" | "routed")."""
 
 
 def main() -> None:
@@ -81,16 +66,12 @@ def main() -> None:
     samples = gen.tiny_samples("single")
     fixture = {"digest": np.array(gen.digest(tensors)), "lengths": np.array([len(s) for s in samples]),
                "ids": np.concatenate(samples)}
+    dense = gen._dense()
     with tempfile.TemporaryDirectory() as d:
         src = gen.write_checkpoint(Path(d) / "tiny", tensors)
-        ids = Path(d) / "ids.json"
-        ids.write_text(json.dumps([s.tolist() for s in samples]))
-        env = {**os.environ, "LOGURU_LEVEL": "WARNING", "PYTHONPATH": ""}
         for scheme, stats in RUNS:
-            out = Path(d) / f"{scheme}_{stats}.npz"
-            subprocess.run([a.llmc_python, "-c", THEIRS, str(src), str(ids), str(out), scheme, stats], check=True,
-                           env=env, cwd=d)
-            theirs = dict(np.load(out))
+            theirs = dense.run_oneshot(a.llmc_python, dense.ONESHOT_PREAMBLE + BODY, src, samples,
+                                       Path(d) / f"{scheme}_{stats}.npz", scheme, stats)
             local = "input_scale" if scheme == "FP8" else "input_global_scale"
             missing = [n for n in gen.modules() if f"{n}.{local}" not in theirs]
             if missing:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from converters.cli import main
+from tiny_hf import write_tiny_hf
 
 pytest.importorskip("tokenizers")
 ROOT = Path(__file__).resolve().parents[3]
@@ -26,34 +27,11 @@ CHAT = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} 
 def make_tiny(dst: Path, max_pos: int = 64) -> Path:
     """A random llama (2 layers, hidden 64, vocab 64, context `max_pos`) in HF layout, a word-level tokenizer
     (w0 ... w58 and special tokens) and a chat template."""
-    from flax import nnx
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from converters.formats.safetensors_io import save_file
-    from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names
-
-    dst.mkdir(parents=True)
     cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64,
                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=max_pos, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False,
                torch_dtype="float32")
-    dc = DecoderConfig.from_hf(cfg)
-    model = nnx.eval_shape(lambda: CausalLM(dc, rngs=nnx.Rngs(0)))
-    rng = np.random.RandomState(0)
-    tensors = {}
-    for name, slot in hf_tensor_names(dc).items():
-        node = model
-        for p in slot.path:
-            node = node[p] if isinstance(p, int) else getattr(node, p)
-        shape = node.get_value().shape[::-1] if slot.transpose else node.get_value().shape
-        tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape) if name.endswith("norm.weight")
-                         else 0.3 * rng.standard_normal(shape)).astype(np.float32)
-    save_file(tensors, dst / "model.safetensors")
-    (dst / "config.json").write_text(json.dumps(cfg))
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<s>", "</s>", "<|im_start|>", "<|im_end|>"])
-    tok.save(str(dst / "tokenizer.json"))
+    write_tiny_hf(dst, cfg, WORDS, ["<s>", "</s>", "<|im_start|>", "<|im_end|>"])
     (dst / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<|im_end|>"}))
     (dst / "chat_template.jinja").write_text(CHAT)
     return dst

@@ -11,10 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from converters.cli import main
+from tiny_hf import write_tiny_hf
 
 pytest.importorskip("tokenizers")
 
@@ -31,32 +31,7 @@ CFG = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_
 def make_tiny_moe(dst: Path) -> Path:
     """A random qwen3_moe (2 sparse layers, 8 experts of 32, top-2) in HF layout (one tensor per expert) and a
     word-level tokenizer."""
-    from flax import nnx
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from converters.formats.safetensors_io import save_file
-    from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names
-
-    dst.mkdir(parents=True)
-    dc = DecoderConfig.from_hf(CFG)
-    model = nnx.eval_shape(lambda: CausalLM(dc, rngs=nnx.Rngs(0)))
-    rng = np.random.RandomState(0)
-    tensors = {}
-    for name, slot in hf_tensor_names(dc).items():
-        node = model
-        for p in slot.path:
-            node = node[p] if isinstance(p, int) else getattr(node, p)
-        shape = node.get_value().shape[(0 if slot.expert is None else 1):]
-        shape = shape[::-1] if slot.transpose else shape
-        tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape) if name.endswith("norm.weight")
-                         else 0.3 * rng.standard_normal(shape)).astype(np.float32)
-    save_file(tensors, dst / "model.safetensors")
-    (dst / "config.json").write_text(json.dumps(CFG))
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.save(str(dst / "tokenizer.json"))
-    return dst
+    return write_tiny_hf(dst, CFG, WORDS, ["<s>", "</s>"])
 
 
 @pytest.fixture(scope="module")
