@@ -296,7 +296,7 @@ def test_expert_moments_with_biases_follow_the_clamped_swiglu():
 
 
 # 24 CPU s for the whole pytest process (imports included; 75 s wall call at load 40): one calibration of a
-# one-layer model, nearly all XLA compilation; the per-expert references reuse its compiled GPTQ functions.
+# one-layer model plus the per-expert GPTQ references (split between them not measured).
 @pytest.mark.slow
 def test_gpt_oss_fused_experts_quantized_as_separate_gate_and_up(tmp_path):
     """gpt-oss: each expert's fused gate_up_proj holds exactly the interleaved codes of its gate (even columns) and up
