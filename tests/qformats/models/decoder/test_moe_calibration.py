@@ -295,7 +295,9 @@ def test_expert_moments_with_biases_follow_the_clamped_swiglu():
                 np.testing.assert_allclose(np.asarray(ranges["amax_mid"][e]), np.max(np.abs(a)), rtol=1e-6)
 
 
-@pytest.mark.slow  # ~40 s on the loaded 2-core machine: one calibration of a one-layer model
+# 24 CPU s for the whole pytest process (imports included; 75 s wall call at load 40): one calibration of a
+# one-layer model plus the per-expert GPTQ references (split between them not measured).
+@pytest.mark.slow
 def test_gpt_oss_fused_experts_quantized_as_separate_gate_and_up(tmp_path):
     """gpt-oss: each expert's fused gate_up_proj holds exactly the interleaved codes of its gate (even columns) and up
     (odd columns) quantized as two Linears with the expert's input H (llm-compressor's linearized experts), and its
