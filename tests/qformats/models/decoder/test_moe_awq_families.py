@@ -1,0 +1,160 @@
+"""AWQ and SmoothQuant on Qwen2-MoE (shared expert + sigmoid gate) and DeepSeek-V3 (latent attention, dense first
+layer, shared experts): llm-compressor 0.14's mappings (`_moe_default_mappings`, `_deepseek_mappings`,
+DEEPSEEK_V2_SMOOTHQUANT_MAPPINGS), and the invariant of a smoothing transform: every Linear reading a smoothed output
+compensated, so the transformed float model computes the original's logits (float32 accumulation order only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).parent))
+import moe_tiny  # noqa: E402
+
+from converters.pipelines.causal_lm import load_causal_lm  # noqa: E402
+from qformats.algorithms import awq  # noqa: E402
+from qformats.models.decoder.calibration import awq_transform, calibrate_decoder, smoothquant_transform  # noqa: E402
+
+SCHEME = "W4A16:g16"
+# float32 logits of |logit| up to ~5: the transformed model differs from the original by rounding only (measured
+# ~1e-6); a shared expert left uncompensated moves them by ~1e-1 (`test_qwen2_moe_awq`)
+ATOL = 2e-5
+N_GRID = 5
+"""A short grid (ratios 0, 1/3, 2/3, 1 with duo scaling, and the identity): the mappings and the fold are under test,
+not the search (tests/qformats/models/decoder/test_moe_awq.py, test_moe_awq_llmc.py)."""
+
+
+def _gen():
+    spec = importlib.util.spec_from_file_location(
+        "gptq_llmc_families_fixture", Path(__file__).resolve().parents[4] / "bench" / "gptq_llmc_families_fixture.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    return gen
+
+
+def _samples(vocab: int, seed: int = 4):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, int(n)).astype(np.int32) for n in (5, 9, 12)]
+
+
+def _logits(model, ids):
+    return np.asarray(model(jnp.asarray(ids))[0])
+
+
+def _transformed(path, transform, samples):
+    """(the original float model, the float model as `transform` left it layer by layer: each layer's state copied
+    out before calibrate_decoder quantizes it)."""
+    orig, _, _ = load_causal_lm(path, tokenizer=False)
+    twin, _, _ = load_causal_lm(path, tokenizer=False)
+    work, _, _ = load_causal_lm(path, tokenizer=False)
+
+    def keep(layer, i, xs, valid, li):
+        transform(layer, i, xs, valid, li)
+        nnx.update(twin.model.layers[i], nnx.state(layer))
+
+    calibrate_decoder(work, samples, SCHEME, weight_search="rtn", propagate="float", transform=keep)
+    return orig, twin
+
+
+def _kernel(model, i, rel):
+    m = model.model.layers[i]
+    for part in rel.split("/"):
+        m = getattr(m, part)
+    return np.asarray(m.kernel.get_value())
+
+
+def test_qwen2_moe_awq(tmp_path):
+    """post_attention_layernorm balanced over the router and every expert's gate / up (their `_moe_default_mappings`),
+    the shared expert's gate / up and its sigmoid gate compensated outside the search, the shared expert's
+    up_proj -> down_proj after the experts'; the dense (mlp_only) layer takes the dense mappings; logits kept."""
+    src = tmp_path / "q2"
+    moe_tiny.write_checkpoint("qwen2_moe", src, num_hidden_layers=2, mlp_only_layers=[1])
+    ids = moe_tiny.ids(2, 12)
+    rec = []
+    orig, twin = _transformed(src, awq_transform(SCHEME, n_grid=N_GRID, record=rec), _samples(256))
+    by = {(r["layer"], r["smooth"]): r for r in rec}
+    # grouped-query attention: v_proj -> o_proj does not apply (llm-compressor's shape rule)
+    assert [s for (i, s) in by if i == 0 and "/experts/" not in s] == [
+        "input_layernorm", "post_attention_layernorm", "mlp/shared_expert/up_proj"]
+    assert len([s for (i, s) in by if i == 0 and "/experts/up_proj/" in s]) == 10
+    assert [s for (i, s) in by if i == 1] == ["input_layernorm", "post_attention_layernorm", "mlp/up_proj"]
+    post = by[(0, "post_attention_layernorm")]
+    assert post["balances"] == ("mlp/gate", "mlp/experts/gate_proj", "mlp/experts/up_proj")
+    assert post["compensated"] == ("mlp/shared_expert/gate_proj", "mlp/shared_expert/up_proj",
+                                   "mlp/shared_expert_gate")
+    s = post["scales"]
+    assert not np.allclose(s, 1.0)
+    # rows * s, exactly as the fold (the shared up_proj's columns are then divided by its up -> down scales)
+    for rel in ("mlp/gate", "mlp/shared_expert/gate_proj", "mlp/shared_expert_gate"):
+        np.testing.assert_array_equal(_kernel(twin, 0, rel), np.asarray(awq.scale_rows(_kernel(orig, 0, rel), s)),
+                                      err_msg=rel)
+    ref, got = _logits(orig, ids), _logits(twin, ids)
+    np.testing.assert_allclose(got, ref, atol=ATOL, rtol=0)
+    # llm-compressor's own fold leaves the shared expert and its gate reading the smoothed norm: the output moves
+    for rel in post["compensated"]:
+        m = twin.model.layers[0]
+        for part in rel.split("/"):
+            m = getattr(m, part)
+        m.kernel.set_value(jnp.asarray(_kernel(orig, 0, rel)))
+    assert np.max(np.abs(_logits(twin, ids) - ref)) > 100 * ATOL
+
+
+@pytest.mark.parametrize("q_lora", [True, False])
+def test_deepseek_v3_awq(tmp_path, q_lora):
+    """`_deepseek_mappings`: input_layernorm over q_a_proj (q_proj without query LoRA) and kv_a_proj_with_mqa, the
+    LoRA norms over q_b_proj / kv_b_proj (no q_a_layernorm mapping without query LoRA: their regex matches nothing),
+    post_attention_layernorm over the router, every expert's and the shared experts' gate / up (sparse layer) or the
+    MLP's (the dense first layer), up_proj -> down_proj each; logits kept."""
+    gen = _gen()
+    fam = "deepseek_v3" if q_lora else "deepseek_v3_noq"
+    if not q_lora:
+        gen.FAMILIES[fam] = {**gen.FAMILIES["deepseek_v3"], "q_lora_rank": None}
+    src = gen.write_checkpoint(fam, tmp_path / "ds", gen.tensors(fam))
+    rec = []
+    orig, twin = _transformed(src, awq_transform(SCHEME, n_grid=N_GRID, record=rec), _samples(128))
+    by = {(r["layer"], r["smooth"]): r for r in rec}
+    q = "self_attn/q_a_proj" if q_lora else "self_attn/q_proj"
+    attn = ["input_layernorm"] + (["self_attn/q_a_layernorm"] if q_lora else []) + ["self_attn/kv_a_layernorm"]
+    assert [s for (i, s) in by if i == 0] == attn + ["post_attention_layernorm", "mlp/up_proj"]
+    assert [s for (i, s) in by if i == 1 and "/experts/" not in s] == attn + [
+        "post_attention_layernorm", "mlp/shared_experts/up_proj"]
+    assert len([s for (i, s) in by if i == 1 and "/experts/up_proj/" in s]) == 8
+    assert by[(0, "input_layernorm")]["balances"] == (q, "self_attn/kv_a_proj_with_mqa")
+    assert by[(0, "post_attention_layernorm")]["balances"] == ("mlp/gate_proj", "mlp/up_proj")
+    post = by[(1, "post_attention_layernorm")]
+    assert post["balances"] == ("mlp/gate", "mlp/experts/gate_proj", "mlp/experts/up_proj",
+                                "mlp/shared_experts/gate_proj", "mlp/shared_experts/up_proj")
+    assert post["compensated"] == ()
+    assert not np.allclose(post["scales"], 1.0)
+    np.testing.assert_array_equal(_kernel(twin, 1, "mlp/gate"),
+                                  np.asarray(awq.scale_rows(_kernel(orig, 1, "mlp/gate"), post["scales"])))
+    ids = np.asarray(_samples(128, 7)[2][None])
+    np.testing.assert_allclose(_logits(twin, ids), _logits(orig, ids), atol=ATOL, rtol=0)
+
+
+def test_deepseek_v3_smoothquant(tmp_path):
+    """DEEPSEEK_V2_SMOOTHQUANT_MAPPINGS: input_layernorm over q_a_proj and kv_a_proj_with_mqa on every layer, nothing
+    else; logits kept."""
+    gen = _gen()
+    src = gen.write_checkpoint("deepseek_v3", tmp_path / "ds", gen.tensors("deepseek_v3"))
+    orig, twin = _transformed(src, smoothquant_transform(0.5, moe=True), _samples(128))
+    for i in range(2):
+        lo, lt = orig.model.layers[i], twin.model.layers[i]
+        changed = {rel for rel in ("self_attn/q_a_proj", "self_attn/kv_a_proj_with_mqa", "self_attn/q_b_proj",
+                                   "self_attn/kv_b_proj", "self_attn/o_proj")
+                   if not np.array_equal(_kernel(orig, i, rel), _kernel(twin, i, rel))}
+        assert changed == {"self_attn/q_a_proj", "self_attn/kv_a_proj_with_mqa"}, i
+        for n in ("self_attn/q_a_layernorm", "self_attn/kv_a_layernorm", "post_attention_layernorm"):
+            a, b = lo, lt
+            for part in n.split("/"):
+                a, b = getattr(a, part), getattr(b, part)
+            np.testing.assert_array_equal(np.asarray(a.weight.get_value()), np.asarray(b.weight.get_value()))
+    ids = np.asarray(_samples(128, 7)[2][None])
+    np.testing.assert_allclose(_logits(twin, ids), _logits(orig, ids), atol=ATOL, rtol=0)
