@@ -74,8 +74,14 @@ def test_qwen2_moe_awq(tmp_path):
     """post_attention_layernorm balanced over the router and every expert's gate / up (their `_moe_default_mappings`),
     the shared expert's gate / up and its sigmoid gate compensated outside the search, the shared expert's
     up_proj -> down_proj after the experts'; the dense (mlp_only) layer takes the dense mappings; logits kept."""
+    import torch
+
     src = tmp_path / "q2"
-    moe_tiny.write_checkpoint("qwen2_moe", src, num_hidden_layers=2, mlp_only_layers=[1])
+    hf = moe_tiny.hf_model("qwen2_moe", num_hidden_layers=2, mlp_only_layers=[1])
+    with torch.no_grad():  # channels of unequal scale in the residual stream, so AWQ's scales are not the identity
+        hf.model.embed_tokens.weight.mul_(torch.exp(torch.randn(hf.config.hidden_size, generator=torch.Generator()
+                                                                .manual_seed(1))))
+    hf.save_pretrained(src)
     ids = moe_tiny.ids(2, 12)
     rec = []
     orig, twin = _transformed(src, awq_transform(SCHEME, n_grid=N_GRID, record=rec), _samples(256))
