@@ -1,0 +1,83 @@
+"""AWQ on a tiny DeepSeek-V3 against llm-compressor's AWQModifier, same model and samples.
+
+The expected result is llm-compressor 0.14's (`oneshot` + [AWQModifier(n_grid=20, duo_scaling=True),
+QuantizationModifier(W4A16 int4 symmetric groups of 16, lm_head and routers ignored)], its `_deepseek_mappings`,
+`moe_calibrate_all_experts=True`, one sample per batch), pinned in data/awq_llmc_deepseek_v3.npz by
+bench/awq_llmc_families_fixture.py on bench/gptq_llmc_families_fixture.py's tiny DeepSeek-V3 with every layer sparse
+(their mappings cannot group a dense first layer; its weights' digest and config are checked here) and 32 one-token
+samples. Ours: the same dense checkpoint through `load_causal_lm` + `calibrate_decoder` with `awq_transform`
+(round-to-nearest, float propagation, as their pipeline runs this recipe; pack=False: one sample a row). The
+fractions of equal codes are printed per kind of Linear; measured figures in BENCHMARKS.md (MoE calibration).
+"""
+
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from llmc_pinned import pinned_family_source  # noqa: E402
+
+pytestmark = pytest.mark.slow  # one AWQ calibration of the tiny two-layer DeepSeek-V3 (~1-2 min on the busy machine)
+
+DATA = Path(__file__).parent / "data" / "awq_llmc_deepseek_v3.npz"
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory):
+    from converters.pipelines.causal_lm import load_causal_lm
+    from qformats.models.decoder.calibration import awq_transform, calibrate_decoder
+    from qformats.nn import quantized_layers
+    from qformats.nn.experts import QExperts
+
+    gen, fx, src, samples = pinned_family_source(DATA, tmp_path_factory.mktemp("tinyds") / "src")
+    model, _, _ = load_causal_lm(src, tokenizer=False)
+    scheme = f"W4A16:g{gen.GROUP}"
+    rec = []
+    calibrate_decoder(model, samples, scheme, weight_search="rtn", propagate="float",
+                      transform=awq_transform(scheme, record=rec), pack=False)
+    codes = {}
+    for path, q in quantized_layers(model).items():
+        name = path.replace("/", ".")
+        head, proj = name.rsplit(".", 1)
+        qs = [(f"{head}.{e}.{proj}", q.expert_weight(e)) for e in range(q.num_experts)] \
+            if isinstance(q, QExperts) else [(name, q.kernel.get_value())]
+        for n, qa in qs:
+            codes[n] = np.asarray(qa.element_values(jnp.float32)).astype(np.int8)
+    weights = {}
+    for i, layer in enumerate(model.model.layers):
+        for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm"):
+            m = layer
+            for part in n.split("."):
+                m = getattr(m, part)
+            weights[f"model.layers.{i}.{n}.weight"] = np.asarray(m.weight.get_value())
+        weights[f"model.layers.{i}.mlp.gate.weight"] = np.asarray(layer.mlp.gate.kernel.get_value()).T
+    return gen, fx, codes, weights, rec
+
+
+def _kind(name: str) -> str:
+    if ".experts." in name:
+        return "experts " + name.rsplit(".", 1)[1]
+    return name.split(".", 3)[3].split(".", 1)[0] + " " + name.rsplit(".", 1)[1]
+
+
+def test_awq_deepseek_v3_against_llm_compressor(ours):
+    gen, fx, codes, weights, rec = ours
+    theirs = sorted(k[:-len(".codes")] for k in fx if k.endswith(".codes"))
+    assert sorted(codes) == theirs
+    eq, per_kind = {}, {}
+    for name in theirs:
+        ref = gen._dense().unpack(fx[name + ".codes"])
+        assert codes[name].shape == ref.shape, name
+        eq[name] = float(np.mean(codes[name] == ref))
+        per_kind.setdefault(_kind(name), []).append(eq[name])
+    rel = {k: float(np.max(np.abs(v - fx[k]) / np.abs(fx[k]))) for k, v in weights.items()}
+    total = float(np.mean(list(eq.values())))
+    print({k: round(float(np.mean(v)), 4) for k, v in sorted(per_kind.items())},
+          {k: f"{v:.1e}" for k, v in rel.items()}, f"codes equal overall {total:.4f}")
+    assert {r["smooth"] for r in rec if r["layer"] == 0 and "/experts/" not in r["smooth"]} == {
+        "input_layernorm", "self_attn/q_a_layernorm", "self_attn/kv_a_layernorm", "post_attention_layernorm",
+        "mlp/shared_experts/up_proj"}
+    assert total >= 0.9, total
