@@ -12,7 +12,6 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -20,7 +19,7 @@ import moe_tiny  # noqa: E402
 
 from converters.pipelines.causal_lm import load_causal_lm  # noqa: E402
 from qformats.algorithms import awq  # noqa: E402
-from qformats.models.decoder.calibration import awq_transform, calibrate_decoder, smoothquant_transform  # noqa: E402
+from qformats.models.decoder.calibration import awq_transform, smoothquant_transform  # noqa: E402
 
 SCHEME = "W4A16:g16"
 # float32 logits of |logit| up to ~5: the transformed model differs from the original by rounding only (measured
@@ -49,18 +48,24 @@ def _logits(model, ids):
 
 
 def _transformed(path, transform, samples):
-    """(the original float model, the float model as `transform` left it layer by layer: each layer's state copied
-    out before calibrate_decoder quantizes it)."""
+    """(the original float model, the float model as `transform` leaves it): calibrate_decoder's layer loop without
+    its quantization (packed batches, each layer transformed, then its float outputs are the next layer's inputs)."""
+    from qformats.algorithms.sequential import pack_batches
+    from qformats.models.decoder.calibration import _embed, _forward, _layer_inputs
+
     orig, _, _ = load_causal_lm(path, tokenizer=False)
-    twin, _, _ = load_causal_lm(path, tokenizer=False)
     work, _, _ = load_causal_lm(path, tokenizer=False)
+    cfg = work.config
+    batches = pack_batches(samples, tokens_per_batch=2048, bucket=32)
+    xs = [_embed(work, jnp.asarray(ids)) for ids in batches.ids]
+    valid = [jnp.asarray(v) for v in batches.valid]
+    for i, layer in enumerate(work.model.layers):
+        def inputs(j, w=cfg.sliding_windows[i]):
+            return _layer_inputs(cfg, batches, j, w)
 
-    def keep(layer, i, xs, valid, li):
-        transform(layer, i, xs, valid, li)
-        nnx.update(twin.model.layers[i], nnx.state(layer))
-
-    calibrate_decoder(work, samples, SCHEME, weight_search="rtn", propagate="float", transform=keep)
-    return orig, twin
+        transform(layer, i, xs, valid, inputs)
+        xs = [_forward(layer, x, *inputs(j)) for j, x in enumerate(xs)]
+    return orig, work
 
 
 def _kernel(model, i, rel):
@@ -70,6 +75,7 @@ def _kernel(model, i, rel):
     return np.asarray(m.kernel.get_value())
 
 
+@pytest.mark.slow  # AWQ compiles its searches for every kernel shape of the layer (~50 s on the busy 2-core machine)
 def test_qwen2_moe_awq(tmp_path):
     """post_attention_layernorm balanced over the router and every expert's gate / up (their `_moe_default_mappings`),
     the shared expert's gate / up and its sigmoid gate compensated outside the search, the shared expert's
@@ -112,6 +118,7 @@ def test_qwen2_moe_awq(tmp_path):
     assert np.max(np.abs(_logits(twin, ids) - ref)) > 100 * ATOL
 
 
+@pytest.mark.slow  # as above (~50 s, then ~15 s for the second variant, compilations shared)
 @pytest.mark.parametrize("q_lora", [True, False])
 def test_deepseek_v3_awq(tmp_path, q_lora):
     """`_deepseek_mappings`: input_layernorm over q_a_proj (q_proj without query LoRA) and kv_a_proj_with_mqa, the
