@@ -7,7 +7,15 @@ bench/awq_llmc_families_fixture.py on bench/gptq_llmc_families_fixture.py's tiny
 (their mappings cannot group a dense first layer; its weights' digest and config are checked here) and 32 one-token
 samples. Ours: the same dense checkpoint through `load_causal_lm` + `calibrate_decoder` with `awq_transform`
 (round-to-nearest, float propagation, as their pipeline runs this recipe; pack=False: one sample a row). The
-fractions of equal codes are printed per kind of Linear; measured figures in BENCHMARKS.md (MoE calibration).
+fractions of equal codes are printed per kind of Linear. Measured (BENCHMARKS.md, MoE calibration): 95.4% of all codes
+equal; layer 0's input_layernorm and post_attention_layernorm mappings (the router, every expert's and the shared
+experts' gate / up) pick their grid points (norms within 3e-7 relative), q_a_layernorm the identity on both sides;
+q_a / kv_a / q_b / o codes 99.9-100%, experts' 95.5-96%, shared experts' gate / up 95.6%, down 71.5%, kv_b 91.8%.
+Layer 0's kv_a_layernorm -> kv_b_proj takes another grid point (theirs ratio 1/3, ours 2/9) with the same x_mean,
+w_mean and loss at the identity point (9.946e-3 both), but other losses at the scaled points (their progress bar's
+9.370e-3 at the first duo point, ours 1.030e-2): the loss difference seen on Qwen3-MoE's block
+(test_moe_awq_llmc.py), not resolved; layer 1's post_attention_layernorm takes another point after it. Bounds:
+layer 0's two norms within 1e-6, q_a / kv_a / q_b / o codes >= 99%, all codes >= 93%.
 """
 
 import sys
@@ -80,4 +88,8 @@ def test_awq_deepseek_v3_against_llm_compressor(ours):
     assert {r["smooth"] for r in rec if r["layer"] == 0 and "/experts/" not in r["smooth"]} == {
         "input_layernorm", "self_attn/q_a_layernorm", "self_attn/kv_a_layernorm", "post_attention_layernorm",
         "mlp/shared_experts/up_proj"}
-    assert total >= 0.9, total
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        assert rel[f"model.layers.0.{n}.weight"] <= 1e-6, n
+    for kind in ("self_attn q_a_proj", "self_attn kv_a_proj_with_mqa", "self_attn q_b_proj", "self_attn o_proj"):
+        assert min(per_kind[kind]) >= 0.99, kind
+    assert total >= 0.93, total
