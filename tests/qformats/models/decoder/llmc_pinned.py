@@ -23,10 +23,10 @@ def pinned_llmc_source(data: Path, dst: Path):
     return gen, fx, src, np.split(fx["ids"], np.cumsum(fx["lengths"])[:-1])
 
 
-def pinned_family_source(data: Path, dst: Path):
-    """The same for the tiny family models of bench/awq_llmc_families_fixture.py: (that script as a module, whose
-    `families()` is bench/gptq_llmc_families_fixture.py with its variant added, the pinned results, the checkpoint
-    written to `dst`, the pinned samples); the weight digest and config must equal the pinned ones."""
+def pinned_family_source(data: Path, dst: Path, family: str = "deepseek_v3"):
+    """The same for the tiny `family` model of bench/awq_llmc_families_fixture.py (deepseek_v3, qwen2_moe):
+    (bench/gptq_llmc_families_fixture.py as a module, with that script's configs added, the pinned results, the
+    checkpoint written to `dst`, the pinned samples); the weight digest and config must equal the pinned ones."""
     import importlib.util
     import json
 
@@ -36,8 +36,9 @@ def pinned_family_source(data: Path, dst: Path):
     spec.loader.exec_module(fam)
     gen = fam.families()
     fx = dict(np.load(data))
-    assert json.loads(str(fx["config"])) == gen.FAMILIES[fam.FAMILY], "the tiny model's config changed"
-    tensors = gen.tensors(fam.FAMILY)
+    name = fam.FAMILY[family]
+    assert json.loads(str(fx["config"])) == gen.FAMILIES[name], "the tiny model's config changed"
+    tensors = gen.tensors(name)
     assert gen.digest(tensors) == str(fx["digest"]), "the tiny model's weights changed: regenerate the fixture"
-    src = gen.write_checkpoint(fam.FAMILY, dst, tensors)
+    src = gen.write_checkpoint(name, dst, tensors)
     return gen, fx, src, np.split(fx["ids"], np.cumsum(fx["lengths"])[:-1])
