@@ -152,22 +152,31 @@ def test_deepseek_v3_awq(tmp_path, q_lora):
     np.testing.assert_allclose(_logits(twin, ids), _logits(orig, ids), atol=ATOL, rtol=0)
 
 
-def test_deepseek_v3_smoothquant(tmp_path):
-    """DEEPSEEK_V2_SMOOTHQUANT_MAPPINGS: input_layernorm over q_a_proj and kv_a_proj_with_mqa on every layer, nothing
-    else; logits kept."""
+@pytest.mark.parametrize("q_lora", [True, False])
+def test_deepseek_v3_smoothquant(tmp_path, q_lora):
+    """DEEPSEEK_V2_SMOOTHQUANT_MAPPINGS: input_layernorm over q_a_proj (q_proj without query LoRA: their
+    `re:.*q(_a)?_proj$`) and kv_a_proj_with_mqa on every layer, nothing else; logits kept."""
     gen = _gen()
-    src = gen.write_checkpoint("deepseek_v3", tmp_path / "ds", gen.tensors("deepseek_v3"))
+    fam = "deepseek_v3" if q_lora else "deepseek_v3_noq"
+    if not q_lora:
+        gen.FAMILIES[fam] = {**gen.FAMILIES["deepseek_v3"], "q_lora_rank": None}
+    src = gen.write_checkpoint(fam, tmp_path / "ds", gen.tensors(fam))
     orig, twin = _transformed(src, smoothquant_transform(0.5, moe=True), _samples(128))
+    q = "self_attn/q_a_proj" if q_lora else "self_attn/q_proj"
+    lins = (q, "self_attn/kv_a_proj_with_mqa", "self_attn/kv_b_proj", "self_attn/o_proj") + (
+        ("self_attn/q_b_proj",) if q_lora else ())
     for i in range(2):
         lo, lt = orig.model.layers[i], twin.model.layers[i]
-        changed = {rel for rel in ("self_attn/q_a_proj", "self_attn/kv_a_proj_with_mqa", "self_attn/q_b_proj",
-                                   "self_attn/kv_b_proj", "self_attn/o_proj")
-                   if not np.array_equal(_kernel(orig, i, rel), _kernel(twin, i, rel))}
-        assert changed == {"self_attn/q_a_proj", "self_attn/kv_a_proj_with_mqa"}, i
-        for n in ("self_attn/q_a_layernorm", "self_attn/kv_a_layernorm", "post_attention_layernorm"):
+        changed = {rel for rel in lins if not np.array_equal(_kernel(orig, i, rel), _kernel(twin, i, rel))}
+        assert changed == {q, "self_attn/kv_a_proj_with_mqa"}, i
+        norms = ("self_attn/kv_a_layernorm", "post_attention_layernorm") + (("self_attn/q_a_layernorm",) if q_lora
+                                                                             else ())
+        for n in norms:
             a, b = lo, lt
             for part in n.split("/"):
                 a, b = getattr(a, part), getattr(b, part)
             np.testing.assert_array_equal(np.asarray(a.weight.get_value()), np.asarray(b.weight.get_value()))
+        assert not np.array_equal(np.asarray(lo.input_layernorm.weight.get_value()),
+                                  np.asarray(lt.input_layernorm.weight.get_value()))
     ids = np.asarray(_samples(128, 7)[2][None])
     np.testing.assert_allclose(_logits(twin, ids), _logits(orig, ids), atol=ATOL, rtol=0)
