@@ -13,9 +13,11 @@ DeepSeek-V3: 95.4% of all codes equal; layer 0's input_layernorm and post_attent
 every expert's and the shared experts' gate / up) pick their grid points (norms within 3e-7 relative), q_a_layernorm
 the identity on both sides; q_a / kv_a / q_b / o codes 99.9-100%, experts' 95.5-96%, shared experts' gate / up 95.6%,
 down 71.5%, kv_b 91.8%. Layer 0's kv_a_layernorm -> kv_b_proj takes another grid point (theirs ratio 1/3, ours 2/9)
-with the same x_mean, w_mean and loss at the identity point (9.946e-3 both), but other losses at the scaled points
-(their progress bar's 9.370e-3 at the first duo point, ours 1.030e-2): the loss difference seen on Qwen3-MoE's block
-(test_moe_awq_llmc.py), not resolved; layer 1's post_attention_layernorm takes another point after it. Bounds:
+with the same x_mean, w_mean and losses at the first three points, then others (ratio 1/9: theirs 9.370e-3, ours
+9.220e-3): torch's vectorised float32 pow (x_mean^r) is one ulp off NumPy's in 5 of 32 channels, so s differs by
+1.2e-7 relative, which flips 7 of 4096 codes at rounding ties and moves the loss by 1.6% (compressed-tensors' own
+fake_quantize on our inputs gives 9.371e-3 with torch's s, 9.220e-3 with ours); likely also the cause of Qwen3-MoE's
+block difference (test_moe_awq_llmc.py). Layer 1's post_attention_layernorm takes another point after it. Bounds:
 layer 0's two norms within 1e-6, q_a / kv_a / q_b / o codes >= 99%, all codes >= 93%.
 
 Qwen2-MoE: layer 0's input_layernorm, post_attention_layernorm and router within 2.2e-7 (the same grid points: their
