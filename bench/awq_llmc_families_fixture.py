@@ -1,5 +1,4 @@
-"""Generates tests/qformats/models/decoder/data/awq_llmc_{deepseek_v3,qwen2_moe}.npz: llm-compressor's AWQ result on tiny
-DeepSeek-V3 and Qwen2-MoE models.
+"""Generates tests/qformats/models/decoder/data/awq_llmc_{deepseek_v3,qwen2_moe}.npz: llm-compressor's AWQ on tiny models.
 
 deepseek_v3: bench/gptq_llmc_families_fixture.py's tiny DeepSeek-V3 (query / KV LoRA, 8 experts of 32, top-2,
 group-limited routing, a shared expert) with every layer sparse (`first_k_dense_replace` 0: llm-compressor 0.14's

@@ -80,8 +80,8 @@ from qformats.plan import check_fits
 from qformats.observers import get_observer, static_scale
 from qformats.schemes import SchemeSet
 
-__all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder", "awq_transform",
-           "smoothquant_transform",
+__all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "MLA_AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder",
+           "awq_transform", "smoothquant_transform",
            # mixture-of-experts layers
            "MOE_STATISTICS", "MOE_SMOOTHQUANT_MAPPINGS", "expert_moments", "quantized_paths", "moe_ignored"]
 
