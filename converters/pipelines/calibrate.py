@@ -167,8 +167,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
         receives none is refused, naming layer and expert) or "routed-or-all"; the same tokens give each expert's
         static input scale (FP8, NVFP4), written per expert (`mlp.experts.{e}.gate_proj.input_scale`). Routers and the
         shared expert's gate stay dense and are listed in `ignore`, as llm-compressor's MoE recipes do. AWQ on
-        qwen3_moe / mixtral follows llm-compressor's MoE mappings under "all" statistics (`awq_transform`; other MoE
-        models and statistics are refused); SmoothQuant smooths the attention only (its Qwen-MoE / Mixtral mappings).
+        qwen3_moe / qwen2_moe / mixtral / deepseek_v3 follows llm-compressor's MoE mappings under "all" statistics
+        (`awq_transform`; gpt_oss and other statistics are refused); SmoothQuant smooths the attention only (its
+        Qwen-MoE / Mixtral / DeepSeek mappings).
 
     Raises:
       CheckpointError: unreadable src / calibration file, dst exists without overwrite. ModelError / SchemeError:
@@ -193,9 +194,9 @@ def quantize_calibrated_lm(src, dst, scheme: str, calibration, *, weight_search:
                          "choose one")
     if awq:
         _refuse_moe_awq(src, moe_statistics)
-    if smooth is not None and _model_type(src) in ("gpt_oss", "deepseek_v3"):
-        raise ModelError(f"{src}: SmoothQuant on {_model_type(src)} models is not supported (llm-compressor has no "
-                         "mappings for their latent attention / fused experts); use GPTQ (--weight-search gptq)")
+    if smooth is not None and _model_type(src) == "gpt_oss":
+        raise ModelError(f"{src}: SmoothQuant on gpt_oss models is not supported (llm-compressor 0.14 has no "
+                         "mapping for GptOssForCausalLM's fused experts); use GPTQ (--weight-search gptq)")
     if isinstance(kv_cache, str):
         kv_cache = parse_kv_cache(kv_cache)
     if weight_search is None:
@@ -296,17 +297,17 @@ def _is_moe(src) -> bool:
 
 def _refuse_moe_awq(src, moe_statistics: str) -> None:
     """ModelError for AWQ on a mixture-of-experts checkpoint directory that `awq_transform`'s MoE mappings
-    (llm-compressor 0.14's Qwen-MoE ones, every expert observing every token) do not cover, before any work: a
-    shared expert (qwen2_moe), gpt-oss / DeepSeek-V3 blocks, or routed-only statistics."""
+    (llm-compressor 0.14's Qwen-MoE and DeepSeek-V3 ones, every expert observing every token) do not cover, before any
+    work: gpt-oss blocks, or routed-only statistics."""
     from converters.formats.safetensors_io import read_json
 
     if not _is_moe(src):
         return
     cfg = read_json(Path(src) / "config.json")
     kind = cfg.get("model_type")
-    if kind not in ("qwen3_moe", "mixtral") or cfg.get("shared_expert_intermediate_size"):
-        raise ModelError(f"{src}: AWQ on {kind} models is not supported (the MoE mappings cover Qwen3-MoE and "
-                         "Mixtral blocks without a shared expert); use GPTQ (--weight-search gptq)")
+    if kind == "gpt_oss":
+        raise ModelError(f"{src}: AWQ on gpt_oss models is not supported (llm-compressor 0.14 has no AWQ mapping for "
+                         "GptOssForCausalLM's fused experts); use GPTQ (--weight-search gptq)")
     if moe_statistics != "all":
         raise ModelError(f"{src}: AWQ on mixture-of-experts models takes every token through every expert "
                          f"(llm-compressor's moe_calibrate_all_experts); moe_statistics={moe_statistics!r} is not "

@@ -70,7 +70,7 @@ from qformats.kv_cache import KVCacheScheme, amax_of, scale_from_amax
 from qformats.models.decoder import CausalLM, attention_mask, enable_kv_cache_quantization, inv_freq, rope_tables
 from qformats.models.decoder.calibration_families import (attention_projections, check_fused_experts, expert_gate_up,
                                                           refuse_scaling)
-from qformats.models.decoder.moe import MoEBlock, MoEConfig, activation, route
+from qformats.models.decoder.moe import DeepseekRouter, MoEBlock, MoEConfig, activation, route
 from qformats.models.decoder.params import interleave_gate_up
 from qformats.matching import resolve_scheme
 from qformats.nn import CalibStat, QLinear
@@ -80,8 +80,8 @@ from qformats.plan import check_fits
 from qformats.observers import get_observer, static_scale
 from qformats.schemes import SchemeSet
 
-__all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder", "awq_transform",
-           "smoothquant_transform",
+__all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "MLA_AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder",
+           "awq_transform", "smoothquant_transform",
            # mixture-of-experts layers
            "MOE_STATISTICS", "MOE_SMOOTHQUANT_MAPPINGS", "expert_moments", "quantized_paths", "moe_ignored"]
 
@@ -304,7 +304,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
       ModelError: a scheme that does not fit a projection, a bad weight_search / propagate, no samples, or a
         model whose projections are already quantized; gpt-oss with weight scales per tensor or 2-D block (they would
         span its fused gate / up rows: `calibration_families.check_fused_experts`); a KV-cache scheme on latent
-        attention; AWQ / SmoothQuant transforms on DeepSeek-V3 or gpt-oss layers
+        attention; AWQ / SmoothQuant transforms on gpt-oss layers
         (`calibration_families.refuse_scaling`). Static activation scales (FP8's per-tensor input scale =
         max|x| / 448, NVFP4's input global scale = 448 * 6 / max|x|, compressed-tensors' generate_gparam) come from
         each projection's max |x| over the real tokens of the calibration pass (llm-compressor's static_minmax),
@@ -944,32 +944,66 @@ def _row_chunks(inputs, valid, extras, size: Optional[int] = None):
     return chunks
 
 
-def _awq_mappings(layer, index: int) -> List[AWQMapping]:
-    """The mappings that apply to this layer: v_proj -> o_proj is dropped when v_proj's output size differs from
-    o_proj's input size (llm-compressor's `_check_layers_are_compatible`)."""
+MLA_AWQ_MAPPINGS: Tuple[AWQMapping, ...] = (
+    AWQMapping("input_layernorm", ("self_attn/q_a_proj", "self_attn/kv_a_proj_with_mqa"), "self_attn"),
+    AWQMapping("self_attn/q_a_layernorm", ("self_attn/q_b_proj",), "self_attn/q_b_proj"),
+    AWQMapping("self_attn/kv_a_layernorm", ("self_attn/kv_b_proj",), "self_attn/kv_b_proj"),
+)
+"""The latent attention's mappings, llm-compressor 0.14's `_deepseek_mappings` (DeepseekV3ForCausalLM): input_layernorm
+over q_a_proj (q_proj without query LoRA: its `re:.*(q|q_a)_proj$`) and kv_a_proj_with_mqa with the attention as
+parent, each LoRA norm over the projection it feeds (a linear parent). Without query LoRA the q_a_layernorm mapping
+matches nothing and is skipped, as their regexes are. Its MLP mappings are the dense ones on a dense
+(first_k_dense_replace) layer and `_awq_moe`'s on a sparse one."""
+AWQ_BALANCED_SHARED = ("shared_experts",)
+"""Shared-expert names whose gate / up are balance layers of post_attention_layernorm's MoE mapping: DeepSeek's
+(`_deepseek_mappings` balances every `gate_proj$` / `up_proj$` of the layer); Qwen2-MoE's `shared_expert` is not
+(`_moe_default_mappings` balances `mlp.experts.*` only) and is compensated without entering the search (`_awq_moe`)."""
+
+
+def _awq_mappings(layer, index: int) -> Tuple[List[AWQMapping], List[AWQMapping]]:
+    """(the mappings applied before a sparse layer's MoE mappings, those applied after: the shared expert's
+    up_proj -> down_proj), in llm-compressor's order: the attention's (`AWQ_MAPPINGS`' first two, or
+    `MLA_AWQ_MAPPINGS`), then on a dense layer the MLP's. v_proj -> o_proj is dropped when v_proj's output size
+    differs from o_proj's input size (llm-compressor's `_check_layers_are_compatible`); a mapping whose modules the
+    layer lacks only when llm-compressor's regexes would match nothing either (no query LoRA)."""
     where = f"model/layers/{index}"
-    sparse = _moe_block(layer) is not None
+    found = _moe_block(layer)
+    sparse = found is not None
+    mla = getattr(layer.self_attn, "mla", None) is not None
     for mod in ("self_attn",) if sparse else ("self_attn", "mlp"):
         if getattr(_get(layer, mod), "rotations", None) is not None:
             raise ModelError(f"{where}/{mod}: AWQ cannot scale projections that carry online rotations")
-    out = []
-    for m in AWQ_MAPPINGS[:2] if sparse else AWQ_MAPPINGS:
-        for rel in (m.smooth,) + m.balances:
-            try:
-                mod = _get(layer, rel)
-            except AttributeError:
-                raise ModelError(f"{where}/{rel}: AWQ mapping {m.smooth} -> {', '.join(m.balances)} needs this "
-                                 "module; the layer has none") from None
-            if rel.endswith("_proj"):
-                if type(mod) is not nnx.Linear:
-                    raise ModelError(f"{where}/{rel}: AWQ scales a float nnx.Linear, found {type(mod).__name__}")
-            elif not hasattr(mod, "weight") or mod.weight.get_value().ndim != 1:
-                raise ModelError(f"{where}/{rel}: AWQ divides a norm's 1-D weight by its scales, found "
-                                 f"{type(mod).__name__}")
-        if m.smooth == "self_attn/v_proj":
-            if _kernel(_get(layer, m.smooth)).shape[1] != _kernel(_get(layer, m.balances[0])).shape[0]:
-                continue
-        out.append(m)
+    attn = AWQ_MAPPINGS[:2]
+    if mla:
+        q = "self_attn/q_proj" if layer.self_attn.mla.q_lora_rank is None else "self_attn/q_a_proj"
+        attn = (AWQMapping("input_layernorm", (q, "self_attn/kv_a_proj_with_mqa"), "self_attn"),) + \
+            tuple(m for m in MLA_AWQ_MAPPINGS[1:] if q == "self_attn/q_a_proj" or "q_a" not in m.smooth)
+    head = list(attn) + ([] if sparse else list(AWQ_MAPPINGS[2:]))
+    tail = []
+    if sparse and found[1].cfg.shared_expert_intermediate_size:
+        sh = f"{found[0]}/{found[1].cfg.shared_name}"
+        if getattr(_get(layer, sh), "rotations", None) is not None:
+            raise ModelError(f"{where}/{sh}: AWQ cannot scale projections that carry online rotations")
+        tail = [AWQMapping(f"{sh}/up_proj", (f"{sh}/down_proj",), f"{sh}/down_proj")]
+    out = ([], [])
+    for part, maps in zip(out, (head, tail)):
+        for m in maps:
+            for rel in (m.smooth,) + m.balances:
+                try:
+                    mod = _get(layer, rel)
+                except AttributeError:
+                    raise ModelError(f"{where}/{rel}: AWQ mapping {m.smooth} -> {', '.join(m.balances)} needs this "
+                                     "module; the layer has none") from None
+                if rel in m.balances or isinstance(mod, nnx.Module) and hasattr(mod, "kernel"):
+                    if type(mod) is not nnx.Linear:
+                        raise ModelError(f"{where}/{rel}: AWQ scales a float nnx.Linear, found {type(mod).__name__}")
+                elif not hasattr(mod, "weight") or mod.weight.get_value().ndim != 1:
+                    raise ModelError(f"{where}/{rel}: AWQ divides a norm's 1-D weight by its scales, found "
+                                     f"{type(mod).__name__}")
+            if m.smooth == "self_attn/v_proj":
+                if _kernel(_get(layer, m.smooth)).shape[1] != _kernel(_get(layer, m.balances[0])).shape[0]:
+                    continue
+            part.append(m)
     return out
 
 
@@ -979,12 +1013,20 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
     mapping's input (`AWQ_MAPPINGS`), then, mapping by mapping, the grid search (`qformats.algorithms.awq`) picks
     the scales s that minimise the parent's output error under the weight scheme's fake quantization, and s is
     folded into the smooth module (norm weight / s, or a linear's rows / s) and the balance projections
-    (columns * s). A sparse layer (qwen3_moe, mixtral) takes the attention's two mappings, then llm-compressor 0.14's
-    MoE ones (`_awq_moe`: post_attention_layernorm over the router and every expert's gate / up, each expert's
-    up_proj over its down_proj, every expert observing every real token). The router is always compensated
-    (rows * s): llm-compressor registers its MoE mappings for Qwen2/3-MoE only, and Mixtral, falling back to its
-    default mappings, gets its router fed the smoothed norm uncompensated (routing shifted); here its routing is
-    kept. A block with a shared expert (qwen2_moe) is refused: its mappings leave the shared expert unbalanced.
+    (columns * s). DeepSeek-V3's latent attention takes `MLA_AWQ_MAPPINGS` (llm-compressor's `_deepseek_mappings`)
+    instead of the attention's two. A sparse layer (qwen3_moe, qwen2_moe, mixtral, deepseek_v3) then takes
+    llm-compressor 0.14's MoE ones (`_awq_moe`: post_attention_layernorm over the router and every expert's gate / up,
+    plus DeepSeek's shared experts' gate / up, each expert's up_proj over its down_proj, every expert observing every
+    real token), then the shared expert's up_proj over its down_proj. Every Linear reading a smoothed norm is
+    compensated (rows * s), so the transformed float model computes the original's function: the router
+    (llm-compressor registers its MoE mappings for Qwen2/3-MoE and DeepSeek-V3, and Mixtral, falling back to its
+    default mappings, gets its router fed the smoothed norm uncompensated: routing shifted) and Qwen2-MoE's shared
+    expert and its gate (outside their balances, uncompensated there). Dense layers of a sparse model
+    (mlp_only_layers, first_k_dense_replace) take the dense MLP mappings: llm-compressor's `_moe_default_mappings` /
+    `_deepseek_mappings` cannot group such a layer (its `mlp.gate` target never matches there, and its
+    `match_modules_set` fails or merges every layer's norm into one set), so this is what their mappings do on a
+    model without them, and what their dense mappings do on a dense layer. gpt-oss is refused
+    (`calibration_families.refuse_scaling`: llm-compressor has no mapping for GptOssForCausalLM).
 
     Args:
       scheme: the weight scheme of the projections (a preset string such as "W4A16:g64", a SchemeSet or a
@@ -1014,16 +1056,20 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
 
     def transform(layer, index: int, xs, valid, layer_inputs) -> None:
         refuse_scaling(layer, index, "AWQ")
-        mappings = _awq_mappings(layer, index)
+        head, tail = _awq_mappings(layer, index)
         moe = _moe_block(layer)
         if moe is not None:
             _check_awq_moe(layer, index, moe)
-        taps = tuple(dict.fromkeys([m.balances[0] for m in mappings] + ([] if moe is None else [moe[0]])))
+        taps = tuple(dict.fromkeys([m.balances[0] for m in head + tail] + ([] if moe is None else [moe[0]])))
         graphdef, state = nnx.split(layer)
         extras = [layer_inputs(j) for j in range(len(xs))]
-        seen = [_capture(graphdef, state, x, *e, taps) for x, e in zip(xs, extras)]
+        # every mapping's input from the float layer before any smoothing (llm-compressor caches them so); inputs
+        # taken inside an MoE block (the shared expert's, over flattened tokens) back to [B, T, K]
+        seen = [{k: v.reshape(x.shape[:2] + v.shape[-1:]) for k, v in _capture(graphdef, state, x, *e, taps).items()}
+                for x, e in zip(xs, extras)]
         tokens = int(sum(int(np.sum(np.asarray(v))) for v in valid))
-        for m in mappings:
+
+        def apply(m: AWQMapping) -> None:
             where = f"model/layers/{index}/{m.smooth}"
             inputs = [s[m.balances[0]] for s in seen]
             x_mean = awq.activation_means(inputs, valid)
@@ -1066,25 +1112,28 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
                                "duo": found.duo, "scales": np.asarray(best), "x_mean": x_mean,
                                "errors": found.errors, "initial_error": found.initial_error,
                                "best_error": found.best_error, "evaluated": found.evaluated})
+
+        for m in head:
+            apply(m)
         if moe is not None:
             _awq_moe(layer, index, moe, [s[moe[0]] for s in seen], valid, extras, tokens, ws, points,
                      duo_scaling is not False, record)
+        for m in tail:
+            apply(m)
 
     return transform
 
 
 # ---- AWQ on a mixture-of-experts block ---------------------------------------------------------------------
 def _check_awq_moe(layer, index: int, found) -> None:
-    """ModelError for a sparse layer AWQ's MoE mappings do not cover (before any work on it)."""
+    """ModelError for a sparse layer AWQ's MoE mappings do not cover (before any work on it): a router that is neither
+    a float nnx.Linear nor DeepSeek's float32 router, quantized or biased expert stacks, a quantized shared expert or
+    shared-expert gate."""
     name, blk = found
     c = blk.cfg
     where = f"model/layers/{index}/{name}"
-    if c.shared_expert_intermediate_size:
-        raise ModelError(f"{where}: AWQ on an MoE block with a shared expert ({c.shared_name}) is not supported: "
-                         "post_attention_layernorm also feeds the shared expert and its gate, which llm-compressor "
-                         "0.14's MoE mappings (re:.*mlp.experts.*.gate_proj$) leave unbalanced; use GPTQ")
     router = getattr(blk, c.router_name)
-    if type(router) is not nnx.Linear:
+    if type(router) not in (nnx.Linear, DeepseekRouter):
         raise ModelError(f"{where}/{c.router_name}: AWQ balances the router against post_attention_layernorm and "
                          f"needs a float nnx.Linear router, found {type(router).__name__}")
     for p in c.projections:
@@ -1092,6 +1141,18 @@ def _check_awq_moe(layer, index: int, found) -> None:
         if type(ex) is not Experts or ex.bias is not None:
             raise ModelError(f"{where}/experts/{p}: AWQ scales float, bias-free expert stacks, found "
                              f"{type(ex).__name__}{' with biases' if type(ex) is Experts else ''}")
+    for rel in _shared_scaled(c):
+        if type(_get(blk, rel)) is not nnx.Linear:
+            raise ModelError(f"{where}/{rel}: AWQ scales a float nnx.Linear, found {type(_get(blk, rel)).__name__}")
+
+
+def _shared_scaled(c: MoEConfig) -> Tuple[str, ...]:
+    """The shared expert's Linears that read post_attention_layernorm's output (paths relative to the MoE block): its
+    gate / up, and Qwen2-MoE's sigmoid gate `shared_expert_gate`; () without a shared expert."""
+    if not c.shared_expert_intermediate_size:
+        return ()
+    return (f"{c.shared_name}/gate_proj", f"{c.shared_name}/up_proj") + (
+        ("shared_expert_gate",) if c.shared_expert_gated else ())
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -1109,15 +1170,21 @@ def _down_sse(a, kernel, ref, valid):
 
 def _awq_moe(layer, index: int, found, inputs, valid, extras, tokens: int, ws, points, duo: bool,
              record: Optional[list]) -> None:
-    """AWQ on a sparse layer's MoE block, llm-compressor 0.14's Qwen-MoE mappings (`_moe_default_mappings`) with
-    `moe_calibrate_all_experts` semantics (every expert observes every real token), after the attention's mappings:
+    """AWQ on a sparse layer's MoE block, llm-compressor 0.14's MoE mappings (`_moe_default_mappings` for Qwen2/3-MoE,
+    `_deepseek_mappings` for DeepSeek-V3) with `moe_calibrate_all_experts` semantics (every expert observes every real
+    token), after the attention's mappings and before the shared expert's up_proj -> down_proj:
 
-      post_attention_layernorm -> (router, every expert's gate / up), parent the block: x_mean = E_t |x_t| over the
-        block's input tokens; w_mean over every expert's gate and up (the router, left unquantized by the MoE recipes,
-        has no quantization scheme and takes no part in it); loss = the block's mean squared output error (routed
-        experts only, as the model runs) with each expert's gate / up fake-quantized as Q(W_e diag(s)) diag(s)^-1
-        and the router float; then the norm's weight / s and the router's and experts' gate / up rows * s (the
-        router's logits, hence the routing, unchanged up to rounding);
+      post_attention_layernorm -> (router, every expert's gate / up [, DeepSeek's shared_experts gate / up]), parent
+        the block: x_mean = E_t |x_t| over the block's input tokens; w_mean over the quantized balances' rows (every
+        expert's gate, the shared gate, every expert's up, the shared up: their order; the router, left unquantized
+        by the MoE recipes, has no quantization scheme and takes no part in it); loss = the block's mean squared
+        output error (routed experts only, as the model runs) with each balanced gate / up fake-quantized as
+        Q(W diag(s)) diag(s)^-1, the router and anything not balanced float; then the norm's weight / s and the
+        rows of every Linear reading the norm's output * s: the router (its logits, hence the routing, unchanged
+        up to rounding), the balances, and Qwen2-MoE's shared expert gate / up and `shared_expert_gate`
+        (`_shared_scaled`). llm-compressor's Qwen2-MoE mapping leaves those three out of its balances, so they read
+        the smoothed norm uncompensated and its float model's output changes; here they are compensated (the float
+        model's function is kept) without entering the search, whose scales therefore equal theirs;
       expert e's up_proj -> its down_proj, parent the down_proj: x_mean = E_t |a_e(x_t)| and loss = the mean squared
         error of a_e(x_t) Q(W_down[e] diag(s)) diag(s)^-1 over every real token t, a_e from the block's inputs and
         the unsmoothed gate / up (the activations llm-compressor's hooks cached before smoothing); then W_down[e]
@@ -1130,33 +1197,41 @@ def _awq_moe(layer, index: int, found, inputs, valid, extras, tokens: int, ws, p
     g, u, dn = c.projections
     where = f"model/layers/{index}"
     gk0, uk0 = _kernel(getattr(ex, g)), _kernel(getattr(ex, u))
-    # post_attention_layernorm -> router + experts' gate / up
+    shared = _shared_scaled(c)
+    balanced = shared[:2] if c.shared_name in AWQ_BALANCED_SHARED else ()
+    sk0 = {rel: _kernel(_get(blk, rel)) for rel in shared}
+    # post_attention_layernorm -> router + experts' gate / up (+ the balanced shared gate / up)
     x_mean = awq.activation_means(inputs, valid)
-    w_mean = awq.weight_means([gk0[e] for e in range(c.num_experts)] + [uk0[e] for e in range(c.num_experts)], ws,
-                              f"{where}/post_attention_layernorm") if duo else None
+    gates = [gk0[e] for e in range(c.num_experts)] + [sk0[r] for r in balanced[:1]]
+    ups = [uk0[e] for e in range(c.num_experts)] + [sk0[r] for r in balanced[1:]]
+    w_mean = awq.weight_means(gates + ups, ws, f"{where}/post_attention_layernorm") if duo else None
     graphdef, state = nnx.split(layer)
     refs = [_parent_out(graphdef, state, x, *e, name) for x, e in zip(inputs, extras)]
-    balances = (f"{name}/experts/{g}", f"{name}/experts/{u}")
+    balances = (f"{name}/experts/{g}", f"{name}/experts/{u}") + tuple(f"{name}/{r}" for r in balanced)
     count = tokens * int(refs[0].shape[-1])
 
     def loss(ks):
         return sum(float(_parent_sse(graphdef, state, ks, x, *e, r, v, name, balances))
                    for x, e, r, v in zip(inputs, extras, refs, valid)) / count
 
-    found_s = awq.search_scales(x_mean, w_mean, (gk0, uk0), ws, points, loss,
+    found_s = awq.search_scales(x_mean, w_mean, (gk0, uk0) + tuple(sk0[r] for r in balanced), ws, points, loss,
                                 where=f"{where}/post_attention_layernorm", parent=f"{where}/{name}")
     s = found_s.scales
     router = getattr(blk, c.router_name)
     getattr(ex, g).kernel.set_value(awq.scale_rows(gk0, s))
     getattr(ex, u).kernel.set_value(awq.scale_rows(uk0, s))
+    for rel in shared:
+        _get(blk, rel).kernel.set_value(awq.scale_rows(sk0[rel], s))
     router.kernel.set_value(awq.scale_rows(_kernel(router), s))
     norm = layer.post_attention_layernorm
     norm.weight.set_value(awq.unscale(norm.weight.get_value(), s))
     if record is not None:
         record.append({"layer": index, "smooth": "post_attention_layernorm",
-                       "balances": (f"{name}/{c.router_name}",) + balances, "ratio": found_s.ratio,
-                       "duo": found_s.duo, "scales": np.asarray(s), "x_mean": x_mean, "errors": found_s.errors,
-                       "initial_error": found_s.initial_error, "best_error": found_s.best_error})
+                       "balances": (f"{name}/{c.router_name}",) + balances,
+                       "compensated": tuple(f"{name}/{r}" for r in shared if r not in balanced),
+                       "ratio": found_s.ratio, "duo": found_s.duo, "scales": np.asarray(s), "x_mean": x_mean,
+                       "errors": found_s.errors, "initial_error": found_s.initial_error,
+                       "best_error": found_s.best_error})
     # each expert's up_proj -> down_proj, over every real token
     dk_all = _kernel(getattr(ex, dn))
     new_down, new_up = [], []
@@ -1198,6 +1273,14 @@ smoothing scale across all experts unbalances them, so post_attention_layernorm 
 a mixture-of-experts model."""
 
 
+def _mla_smoothquant_mappings(layer) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+    """DeepSeek-V3's latent attention: llm-compressor's DEEPSEEK_V2_SMOOTHQUANT_MAPPINGS (DeepseekV2/V3ForCausalLM),
+    input_layernorm over q_a_proj (q_proj without query LoRA: its `re:.*q(_a)?_proj$`) and kv_a_proj_with_mqa, on
+    every layer (dense or sparse); nothing else is smoothed."""
+    q = "self_attn/q_proj" if layer.self_attn.mla.q_lora_rank is None else "self_attn/q_a_proj"
+    return (("input_layernorm", (q, "self_attn/kv_a_proj_with_mqa")),)
+
+
 class _RangeTap(nnx.Module):
     """Wraps a norm: its output passes unchanged; the per-channel min and max over valid tokens are recorded."""
 
@@ -1228,7 +1311,8 @@ def _range_pass(layer, x, valid, cos, sin, mask):
 def smoothquant_transform(alpha: float, moe: Optional[bool] = None) -> Callable:
     """A `calibrate_decoder` transform: per decoder layer, one float pass over the calibration batches records each
     mapped norm's output range (`SMOOTHQUANT_MAPPINGS`; `MOE_SMOOTHQUANT_MAPPINGS` on every layer when `moe`, and
-    on a sparse layer when `moe` is None), then the SmoothQuant factors
+    on a sparse layer when `moe` is None; DeepSeek-V3's latent attention on every layer: `_mla_smoothquant_mappings`;
+    gpt-oss refused, `calibration_families.refuse_scaling`), then the SmoothQuant factors
     (`qformats.algorithms.smoothquant.smoothing_scales`) are folded into the norm and its projections (float
     nnx.Linear kernels and the norm's weight: `smoothquant.fold_scales`)."""
     alpha = smoothquant.check_alpha(alpha)
@@ -1236,7 +1320,10 @@ def smoothquant_transform(alpha: float, moe: Optional[bool] = None) -> Callable:
     def transform(layer, index: int, xs, valid, layer_inputs) -> None:
         refuse_scaling(layer, index, "SmoothQuant")
         sparse = _moe_block(layer) is not None if moe is None else moe
-        mappings = MOE_SMOOTHQUANT_MAPPINGS if sparse else SMOOTHQUANT_MAPPINGS
+        if getattr(layer.self_attn, "mla", None) is not None:
+            mappings = _mla_smoothquant_mappings(layer)
+        else:
+            mappings = MOE_SMOOTHQUANT_MAPPINGS if sparse else SMOOTHQUANT_MAPPINGS
         norms = {}
         for norm, _ in mappings:
             inner = getattr(layer, norm)

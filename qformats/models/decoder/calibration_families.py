@@ -86,13 +86,14 @@ def check_fused_experts(model_type: str, cfg, weights, weight_search: str) -> No
 
 
 def refuse_scaling(layer, index: int, what: str) -> None:
-    """ModelError for AWQ / SmoothQuant (`what`) on a layer with latent attention or fused gpt-oss experts: neither
-    has llm-compressor mappings for these families, so their scales are not folded (GPTQ and static activation
-    scales calibrate them)."""
-    if getattr(layer.self_attn, "mla", None) is not None:
-        raise ModelError(f"model/layers/{index}/self_attn: {what} on multi-head latent attention (deepseek_v3) is not "
-                         "supported: it has no mappings for q_a_proj / kv_a_proj_with_mqa / kv_b_proj; use GPTQ")
+    """ModelError for AWQ / SmoothQuant (`what`) on a layer with gpt-oss's fused experts: llm-compressor 0.14 registers
+    no AWQ or SmoothQuant mappings for GptOssForCausalLM (its AWQ_MAPPING_REGISTRY and smoothquant
+    MAPPINGS_REGISTRY have no entry; its fallback default mappings name gate_proj / up_proj, which the fused
+    gate_up_proj with biases and the clamped SwiGLU is not), so there are no scales to fold (GPTQ and static
+    activation scales calibrate it). DeepSeek-V3's latent attention has its mappings (`calibration.MLA_AWQ_MAPPINGS`,
+    `calibration._mla_smoothquant_mappings`)."""
     cfg = getattr(getattr(layer, getattr(layer, "ffn_name", "mlp"), None), "cfg", None)
     if cfg is not None and getattr(cfg, "fused_gate_up", False):
         raise ModelError(f"model/layers/{index}/{cfg.block_name}/experts: {what} on gpt-oss's fused gate_up_proj "
-                         "experts (with biases and the clamped SwiGLU) is not supported; use GPTQ")
+                         "experts (with biases and the clamped SwiGLU) is not supported: llm-compressor 0.14 has no "
+                         f"{what} mapping for GptOssForCausalLM; use GPTQ")

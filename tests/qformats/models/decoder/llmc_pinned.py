@@ -21,3 +21,24 @@ def pinned_llmc_source(data: Path, dst: Path):
     assert gen.digest(tensors) == str(fx["digest"]), "the tiny MoE decoder's weights changed: regenerate the fixture"
     src = gen.write_checkpoint(dst, tensors)
     return gen, fx, src, np.split(fx["ids"], np.cumsum(fx["lengths"])[:-1])
+
+
+def pinned_family_source(data: Path, dst: Path, family: str = "deepseek_v3"):
+    """The same for the tiny `family` model of bench/awq_llmc_families_fixture.py (deepseek_v3, qwen2_moe):
+    (bench/gptq_llmc_families_fixture.py as a module, with that script's configs added, the pinned results, the
+    checkpoint written to `dst`, the pinned samples); the weight digest and config must equal the pinned ones."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "awq_llmc_families_fixture", Path(__file__).resolve().parents[4] / "bench" / "awq_llmc_families_fixture.py")
+    fam = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fam)
+    gen = fam.families()
+    fx = dict(np.load(data))
+    name = fam.FAMILY[family]
+    assert json.loads(str(fx["config"])) == gen.FAMILIES[name], "the tiny model's config changed"
+    tensors = gen.tensors(name)
+    assert gen.digest(tensors) == str(fx["digest"]), "the tiny model's weights changed: regenerate the fixture"
+    src = gen.write_checkpoint(name, dst, tensors)
+    return gen, fx, src, np.split(fx["ids"], np.cumsum(fx["lengths"])[:-1])
