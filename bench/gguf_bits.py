@@ -14,7 +14,7 @@ form, `gguf_ct_qarray`: the storage before the table format).
 
 `--variants` times, instead, other forms of the one-row product for the int group types with a float scale d and
 offset m (Q4_0 / Q4_1 / Q8_0, [rows, cols] = [N, K]), each against `packed_dot` (the fused GEMV that ships, per weight
-(d q + m) x) in the same run, and prints each one's largest error relative to the float64 product of the dequantized
+(d q + m) x) in the same run (process CPU time, best of --repeat interleaved rounds), and prints each one's largest error relative to the float64 product of the dequantized
 weight. All but the last regroup the same exact sum, y[n] = sum_g (d[n, g] P[n, g] + m[n, g] S[g]) with
 P[n, g] = sum_{i in g} q[n, i] x[i] and S[g] = sum_{i in g} x[i] (S shared by every n):
   - "offset by group sums": the fused GEMV with per weight d q only, plus the [N, G] x [G] GEMV of m and S;
@@ -241,7 +241,8 @@ def _variants(rows: int, cols: int, repeat: int) -> None:
     forms = [("packed_dot (ships)", lambda x, q: packed_dot(x[None], q)[0]), ("offset by group sums", _offset_by_sums),
              ("P by a GEMV per group", _p_gemv_per_group), ("P by a batched dot", _p_batched),
              ("P by a reduce", _p_reduce), ("int8 x int8 -> int32 (llama.cpp's numerics)", _int8)]
-    print(f"[N, K] = [{rows}, {cols}], one activation row, float32; ms: best of {repeat} rounds, interleaved")
+    print(f"[N, K] = [{rows}, {cols}], one activation row, float32; process CPU ms per call, best of {repeat} rounds, "
+          f"interleaved")
     print("| GGML type | form | ms | vs packed_dot | max error / max abs(y) |")
     print("| --- | --- | ---: | ---: | ---: |")
     rng = np.random.default_rng(0)
@@ -257,11 +258,11 @@ def _variants(rows: int, cols: int, repeat: int) -> None:
         best = [float("inf")] * len(fns)
         for _ in range(repeat):
             for i, f in enumerate(fns):
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 for _ in range(n):
                     y = f(x, q)
                 y.block_until_ready()
-                best[i] = min(best[i], (time.perf_counter() - t0) / n * 1e3)
+                best[i] = min(best[i], (time.process_time() - t0) / n * 1e3)
         for (name, _), ms, err in zip(kept, best, errs):
             print(f"| {t} | {name} | {ms:.3f} | {ms / best[0]:.2f}x | {err:.1e} |", flush=True)
 
