@@ -8,7 +8,7 @@ Writes one small GGUF file with `gguf.GGUFWriter` holding an [rows, cols] tensor
 elsewhere), reads it back with `gguf.GGUFReader`, and prints, per type, the file's bits per weight (8 x its bytes /
 weights), the packed QArray's (8 x `QArray.nbytes` / weights: codes + scales + offsets as held in memory), their ratio,
 and whether `dequantize` equals `gguf.quants.dequantize` bit for bit. `--time` adds the one-row packed matmul
-(`qformats.dispatch.xla_qdot`, jit: the fused GEMV `packed_dot` for 4- and 8-bit weights, else dequantize + dot) against the dense float32 dot of the dequantized weight in the same run (best of
+(`qformats.dispatch.xla_qdot`, jit: the fused GEMV `packed_dot` for 4- and 8-bit weights, else dequantize + dot) against the dense float32 dot of the dequantized weight in the same run (process CPU ms, best of
 --repeat rounds of 20 calls, interleaved), and IQ4_NL / IQ4_XS once more as int8 table values (their compressed-tensors
 form, `gguf_ct_qarray`: the storage before the table format).
 
@@ -110,7 +110,9 @@ def main(argv=None) -> None:
 
 
 def _time(q, repeat: int):
-    """(xla_qdot ms: the fused GEMV for 4- / 8-bit weights, else dequantize + dot; dense dot ms) for one activation row, best of `repeat` rounds of 20 calls each, interleaved."""
+    """(xla_qdot ms: the fused GEMV for 4- / 8-bit weights, else dequantize + dot; dense dot ms) for one activation
+    row, process CPU time (steadier than wall time on a shared machine), best of `repeat` rounds of 20 calls each,
+    interleaved."""
     import time
 
     import jax
@@ -127,11 +129,11 @@ def _time(q, repeat: int):
         f(*args).block_until_ready()
     for _ in range(repeat):
         for i, (f, args) in enumerate(fns):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             for _ in range(20):
                 y = f(*args)
             y.block_until_ready()
-            best[i] = min(best[i], (time.perf_counter() - t0) / 20 * 1e3)
+            best[i] = min(best[i], (time.process_time() - t0) / 20 * 1e3)
     return best[0], best[1]
 
 
