@@ -24,10 +24,11 @@ Why a path of its own (XLA:CPU; the figures: BENCHMARKS.md, "CPU decode (SmolLM2
     producers (the E8M0 bit decode) into the GEMV loop, an optimization barrier does not stop it (none is left in
     the optimized module), but it does not duplicate a float division into a consumer that reads each element
     many times (`_own_fusion`). The zero point stays int8 and is converted in the loop (one convert).
-    8-bit codes under float16 / bfloat16 scales (GGUF Q8_0) are the exception: the widening convert is left in
-    the loop, where LLVM loads and converts one scale per group (the loop steps through a row's contiguous
-    elements), and the float32 copy of the scales that a fusion of their own writes and the loop reads back (as
-    many bytes again as a quarter of the codes) is not made.
+    8-bit codes under float16 / bfloat16 scales computed in float32 (GGUF Q8_0) are the exception: the exact
+    widening convert is left in the loop, where LLVM loads and converts one scale per group (the loop steps
+    through a row's contiguous elements), and no float32 copy of the scales is written and read back per call
+    (4 bytes per 32 one-byte codes each way). For 4-bit codes the same measured no faster (their scales go
+    through `_apart`, below).
   - 4-bit: the loop's other operands -- the per-group scales and offsets (with `tie_to`'s bit operations) and the
     even / odd elements of x -- are cheap producers that XLA:CPU would also fuse into the loop, re-gathering a
     group's scale by k // g and reading x with a stride of 2 for every weight element; each is written once per
