@@ -16,8 +16,9 @@ child) to N CPUs and gives llama.cpp n_threads=N, so both sides run on the same 
 the tokens of each run with the packed run's. "CPU ms / token": process CPU time (all threads; the llama.cpp
 child's for its row) of the same best calls over the decoded tokens, steadier than wall time on a busy machine. Prints the markdown table of BENCHMARKS.md's section "GGUF decode
 (SmolLM2, packed)", with the bits per weight of the loaded QArrays (8 * their leaves' bytes / their weights).
-`--profile` adds where one packed decode step's time goes: the 210 packed projections
-alone (one jit calling each QLinear on a vector), the lm_head alone (`attend`), each best of --repeat over 8 steps.
+`--profile` adds where one packed decode step's CPU time goes: the 210 packed projections
+alone (one jit calling each QLinear on a vector), the lm_head alone (`attend`), each the process CPU time of the best
+of --repeat calls of 8 steps, against the packed run's CPU ms / token.
 """
 
 from __future__ import annotations
@@ -139,14 +140,15 @@ def main(argv=None) -> int:
         lines.append(f"| {r['name']} | {r['mb']:.1f} | {'-' if bpw is None else f'{bpw:.3f}'} | {r['dtps']:.2f} | "
                      f"{r['dtps'] / ref['dtps']:.2f}x | {r['cpu_ms']:.1f} | {same:.0%} |")
     if args.profile:
-        step = 1e3 / ref["dtps"]
-        lines += ["", f"Where a packed decode step goes ({step:.1f} ms at {ref['dtps']:.2f} tokens/s, same run):", "",
-                  "| part | ms per step | share of the step |", "| --- | ---: | ---: |"]
+        step = ref["cpu_ms"]
+        lines += ["", f"Where a packed decode step's CPU time goes ({step:.1f} CPU ms / token, same run):", "",
+                  "| part | CPU ms per step | share of the step |", "| --- | ---: | ---: |"]
         for name, ms in parts:
             lines.append(f"| {name} | {ms:.1f} | {ms / step:.0%} |")
         rest = step - sum(ms for _, ms in parts)
-        lines.append(f"| the rest (attention, norms, RoPE, cache, embedding rows, sampling) | {rest:.1f} | "
-                     f"{rest / step:.0%} |")
+        if rest >= 0:  # parts timed alone can cost more than inside the step (then no remainder is shown)
+            lines.append(f"| the rest (attention, norms, RoPE, cache, embedding rows, sampling) | {rest:.1f} | "
+                         f"{rest / step:.0%} |")
     print("\n".join(lines))
     return 0
 
@@ -169,8 +171,9 @@ def _bits_per_weight(model):
 
 
 def _profile(model, repeat, steps=8):
-    """[(part, ms per decode step)]: the packed projections (every QLinear once, on a one-row vector) and the lm_head
-    (`model.model.embed_tokens.attend`, or `model.lm_head`), each timed alone in a jit loop of `steps` steps."""
+    """[(part, CPU ms per decode step)]: the packed projections (every QLinear once, on a one-row vector) and the
+    lm_head (`model.model.embed_tokens.attend`, or `model.lm_head`), each timed alone in a jit loop of `steps` steps
+    (process CPU time of the fastest call)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -184,8 +187,8 @@ def _profile(model, repeat, steps=8):
                 return c + fn(m, jnp.float32(0.01) * (c + i.astype(jnp.float32)))
             return jax.lax.fori_loop(0, steps, body, jnp.zeros((), jnp.float32))
 
-        best, _ = _time(lambda: jax.block_until_ready(loop(model)), repeat)
-        return best / steps * 1e3
+        _, cpu, _ = _time(lambda: jax.block_until_ready(loop(model)), repeat, cpu=True)
+        return cpu / steps * 1e3
 
     def projections(m, c):
         return sum(p(jnp.full((1, p.in_features), c))[0, 0] for _, p in nnx.iter_modules(m) if isinstance(p, QLinear))

@@ -287,3 +287,53 @@ def test_kernels_off_means_dequantize_then_dot():
     want = jax.jit(lambda x, q: jax.lax.dot_general(x, dequantize(q, x.dtype), (((1,), (0,)), ((), ())),
                                                     preferred_element_type=jnp.float32))(x, q)
     np.testing.assert_array_equal(y, np.asarray(want))
+
+
+def _gguf_like(fmt, k, n, seed, offset=False):
+    """A weight laid out as GGUF's Q8_0 / Q4_0 / Q4_1 load (`converters.formats.gguf_packed`): int codes in groups
+    of 32 under float16 scales (and float16 offsets: w = d q + m), computed in float32 (`compute_dtype`)."""
+    rng = np.random.RandomState(seed)
+    scheme = QuantScheme(fmt, "group", group_size=32, scale_format="float16")
+    q = quantize(jnp.asarray(rng.standard_normal((k, n)).astype(np.float32) * 0.05), scheme, axis=0)
+    q = q.replace(compute_dtype=jnp.float32)
+    if offset:
+        q = q.replace(offset=jnp.asarray(rng.uniform(-0.1, 0.0, q.scale.shape), jnp.float16))
+    return q
+
+
+@pytest.mark.parametrize("fmt,offset", [("int8", False), ("int4", False), ("uint4", True)])
+def test_gguf_float16_scales(fmt, offset):
+    """GGUF's layout (float16 d and m, computed in float32): one-hot rows read dequantize's weight back bit for bit;
+    random rows are within the float32 accumulation bound 2 K eps sum_k |x_k| |W_kn| of the exact product."""
+    k, n = 576, 48
+    q = _gguf_like(fmt, k, n, seed=11, offset=offset)
+    assert q.scale.dtype == jnp.float16 and q.work_dtype == jnp.float32
+    w = np.asarray(dequantize(q, dtype=jnp.float32))
+    f = jax.jit(packed_dot)
+    for i in (0, 1, 31, 32, k - 1):
+        x = jnp.zeros((1, k), jnp.float32).at[0, i].set(1.0)
+        np.testing.assert_array_equal(np.asarray(f(x, q))[0], w[i], err_msg=f"{fmt} row {i}")
+    x = jnp.asarray(np.random.RandomState(12).standard_normal((2, k)).astype(np.float32))
+    ref, bound = _reference(x, q)
+    err = np.abs(np.asarray(f(x, q), np.float64) - ref)
+    assert np.all(err <= bound), (err / bound).max()
+
+
+def test_q8_0_float16_scales_widened_in_the_loop():
+    """8-bit codes under float16 scales (Q8_0): the widening to float32 is done in the GEMV loop (one per group),
+    not by a fusion of its own writing a float32 copy of the scales [N, G] that the loop reads back; in a decode
+    loop the state holds the float16 scales, no float32 copy."""
+    k = n = 256
+    q = _gguf_like("int8", k, n, seed=13)
+    x = jnp.asarray(np.random.RandomState(14).standard_normal((1, k)).astype(np.float32))
+    text = jax.jit(packed_dot).lower(x, q).compile().as_text()
+    entry = text.split("\nENTRY")[1]
+    assert f"f32[{n},{k // 32}]" not in entry, entry
+    assert any(f"f16[{n},{k // 32}]" in p for p in _dot_fusion_parameters(text))
+
+    def loop(x, q):
+        return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(xla_qdot(h, q))[..., :k] + h, x)
+
+    shapes = _while_shapes(jax.jit(loop).lower(x, q).compile().as_text())
+    assert shapes and not any(dt == "f32" and c == q.scale.size for dt, c in shapes), shapes
+    assert any(dt == "f16" and c == q.scale.size for dt, c in shapes), shapes
