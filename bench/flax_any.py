@@ -9,7 +9,8 @@ Einsum modules calling `jnp.einsum` on their params, a tied embedding, blocks un
 random weights (tests/qformats/nn/gemma_style.py). For each scheme: `quantize_linen` / `quantize_model` time
 (including the one abstract trace that finds the matmul weights, and compilation) in wall seconds and in this
 process's CPU seconds (all threads; steadier than wall time on a shared machine), peak RSS growth while
-quantizing (sampled every 2 ms), each (model, tool, scheme) in a fresh process, `--repeat` times (medians and
+quantizing (the kernel's high-water mark VmHWM, reset as quantizing starts: exact, where the 2 ms sampling of
+earlier versions missed short peaks at random; `bench/peak_rss.py`), each (model, tool, scheme) in a fresh process, `--repeat` times (medians and
 min–max; ratios taken per repeat against the qwix run beside it), relative L2 error of the logits against the float model (same tokens), and the packed param bytes.
 The same models are quantized by qwix 0.1.8 (`qwix.quantize_model` + `qwix.quantize_params` for linen,
 `qwix.quantize_model` for NNX, PtqProvider, the closest weight qtype: int8 and int4 with tile 128 (qformats' W8A16 / W4A16 groups), float8_e4m3fn,
@@ -123,7 +124,7 @@ def child(args) -> dict:
             dt, dc = time.perf_counter() - t, time.process_time() - c
         run = lambda: fwd(qm, tokens)  # noqa: E731
         mb = _bytes(nnx.state(qm, nnx.Param))
-    return {"s": dt, "cpu_s": dc, "mb_peak": mem.growth, "params_mb": mb, "err": _rel(run(), ref)}
+    return {"s": dt, "cpu_s": dc, "mb_peak": mem.growth, "mb_sampled": mem.sampled, "params_mb": mb, "err": _rel(run(), ref)}
 
 
 _LOGGED: dict = {}
