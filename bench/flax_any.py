@@ -125,7 +125,8 @@ def child(args) -> dict:
             dt, dc = time.perf_counter() - t, time.process_time() - c
         run = lambda: fwd(qm, tokens)  # noqa: E731
         mb = _bytes(nnx.state(qm, nnx.Param))
-    return {"s": dt, "cpu_s": dc, "mb_peak": mem.growth, "mb_sampled": mem.sampled, "params_mb": mb, "err": _rel(run(), ref)}
+    return {"s": dt, "cpu_s": dc, "mb_peak": mem.growth, "mb_sampled": mem.sampled, "params_mb": mb,
+            "err": _rel(run(), ref)}
 
 
 _LOGGED: dict = {}

@@ -50,11 +50,11 @@ def trim() -> bool:
 
 class PeakRSS:
     """Context manager: `growth` = peak RSS over the block - RSS at its start, taken after `trim()` (else pages
-    freed before the block but still resident would absorb its allocations unseen, a different amount each
-    run). The peak is the kernel's high-water mark (VmHWM, reset on entry: every page resident at any instant
-    counts, however briefly) where the kernel lets it be reset, else the max of samples every 2 ms (and at the block's end), which misses peaks shorter than a
-    sampling interval or unsampled while the machine is busy; `sampled` = that sampled growth in either case,
-    `exact` = whether the high-water mark was used."""
+    freed before the block but still resident would absorb its allocations unseen, a different amount each run).
+    The peak is the kernel's high-water mark (VmHWM, reset on entry: every page resident at any instant counts,
+    however briefly) where the kernel lets it be reset, else the max of samples every 2 ms (and at the block's
+    end), which misses peaks shorter than a sampling interval or unsampled while the machine is busy; `sampled` =
+    that sampled growth in either case, `exact` = whether the high-water mark was used."""
 
     def __enter__(self):
         trim()
