@@ -254,7 +254,7 @@ def compact(found) -> str:
             err = f"{ours[0]['err']:.4f}" + (f" / {theirs[0]['err']:.4f}" if theirs else "")
             runs = f"{len(ours)}" + (f" / {len(theirs)}" if theirs else "")
             if not theirs:
-                name += f": qwix fails ({str(why)[:70]})"
+                name += f": qwix fails ({str(why)[:90]})"
             lines.append(f"| {name} ({runs}) | " + " | ".join(cells) + f" | {err} |")
     return "\n".join(lines)
 
