@@ -1,7 +1,7 @@
 """Third-party-style Flax models (Gemma-style linen, EasyDeL-style NNX): quantize time, peak memory, error vs qwix.
 
 Usage: python bench/flax_any.py [--embed 512] [--hidden 2048] [--layers 4] [--vocab 8192] [--schemes ...] [--no-qwix]
-       [--repeat 3] [--models gemma,gemma-scan,nnx] [--baseline] [--log RUNS.jsonl | --report RUNS.jsonl]
+       [--repeat 3] [--models gemma,gemma-scan,nnx] [--baseline] [--log RUNS.jsonl | --report RUNS.jsonl [--compact]]
 
 The models are the test suite's re-implementations of Google DeepMind's `gemma` layer style (`Gemma`: its own
 Einsum modules calling `jnp.einsum` on their params, a tied embedding, blocks under `nn.scan`) and of EasyDeL's
@@ -9,8 +9,10 @@ Einsum modules calling `jnp.einsum` on their params, a tied embedding, blocks un
 random weights (tests/qformats/nn/gemma_style.py). For each scheme: `quantize_linen` / `quantize_model` time
 (including the one abstract trace that finds the matmul weights, and compilation) in wall seconds and in this
 process's CPU seconds (all threads; steadier than wall time on a shared machine), peak RSS growth while
-quantizing (sampled every 2 ms), each (model, tool, scheme) in a fresh process, `--repeat` times (medians and
-min–max; ratios taken per repeat against the qwix run beside it), relative L2 error of the logits against the float model (same tokens), and the packed param bytes.
+quantizing (`bench/peak_rss.py`: the kernel's high-water mark VmHWM, however short the peak, over a baseline
+taken after `malloc_trim`), each (model, tool, scheme) in a fresh process, `--repeat` times (medians and
+min–max; ratios taken per repeat against the qwix run beside it), relative L2 error of the logits against the
+float model (same tokens), and the packed param bytes.
 The same models are quantized by qwix 0.1.8 (`qwix.quantize_model` + `qwix.quantize_params` for linen,
 `qwix.quantize_model` for NNX, PtqProvider, the closest weight qtype: int8 and int4 with tile 128 (qformats' W8A16 / W4A16 groups), float8_e4m3fn,
 nvfp4 / float6_e3m2fn) in the same run; the tied embedding is left float on both sides (qwix cannot take a table used in a
@@ -123,7 +125,8 @@ def child(args) -> dict:
             dt, dc = time.perf_counter() - t, time.process_time() - c
         run = lambda: fwd(qm, tokens)  # noqa: E731
         mb = _bytes(nnx.state(qm, nnx.Param))
-    return {"s": dt, "cpu_s": dc, "mb_peak": mem.growth, "params_mb": mb, "err": _rel(run(), ref)}
+    return {"s": dt, "cpu_s": dc, "mb_peak": mem.growth, "mb_sampled": mem.sampled, "params_mb": mb,
+            "err": _rel(run(), ref)}
 
 
 _LOGGED: dict = {}
@@ -223,6 +226,39 @@ def table(title, rows) -> str:
     return "\n".join(lines)
 
 
+def compact(found) -> str:
+    """One table of every model: per scheme, qformats / qwix medians side by side, the per-repeat ratios' median
+    (min–max); where qwix failed, why (and the float model's first jitted forward, if run)."""
+    short = {"gemma": "linen", "gemma-scan": "linen nn.scan", "nnx": "NNX"}
+    lines = ["| model scheme / qwix qtype (runs) | quantize s | vs qwix | CPU s | vs qwix | peak RSS +MB | vs qwix | "
+             "rel-L2 logits |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for model, rs in found.items():
+        by = {(label.split()[0], scheme): (runs, why) for label, scheme, runs, why in rs}
+        flt = by.get(("float:", "float"), (None, None))[0]
+        for scheme in [s for s in QWIX if ("qformats", s) in by]:
+            ours, _ = by[("qformats", scheme)]
+            theirs, why = by.get(("qwix", scheme), (None, "not run"))
+            if not ours:
+                continue
+            qt, tile = QWIX[scheme]
+            name = f"{short[model]} {scheme} / {qt}" + (f" (tile {tile})" if tile else "")
+            cells = []
+            for key, fmt in (("s", "{:.2f}"), ("cpu_s", "{:.2f}"), ("mb_peak", "{:.0f}")):
+                a = fmt.format(_median([r[key] for r in ours]))
+                if theirs:
+                    cells += [f"{a} / {fmt.format(_median([r[key] for r in theirs]))}", _spread(
+                        [x[key] / max(y[key], 1e-9) for x, y in zip(ours, theirs)], "{:.2f}") + "x"]
+                else:
+                    f = f"; float fwd {fmt.format(_median([r[key] for r in flt]))}" if flt else ""
+                    cells += [a + f, ""]
+            err = f"{ours[0]['err']:.4f}" + (f" / {theirs[0]['err']:.4f}" if theirs else "")
+            runs = f"{len(ours)}" + (f" / {len(theirs)}" if theirs else "")
+            if not theirs:
+                name += f": qwix fails ({str(why)[:90]})"
+            lines.append(f"| {name} ({runs}) | " + " | ".join(cells) + f" | {err} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--embed", type=int, default=512)
@@ -240,6 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--log", help="append each run's result to this file (JSON lines) as it ends")
     p.add_argument("--report", help="print the tables from a --log file instead of running (runs not logged yet "
                    "are left out)")
+    p.add_argument("--compact", action="store_true", help="one table, qformats and qwix side by side in each row "
+                   "(medians; BENCHMARKS.md's form)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="gemma")
     p.add_argument("--tool", default="qformats")
@@ -262,20 +300,20 @@ def main(argv=None) -> int:
           f"{jax.__version__}, {jax.devices()[0].platform}; embed {args.embed}, hidden {args.hidden}, {args.layers} "
           f"layers, vocab {args.vocab}, {args.tokens} tokens x 2; each run a fresh process, {args.repeat} runs per "
           "row: median (min–max)" + ("" if use_qwix else "; qwix not run"))
-    if "gemma" in models:
-        base = rows(args, "gemma", ["float"], False) if args.baseline else []
-        print(table("Gemma-style linen (own Einsum modules, blocks in a list as gemma has them)",
-                    base + rows(args, "gemma", schemes, use_qwix)))
-        print()
-    if "gemma-scan" in models:
-        scan = [s for s in schemes if s == "W4A16"] or schemes[:1]
-        base = rows(args, "gemma-scan", ["float"], False) if args.baseline else []
-        print(table("Gemma-style linen under nn.scan", base + rows(args, "gemma-scan", scan, use_qwix)))
-        print()
-    if "nnx" in models:
-        print(table("EasyDeL-style NNX (ParallelLinear, HeadsEinsum, nnx.scan)",
-                    rows(args, "nnx", [s for s in schemes if s in ("W8A16", "W4A16", "FP8_E4M3", "NVFP4A16")],
-                         use_qwix)))
+    titles = {"gemma": "Gemma-style linen (own Einsum modules, blocks in a list as gemma has them)",
+              "gemma-scan": "Gemma-style linen under nn.scan", "nnx": "EasyDeL-style NNX (ParallelLinear, "
+                                                                   "HeadsEinsum, nnx.scan)"}
+    picked = {"gemma": schemes, "gemma-scan": [s for s in schemes if s == "W4A16"] or schemes[:1],
+              "nnx": [s for s in schemes if s in ("W8A16", "W4A16", "FP8_E4M3", "NVFP4A16")]}
+    found = {}
+    for m in ("gemma", "gemma-scan", "nnx"):
+        if m in models:
+            base = rows(args, m, ["float"], False) if args.baseline and m != "nnx" else []
+            found[m] = base + rows(args, m, picked[m], use_qwix)
+            if not args.compact:
+                print(table(titles[m], found[m]) + "\n")
+    if args.compact:
+        print(compact(found))
     return 0
 
 

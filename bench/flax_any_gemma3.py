@@ -13,9 +13,10 @@ model code itself (gemma's own `Einsum` modules calling `jnp.einsum` on their pa
 
 Each (tool, scheme) runs in a fresh process (`--repeat` times, tools alternating): the time and process CPU time of
 quantizing (qformats: `quantize_linen` with its one abstract trace; qwix 0.1.8: `quantize_model` + `quantize_params`,
-PtqProvider, int8 / int4 tile 128, nvfp4, float8_e4m3fn), peak RSS growth during it (sampled every 2 ms), packed
-param MB, and the rel-L2 error of the logits against the float model on the same tokens. The tied embedding
-(262144 x 640, gathered and multiplied) stays float on both sides. Prints one markdown table (medians, min–max).
+PtqProvider, int8 / int4 tile 128, nvfp4, float8_e4m3fn), peak RSS growth during it (`bench/peak_rss.py`: VmHWM
+over a baseline taken after `malloc_trim`), packed param MB, and the rel-L2 error of the logits against the float
+model on the same tokens. The tied embedding (262144 x 640, gathered and multiplied) stays float on both sides.
+Prints one markdown table (medians, min–max).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Usage: python bench/flax_minilm.py [--batch 32] [--seq 128] [--repeat 5] [--schemes ...] [--no-qwix]
 
-For each scheme: `quantize_model` time, peak RSS growth while quantizing (sampled every 2 ms), growth
+For each scheme: `quantize_model` time, peak RSS growth while quantizing (`bench/peak_rss.py`), growth
 of live JAX arrays after it (for qwix counting the original model the caller still holds: qwix returns
 a new model, ours swaps in place), parameter bytes (`nnx.state(model, nnx.Param)`), and the best-of-N
 latency of a jit forward pass on a [batch, seq] batch (all models timed round-robin).

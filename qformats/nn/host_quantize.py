@@ -21,6 +21,7 @@ Everything else takes the jitted path.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -292,11 +293,43 @@ def _transposed(a: np.ndarray, order: tuple, shape: tuple) -> np.ndarray:
 
 def quantize_weight(kernel, schemes: SchemeSet, weight_search: str = "rtn") -> QArray:
     """`qformats.algorithms.weight_search.quantize_weight(kernel, schemes, weight_search)`, computed on the host
-    when `host_quantizable` (the same bits, no compilation), else by it."""
+    when `host_quantizable` (the same bits, no compilation), else by it, the stacked layers of a kernel on one
+    device one at a time (`layer_by_layer`: the same bits, a layer's temporaries instead of the stack's)."""
     if host_quantizable(kernel, schemes, weight_search):
         q = host_quantize_weight(kernel, schemes)
         if q is not None:
             return q
     from qformats.algorithms.weight_search import quantize_weight as jitted
 
-    return jitted(kernel, schemes, weight_search)
+    stacked = jnp.ndim(kernel) - 2 if one_device(kernel) else 0
+    if stacked <= 0:
+        return jitted(kernel, schemes, weight_search)
+    return _stack_quantizer(schemes, weight_search, stacked)(kernel)
+
+
+@functools.lru_cache(maxsize=64)
+def _stack_quantizer(schemes: SchemeSet, weight_search: str, stacked: int):
+    """The jitted `layer_by_layer` quantization of a kernel with `stacked` leading axes (one compilation per
+    distinct shape, as `quantize_weight`'s own)."""
+    from qformats.algorithms.weight_search import quantize_weight as jitted
+
+    return jax.jit(lambda k: layer_by_layer(lambda w: jitted(w, schemes, weight_search), k, stacked))
+
+
+def one_device(value) -> bool:
+    """Whether `value` is a host array, a tracer, or a jax.Array on a single device (not sharded)."""
+    return not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer) or \
+        len(value.sharding.device_set) == 1
+
+
+def layer_by_layer(fn, value, stacked: int):
+    """fn(value[i]) for each index i of `value`'s leading `stacked` axes, computed one layer after the other
+    (`jax.lax.map` over them flattened to one), the results' leaves stacked with those axes in front: what
+    `jax.vmap(fn)` nested `stacked` times gives, with the temporaries of one layer's computation live at a time
+    instead of the whole stack's (XLA:CPU materialises a transposed float copy of a weight to quantize it along
+    K: one layer's, not the stack's). `stacked` = 0: fn(value)."""
+    if stacked <= 0:
+        return fn(value)
+    lead = tuple(jnp.shape(value)[:stacked])
+    out = jax.lax.map(fn, jnp.reshape(value, (-1,) + tuple(jnp.shape(value)[stacked:])))
+    return jax.tree_util.tree_map(lambda a: a.reshape(lead + a.shape[1:]), out)

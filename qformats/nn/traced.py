@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from qformats.errors import ModelError
-from qformats.nn.host_quantize import host_quantizable, host_quantize
+from qformats.nn.host_quantize import host_quantizable, host_quantize, layer_by_layer, one_device
 from qformats.plan import check_fit
 from qformats.nn.projection import packed_project
 from qformats.qarray import QArray
@@ -307,7 +307,8 @@ less memory in flight)."""
 
 def _pack_key(value, usage: WeightUsage, schemes: SchemeSet, weight_search: str) -> Tuple:
     perm, nc = usage.layout()
-    return perm, nc, usage.stacked, tuple(jnp.shape(value)), jnp.result_type(value).name, schemes, weight_search
+    return (perm, nc, usage.stacked, tuple(jnp.shape(value)), jnp.result_type(value).name, schemes, weight_search,
+            one_device(value))
 
 
 def _packer(keys: Tuple[Tuple, ...]) -> Callable:
@@ -317,10 +318,15 @@ def _packer(keys: Tuple[Tuple, ...]) -> Callable:
         from qformats.algorithms.weight_search import quantize_weight
 
         def one(v, key):
-            perm, nc, ns, _, _, schemes, search = key
-            w = jnp.transpose(v, tuple(range(ns)) + tuple(ns + p for p in perm))
-            w = w.reshape(tuple(v.shape[:ns]) + (math.prod(w.shape[ns:ns + nc]), -1))
-            return quantize_weight(w, schemes, search)
+            perm, nc, ns, _, _, schemes, search, single = key
+            if not single:  # a sharded stack: vmapped (quantize_weight), the sharding propagated as it is
+                w = jnp.transpose(v, tuple(range(ns)) + tuple(ns + p for p in perm))
+                return quantize_weight(w.reshape(tuple(v.shape[:ns]) + (math.prod(w.shape[ns:ns + nc]), -1)),
+                                       schemes, search)
+            # one layer at a time, its transpose included: one layer's temporaries live, not the stack's
+            return layer_by_layer(lambda lv: quantize_weight(
+                jnp.transpose(lv, perm).reshape(math.prod(lv.shape[a] for a in perm[:nc]), -1), schemes, search),
+                v, ns)
 
         # LLVM -O1 on XLA:CPU: a third less compile time for these elementwise + reduce loops, equal run time,
         # the same bits (no fast-math at any level)
@@ -334,9 +340,10 @@ def _packer(keys: Tuple[Tuple, ...]) -> Callable:
 
 def pack(value, usage: WeightUsage, schemes: SchemeSet, weight_search: str = "rtn") -> MatmulWeight:
     """`value` packed as a MatmulWeight: W [*stacked, K, N] (`matrix_of`) quantized along K by
-    `qformats.algorithms.weight_search.quantize_weight(W, schemes, weight_search)` (stacked axes vmapped). The
-    transpose and the quantization run as one jitted function (`pack_many`), so the transposed float copy is
-    never materialised on its own."""
+    `qformats.algorithms.weight_search.quantize_weight(W, schemes, weight_search)`, the stacked layers of a value
+    on one device one at a time (`host_quantize.layer_by_layer`: the same bits as vmapping them, one layer's
+    temporaries live), a sharded stack's vmapped. The transpose and the quantization run as one jitted function
+    (`pack_many`), so the transposed float copy is never materialised on its own."""
     return pack_many([(value, usage, schemes)], weight_search)[0]
 
 
