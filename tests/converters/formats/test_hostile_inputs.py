@@ -191,12 +191,13 @@ def test_header_rules_match_safetensors(tmp_path, header, data, n, accepted):
 @pytest.mark.parametrize("n, accepted", [(MAX_METADATA_ENTRIES, True), (300_000, False)])
 def test_many_metadata_entries_read_or_refused_in_linear_time(tmp_path, n, accepted):
     """A header with 300,000 `__metadata__` entries is refused (typed, naming the cap) in well under two seconds;
-    one at the cap opens as fast with its metadata intact; duplicates and lone surrogates are still named."""
+    one at the cap opens as fast with its metadata intact; duplicates and lone surrogates are still named. The bound is
+    on this process's CPU time (a busy machine stretches wall time; a quadratic parse would take minutes of CPU)."""
     meta = {f"key{i}": f"value{i}" for i in range(n)}
     text = json.dumps({"__metadata__": meta, **T1}).encode()
     p = _file(tmp_path / "m.safetensors", text + b" " * (-len(text) % 8), b"ab")
-    t0 = time.perf_counter()
-    with time_limit(10):
+    t0 = time.process_time()
+    with time_limit(30):
         if accepted:
             with SafetensorsFile(p) as f:
                 assert f.metadata == meta and f.keys() == ["a"]
@@ -204,7 +205,7 @@ def test_many_metadata_entries_read_or_refused_in_linear_time(tmp_path, n, accep
             with pytest.raises(CheckpointError, match=f"__metadata__: expected at most {MAX_METADATA_ENTRIES} "
                                                       f"entries, found {n}"):
                 SafetensorsFile(p)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.process_time() - t0 < 2.0
     if not accepted:
         return
     dup = text.replace(b'"key1": "value1"', b'"key2": "value1"')
