@@ -34,6 +34,9 @@ Why a path of its own (XLA:CPU; the figures: BENCHMARKS.md, "CPU decode (SmolLM2
     group's scale by k // g and reading x with a stride of 2 for every weight element; each is written once per
     call by a division by a 1.0 computed from x (`_apart`), which XLA does not duplicate, so the loop reads them
     as arrays.
+  - Float element codes (NVFP4 / MXFP4's e2m1, fp8) are decoded by integer and float operations on their bits
+    (`_float_values`), not read from a table by code: inside the loop a table read is a gather, which LLVM
+    scalarises (one load per weight element); the bit operations vectorise.
   - Each row of x (up to `MAX_ROWS`) is its own GEMV: several activation rows would make the dot a GEMM, which
     XLA sends to a library without fusing the decode.
 
