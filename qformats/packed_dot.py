@@ -197,8 +197,7 @@ def _float_values(u: jax.Array, fmt: FloatFormat, sdt) -> jax.Array:
         then specials per fmt.specials (inf / NaN), negated when the sign bit is set; cast to sdt.
 
     Why not a 2^bits-entry table read by code (the same values): inside XLA:CPU's fused GEMV loop a table read is
-    a gather, which LLVM scalarises (one load per weight element); these operations vectorise (4-bit float
-    weights, e.g. NVFP4's e2m1, decode about twice as fast)."""
+    a gather, which LLVM scalarises (one load per weight element); these operations vectorise."""
     c = u.astype(jnp.int32)
     m = fmt.mbits
     sign_bit = 1 << (fmt.bits - 1)
