@@ -8,14 +8,17 @@ Usage: python bench/moe_decode.py [--layers 8] [--hidden 1024] [--experts 64] [-
 (defaults: the issue's shape; --ragged adds the sorted + ragged_dot row, which XLA:CPU runs as a dense product per
 expert: minutes per step at this shape.)
 
-Timing: the fastest of --new timed calls of one decode step (batch 1, one token, KV cache holding the prompt), ours a
-jit call of the model (the dense counterparts quantized with the same scheme), transformers' a forward with its
-cache (a deepcopy of the prompt's cache each step, timed
-with it; small beside the step). tokens/s = 1000 / step ms. Prefill: the fastest of 3 calls on the whole prompt;
-each packed MoE is also prefilled with kernels off (`set_kernels_enabled(False)`: each tile of the tiled grouped
-matmul dequantizes its expert, then dots -- the path before `packed_matmul`), for a before / after in one run.
-The machine's load average and this process's CPU seconds are printed with the table (figures from a shared machine
-are only comparable as ratios within one run). Prints the markdown table of BENCHMARKS.md's section
+Timing: one decode step = batch 1, one token, KV cache holding the prompt; ours a jit call of the model (the dense
+counterparts quantized with the same scheme), transformers' a forward with its cache (a deepcopy of the prompt's cache
+each step, timed with it; small beside the step). On a shared machine the load changes within a run, so each MoE
+decoder's step is timed interleaved with the dense decoder's of the same scheme (--new rounds of one dense step, then one
+MoE step): the ratio compares steps taken under the same load. Each figure is the fastest call (the least disturbed),
+as wall ms and as this process's CPU ms (time.process_time: all its threads; XLA runs single-threaded with
+XLA_FLAGS=--xla_cpu_multi_thread_eigen=false, torch on its own threads, so CPU ms is the robust figure for ours and wall
+ms for transformers). tokens/s = 1000 / wall step ms. Prefill: the fastest of 3 calls on the whole prompt; each packed
+MoE is also prefilled with kernels off (`set_kernels_enabled(False)`: each tile of the tiled grouped matmul
+dequantizes its expert, then dots -- the path before `packed_matmul`), for a before / after in one run. The load
+average is printed with each row. Prints the markdown table of BENCHMARKS.md's section
 "MoE decode (random Qwen3-MoE shape)".
 """
 
@@ -43,34 +46,56 @@ from qformats.nn import param_bytes, quantize_model  # noqa: E402
 
 def _best_ms(step, n):
     """The fastest of n timed calls after a warm-up (the minimum: the figure least disturbed by other load)."""
-    step()  # warm-up (compiles)
-    times = []
+    return _interleaved([step], n)[0][0]
+
+
+def _interleaved(steps, n):
+    """[(best wall ms, best CPU ms)] of each step, timed in n rounds of one call of each (after a warm-up call of
+    each), so that every step sees the same load."""
+    for step in steps:
+        step()  # warm-up (compiles)
+    wall, cpu = [[] for _ in steps], [[] for _ in steps]
     for _ in range(n):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.min(times))
+        for i, step in enumerate(steps):
+            t, c = time.perf_counter(), time.process_time()
+            step()
+            wall[i].append(time.perf_counter() - t)
+            cpu[i].append(time.process_time() - c)
+    return [(1e3 * min(w), 1e3 * min(c)) for w, c in zip(wall, cpu)]
 
 
-def ours(model, prompt, steps, decode=True):
-    """Best ms of one jit decode step (one token, batch 1, KV cache after the prompt). The model's state is split
-    once and passed to jax.jit (as `generate` does): nnx.jit would hand every parameter back as an output, copying
-    the weights on each call."""
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def decode_step(model, prompt, steps):
+    """(one jit decode step of `model` as a callable: one token, batch 1, KV cache after the prompt; best ms of the
+    prefill of the prompt). The model's state is split once and passed to jax.jit (as `generate` does): nnx.jit
+    would hand every parameter back as an output, copying the weights on each call."""
     from flax import nnx
 
     graphdef, state = nnx.split(model)
     fn = jax.jit(lambda st, ids, c: nnx.merge(graphdef, st)(ids, c, last_only=True))
     empty = model.init_cache(prompt.shape[0], prompt.shape[1] + steps + 2)
     prefill = _best_ms(lambda: jax.block_until_ready(fn(state, prompt, empty)[0]), 3)
-    if not decode:
-        return None, prefill
     _, cache = fn(state, prompt, empty)
     tok = prompt[:, -1:]
-    return _best_ms(lambda: jax.block_until_ready(fn(state, tok, cache)[0]), steps), prefill
+    return (lambda: jax.block_until_ready(fn(state, tok, cache)[0])), prefill
+
+
+def prefill_ms(model, prompt):
+    """Best ms of the jit prefill of the prompt (3 calls)."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda st, ids, c: nnx.merge(graphdef, st)(ids, c, last_only=True))
+    empty = model.init_cache(prompt.shape[0], prompt.shape[1] + 2)
+    return _best_ms(lambda: jax.block_until_ready(fn(state, prompt, empty)[0]), 3)
 
 
 def theirs(hf, prompt, steps):
-    """Best ms of one transformers forward of one token with its KV cache after the prompt."""
+    """(best (wall, CPU) ms of one transformers forward of one token with its KV cache after the prompt, best
+    prefill ms)."""
     import copy
 
     import torch
@@ -84,7 +109,7 @@ def theirs(hf, prompt, steps):
         def step():
             hf(tok, past_key_values=copy.deepcopy(past), use_cache=True)
 
-        return _best_ms(step, steps), prefill
+        return _interleaved([step], steps)[0], prefill
 
 
 def main(argv=None):
@@ -114,64 +139,60 @@ def main(argv=None):
                                           num_experts_per_tok=a.top_k, norm_topk_prob=True)
     dense_cfg = transformers.Qwen3Config(**base, intermediate_size=a.top_k * a.moe_inter)
     prompt = np.random.RandomState(0).randint(0, 4096, (1, a.prompt)).astype(np.int32)
-    rows = []
+    rows = []  # (label, (wall, cpu) step ms or None, prefill ms, bytes, scheme, (dense wall, cpu) or None, load)
     with tempfile.TemporaryDirectory() as tmp:
         hf = transformers.AutoModelForCausalLM.from_config(moe_cfg).eval()
         hf.save_pretrained(f"{tmp}/moe")
         transformers.AutoModelForCausalLM.from_config(dense_cfg).eval().save_pretrained(f"{tmp}/dense")
-        ref_ms = None
+        ref = None
         if not a.no_transformers:
-            ref_ms, pre = theirs(hf, prompt, a.new)
-            rows.append((f"transformers {transformers.__version__} (MoE, float32)", ref_ms, pre,
-                         sum(p.numel() * 4 for p in hf.parameters()), None))
+            ref, pre = theirs(hf, prompt, a.new)
+            rows.append((f"transformers {transformers.__version__} (MoE, float32)", ref, pre,
+                         sum(p.numel() * 4 for p in hf.parameters()), None, None, _load()))
         del hf
-        schemes = [s for s in a.schemes.split(",") if s]
-        dense_ms, dense_pre = {}, {}
-        for scheme in [""] + schemes:
+        dense_pre = {}
+        for scheme in [""] + [s for s in a.schemes.split(",") if s]:
+            tag = " " + scheme if scheme else ""
             dense, _, _ = load_causal_lm(f"{tmp}/dense", tokenizer=False)
+            moe, _, _ = load_causal_lm(f"{tmp}/moe", tokenizer=False)
             if scheme:
                 quantize_model(dense, quantization_rules(scheme))
-            ms, pre = ours(dense, prompt, a.new)
-            dense_ms[scheme], dense_pre[scheme] = ms, pre
-            rows.append((f"ours, dense decoder of the same active params{' ' + scheme if scheme else ''}", ms, pre,
-                         param_bytes(dense), scheme))
-            del dense
-        model, _, _ = load_causal_lm(f"{tmp}/moe", tokenizer=False)
-        methods = [("ours MoE (auto: gathered decode, tiled prefill)", "auto", "auto"),
-                   ("ours MoE, sorted + tiled grouped matmul", "grouped", "tiled")]
-        if a.ragged:
-            methods.append(("ours MoE, sorted + ragged_dot", "grouped", "ragged"))
-        for label, d, m in methods:
-            set_dispatch(model, d, m)
-            ms, pre = ours(model, prompt, a.new)
-            rows.append((label, ms, pre, param_bytes(model), ""))
-        del model
-        for scheme in schemes:
-            q, _, _ = load_causal_lm(f"{tmp}/moe", tokenizer=False)
-            quantize_model(q, quantization_rules(scheme))
-            ms, pre = ours(q, prompt, a.new)
-            rows.append((f"ours MoE {scheme} (auto: gathered decode, tiled prefill)", ms, pre, param_bytes(q), scheme))
-            set_kernels_enabled(False)  # the tiles dequantize their expert, then dot (the path before packed_matmul)
-            _, pre = ours(q, prompt, a.new, decode=False)
-            set_kernels_enabled(True)
-            rows.append((f"ours MoE {scheme}, prefill tiles dequantize-then-dot (kernels off)", None, pre,
-                         param_bytes(q), scheme))
-            del q
-    load = os.getloadavg()
+                quantize_model(moe, quantization_rules(scheme))
+            dense_step, dense_pre[scheme] = decode_step(dense, prompt, a.new)
+            methods = [(f"ours MoE{tag} (auto: gathered decode, tiled prefill)", "auto", "auto")]
+            if not scheme:
+                methods.append(("ours MoE, sorted + tiled grouped matmul", "grouped", "tiled"))
+                if a.ragged:
+                    methods.append(("ours MoE, sorted + ragged_dot", "grouped", "ragged"))
+            for i, (label, d, m) in enumerate(methods):
+                set_dispatch(moe, d, m)
+                moe_step, pre = decode_step(moe, prompt, a.new)
+                dense_t, moe_t = _interleaved([dense_step, moe_step], a.new)
+                if i == 0:
+                    rows.append((f"ours, dense decoder of the same active params{tag}", dense_t, dense_pre[scheme],
+                                 param_bytes(dense), scheme, None, _load()))
+                rows.append((label, moe_t, pre, param_bytes(moe), scheme, dense_t, _load()))
+            if scheme:
+                set_kernels_enabled(False)  # the tiles dequantize their expert, then dot (the path before packed_matmul)
+                pre = prefill_ms(moe, prompt)
+                set_kernels_enabled(True)
+                rows.append((f"ours MoE{tag}, prefill tiles dequantize-then-dot (kernels off)", None, pre,
+                             param_bytes(moe), scheme, None, _load()))
+            del dense, moe, dense_step
     print(f"\n{a.layers} layers, hidden {a.hidden}, {a.experts} experts x {a.moe_inter}, top-{a.top_k}; batch 1, "
-          f"prompt {a.prompt}, {a.new} new tokens; {platform.machine()} {os.cpu_count()} CPUs, jax "
-          f"{jax.__version__} {jax.default_backend()}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-          f"(1 / 5 / 15 min) at the end; {time.process_time():.0f} CPU s in {time.perf_counter() - t0:.0f} s\n")
-    print(f"| model | decode step ms | decode tokens/s | vs transformers | step vs dense active (same scheme) | "
-          f"prefill {a.prompt} tokens ms | prefill vs dense active | params MB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for label, ms, pre, nbytes, scheme in rows:
-        vs_ref = f"{ref_ms / ms:.2f}x" if ref_ms and ms else "-"
-        vs_dense = f"{ms / dense_ms[scheme]:.2f}x" if ms and scheme in dense_ms else "-"
+          f"prompt {a.prompt}, {a.new} timed steps; {platform.machine()} {os.cpu_count()} CPUs, jax "
+          f"{jax.__version__} {jax.default_backend()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+          f"{time.process_time():.0f} CPU s in {time.perf_counter() - t0:.0f} s\n")
+    print(f"| model | decode step ms (wall / CPU) | decode tokens/s | vs transformers (wall) | step vs dense active "
+          f"(wall / CPU, interleaved) | prefill {a.prompt} tokens ms | prefill vs dense active | params MB | load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, t, pre, nbytes, scheme, dense_t, load in rows:
+        step = f"{t[0]:.2f} / {t[1]:.2f} | {1e3 / t[0]:.1f}" if t else "- | -"
+        vs_ref = f"{ref[0] / t[0]:.1f}x" if ref and t else "-"
+        vs_dense = f"{t[0] / dense_t[0]:.2f}x / {t[1] / dense_t[1]:.2f}x" if t and dense_t else "-"
         pre_dense = f"{pre / dense_pre[scheme]:.2f}x" if scheme in dense_pre else "-"
-        step = f"{ms:.2f} | {1e3 / ms:.1f}" if ms else "- | -"
-        print(f"| {label} | {step} | {vs_ref} | {vs_dense} | {pre:.1f} | {pre_dense} | {nbytes / 2**20:.0f} |")
-
+        print(f"| {label} | {step} | {vs_ref} | {vs_dense} | {pre:.1f} | {pre_dense} | {nbytes / 2**20:.0f} | "
+              f"{load:.1f} |")
 
 if __name__ == "__main__":
     main()

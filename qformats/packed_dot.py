@@ -34,6 +34,9 @@ Why a path of its own (XLA:CPU; the figures: BENCHMARKS.md, "CPU decode (SmolLM2
     group's scale by k // g and reading x with a stride of 2 for every weight element; each is written once per
     call by a division by a 1.0 computed from x (`_apart`), which XLA does not duplicate, so the loop reads them
     as arrays.
+  - Float element codes (NVFP4 / MXFP4's e2m1, fp8) are decoded by integer and float operations on their bits
+    (`_float_values`), not read from a table by code: inside the loop a table read is a gather, which LLVM
+    scalarises (one load per weight element); the bit operations vectorise.
   - Each row of x (up to `MAX_ROWS`) is its own GEMV: several activation rows would make the dot a GEMM, which
     XLA sends to a library without fusing the decode.
 
@@ -177,14 +180,38 @@ def _apart(a: jax.Array, one: jax.Array) -> jax.Array:
 
 def _values(u: jax.Array, fmt, sdt) -> jax.Array:
     """element_values(u, fmt, sdt) for 4- or 8-bit codes u: integers and table formats (`TableFormat`: its own
-    2^bits values) as `element_values` computes them; float formats by a 2^bits-entry table of `element_values`
-    itself (one table read per element instead of the bit-level decode; the same values)."""
+    2^bits values) as `element_values` computes them; float formats by `_float_values` (the same values, bit for
+    bit, in a form that vectorises inside the fused GEMV loop)."""
     if isinstance(fmt, FloatFormat):
-        with jax.ensure_compile_time_eval():
-            codes = jnp.arange(2 ** fmt.bits, dtype=jnp.int32).astype(jnp.uint8)
-            table = np.asarray(element_values(codes, fmt, sdt))
-        return jnp.asarray(table)[u]  # unsigned index: no wrap-around of negative indices to compute
+        return _float_values(u, fmt, sdt)
     return element_values(u, fmt, sdt)
+
+
+def _float_values(u: jax.Array, fmt: FloatFormat, sdt) -> jax.Array:
+    """The value of each float code u (uint8, `fmt.bits` low bits), as `qformats.codec.decode` gives it, bit for
+    bit (specials and the signed zero included), computed with elementwise integer and float operations only.
+    With a = u & (2^(bits-1) - 1) (the magnitude bits, exponent E then mantissa M) and m = fmt.mbits:
+
+        normal (a >= 2^m):    float32 bits (a << (23 - m)) + ((127 - bias) << 23)   = 2^(E - bias) (1 + M / 2^m)
+        subnormal (a < 2^m):  a * 2^(emin - m)                                      = 2^(1 - bias) M / 2^m
+        then specials per fmt.specials (inf / NaN), negated when the sign bit is set; cast to sdt.
+
+    Why not a 2^bits-entry table read by code (the same values): inside XLA:CPU's fused GEMV loop a table read is
+    a gather, which LLVM scalarises (one load per weight element); these operations vectorise."""
+    c = u.astype(jnp.int32)
+    m = fmt.mbits
+    sign_bit = 1 << (fmt.bits - 1)
+    a = c & (sign_bit - 1)
+    normal = jax.lax.bitcast_convert_type((a << (23 - m)) + ((127 - fmt.bias) << 23), jnp.float32)
+    val = jnp.where(a < (1 << m), a.astype(jnp.float32) * np.float32(2.0 ** (fmt.emin - m)), normal)
+    if fmt.specials == "ieee":
+        top = ((1 << fmt.ebits) - 1) << m
+        val = jnp.where(a >= top, jnp.where(a == top, np.float32(np.inf), np.float32(np.nan)), val)
+    elif fmt.specials == "fn":
+        val = jnp.where(a == fmt.nan_code, np.float32(np.nan), val)
+    elif fmt.specials == "fnuz":
+        val = jnp.where(c == fmt.nan_code, np.float32(np.nan), val)  # the code 1000...0, negated below as decode does
+    return jnp.where(c >= sign_bit, -val, val).astype(sdt)
 
 
 def _weight(v, s, z, o, q: QArray, k0: int, step: int, sdt, dtype) -> jax.Array:

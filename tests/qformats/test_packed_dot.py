@@ -12,9 +12,11 @@ import pytest
 import qformats.packed_dot as packed_dot_module
 from qformats import dequantize, quantize
 from qformats.dispatch import xla_qdot
-from qformats.errors import KernelError
+from qformats.errors import FormatError, KernelError
+from qformats.formats import FloatFormat
 from qformats.packed_dot import MAX_ROWS, packed_dot, packed_dot_supported, packed_matmul, packed_matmul_supported
 from qformats.presets import presets
+from qformats.qarray import element_values
 from qformats.schemes import QuantScheme
 
 EPS = float(np.finfo(np.float32).eps)
@@ -94,6 +96,50 @@ def test_weight_elements_equal_dequantize():
             x = jnp.zeros((1, 128), jnp.float32).at[0, k].set(1.0)
             np.testing.assert_array_equal(np.asarray(f(x, q))[0], w[k], err_msg=f"{name} row {k}")
 
+
+
+
+def _float_formats():
+    """Every 4- and 8-bit FloatFormat (the codes packed_dot takes) under each specials convention it admits."""
+    out = []
+    for eb in range(1, 8):
+        for mb in range(0, 7):
+            for sp in ("ieee", "fn", "fnuz", "finite"):
+                if 1 + eb + mb in (4, 8):
+                    try:
+                        out.append(FloatFormat(eb, mb, sp))
+                    except FormatError:
+                        pass  # a convention the format cannot have (e.g. ieee without a mantissa bit)
+    return out
+
+
+def test_float_values_equal_element_values_bit_for_bit():
+    """The in-loop decode of float codes (bit operations, no table read) gives element_values' value for every
+    code of every 4- and 8-bit float format, bit for bit: signed zeros, subnormals, inf and NaN (with its sign) included, and
+    in float32, bfloat16 and float16 (rounded as astype rounds)."""
+    fmts = _float_formats()
+    assert len(fmts) > 25
+    dtypes = ((jnp.float32, np.uint32), (jnp.bfloat16, np.uint16), (jnp.float16, np.uint16))
+    codes = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8)
+
+    @jax.jit
+    def decode_all(codes):  # one compilation for every format and dtype, the reference (codec.decode) beside
+        return [[(packed_dot_module._float_values(codes[:2 ** f.bits], f, dt), element_values(codes[:2 ** f.bits], f, dt))
+                 for dt, _ in dtypes] for f in fmts]
+
+    for fmt, pairs in zip(fmts, decode_all(codes)):
+        for (dt, view), (got, want) in zip(dtypes, pairs):
+            np.testing.assert_array_equal(np.asarray(got).view(view), np.asarray(want).view(view),
+                                          err_msg=f"{fmt.name} ({fmt.specials}) in {jnp.dtype(dt).name}")
+
+
+@pytest.mark.parametrize("name", ["NVFP4A16", "MXFP4A16", "FP8_E4M3"])
+def test_float_codes_decoded_without_a_table_read(name):
+    """Float weight codes are decoded by elementwise operations inside the fused GEMV, not read from a table by code:
+    a table read is a gather in the loop, which XLA:CPU scalarises (one load per weight element)."""
+    q = _weight(name, 256, 64)
+    text = jax.jit(packed_dot).lower(jnp.ones((1, 256), jnp.float32), q).compile().as_text()
+    assert " dot(" in text and " gather(" not in text
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=str)

@@ -205,6 +205,28 @@ def test_packed_grouped_never_dequantizes_the_whole_stack(monkeypatch, scheme):
     gk = np.asarray(jax.tree.leaves(grad)[0])
     assert np.all(np.isfinite(gk)) and np.any(gk != 0)
 
+@pytest.mark.parametrize("scheme", ["W4A16:g32", "NVFP4A16", "MXFP4A16"])
+def test_packed_gathered_reads_each_experts_weight_in_place_exactly(scheme):
+    """The decode path (`gathered`, one packed GEMV per row): with one-hot rows x_m = u_k, y_m is row k of
+    dequantize(W[e_m]) bit for bit (the GEMV's weight elements are dequantize's); and no float32 buffer of the compiled
+    product holds an expert's dense weight (each row's expert is read as packed codes and scales, in place)."""
+    ks = kernels(5)
+    model = StackFFN({"up_proj": ks["up_proj"]})
+    quantize_model(model, [Rule(".*", scheme)])
+    m = model.experts["up_proj"]
+    experts = np.array([7, 0, 3, 3, 6, 1], np.int32)
+    ks_hot = np.array([0, 1, 31, 32, 62, 63])
+    x = np.zeros((len(experts), D), np.float32)
+    x[np.arange(len(experts)), ks_hot] = 1.0
+    g, st = nnx.split(m)
+    f = lambda s, x, e: nnx.merge(g, s).gathered(x, e)  # noqa: E731
+    got = np.asarray(jax.jit(f)(st, jnp.asarray(x), jnp.asarray(experts)))
+    for i, (e, k) in enumerate(zip(experts, ks_hot)):
+        np.testing.assert_array_equal(got[i], np.asarray(dequantize(m.expert_weight(int(e)), jnp.float32))[k],
+                                      err_msg=f"row {i}: expert {e}, k {k}")
+    assert max(_dense_buffers(f, st, jnp.asarray(x), jnp.asarray(experts))) < D * I
+
+
 def test_qat_forward_is_the_packed_forward_and_converts():
     from qformats.nn import convert
 
