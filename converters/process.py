@@ -18,7 +18,7 @@ __all__ = ["lean_malloc", "trim_malloc", "lean_compile", "lean_calibration"]
 _CODEGEN_SPLIT = "--xla_cpu_parallel_codegen_split_count"
 
 
-def lean_malloc(mmap_threshold: int = 4 << 20, arena_max: int = 2) -> bool:
+def lean_malloc(mmap_threshold: int = 1 << 20, arena_max: int = 2) -> bool:
     """Makes glibc's malloc hand large blocks back to the system as soon as they are freed, for this process.
 
     XLA:CPU allocates every run's activations and temporary buffers with malloc. By default glibc raises its mmap
@@ -27,10 +27,6 @@ def lean_malloc(mmap_threshold: int = 4 << 20, arena_max: int = 2) -> bool:
     Here: blocks >= `mmap_threshold` bytes are mapped and unmapped on each use (mallopt M_MMAP_THRESHOLD, which
     also stops the threshold's growth), free memory at the heap top above it is returned (M_TRIM_THRESHOLD), and
     at most `arena_max` arenas are made from now on (M_ARENA_MAX). Not undone: it holds for the whole process.
-    The threshold trades CPU for memory: each mapped block is page-faulted (zeroed by the kernel) afresh on every
-    use, so a low one makes the layer passes' buffers of a few MiB (a batch's activations, a projection's H) cost
-    system time on each call; 4 MiB leaves the smaller of those to the heap and maps the larger temporaries
-    (BENCHMARKS.md, "Calibration": higher thresholds cost resident memory on longer calibration sets).
 
     Returns True when every option was accepted; False (and changes nothing) where the C library has no mallopt
     (not glibc).
