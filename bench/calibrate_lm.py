@@ -118,9 +118,11 @@ _t0 = time.perf_counter()
 from converters.pipelines.calibrate import quantize_calibrated_lm
 from converters.process import lean_calibration
 src, dst, text, seq_len, tokens, scheme, kind, seed, cache = sys.argv[1:10]
-if cache:  # JAX's persistent compilation cache, as `qformats quantize --calibrate` turns it on (converters.cli.common)
-    import jax
-    jax.config.update("jax_compilation_cache_dir", cache)
+if cache:  # JAX's persistent compilation cache, as `qformats quantize --calibrate` turns it on, in WORK/jax-cache
+    import os
+    from converters.cli.common import enable_compile_cache
+    os.environ["QFORMATS_COMPILE_CACHE"] = cache
+    enable_compile_cache()
 phases = {"imports": time.perf_counter() - _t0, "imports cpu": time.process_time()}
 with lean_calibration() as between_phases:  # the process tuning `qformats quantize --calibrate` applies
     info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),

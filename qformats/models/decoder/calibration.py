@@ -17,6 +17,7 @@ As llm-compressor's sequential pipeline does it, with the decoder layer as the u
         propagation pass: x_{i+1} = layer_i(x_i) with the quantized weights and float activations
                                                                                         (propagate="quantized")
                           or the calibration pass's float outputs                       (propagate="float")
+                          (none for the last layer: its outputs feed no layer)
 
 This is llm-compressor 0.14's order: its sequential pipeline runs both passes under `DisableQuantization`, so
 the calibration pass sees the layer in float and the propagation pass sees the weights GPTQ has written back
@@ -281,7 +282,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         `converters.process.trim_malloc`: the temporaries of one phase, its first compilation included, handed back
         before the next).
       timings: optional dict; the wall seconds of each phase are added to it under "embed", "load layer",
-        "transform", "calibration pass", "weight search", "propagation", "store layer", and the process's CPU
+        "transform", "calibration pass", "weight search", "propagation" (every layer but the last: the last one's
+        outputs feed no layer, so its propagation pass is skipped), "store layer", and the process's CPU
         seconds under the same name + " cpu" (compilations included: each phase waits for its results before
         the clock is read, so the figures add up to the call's time); the same after the first layer under
         NAME + " (layer 1)" (the first layer compiles the layer passes and the weight search).
@@ -396,6 +398,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         # the propagation pass makes them, and this pass keeps none (nor computes what only they need)
         keep = propagate == "float"
         amax = None
+        # the masks get a batch's shape before the first pass: the pass sets them as state, so a placeholder
+        # shape would make its second batch (of every layer) a second compilation
+        _set_valid(layer, valid[0])
         for j, (x, v) in enumerate(zip(xs, valid)):
             args = (layer, x, v, *layer_inputs(j, window))
             if kv_static:
@@ -446,7 +451,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             searched += n_searched
             projections += n_experts
         clock("weight search", nnx.state(layer))
-        if propagate == "quantized":
+        if propagate == "quantized" and i < len(layers) - 1:  # the last layer's outputs feed no layer
             _propagate(layer, xs, lambda j: layer_inputs(j, window))
             clock("propagation", xs)
             if between_phases is not None:
