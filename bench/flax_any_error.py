@@ -11,7 +11,7 @@ For each seed (the models' random weights; the same tokens), each model of bench
   difference is seen without the two tools' matmul paths: `ours` (our codes and scales), `qwix` (qwix's codes and
   scales), `sym` (our codes clipped to the symmetric range +-qmax: the group's negative extreme, at -(qmax +
   0.5) steps, rounded to -qmax instead of qmin), `qscale` (our rounding, half to even and clipped to
-  [-qmax - 1, qmax], applied with qwix's scale: our quantization with qwix's scale computation substituted);
+  [-qmax - 1, qmax], of w * (1 / s) with qwix's scale s: our quantization with qwix's arithmetic substituted);
 - bit for bit: the scales (each tool's per-element scale, in the param's layout; largest difference in ulps) and
   the codes, where both tools group the same elements (qwix groups Gemma's attn_vec einsum over both contracted
   axes: counted apart), the (ours, qwix) code pairs where they differ, `qscale`'s codes against qwix's, and
@@ -149,9 +149,10 @@ def _fake(codes, scale, lo=None):
 
 def _variants(w, o, q, qmax):
     """Fake-quant weights (param layout) of one weight: ours, qwix's, `sym` (ours clipped to +-qmax) and `qscale`
-    (our rounding, round half to even and clip to [-qmax - 1, qmax], applied with qwix's scale)."""
+    (our rounding, round half to even and clip to [-qmax - 1, qmax], of w * (1 / s) with qwix's scale s: XLA runs
+    qwix's w / broadcast(s) as that product)."""
     (oc, os_), (qc, qs) = o, q
-    qsc = np.clip(np.rint(np.asarray(w, np.float32) / qs), -qmax - 1, qmax)
+    qsc = np.clip(np.rint(np.asarray(w, np.float32) * (np.float32(1) / qs)), -qmax - 1, qmax)
     return {"ours": _fake(oc, os_), "qwix": _fake(qc, qs), "sym": _fake(oc, os_, lo=-qmax), "qscale": _fake(qsc, qs),
             "qscale codes": qsc}
 
