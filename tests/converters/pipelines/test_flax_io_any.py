@@ -4,6 +4,7 @@ import json
 import os
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "qformats", "nn"))
-from gemma_style import Gemma, NnxCustom, StackedMHA  # noqa: E402
+from gemma_style import Einsum, Gemma, NnxCustom, StackedMHA  # noqa: E402
 
 from converters.formats.quantized import read_quantized  # noqa: E402
 from converters.pipelines.flax_io import (LAYOUTS_KEY, load_compressed, load_linen, save_compressed,  # noqa: E402
@@ -63,6 +64,33 @@ def test_gemma_linen_round_trips(tmp_path):
     lay = json.loads((tmp_path / "ck" / "config.json").read_text())[LAYOUTS_KEY]
     assert lay["layers.attn.kv_einsum.w"]["shape"] == [2, 1, 128, 128]
     assert lay["layers.attn.kv_einsum.w"]["perm"] == [2, 0, 1, 3]
+    qmod2, qparams2 = load_linen(tmp_path / "ck", model, model.init(jax.random.key(5), TOKENS))
+    np.testing.assert_array_equal(np.asarray(qmod2.apply(qparams2, TOKENS)), want)
+
+
+class EinsumList(nn.Module):
+    """gemma's layer style, small: a tied embedding, then a Python list of its Einsum modules (3-D kernels)."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        table = self.param("embed", nn.initializers.normal(), (50, 128))
+        x = table[tokens]
+        for i in range(2):
+            h = Einsum((2, 128, 64), name=f"in_{i}")("btd,ndh->btnh", x)
+            x = x + Einsum((2, 64, 128), name=f"out_{i}")("btnh,nhd->btd", jnp.tanh(h))
+        return x @ table.T
+
+
+def test_linen_list_of_custom_einsum_layers_round_trips(tmp_path):
+    model = EinsumList()
+    params = model.init(jax.random.key(0), TOKENS)
+    qmod, qparams = quantize_linen(model, params, [Rule("embed", None), Rule(".*", "W8A16")], TOKENS, strict=True)
+    want = np.asarray(qmod.apply(qparams, TOKENS))
+    save_linen(qmod, qparams, tmp_path / "ck")
+    lay = json.loads((tmp_path / "ck" / "config.json").read_text())[LAYOUTS_KEY]
+    assert lay["in_1.w"] == {"param": "in_1/w", "shape": [2, 128, 64], "perm": [1, 0, 2], "contracted": 1,
+                             "stacked": [], "layers": ["in_1.w"]}
+    assert lay["out_0.w"]["shape"] == [2, 64, 128] and lay["out_0.w"]["contracted"] == 2
     qmod2, qparams2 = load_linen(tmp_path / "ck", model, model.init(jax.random.key(5), TOKENS))
     np.testing.assert_array_equal(np.asarray(qmod2.apply(qparams2, TOKENS)), want)
 

@@ -1,14 +1,16 @@
 """quantize_model / quantize_linen on third-party-style models: custom layers, scan stacks, vmapped flax MHA."""
 
+import re
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from gemma_style import Gemma, NnxCustom, StackedMHA
+from gemma_style import Gemma, NnxCustom, ParallelLinear, StackedMHA
 from qformats.errors import ModelError
 from qformats.nn import QLinear, Rule, quantize_linen, quantize_model
 from qformats.nn.nnx_traced import packed_weights, variable_at
@@ -145,3 +147,89 @@ def test_gemma_linen_under_nn_scan():
     w = qparams["params"]["layers"]["attn"]["q_einsum"]["w"]
     assert isinstance(w, MatmulWeight) and w.stacked == (2,) and w.shape == (4, 128, 128)
     assert 0 < rel(qmod.apply(qparams, TOKENS), ref) < 0.2
+
+
+# ---- small and fast: every skip reason in the summary, the partial-match warning and strict=True, NNX and linen ----
+class TinyLinen(nn.Module):
+    """A tied embedding (gathered and multiplied), an einsum weight, a `@` weight whose K = 96 does not take
+    W4A16's groups of 128, and a weight the rules keep float."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        table = self.param("embed", nn.initializers.normal(), (50, 128))
+        up = self.param("up", nn.initializers.normal(), (128, 96))
+        odd = self.param("odd", nn.initializers.normal(), (96, 128))
+        keep = self.param("keep", nn.initializers.normal(), (128, 128))
+        x = table[tokens]
+        x = jnp.tanh(jnp.einsum("btd,dh->bth", x, up)) @ odd
+        return (x @ keep) @ table.T
+
+
+class TinyNnx(nnx.Module):
+    """TinyLinen in NNX, with EasyDeL-style ParallelLinear layers."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (50, 128)))
+        self.up = ParallelLinear(128, 96, rngs=rngs)
+        self.odd = ParallelLinear(96, 128, rngs=rngs)
+        self.keep = ParallelLinear(128, 128, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.odd(jnp.tanh(self.up(self.embed[...][tokens])))
+        return self.keep(x) @ self.embed[...].T
+
+
+GATHER = "used in a matmul and outside one (gather)"
+
+
+def _reasons(plan):
+    return {d.path: d.why for d in plan.dense}
+
+
+def test_linen_summary_names_every_skip_and_strict_refuses_before_quantizing():
+    model = TinyLinen()
+    params = model.init(jax.random.key(0), TOKENS)
+    rules = [Rule("keep", None), Rule(".*", "W4A16")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qmod, qparams = quantize_linen(model, params, rules, TOKENS)
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 1 and msgs[0].startswith("qformats.nn: rule #1 '.*' selects 3 matmul weights; 2 stay dense: ")
+    assert f"embed ({GATHER})" in msgs[0] and "odd (shape does not fit: odd: weight group size 128" in msgs[0]
+    plan = qmod.summary
+    assert [d.path for d in plan.quantized] == ["up"] and plan.quantized[0].scheme.name == "W4A16"
+    why = _reasons(plan)
+    assert why["keep"] == "rule #0 'keep' says so" and why["embed"] == GATHER
+    assert why["odd"].startswith("shape does not fit: ") and "96" in why["odd"]
+    text = plan.summary()
+    for line in (f"left dense ({GATHER}): 1: embed", "left dense (rule #0 'keep' says so): 1: keep"):
+        assert line in text
+    assert isinstance(qparams["params"]["up"], MatmulWeight)
+    for name in ("embed", "odd", "keep"):
+        assert qparams["params"][name] is params["params"][name]
+    with pytest.raises(ModelError, match=r"quantize_linen\(strict=True\): rule #1 '\.\*' selects 3 matmul weights; "
+                                         r"2 stay dense: .*odd \(shape does not fit") as e:
+        quantize_linen(model, params, rules, TOKENS, strict=True)
+    assert f"embed ({GATHER})" in str(e.value)
+    quantize_linen(model, params, [Rule("embed|keep|odd", None), Rule(".*", "W4A16")], TOKENS, strict=True)
+
+
+def test_nnx_summary_names_every_skip_and_strict_refuses_leaving_the_model_unchanged():
+    model = TinyNnx()
+    rules = [Rule("keep", None), Rule(".*", "W4A16")]
+    before = jax.tree.leaves(nnx.state(model))
+    with pytest.raises(ModelError, match=r"strict=True.*rule #1 '\.\*' selects 3 matmul weights; 2 stay dense: "
+                                         r".*odd \(shape does not fit") as e:
+        quantize_model(model, rules, example=TOKENS, strict=True)
+    assert f"embed ({GATHER})" in str(e.value)
+    assert all(a is b for a, b in zip(before, jax.tree.leaves(nnx.state(model)), strict=True))
+    with pytest.warns(UserWarning, match=rf"rule #1 '\.\*' selects 3 matmul weights; 2 stay dense: .*"
+                                         rf"embed \({re.escape(GATHER)}\)") as rec:
+        _, plan = quantize_model(model, rules, example=TOKENS, return_summary=True)
+    assert "odd (shape does not fit: odd: weight group size 128" in str(rec[0].message)
+    assert [d.path for d in plan.quantized] == ["up"]
+    why = _reasons(plan)
+    assert why["keep"] == "rule #0 'keep' says so" and why["embed"] == GATHER
+    assert why["odd"].startswith("shape does not fit: ")
+    assert set(packed_weights(model)) == {"up/kernel"}
