@@ -42,3 +42,27 @@ def pinned_family_source(data: Path, dst: Path, family: str = "deepseek_v3"):
     assert gen.digest(tensors) == str(fx["digest"]), "the tiny model's weights changed: regenerate the fixture"
     src = gen.write_checkpoint(name, dst, tensors)
     return gen, fx, src, np.split(fx["ids"], np.cumsum(fx["lengths"])[:-1])
+
+
+def awq_rtn_codes(model, samples, scheme: str):
+    """Our side of the AWQ cross-checks: AWQ (`awq_transform`) + round-to-nearest `scheme` on `model` in place
+    (float propagation, unpacked), then each quantized weight's integer codes by llm-compressor's per-expert name
+    (`...experts.{e}.{proj}` for a QExperts stack). Returns (codes {name: int8 array}, the AWQ record)."""
+    import jax.numpy as jnp
+
+    from qformats.models.decoder.calibration import awq_transform, calibrate_decoder
+    from qformats.nn import quantized_layers
+    from qformats.nn.experts import QExperts
+
+    rec = []
+    calibrate_decoder(model, samples, scheme, weight_search="rtn", propagate="float",
+                      transform=awq_transform(scheme, record=rec), pack=False)
+    codes = {}
+    for path, q in quantized_layers(model).items():
+        name = path.replace("/", ".")
+        head, proj = name.rsplit(".", 1)
+        qs = [(f"{head}.{e}.{proj}", q.expert_weight(e)) for e in range(q.num_experts)] \
+            if isinstance(q, QExperts) else [(name, q.kernel.get_value())]
+        for n, qa in qs:
+            codes[n] = np.asarray(qa.element_values(jnp.float32)).astype(np.int8)
+    return codes, rec

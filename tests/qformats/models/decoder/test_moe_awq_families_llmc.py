@@ -32,12 +32,11 @@ gate / up >= 99%, all codes >= 88%.
 import sys
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llmc_pinned import pinned_family_source  # noqa: E402
+from llmc_pinned import awq_rtn_codes, pinned_family_source  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one AWQ calibration of each tiny two-layer model (~1 min each on the busy machine)
 
@@ -49,24 +48,11 @@ def _ours(family: str, data: Path, tmp: Path):
     """(the fixture generator, the pinned results, our codes per Linear (experts apart, HF names), our smoothed norms,
     routers and shared-expert gates (torch layout), the AWQ record) for `family`'s pinned model and samples."""
     from converters.pipelines.causal_lm import load_causal_lm
-    from qformats.models.decoder.calibration import awq_transform, calibrate_decoder
-    from qformats.nn import quantized_layers
-    from qformats.nn.experts import QExperts
 
     gen, fx, src, samples = pinned_family_source(data, tmp / "src", family)
     model, _, _ = load_causal_lm(src, tokenizer=False)
     scheme = f"W4A16:g{gen.GROUP}"
-    rec = []
-    calibrate_decoder(model, samples, scheme, weight_search="rtn", propagate="float",
-                      transform=awq_transform(scheme, record=rec), pack=False)
-    codes = {}
-    for path, q in quantized_layers(model).items():
-        name = path.replace("/", ".")
-        head, proj = name.rsplit(".", 1)
-        qs = [(f"{head}.{e}.{proj}", q.expert_weight(e)) for e in range(q.num_experts)] \
-            if isinstance(q, QExperts) else [(name, q.kernel.get_value())]
-        for n, qa in qs:
-            codes[n] = np.asarray(qa.element_values(jnp.float32)).astype(np.int8)
+    codes, rec = awq_rtn_codes(model, samples, scheme)
     weights = {}
     for i, layer in enumerate(model.model.layers):
         for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm"):

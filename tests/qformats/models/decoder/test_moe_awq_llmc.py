@@ -21,12 +21,11 @@ differs from ours by more than rounding, not resolved; gate / up codes 81-91% eq
 import sys
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llmc_pinned import pinned_llmc_source  # noqa: E402
+from llmc_pinned import awq_rtn_codes, pinned_llmc_source  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one AWQ calibration of the tiny two-layer MoE decoder (~1-3 min on the busy machine)
 
@@ -36,24 +35,11 @@ DATA = Path(__file__).parent / "data" / "awq_llmc_moe_tiny.npz"
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory):
     from converters.pipelines.causal_lm import load_causal_lm
-    from qformats.models.decoder.calibration import awq_transform, calibrate_decoder
-    from qformats.nn import quantized_layers
-    from qformats.nn.experts import QExperts
 
     gen, fx, src, samples = pinned_llmc_source(DATA, tmp_path_factory.mktemp("tinymoe") / "src")
     model, _, _ = load_causal_lm(src, tokenizer=False)
     scheme = f"W4A16:g{gen.GROUP}"
-    rec = []
-    calibrate_decoder(model, samples, scheme, weight_search="rtn", propagate="float",
-                      transform=awq_transform(scheme, record=rec), pack=False)
-    codes = {}
-    for path, q in quantized_layers(model).items():
-        name = path.replace("/", ".")
-        head, proj = name.rsplit(".", 1)
-        qs = [(f"{head}.{e}.{proj}", q.expert_weight(e)) for e in range(q.num_experts)] \
-            if isinstance(q, QExperts) else [(name, q.kernel.get_value())]
-        for n, qa in qs:
-            codes[n] = np.asarray(qa.element_values(jnp.float32)).astype(np.int8)
+    codes, rec = awq_rtn_codes(model, samples, scheme)
     norms = {f"model.layers.{i}.{n}.weight": np.asarray(getattr(model.model.layers[i], n).weight.get_value())
              for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")}
     routers = {f"model.layers.{i}.mlp.gate.weight": np.asarray(model.model.layers[i].mlp.gate.kernel.get_value()).T
