@@ -53,7 +53,8 @@ FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False}
 """XLA compile options of the weight search's programs (`jax.jit(..., compiler_options=FAST_COMPILE)`): XLA:CPU's
 classic loop emitters instead of its MLIR fusion emitters, which take about twice as long to compile these programs
 (GPTQ's column sweep, quantize with given scales) for the same arithmetic and run time (the codes are identical:
-tests/qformats/algorithms/test_gptq.py). Other backends ignore the option."""
+tests/qformats/algorithms/test_gptq.py). Used only on the CPU backend and only where this XLA still knows the option
+(`_device_jit`); otherwise the default compiler."""
 
 
 def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening_frac: float = DAMPENING_FRAC,
@@ -180,7 +181,7 @@ def _gptq(ws, scheme, h, block_size, dampening_frac, axis, qps, actorder, fn: st
         all(g is not None and not isinstance(g, jax.core.Tracer) for g in gs)
         and all(bool(jnp.all(jnp.asarray(g) == jnp.asarray(gs[0]))) for g in gs[1:]))
     u, dead, perm, fallback = _factor(h, dampening_frac, actorder, concrete)
-    run = _gptq_device_jit if concrete and not any(isinstance(w, jax.core.Tracer) for w in ws) else _gptq_device
+    run = _device_jit() if concrete and not any(isinstance(w, jax.core.Tracer) for w in ws) else _gptq_device
     if len(ws) == 1 or same_g:
         out = list(run(ws, qps, u, dead, perm, scheme, axis, block_size))
     else:
@@ -286,10 +287,19 @@ def _gptq_device(ws, qps, u, dead, perm, scheme, axis, block_size):
     return out
 
 
-_gptq_device_jit = jax.jit(_gptq_device, static_argnames=("scheme", "axis", "block_size"),
-                           compiler_options=FAST_COMPILE)
-"""`_gptq_device` compiled on its own (a concrete H: called eagerly); under a caller's trace `_gptq_device` is traced
-into the caller's program."""
+@functools.lru_cache(maxsize=None)
+def _device_jit():
+    """`_gptq_device` compiled on its own (a concrete H: called eagerly; under a caller's trace `_gptq_device` is
+    traced into the caller's program), with FAST_COMPILE on XLA:CPU when this XLA accepts it (a trivial program
+    compiled with it once: an XLA without the option refuses it), else with the default compiler."""
+    opts = None
+    if jax.default_backend() == "cpu":
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=FAST_COMPILE).lower(np.float32(0)).compile()
+            opts = FAST_COMPILE
+        except Exception:  # noqa: BLE001 -- an unknown option: compile as everything else does
+            opts = None
+    return jax.jit(_gptq_device, static_argnames=("scheme", "axis", "block_size"), compiler_options=opts)
 
 
 def _requantize(q2, w, scheme, qparams: QArray) -> QArray:
