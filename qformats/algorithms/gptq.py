@@ -49,6 +49,13 @@ class GPTQOptions:
 
 _ACTORDERS = (None, "static", "weight")
 
+FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False}
+"""XLA compile options of the weight search's programs (`jax.jit(..., compiler_options=FAST_COMPILE)`): XLA:CPU's
+classic loop emitters instead of its MLIR fusion emitters, which take about twice as long to compile these programs
+(GPTQ's column sweep, quantize with given scales) for the same arithmetic and run time (the codes are identical:
+tests/qformats/algorithms/test_gptq.py). Used only on the CPU backend and only where this XLA still knows the option
+(`_device_jit`); otherwise the default compiler."""
+
 
 def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening_frac: float = DAMPENING_FRAC,
                   axis: int = 0, qparams: Optional[QArray] = None, actorder: Optional[str] = None) -> QArray:
@@ -120,11 +127,7 @@ def gptq_quantize(w, scheme: QuantScheme, h, *, block_size: int = 128, dampening
     Returns:
       A QArray like `quantize(w, scheme, axis)` returns (same scales unless `qparams` is given).
     """
-    w2, s_rows, z_rows, qparams, concrete = _prepare(w, scheme, h, block_size, dampening_frac, axis, qparams,
-                                                     actorder, "gptq_quantize")
-    q2 = _run(w2, jnp.asarray(h), s_rows, z_rows, qparams, scheme, block_size, dampening_frac, actorder,
-              concrete, tuple(w.shape))
-    return _requantize(q2, w, scheme, qparams)
+    return _gptq([w], scheme, h, block_size, dampening_frac, axis, [qparams], actorder, "gptq_quantize")[0]
 
 
 def gptq_quantize_shared(ws: Sequence, scheme: QuantScheme, h, *, block_size: int = 128,
@@ -160,33 +163,43 @@ def gptq_quantize_shared(ws: Sequence, scheme: QuantScheme, h, *, block_size: in
     qps = list(qparams) if qparams is not None else [None] * len(ws)
     if len(qps) != len(ws):
         raise SchemeError(f"gptq_quantize_shared: {len(ws)} weights but {len(qps)} qparams")
-    prep = [_prepare(w, scheme, h, block_size, dampening_frac, axis, qp, actorder, "gptq_quantize_shared")
-            for w, qp in zip(ws, qps)]
-    gs = [p[3].global_scale for p in prep]
-    concrete = all(p[4] for p in prep)
+    return _gptq(ws, scheme, h, block_size, dampening_frac, axis, qps, actorder, "gptq_quantize_shared")
+
+
+def _gptq(ws, scheme, h, block_size, dampening_frac, axis, qps, actorder, fn: str) -> List[QArray]:
+    """`gptq_quantize_shared` after its own checks: validation (`_prepare`), H ordered and factorized once
+    (`_factor`), then one compiled program per group of weights that can share the column loop (`_gptq_device`:
+    the scales, the loop and the re-quantization in one program; one weight at a time where their NVFP4 global
+    scales differ)."""
+    prep = [_prepare(w, scheme, h, block_size, dampening_frac, axis, qp, actorder, fn) for w, qp in zip(ws, qps)]
+    ws = [p[0] for p in prep]
+    axis = prep[0][1]
+    qps = [p[2] for p in prep]
+    concrete = prep[0][3]
+    gs = [None if qp is None else qp.global_scale for qp in qps]
     same_g = all(g is None for g in gs) or (
         all(g is not None and not isinstance(g, jax.core.Tracer) for g in gs)
         and all(bool(jnp.all(jnp.asarray(g) == jnp.asarray(gs[0]))) for g in gs[1:]))
-    h = jnp.asarray(h)
-    if len(ws) == 1 or not same_g:
-        return [_requantize(_run(w2, h, s, z, qp, scheme, block_size, dampening_frac, actorder, conc,
-                                 tuple(w.shape)), w, scheme, qp)
-                for w, (w2, s, z, qp, conc) in zip(ws, prep)]
-    w2 = jnp.concatenate([p[0] for p in prep], axis=1)
-    s_rows = jnp.concatenate([p[1] for p in prep], axis=1)
-    z_rows = None if prep[0][2] is None else jnp.concatenate([p[2] for p in prep], axis=1)
-    q2 = _run(w2, h, s_rows, z_rows, prep[0][3], scheme, block_size, dampening_frac, actorder, concrete,
-              tuple(w2.shape))
-    out, start = [], 0
-    for w, p in zip(ws, prep):
-        n = p[0].shape[1]
-        out.append(_requantize(q2[:, start:start + n], w, scheme, p[3]))
-        start += n
+    u, dead, perm, fallback = _factor(h, dampening_frac, actorder, concrete)
+    run = _device_jit() if concrete and not any(isinstance(w, jax.core.Tracer) for w in ws) else _gptq_device
+    if len(ws) == 1 or same_g:
+        out = list(run(ws, qps, u, dead, perm, scheme, axis, block_size))
+    else:
+        out = [run([w], [qp], u, dead, perm, scheme, axis, block_size)[0] for w, qp in zip(ws, qps)]
+    if concrete and not isinstance(fallback, jax.core.Tracer) and bool(fallback):
+        k = u.shape[0]
+        shapes = ", ".join(str(tuple(w.shape)) for w in ws)
+        warnings.warn(f"{fn}: the dampened Hessian ({k}x{k}) is not positive definite; weight of "
+                      f"shape {shapes} quantized with round-to-nearest (as llm-compressor falls "
+                      "back). Consider a larger dampening_frac or more calibration data.", stacklevel=3)
     return out
 
 
 def _prepare(w, scheme, h, block_size, dampening_frac, axis, qparams, actorder, fn: str):
-    """Validates gptq_quantize's arguments; returns (w2 [K, N] float32, s_rows, z_rows, qparams, concrete)."""
+    """Validates gptq_quantize's arguments; returns (w, axis, qparams or None, concrete: H is not a tracer).
+    qparams None stands for round-to-nearest's own (`quantize(w, scheme, axis)`), computed where it is used: by the
+    caller here for NVFP4 (tensor_group) schemes, whose global scale decides whether weights share a loop; inside
+    `_gptq_device` otherwise."""
     w = check_input(w, scheme, fn)
     if isinstance(actorder, str) and actorder.lower() in ("group", "dynamic"):
         raise SchemeError(f"{fn}: actorder={actorder!r} computes group scales on the activation-ordered "
@@ -205,37 +218,35 @@ def _prepare(w, scheme, h, block_size, dampening_frac, axis, qparams, actorder, 
     if not (isinstance(dampening_frac, (int, float)) and math.isfinite(dampening_frac) and dampening_frac >= 0):
         raise SchemeError(f"{fn}: dampening_frac must be a finite float >= 0, got {dampening_frac!r}")
     k = w.shape[axis]
-    h = jnp.asarray(h)
-    if h.shape != (k, k):
+    concrete = not isinstance(h, jax.core.Tracer)
+    if concrete:
+        h = np.asarray(h)  # checked on the host: no device program per shape
+    if tuple(h.shape) != (k, k):
         raise SchemeError(f"{fn}: Hessian h must have shape ({k}, {k}) for a weight of shape "
                           f"{tuple(w.shape)} contracted along axis {axis}, got shape {tuple(h.shape)}")
     if not jnp.issubdtype(h.dtype, jnp.floating):
         raise SchemeError(f"{fn}: Hessian h must be a float array, got {h.dtype}")
-    concrete = not isinstance(h, jax.core.Tracer)
-    if concrete and not bool(jnp.all(jnp.isfinite(h))):
+    if concrete and not np.isfinite(h).all():
         raise SchemeError(f"{fn}: Hessian h of shape {tuple(h.shape)} has "
-                          f"{int(jnp.sum(~jnp.isfinite(h)))} non-finite entries")
+                          f"{int(np.sum(~np.isfinite(h)))} non-finite entries")
 
     if qparams is None:
-        qparams = _quantize_jit(w, scheme, axis)
+        if scheme.strategy == "tensor_group":
+            qparams = _quantize_jit(w, scheme, axis)
     elif not isinstance(qparams, QArray) or qparams.scheme != scheme or qparams.shape != tuple(w.shape) \
             or qparams.axis != axis:
         raise SchemeError(f"{fn}: qparams must be a QArray of scheme {scheme.describe()!r}, shape "
                           f"{tuple(w.shape)}, axis {axis}; got {qparams!r}")
-    # [K, N] working view (input rows; N = every other axis flattened, in QArray.tshape order).
-    w2 = jnp.moveaxis(w, axis, 0).reshape(k, -1)
-    s_rows, z_rows = _row_qparams_jit(qparams, k, w2.shape[1])
-    return w2.astype(jnp.float32), s_rows, z_rows, qparams, concrete
+    return w, axis, qparams, concrete
 
 
-def _run(w2, h, s_rows, z_rows, qparams: QArray, scheme, block_size, dampening_frac, actorder, concrete, shape):
-    """The jitted column loop on the [K, N] float32 view -> Q [K, N] float32; warns (when called eagerly) that
-    GPTQ fell back to round-to-nearest when H' is not positive definite.
+def _factor(h, dampening_frac, actorder, concrete):
+    """(U, dead, perm, fallback) of GPTQ's H: the activation order perm (None in column order) and `gptq_hinv`'s
+    factor of the permuted H.
 
     A concrete H is ordered and factorized on the host by LAPACK (`gptq_hinv_host`: the routines torch's
     `cholesky_ex` / `cholesky_inverse` / `cholesky` call, blocked, where XLA:CPU's Cholesky and triangular
     solves run unblocked and cost more than the whole sweep); under a trace (jit, vmap) by `gptq_hinv`."""
-    sdt = qparams.scale.dtype if qparams.scale.dtype in R.FLOAT_DTYPES else jnp.dtype(jnp.float32)
     act_order = actorder is not None
     if concrete:
         hn = np.asarray(h, np.float32)
@@ -243,21 +254,52 @@ def _run(w2, h, s_rows, z_rows, qparams: QArray, scheme, block_size, dampening_f
         if perm is not None:
             hn = hn[perm][:, perm]
         u, dead, fallback = gptq_hinv_host(hn, dampening_frac)
-        perm = None if perm is None else jnp.asarray(perm, jnp.int32)
-    else:
-        h = h.astype(jnp.float32)
-        perm = None
-        if act_order:
-            perm = jnp.argsort(jnp.diagonal(h), descending=True, stable=True)
-            h = jnp.take(jnp.take(h, perm, axis=0), perm, axis=1)
-        u, dead, fallback = gptq_hinv(h, dampening_frac)
-    q2 = _gptq_sweep(w2, u, dead, perm, s_rows, z_rows, qparams.global_scale, scheme, block_size, sdt.name)
-    if concrete and not isinstance(fallback, jax.core.Tracer) and bool(fallback):
-        k = h.shape[0]
-        warnings.warn(f"gptq_quantize: the dampened Hessian ({k}x{k}) is not positive definite; weight of "
-                      f"shape {shape} quantized with round-to-nearest (as llm-compressor falls "
-                      "back). Consider a larger dampening_frac or more calibration data.", stacklevel=3)
-    return q2
+        return u, dead, None if perm is None else jnp.asarray(perm, jnp.int32), fallback
+    h = jnp.asarray(h).astype(jnp.float32)
+    perm = None
+    if act_order:
+        perm = jnp.argsort(jnp.diagonal(h), descending=True, stable=True)
+        h = jnp.take(jnp.take(h, perm, axis=0), perm, axis=1)
+    u, dead, fallback = gptq_hinv(h, dampening_frac)
+    return u, dead, perm, fallback
+
+
+def _gptq_device(ws, qps, u, dead, perm, scheme, axis, block_size):
+    """GPTQ of weights `ws` that share one loop, given H's factor: each weight's scales (qparams, or
+    round-to-nearest's), its [K, N] float32 view and per-element scales, the views concatenated along N and swept
+    once (`_gptq_sweep`), each piece re-quantized with its own fixed scales (`_requantize`). One program per
+    group of shapes: no per-step programs compiled and dispatched apart."""
+    qps = [quantize(w, scheme, axis) if qp is None else qp for w, qp in zip(ws, qps)]
+    # [K, N] working views (input rows; N = every other axis flattened, in QArray.tshape order)
+    views = [jnp.moveaxis(w, axis, 0).reshape(w.shape[axis], -1).astype(jnp.float32) for w in ws]
+    rows = [_row_qparams(qp, v.shape[0], v.shape[1]) for qp, v in zip(qps, views)]
+    cat = (lambda xs: xs[0]) if len(ws) == 1 else (lambda xs: jnp.concatenate(xs, axis=1))
+    w2, s_rows = cat(views), cat([r[0] for r in rows])
+    z_rows = None if rows[0][1] is None else cat([r[1] for r in rows])
+    sc = qps[0].scale.dtype
+    sdt = sc if sc in R.FLOAT_DTYPES else jnp.dtype(jnp.float32)
+    q2 = _gptq_sweep(w2, u, dead, perm, s_rows, z_rows, qps[0].global_scale, scheme, block_size, jnp.dtype(sdt).name)
+    out, start = [], 0
+    for w, v, qp in zip(ws, views, qps):
+        n = v.shape[1]
+        out.append(_requantize(q2[:, start:start + n], w, scheme, qp))
+        start += n
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _device_jit():
+    """`_gptq_device` compiled on its own (a concrete H: called eagerly; under a caller's trace `_gptq_device` is
+    traced into the caller's program), with FAST_COMPILE on XLA:CPU when this XLA accepts it (a trivial program
+    compiled with it once: an XLA without the option refuses it), else with the default compiler."""
+    opts = None
+    if jax.default_backend() == "cpu":
+        try:
+            jax.jit(lambda x: x + 1, compiler_options=FAST_COMPILE).lower(np.float32(0)).compile()
+            opts = FAST_COMPILE
+        except Exception:  # noqa: BLE001 -- an unknown option: compile as everything else does
+            opts = None
+    return jax.jit(_gptq_device, static_argnames=("scheme", "axis", "block_size"), compiler_options=opts)
 
 
 def _requantize(q2, w, scheme, qparams: QArray) -> QArray:
@@ -266,7 +308,7 @@ def _requantize(q2, w, scheme, qparams: QArray) -> QArray:
     k = w.shape[axis]
     rest = tuple(s for i, s in enumerate(w.shape) if i != axis)
     q = jnp.moveaxis(q2.reshape((k,) + rest), 0, axis).astype(w.dtype)
-    return _quantize_jit(q, scheme, axis, scale=qparams.scale, zero_point=qparams.zero_point,
+    return quantize(q, scheme, axis, scale=qparams.scale, zero_point=qparams.zero_point,
                     global_scale=qparams.global_scale)
 
 
@@ -364,7 +406,6 @@ def _row_qparams(qa: QArray, k: int, n: int):
 
 # jitted: op by op, every primitive of these would compile once per weight shape (dozens of small compilations)
 _quantize_jit = jax.jit(quantize, static_argnames=("scheme", "axis"))
-_row_qparams_jit = jax.jit(_row_qparams, static_argnums=(1, 2))
 
 
 def _qdq_row(x, s, z, g, scheme: QuantScheme, sdt):
@@ -389,7 +430,6 @@ _SUB_BLOCK = 8
 rows get the sub-block's errors in one GEMM (per column the loop then touches sb rows, not the block's b)."""
 
 
-@functools.partial(jax.jit, static_argnames=("scheme", "block_size", "sdt"))
 def _gptq_sweep(w, u, dead, perm, s_rows, z_rows, g, scheme: QuantScheme, block_size: int, sdt: str):
     """GPTQ's column sweep (`gptq_quantize` step 5) on W [K, N], given U [K, K] and the dead inputs of the
     (permuted, when `perm` is not None) H; rows processed in `perm` order and returned in the original order.

@@ -165,14 +165,16 @@ def quantize_projection(w, schemes: SchemeSet, h, weight_search: str, gptq: GPTQ
     round-to-nearest's (method "rtn" otherwise), as `calibrated_weight` does per layer.
     """
     ws = schemes.weights
+    if weight_search == "gptq" and h is not None and not guard and global_scale is None:  # RTN's scales made inside
+        return gptq_quantize(w, ws, h, block_size=gptq.block_size, dampening_frac=gptq.dampening_frac,
+                             actorder=gptq.actorder), weight_search
     rtn = _quantize_jit(w, ws, 0) if global_scale is None else _quantize_jit(w, ws, 0, global_scale=global_scale)
     if weight_search == RTN or h is None:
         return rtn, RTN
-    diag = jnp.diagonal(h)
     if weight_search == "mse":
-        q = mse_quantize(w, ws, 0, importance=diag)
-    else:
-        qp = mse_quantize(w, ws, 0, importance=diag) if weight_search == "mse+gptq" else rtn  # GPTQ's own scales
+        q = mse_quantize(w, ws, 0, importance=jnp.diagonal(h))
+    else:  # GPTQ on round-to-nearest's scales, or on the MSE search's
+        qp = mse_quantize(w, ws, 0, importance=jnp.diagonal(h)) if weight_search == "mse+gptq" else rtn
         q = gptq_quantize(w, ws, h, block_size=gptq.block_size, dampening_frac=gptq.dampening_frac,
                           actorder=gptq.actorder, qparams=qp)
     if guard and not bool(_search_wins(q, rtn, w, h)):
@@ -192,9 +194,12 @@ def quantize_group(kernels: Dict[str, jax.Array], schemes: SchemeSet, h, weight_
                 for r, w in kernels.items()}
     ws = schemes.weights
     rtn, qps = {}, []
-    diag = jnp.diagonal(h)
+    diag = jnp.diagonal(h) if weight_search == "mse+gptq" else None
     for r, w in kernels.items():
         g = global_scales.get(r)
+        if weight_search == "gptq" and not guard and g is None:  # round-to-nearest's scales, made inside GPTQ
+            qps.append(None)
+            continue
         rtn[r] = _quantize_jit(w, ws, 0) if g is None else _quantize_jit(w, ws, 0, global_scale=g)
         qps.append(mse_quantize(w, ws, 0, importance=diag) if weight_search == "mse+gptq" else rtn[r])
     qs = gptq_quantize_shared(list(kernels.values()), ws, h, block_size=gptq.block_size,
