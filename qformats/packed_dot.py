@@ -10,9 +10,12 @@ Why a path of its own (XLA:CPU; the figures: BENCHMARKS.md, "CPU decode (SmolLM2
     transposed. So K is cut into chunks of at most `CHUNK` elements per dot and the partial sums are added.
   - Inside that loop, element k of row n must come from contiguous memory. Nibble k = 2i + j of a 4-bit row
     lives in byte i: indexing byte k // 2 per element makes LLVM scalarise the loads (one byte load and insert
-    per element). Here the two nibbles are two dots: y = x_even . W_lo + x_odd . W_hi, where W_j[n, i] is
-    decoded from `(codes[n, i] >> 4 j) & 15` -- byte i for element i, a uniform shift -- and x is split into
-    its even and odd elements before the loop.
+    per element). Here the loop runs over the bytes i: x is split into its even and odd elements before the loop,
+    W_j[n, i] is decoded from nibble j of byte i (a uniform shift), and for integer codes one GEMV per chunk sums
+    P[n, i] = x_even[i] W_lo[n, i] + x_odd[i] W_hi[n, i] (`_gemv_nibble_pairs`: each byte loaded and widened to
+    int32 once, split by & 15 and >> 4 there); float and table codes take two dots, x_even . W_lo + x_odd . W_hi.
+    Pairs against two dots, Q4_1 [576, 1536], same process: 0.15 -> 0.11 CPU ms, a SmolLM2 Q4_1 decode step
+    ~28 -> ~21 CPU ms (half the rows, each with its horizontal sum; no byte read twice; no dot summing the parts).
   - Inside `generate`'s `lax.while_loop`, XLA hoists loop-invariant code: a dequantize that depends on the
     weights only would be moved out of the decode loop, a dense float32 copy of every weight would live through
     the loop and each step would read it back. So the codes are decoded inside the dots, which read the
@@ -269,7 +272,8 @@ def _gemv(xv: jax.Array, w: jax.Array) -> jax.Array:
 
 def packed_dot(x: jax.Array, q: QArray) -> jax.Array:
     """y[..., n] = sum_k x[..., k] W[k, n] with W = dequantize(q, x.dtype), each activation row one fused GEMV
-    per chunk of K (and per nibble for 4-bit) that decodes the packed codes inside XLA's dot loop:
+    per chunk of K (and per nibble for 4-bit float and table codes) that decodes the packed codes inside XLA's dot
+    loop:
 
         W[k, n] = (v[n, k] - z[n, G(k)]) * (s[n, G(k)] / c) + o[n, G(k)]
 
