@@ -347,12 +347,7 @@ class KVCache:
 
 class Attention(nnx.Module):
     """Grouped-query attention with RoPE: softmax(q k^T / sqrt(head_dim) + mask) v; num_heads / num_kv_heads query
-    heads share each key/value head; optional per-head q/k RMSNorm (qwen3) and q/k/v(/o) biases.
-
-    A one-token step (T = 1: decode) forms q k^T and p v as float32 products summed over d and over s, not as
-    einsums: as dots, XLA:CPU read the cache buffers just written through a reshape and, to keep the in-place
-    cache write, copied each layer's key and value buffers four times a step (SmolLM2, batch 1, 128 places: 240
-    copies, ~1.7 ms of a ~20 ms CPU step; BENCHMARKS.md, "GGUF decode"). The same sums, in another order."""
+    heads share each key/value head; optional per-head q/k RMSNorm (qwen3) and q/k/v(/o) biases."""
 
     def __init__(self, cfg: DecoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         def lin(i, o, bias):
@@ -404,12 +399,7 @@ class Attention(nnx.Module):
             kv = (k, v)
         r = self.num_heads // g
         q = q.reshape(b, t, g, r, hd).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, hd)  # rows (r, t)
-        one_row = t == 1
-        if one_row:  # a decode step: products and sums, no dot (class docstring)
-            scores = jnp.sum(q.astype(jnp.float32)[:, :, :, None] * k.astype(q.dtype).astype(jnp.float32)[:, :, None],
-                             axis=-1)
-        else:
-            scores = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
         mask = jnp.tile(mask, (r, 1)) if mask.ndim == 2 else jnp.tile(mask, (1, r, 1))[:, None]  # rows (r, t)
         scores = jnp.where(mask, scores * (hd ** -0.5), jnp.finfo(jnp.float32).min)
         if self.sinks is not None:  # head g * r + j owns rows (j, t) of group g
@@ -419,11 +409,7 @@ class Attention(nnx.Module):
             probs = jax.nn.softmax(full, axis=-1)[..., :-1].astype(x.dtype)
         else:
             probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        if one_row:
-            out = jnp.sum(probs.astype(jnp.float32)[..., None] * v.astype(x.dtype).astype(jnp.float32)[:, :, None],
-                          axis=-2).astype(x.dtype)
-        else:
-            out = jnp.einsum("bgms,bgsd->bgmd", probs, v.astype(x.dtype))
+        out = jnp.einsum("bgms,bgsd->bgmd", probs, v.astype(x.dtype))
         out = out.reshape(b, g, r, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, self.num_heads * hd)
         return _project(self, "o_proj", out), (kv if kv is not None else (k, v))
 
