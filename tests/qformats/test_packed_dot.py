@@ -383,3 +383,15 @@ def test_q8_0_float16_scales_widened_in_the_loop():
     shapes = _while_shapes(jax.jit(loop).lower(x, q).compile().as_text())
     assert shapes and not any(dt == "f32" and c == q.scale.size for dt, c in shapes), shapes
     assert any(dt == "f16" and c == q.scale.size for dt, c in shapes), shapes
+
+
+@pytest.mark.parametrize("fmt,offset", [("uint4", True), ("int4", False)])
+def test_int4_bytes_read_by_one_gemv(fmt, offset):
+    """4-bit integer codes (GGUF Q4_1 / Q4_0 layout): one fused GEMV per chunk of K reads the packed bytes, once
+    (both nibbles of a byte in the same loop), not one dot per nibble each reading every byte."""
+    k, n = 576, 48
+    q = _gguf_like(fmt, k, n, seed=15, offset=offset)
+    x = jnp.ones((1, k), jnp.float32)
+    fusions = _dot_fusion_parameters(jax.jit(packed_dot).lower(x, q).compile().as_text())
+    codes = f"u8[{n},{k // 2}]"
+    assert len(fusions) == 1 and fusions[0].count(codes) == 1, fusions
