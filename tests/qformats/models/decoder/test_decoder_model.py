@@ -187,4 +187,3 @@ def test_packed_forward_equals_float_model_on_dequantized_weights(scheme):
     got = np.asarray(forward(packed, jnp.asarray(IDS)))
     want = np.asarray(forward(ref, jnp.asarray(IDS)))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)  # accumulation order only
-
