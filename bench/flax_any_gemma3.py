@@ -6,7 +6,7 @@ Usage (in a separate venv that holds `gemma`; never the project's): PY bench/fla
 `gemma` 3.3.0 (the last for Python 3.11) does not import from PyPI packages alone: its model code imports kauldron,
 whose import chain needs tensorflow, tensorboard, IPython, mediapy, ... (clu metric writers, kauldron.inspect), and
 it names `kauldron.checkpoints.AbstractPartialLoader`, which PyPI's kauldron (<= 1.4.4) calls `InitTransform`.
-Installing gemma, kauldron, clu, grain and ~15 small packages with `--no-deps`, this script stubs those heavy
+Installing gemma, kauldron, clu, grain and ~25 small packages with `--no-deps`, this script stubs those heavy
 modules (`_stub_heavy_imports`; none of them runs in the model's forward) and aliases the kauldron class. The
 model code itself (gemma's own `Einsum` modules calling `jnp.einsum` on their params) runs unchanged, with
 `Gemma3_270M().init` random weights (float32, 268 M params, nothing downloaded).
@@ -17,6 +17,14 @@ PtqProvider, int8 / int4 tile 128, nvfp4, float8_e4m3fn), peak RSS growth during
 over a baseline taken after `malloc_trim`), packed param MB, and the rel-L2 error of the logits against the float
 model on the same tokens. The tied embedding (262144 x 640, gathered and multiplied) stays float on both sides.
 Prints one markdown table (medians, min–max).
+
+The venv (Python 3.11, from scratch; the repository root is put on sys.path by this script, so qformats need not be
+installed in it):
+  python3 -m venv /work/gemma-venv && P=/work/gemma-venv/bin/pip
+  $P install jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 ml_dtypes==0.7.0 numpy==2.4.6 safetensors google-re2 qwix==0.1.8
+  $P install --no-deps gemma==3.3.0 kauldron==1.4.2 clu==0.0.12 grain==0.2.18 einops jaxtyping sentencepiece chex \
+      immutabledict lark ml_collections tabulate tqdm typeguard wadler_lindig toolz packaging wrapt cloudpickle \
+      pandas python-dateutil six pytz tzdata portpicker array_record
 """
 
 from __future__ import annotations

@@ -1,21 +1,28 @@
-"""Round-to-nearest FP8 / FP6 (channel) and NVFP4 weight quantization on the host (numpy + ml_dtypes), bit for bit
+"""Round-to-nearest integer, FP8 / FP6 and NVFP4 weight quantization on the host (numpy + ml_dtypes), bit for bit
 `qformats.quantize` as XLA:CPU computes it, without compiling anything.
 
 `quantize_weight(W, schemes, "rtn")` on XLA:CPU costs one compilation per distinct weight shape (0.2 to 0.5 s
-each on a small CPU) for a few memory passes of work. For the two schemes below the same codes and scales come
-from numpy and ml_dtypes in a few passes over the weight, with XLA:CPU's float semantics reproduced exactly:
-float32 subnormal operands and results of its divisions and multiplications are flushed to a zero of the same
-sign (`flush`), each operation is rounded once to the input dtype where `qformats.rounding` rounds it, and
-ml_dtypes' `astype` rounds to nearest even like `qformats.codec.encode` (overflow saturated by a clip first).
+each on a small CPU, and tens of MB of compiler memory) for a few memory passes of work. For the schemes below the
+same codes and scales come from numpy and ml_dtypes in a few passes over the weight, with XLA:CPU's float
+semantics reproduced exactly: float32 subnormal operands and results of its divisions and multiplications are
+flushed to a zero of the same sign (`flush`), each operation is rounded once to the input dtype where
+`qformats.rounding` rounds it, and ml_dtypes' `astype` rounds to nearest even like `qformats.codec.encode`
+(overflow saturated by a clip first).
 
 Covered (`host_quantizable`): weight-only round-to-nearest of a float32 / bfloat16 W [*stacked, K, N] along K
 under (float16 is not: a NaN scale's payload bits differ from XLA's)
+  - symmetric integer channel or group scales in the input dtype (W8A16, W4A16, W8A8's weights, ...):
+    s = amax / ((qmax - qmin) / 2) (0 -> eps of the dtype), q = round_half_even(clip(x / s, qmin, qmax))
+    (NaN -> 0), int8 stored as is, narrower codes offset by -qmin and packed (`pack_codes`);
   - float channel scales in the input dtype (FP8_E4M3, FP8_DYNAMIC's weights, FP6_E3M2, FP6_E2M3):
     s_n = amax_n / max_fmt (448, 28, 7.5; 0 -> eps of the dtype), q = fmt(x / s) (6-bit codes packed four in
-    three bytes, `qformats.packing.pack`);
+    three bytes);
   - NVFP4 (tensor_group, fp8 group scales of 16, absmax rule): g = (1 / max(amax_W, tiny)) * 448 * 6 (NaN / inf
     -> 1), s_G = fp8(clip(g * (amax_G / 6), +-448)) (0 -> 0.125), q = fp4(x / (s_G / g)), packed two per byte;
 stacked leading axes quantized one layer at a time (each layer its own global scale, as `quantize_weight` vmaps).
+Memory: the weight is read in its own layout (a CPU jax array is viewed, not copied), `CHUNK` elements of output
+rows at a time, and the codes and scales are written straight into their final [N, K] buffers, which the QArray
+then holds without a copy: the float temporaries are one chunk's, never a weight's.
 Everything else takes the jitted path.
 """
 
@@ -30,6 +37,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from qformats.formats import IntFormat
 from qformats.qarray import QArray
 from qformats.scales import FP8_MAX, NVFP4_GLOBAL_NUMERATOR
 from qformats.schemes import QuantScheme, SchemeSet
@@ -46,6 +54,9 @@ _CHANNEL_FORMATS = {"fp8_e4m3fn": _FP8, "fp6_e3m2": np.dtype(ml_dtypes.float6_e3
 
 def _kind(s: QuantScheme) -> Optional[str]:
     name = _fmt_name(s)
+    if (isinstance(s.format, IntFormat) and s.strategy in ("channel", "group") and s.symmetric
+            and s.scale_format == "input" and s.scale_rule == "absmax"):
+        return "int"
     if (s.strategy == "channel" and s.scale_format == "input" and name in _CHANNEL_FORMATS and s.symmetric
             and s.scale_rule == "absmax"):
         return "channel"
@@ -59,11 +70,11 @@ def _fmt_name(s: QuantScheme) -> str:
     return s.format.name if hasattr(s.format, "name") else str(s.format)
 
 
-def host_quantizable(value, schemes: SchemeSet, weight_search: str, k_inner: Optional[int] = None) -> bool:
-    """Whether `quantize(value, schemes)` takes the host path: round-to-nearest, an FP8 / FP6 channel or NVFP4
-    weight scheme, a float32 / bfloat16 value of 2 or more dims, for NVFP4 the innermost axis of K (`k_inner`, default
-    the size of the value's axis -2: a [.., K, N] kernel) a multiple of 16 (groups within one axis), and jax's
-    default backend the CPU (on an accelerator the jitted path is the fast one), the value on one device."""
+def host_quantizable(value, schemes: SchemeSet, weight_search: str, k: Optional[int] = None) -> bool:
+    """Whether `quantize(value, schemes)` takes the host path: round-to-nearest, a scheme `_kind` covers (see the
+    module docstring), a float32 / bfloat16 value of 2 or more dims, the contracted size `k` (default the size of
+    the value's axis -2: a [.., K, N] kernel) a multiple of the group size, and jax's default backend the CPU (on
+    an accelerator the jitted path is the fast one), the value on one device."""
     ws = schemes.weights
     if weight_search != "rtn" or ws is None or _kind(ws) is None or jax.default_backend() != "cpu":
         return False
@@ -73,8 +84,8 @@ def host_quantizable(value, schemes: SchemeSet, weight_search: str, k_inner: Opt
         return False
     if isinstance(value, jax.Array) and len(value.sharding.device_set) != 1:
         return False
-    k_inner = jnp.shape(value)[-2] if k_inner is None else k_inner
-    return _kind(ws) != "nvfp4" or k_inner % 16 == 0
+    k = jnp.shape(value)[-2] if k is None else k
+    return ws.group_size is None or k % ws.group_size == 0
 
 
 def flush(x: np.ndarray) -> np.ndarray:
@@ -103,57 +114,73 @@ def _absmax(x: np.ndarray, axis) -> np.ndarray:
     return np.maximum(np.max(x, axis=axis, keepdims=True), -np.min(x, axis=axis, keepdims=True))
 
 
-def _float_channel(x: np.ndarray, red: tuple, dt, fmt: np.dtype, fmax: float) -> Optional[tuple]:
-    """x (float32 holding `dt` values), the channel reduced over axes `red` -> (codes uint8 shaped like x, in
-    the low bits of each byte; scale `dt` keepdims over `red`) for the float format `fmt` of largest value
-    `fmax`; None when x holds a NaN."""
-    amax = _absmax(x, red)
+CHUNK = 1 << 16
+"""Elements of output rows quantized at a time (the float temporaries: about 256 KB each)."""
+
+
+def _float_channel(x: np.ndarray, dt, fmt: np.dtype, fmax: float) -> Optional[tuple]:
+    """x [rows, K] (float32 holding `dt` values, changed in place), one channel per row -> (codes uint8 [rows, K],
+    in the low bits of each byte; scale `dt` [rows, 1]) for the float format `fmt` of largest value `fmax`; None
+    when x holds a NaN."""
+    amax = _absmax(x, 1)
     if np.isnan(amax).any():
         return None
     if (amax < _FLUSH_BELOW).any():
-        x = flush(np.array(x))
-        amax = _absmax(x, red)
+        amax = _absmax(flush(x), 1)
     s = _rnd(flush(np.divide(amax, _F32(fmax), dtype=_F32)), dt)
     s[s == 0] = _F32(np.finfo(dt).eps)
-    return _chunked(x, s, dt, fmt, fmax), s.astype(dt)
+    return _encode(np.divide(x, s, dtype=_F32), x, dt, fmt, fmax), s.astype(dt)
 
 
-CHUNK = 1 << 18
-"""Elements divided and rounded at a time (the float temporaries of the elementwise part: about 1 MB each)."""
-
-
-def _chunked(x: np.ndarray, s: np.ndarray, dt, fmt: np.dtype, fmax: float) -> np.ndarray:
-    """`_encode(x / s)` (s broadcast against x) in slices of x's axis 0 of about `CHUNK` elements."""
-    codes = np.empty(x.shape, np.uint8)
-    step = max(1, CHUNK // max(1, x.size // max(1, x.shape[0])))
-    for a in range(0, x.shape[0], step):
-        xc = x[a:a + step]
-        sc = s if s.shape[0] == 1 else s[a:a + step]
-        codes[a:a + step] = _encode(np.divide(xc, sc, dtype=_F32), xc, dt, fmt, fmax)
-    return codes
-
-
-def _nvfp4(x: np.ndarray, grp: int, layer: tuple, dt) -> Optional[tuple]:
-    """x (float32 holding `dt` values) with its groups of 16 along axis `grp`, each layer's elements over axes
-    `layer` -> (codes uint8 shaped like x, scale fp8 keepdims over `grp`, global scale float32 keepdims over
-    `layer`); None when x holds a NaN."""
-    amax = _absmax(x, grp)
+def _int_rows(x: np.ndarray, dt, fmt: IntFormat, group: int, half: float) -> Optional[tuple]:
+    """x [rows, K] (float32 holding `dt` values, changed in place), scales per `group` elements of a row ->
+    (codes [rows, K]: int8 q for signed 8 bits, else uint8 q - qmin; scale `dt` [rows, K / group]); None when x
+    holds a NaN. s = rnd(amax / half) (0 -> eps), q = round_half_even(clip(rnd(x / s), qmin, qmax)), NaN -> 0."""
+    rows, k = x.shape
+    xg = x.reshape(rows, k // group, group)
+    amax = _absmax(xg, 2)
     if np.isnan(amax).any():
         return None
-    amax_t = np.max(amax, axis=layer, keepdims=True)
-    if (amax_t < _FLUSH_BELOW).any():
-        x = flush(np.array(x))
-        amax = _absmax(x, grp)
-        amax_t = np.max(amax, axis=layer, keepdims=True)
+    if (amax < _FLUSH_BELOW).any():
+        amax = _absmax(flush(xg), 2)
+    s = _rnd(flush(np.divide(amax, _F32(half), dtype=_F32)), dt)
+    s[s == 0] = _F32(np.finfo(dt).eps)
+    y = _rnd(np.divide(xg, s, dtype=_F32), dt)
+    np.clip(y, fmt.qmin, fmt.qmax, out=y)
+    np.rint(y, out=y)
+    y[np.isnan(y)] = 0
+    if fmt.bits == 8 and fmt.signed:
+        q = y.astype(np.int8)
+    else:
+        if fmt.qmin:
+            y -= _F32(fmt.qmin)
+        q = y.astype(np.uint8)
+    return q.reshape(rows, k), s.reshape(rows, k // group).astype(dt)
+
+
+def _nvfp4_global(amax_t, dt):
+    """The float32 global scale g [1] = rnd(rnd(1 / max(amax_t, tiny)) * 448 * 6) (NaN / inf -> 1) of one layer."""
     tiny = _F32(np.finfo(dt).tiny)
-    g = _rnd(flush(np.divide(_F32(1.0), np.maximum(amax_t, tiny), dtype=_F32)), dt)
+    g = _rnd(flush(np.divide(_F32(1.0), np.maximum(np.asarray(amax_t, _F32).reshape(1), tiny), dtype=_F32)), dt)
     g = _rnd(flush(np.multiply(g, _F32(NVFP4_GLOBAL_NUMERATOR), dtype=_F32)), dt)
-    g = np.where(np.isfinite(g), g, _F32(1.0)).astype(_F32)
+    return np.where(np.isfinite(g), g, _F32(1.0)).astype(_F32)
+
+
+def _nvfp4_rows(x: np.ndarray, dt, g, flush_all: bool) -> tuple:
+    """x [rows, K] (float32 holding `dt` values, changed in place) with its groups of 16, under the layer's global
+    scale `g` -> (fp4 codes packed two per byte [rows, K / 2], scale fp8 [rows, K / 16]); `flush_all`: the layer
+    is read flushed (its absmax is below `_FLUSH_BELOW`)."""
+    rows, k = x.shape
+    xg = x.reshape(rows, k // 16, 16)
+    if flush_all:
+        flush(xg)
+    amax = _absmax(xg, 2)
     s32 = flush(np.multiply(g, _rnd(flush(np.divide(amax, _F32(6.0), dtype=_F32)), dt), dtype=_F32))
     s = np.clip(s32, -FP8_MAX, FP8_MAX).astype(_FP8)
     s[s.astype(_F32) == 0] = _FP8.type(0.125)
     eff = flush(np.divide(s.astype(_F32), g, dtype=_F32))
-    return _chunked(x, eff, np.float32, _FP4, 6.0), s, g
+    c = _encode(np.divide(xg, eff, dtype=_F32), xg, np.float32, _FP4, 6.0).reshape(rows, k)
+    return c[:, 0::2] | (c[:, 1::2] << np.uint8(4)), s.reshape(rows, k // 16)
 
 
 # FP4 E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7): |y| rounds to code #{t in _FP4_CUTS: |y| > t}; the
@@ -212,83 +239,124 @@ def host_quantize_weight(value, schemes: SchemeSet) -> Optional[QArray]:
 
 def host_quantize(value, perm, n_contracted: int, stacked: int, schemes: SchemeSet) -> Optional[QArray]:
     """`host_quantize_weight` of W = transpose(per-layer value, perm).reshape(K, N) (`perm`: the contracted axes
-    of the per-layer value, then the free ones), for a value [*stacked, *per-layer] held as it is: the scales
-    and codes are computed in the value's own layout (no transposed float copy), one stacked layer at a time
-    (the float temporaries are one layer's), and only the uint8 codes are transposed to [*stacked, N, K]. None
-    when it holds a NaN."""
+    of the per-layer value, then the free ones), for a value [*stacked, *per-layer] held as it is: read through a
+    transposed view of each layer, `CHUNK` elements of W's rows (output channels) at a time, each chunk's codes and
+    scales written into the final [*stacked, N, K'] buffers, which the QArray holds without a copy (no float copy
+    of a weight or of a layer, no transposed copy of the codes). None when it holds a NaN."""
     ws = schemes.weights
+    kind = _kind(ws)
     dt = _DTYPES[jnp.result_type(value).name]
-    v = np.asarray(value)
-    lead, per = v.shape[:stacked], v.shape[stacked:]
+    v = np.asarray(value)  # a CPU jax array: a view of its buffer
+    lead, per = tuple(v.shape[:stacked]), tuple(v.shape[stacked:])
     perm = tuple(int(p) for p in perm)
-    k = math.prod(per[a] for a in perm[:n_contracted])
-    n = math.prod(per[a] for a in perm[n_contracted:])
-    parts = []
+    con, free = perm[:n_contracted], perm[n_contracted:]
+    k = math.prod(per[a] for a in con)
+    n = math.prod(per[a] for a in free)
+    layers = math.prod(lead)
+    bits = ws.format.bits
+    if kind == "int":
+        group = ws.group_size or k
+        codes = _aligned((layers, n, -(-k * bits // 8)),
+                         np.int8 if bits == 8 and ws.format.signed else np.uint8)
+        scale = _aligned((layers, n, k // group), dt)
+        rows_fn = functools.partial(_int_rows, dt=dt, fmt=ws.format, group=group,
+                                    half=float(np.asarray(ws.half_range, dt)))
+    elif kind == "channel":
+        codes = _aligned((layers, n, -(-k * bits // 8)), np.uint8)
+        scale = _aligned((layers, n, 1), dt)
+        rows_fn = functools.partial(_float_channel, dt=dt, fmt=_CHANNEL_FORMATS[_fmt_name(ws)], fmax=ws.format.max)
+    else:
+        codes = _aligned((layers, n, k // 2), np.uint8)
+        scale = _aligned((layers, n, k // 16), _FP8)
+    gs = np.empty((layers, 1), _F32) if kind == "nvfp4" else None
+    vl = v.reshape((layers,) + per)
     with np.errstate(all="ignore"):
-        for idx in np.ndindex(*lead):
-            parts.append(_layer(v[idx], perm, n_contracted, _kind(ws), dt, k, n, _fmt_name(ws), ws.format.max))
-            if parts[-1] is None:
-                return None
-    leaves = []
-    for i in range(3):
-        if parts[0][i] is None:
-            leaves.append(None)
-            continue
-        a = parts[0][i] if not lead else np.stack([p[i] for p in parts]).reshape(lead + parts[0][i].shape)
-        leaves.append(jnp.asarray(a, copy=False))
+        for i in range(layers):
+            view = np.transpose(vl[i], free + con)  # [*free, *contracted]: W^T of this layer, not copied
+            if kind == "nvfp4":
+                amax_t = _F32(0)
+                for _, _, x in _row_chunks(view, len(free), k):
+                    amax_t = np.maximum(amax_t, _absmax(x, None).reshape(()))
+                if np.isnan(amax_t):
+                    return None
+                flush_all = bool(amax_t < _FLUSH_BELOW)
+                if flush_all and not amax_t >= _TINY:  # every element subnormal: read flushed, all zeros
+                    amax_t = _F32(0)
+                g = _nvfp4_global(amax_t, dt)
+                gs[i] = g
+                rows_fn = functools.partial(_nvfp4_rows, dt=dt, g=g, flush_all=flush_all)
+            for r0, r1, x in _row_chunks(view, len(free), k):
+                out = rows_fn(x)
+                if out is None:
+                    return None
+                c, s = out
+                if kind != "nvfp4" and bits < 8:
+                    c = pack_codes(c, bits)
+                codes[i, r0:r1] = c
+                scale[i, r0:r1] = s
+    leaves = [a if a is None else jax.device_put(a.reshape(lead + a.shape[1:]), may_alias=True)
+              for a in (codes, scale, gs)]
     return QArray(leaves[0], leaves[1], None, leaves[2], scheme=ws, shape=(k, n), dtype=dt, axis=0)
 
 
-def pack6(codes: np.ndarray) -> np.ndarray:
-    """`qformats.packing.pack(codes, 6)` in numpy: along the last axis, four 6-bit codes c0..c3 in three bytes
-    holding c0 | c1 << 6 | c2 << 12 | c3 << 18 little-endian; a partial last quartet padded with zero codes,
-    then cut to ceil(n * 6 / 8) bytes."""
+def _row_chunks(view: np.ndarray, n_free: int, k: int):
+    """(r0, r1, x) over `view` [*free, *contracted] (a layer's W^T, any strides): x = float32 [r1 - r0, K], a
+    fresh contiguous copy of the rows r0..r1 of W^T flattened to [N, K], about `CHUNK` elements each (whole rows,
+    one index of the leading free axes at a time)."""
+    fs = view.shape[:n_free]
+    if not fs:
+        yield 0, 1, _as_f32(view[None]).reshape(1, k)
+        return
+    last = fs[-1]
+    step = max(1, CHUNK // max(1, k))
+    for j, idx in enumerate(np.ndindex(*fs[:-1])):
+        base = j * last
+        sub = view[idx]
+        for a in range(0, last, step):
+            b = min(a + step, last)
+            yield base + a, base + b, _as_f32(sub[a:b]).reshape(b - a, k)
+
+
+def _as_f32(a: np.ndarray) -> np.ndarray:
+    """A fresh C-contiguous float32 copy of `a` (float32 or bfloat16, any strides): bfloat16 widened exactly,
+    its 16 bits moved to the high half of a float32."""
+    if a.dtype == np.float32:
+        return np.array(a, dtype=np.float32, order="C")
+    u = np.empty(a.shape, np.uint32)
+    np.copyto(u, a.view(np.uint16), casting="safe")
+    u <<= np.uint32(16)
+    return u.view(np.float32)
+
+
+def _aligned(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data is 64-byte aligned (so that `jax.device_put(a,
+    may_alias=True)` on the CPU wraps it instead of copying it)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = np.empty(nbytes + 64, np.uint8)
+    off = -buf.ctypes.data % 64
+    return buf[off:off + nbytes].view(dtype).reshape(shape)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """`qformats.packing.pack(codes, bits)` in numpy: along the last axis, code j of a row in bits j*bits ..
+    j*bits+bits-1 of the row's little-endian byte stream (4 bits: code 2i in the low nibble of byte i; 6 bits:
+    c0 | c1 << 6 | c2 << 12 | c3 << 18 in three bytes); a partial last octet padded with zero codes, then cut to
+    ceil(n * bits / 8) bytes. `codes` hold their values in the low `bits` bits."""
+    if bits == 8:
+        return codes.view(np.uint8) if codes.dtype == np.int8 else codes
     n = codes.shape[-1]
-    pad = -n % 4
+    if bits == 4 and n % 2 == 0:
+        return codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
+    pad = -n % 8
     if pad:
         codes = np.concatenate([codes, np.zeros(codes.shape[:-1] + (pad,), np.uint8)], axis=-1)
-    c = codes.reshape(codes.shape[:-1] + (-1, 4)).astype(np.uint32)
-    w = c[..., 0] | (c[..., 1] << 6) | (c[..., 2] << 12) | (c[..., 3] << 18)
-    out = np.stack([w & 0xFF, (w >> 8) & 0xFF, (w >> 16) & 0xFF], axis=-1).astype(np.uint8)
-    return out.reshape(codes.shape[:-1] + (-1,))[..., :-(-n * 6 // 8)]
-
-
-def _layer(v: np.ndarray, perm: tuple, nc: int, kind: str, dt, k: int, n: int, fmt_name: str = "",
-           fmax: float = 0.0) -> Optional[tuple]:
-    """(codes [N, K * bits / 8], scale [N, K / g], global scale [1] or None) of one layer `v` (see
-    `host_quantize`); None when it holds a NaN."""
-    con, free = perm[:nc], perm[nc:]
-    x = v if v.dtype == np.float32 else v.astype(_F32)
-    if kind == "channel":
-        fmt = _CHANNEL_FORMATS[fmt_name]
-        out = _float_channel(x, con, dt, fmt, fmax)
-        if out is None:
-            return None
-        codes, scale = out
-        order = free + con
-        codes = _transposed(codes, order, (n, k))
-        return (codes if fmt == _FP8 else pack6(codes)), _transposed(scale, order, (n, 1)), None
-    last = con[-1]  # K's innermost axis: split it into (groups, 16); the view's axes after it shift by one
-    view = x.reshape(v.shape[:last] + (v.shape[last] // 16, 16) + v.shape[last + 1:])
-
-    def at(a):
-        return a + (1 if a > last else 0)
-
-    out = _nvfp4(view, at(last) + 1, tuple(range(view.ndim)), dt)
-    if out is None:
-        return None
-    codes, scale, gs = out
-    g16 = at(last) + 1
-    ev = (slice(None),) * g16 + (slice(0, None, 2),)
-    od = (slice(None),) * g16 + (slice(1, None, 2),)
-    packed = codes[ev] | (codes[od] << np.uint8(4))
-    order = tuple(at(a) for a in free) + tuple(at(a) for a in con) + (g16,)
-    return _transposed(packed, order, (n, k // 2)), _transposed(scale, order, (n, k // 16)), gs.reshape(1)
-
-
-def _transposed(a: np.ndarray, order: tuple, shape: tuple) -> np.ndarray:
-    """transpose(a, order).reshape(shape), C-contiguous."""
-    return np.ascontiguousarray(np.transpose(a, order)).reshape(shape)
+    c = codes.reshape(codes.shape[:-1] + (-1, 8)).astype(np.uint64) & np.uint64((1 << bits) - 1)
+    w = np.zeros(c.shape[:-1], np.uint64)
+    for j in range(8):
+        w |= c[..., j] << np.uint64(j * bits)
+    out = np.stack([(w >> np.uint64(8 * b)) & np.uint64(0xFF) for b in range(bits)], axis=-1).astype(np.uint8)
+    return out.reshape(codes.shape[:-1] + (-1,))[..., :-(-n * bits // 8)]
 
 
 def quantize_weight(kernel, schemes: SchemeSet, weight_search: str = "rtn") -> QArray:

@@ -353,9 +353,9 @@ def pack_many(items: Sequence[Tuple[Any, WeightUsage, SchemeSet]], weight_search
     """[pack(value, usage, schemes) for each item], bit for bit, with fewer compilations: the items are grouped
     by key (layout, shape, dtype, scheme), and round r packs the r-th item of every key in one jitted function
     (cached by its tuple of keys), cut into chunks of at most `budget_bytes` (default `PACK_BUDGET_BYTES`) of
-    dense input (a single larger weight is a chunk of its own); what `qformats.nn.host_quantize` covers (FP8 / FP6
-    channel / NVFP4 round-to-nearest on the CPU backend) is packed on the host instead, the same bits without
-    a compilation. A model of L equal layers thus compiles one function, called L times,
+    dense input (a single larger weight is a chunk of its own); what `qformats.nn.host_quantize` covers (integer
+    channel / group, FP8 / FP6 channel, NVFP4 round-to-nearest on the CPU backend) is packed on the host instead,
+    the same bits without a compilation. A model of L equal layers thus compiles one function, called L times,
     instead of one per key: XLA's fixed cost per compilation dominates the quantization of small weights. Only
     one chunk's weights are being packed at a time. `done(i, mw)` is called as item i is packed (e.g. to put
     it in place of the dense param); `release=True` sets `items[i]` (a list) to None then, so that the dense
@@ -403,10 +403,11 @@ def pack_many(items: Sequence[Tuple[Any, WeightUsage, SchemeSet]], weight_search
 
 
 def _host_pack(value, usage: WeightUsage, schemes: SchemeSet, weight_search: str) -> Optional[QArray]:
-    """The QArray of `value` computed on the host (`qformats.nn.host_quantize`: FP8 / FP6 channel, NVFP4 round to
-    nearest on the CPU backend, bit for bit the jitted packer's), or None (then the jitted packer runs)."""
+    """The QArray of `value` computed on the host (`qformats.nn.host_quantize`: integer channel / group, FP8 / FP6
+    channel, NVFP4 round to nearest on the CPU backend, bit for bit the jitted packer's), or None (then the jitted
+    packer runs)."""
     perm, nc = usage.layout()
-    if not host_quantizable(value, schemes, weight_search, k_inner=usage.per_layer[perm[nc - 1]]):
+    if not host_quantizable(value, schemes, weight_search, k=contracted_size(usage)):
         return None
     return host_quantize(value, perm, nc, usage.stacked, schemes)
 

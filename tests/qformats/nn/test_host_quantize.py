@@ -1,6 +1,6 @@
-"""qformats.nn.host_quantize: FP8 / FP6 channel and NVFP4 round-to-nearest on the host equals the jitted XLA:CPU path
-bit for bit (codes, scales, global scales), on every bfloat16 value and every float32 high half, subnormals,
-infinities, tiny channels, stacked layers and einsum layouts."""
+"""qformats.nn.host_quantize: integer channel / group, FP8 / FP6 channel and NVFP4 round-to-nearest on the host equals
+the jitted XLA:CPU path bit for bit (codes, scales, global scales), on every bfloat16 value and every float32 high
+half, subnormals, infinities, tiny channels, stacked layers and einsum layouts."""
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +10,10 @@ import pytest
 
 from qformats.algorithms.weight_search import quantize_weight as jitted
 from qformats.nn import host_quantize as H
-from qformats.presets import presets
+from qformats.presets import parse_scheme as resolve, presets
 
-SCHEMES = ("FP8_E4M3", "FP8_DYNAMIC", "NVFP4A16", "FP6_E3M2", "FP6_E2M3")
+SCHEMES = ("FP8_E4M3", "FP8_DYNAMIC", "NVFP4A16", "FP6_E3M2", "FP6_E2M3", "W8A16", "W4A16", "W8A8", "W3A16",
+           "W6A16:g64", "W2A16:g32")
 
 
 def same_bits(a, b):
@@ -50,7 +51,7 @@ CASES = {"all": lambda v: v, "finite": lambda v: np.clip(v, -1e3, 1e3),
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_host_equals_the_jitted_path_bit_for_bit(dtype, case, scheme):
     w = jnp.asarray(CASES[case](all_values(dtype)), dtype)
-    ss = presets[scheme]
+    ss = resolve(scheme)
     assert H.host_quantizable(w, ss, "rtn")
     same_bits(H.host_quantize_weight(w, ss), jitted(w, ss, "rtn"))
 
@@ -59,15 +60,19 @@ def test_host_equals_the_jitted_path_bit_for_bit(dtype, case, scheme):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_stacked_layers_and_an_einsum_layout_in_any_chunking(monkeypatch, scheme, chunk):
     monkeypatch.setattr(H, "CHUNK", chunk)
-    ss = presets[scheme]
+    ss = resolve(scheme)
     rng = np.random.default_rng(1)
-    w = jnp.asarray(rng.standard_normal((3, 64, 48)) * rng.uniform(1e-3, 10, (3, 1, 48)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 128, 48)) * rng.uniform(1e-3, 10, (3, 1, 48)), jnp.float32)
     same_bits(H.host_quantize_weight(w, ss), jitted(w, ss, "rtn"))
     # [N1, K, N2] contracted along K (gemma's "BTD,NDH->BTNH"): W = transpose(w, (1, 0, 2)).reshape(K, N1 * N2)
-    e = jnp.asarray(rng.standard_normal((2, 4, 64, 16)), jnp.bfloat16)  # one stacked axis
+    e = jnp.asarray(rng.standard_normal((2, 4, 128, 16)), jnp.bfloat16)  # one stacked axis
     got = H.host_quantize(e, (1, 0, 2), 1, 1, ss)
-    want = jitted(jnp.transpose(e, (0, 2, 1, 3)).reshape(2, 64, 64), ss, "rtn")
+    want = jitted(jnp.transpose(e, (0, 2, 1, 3)).reshape(2, 128, 64), ss, "rtn")
     same_bits(got, want)
+    # two contracted axes (K = 16 * 8, groups across both) and two free ones, in a permuted order
+    f = jnp.asarray(rng.standard_normal((8, 3, 16, 10)), jnp.float32)
+    got = H.host_quantize(f, (2, 0, 1, 3), 2, 0, ss)
+    same_bits(got, jitted(jnp.transpose(f, (2, 0, 1, 3)).reshape(128, 30), ss, "rtn"))
 
 
 def test_fp4_rounding_is_ml_dtypes_on_every_bfloat16_and_each_cut():
@@ -79,13 +84,14 @@ def test_fp4_rounding_is_ml_dtypes_on_every_bfloat16_and_each_cut():
     np.testing.assert_array_equal(H._fp4_codes(y.copy()), y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F)
 
 
-def test_pack6_is_the_packing_module_s_on_every_code_and_odd_lengths():
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_codes_is_the_packing_module_s_on_every_code_and_odd_lengths(bits):
     from qformats.packing import pack
 
     rng = np.random.default_rng(3)
-    for n in (1, 2, 3, 4, 5, 7, 64, 66):
-        c = rng.integers(0, 64, (3, n), dtype=np.uint8)
-        np.testing.assert_array_equal(H.pack6(c), np.asarray(pack(c, 6)))
+    for n in (1, 2, 3, 4, 5, 7, 9, 64, 66):
+        c = rng.integers(0, 1 << bits, (3, n), dtype=np.uint8)
+        np.testing.assert_array_equal(H.pack_codes(c, bits), np.asarray(pack(c, bits)))
 
 
 def test_nan_weights_and_other_schemes_take_the_jitted_path():
@@ -94,13 +100,14 @@ def test_nan_weights_and_other_schemes_take_the_jitted_path():
     for scheme in ("FP8_E4M3", "NVFP4A16"):
         assert H.host_quantize_weight(jnp.asarray(w), presets[scheme]) is None
         same_bits(H.quantize_weight(jnp.asarray(w), presets[scheme]), jitted(jnp.asarray(w), presets[scheme], "rtn"))
-    assert not H.host_quantizable(jnp.asarray(w), presets["W4A16"], "rtn")
+    assert not H.host_quantizable(jnp.asarray(w), presets["W4A16_ASYM"], "rtn")
+    assert not H.host_quantizable(jnp.asarray(w), presets["MXFP4A16"], "rtn")
     assert not H.host_quantizable(jnp.asarray(w), presets["NVFP4A16"], "mse")
     assert not H.host_quantizable(jnp.asarray(w, jnp.float16), presets["FP8_E4M3"], "rtn")
     assert not H.host_quantizable(jnp.zeros((24, 32)), presets["NVFP4A16"], "rtn")  # K not a multiple of 16
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W8A16", "MXFP4A16"])
+@pytest.mark.parametrize("scheme", ["W4A16_ASYM", "MXFP4A16"])
 def test_stacked_kernels_off_the_host_path_are_quantized_layer_by_layer_bit_for_bit(scheme):
     """A stacked kernel the host does not cover is quantized one layer at a time: the bits of the vmapped
     `quantize_weight`, with one layer's temporaries in the compiled function instead of the whole stack's."""
