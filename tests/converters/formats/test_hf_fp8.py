@@ -354,7 +354,8 @@ def test_compressed_tensors_output_runs_in_transformers_like_ours(fp8_dir, tmp_p
     """transformers + compressed-tensors run the written checkpoint compressed on the CPU (FP8 block weights,
     dynamic per-token-group-128 FP8 inputs for group_0, weight-only group_1): its logits equal those of our packed
     load of the HF FP8 directory, activation quantization included, within float32 accumulation order (2e-5, the
-    dense tolerance of tests/converters/pipelines/test_causal_lm.py)."""
+    dense tolerance of tests/converters/pipelines/test_causal_lm.py), except at most one token where that order moved
+    a dynamic FP8 activation by one code (1e-3)."""
     dst = convert_quantized(fp8_dir, tmp_path / "ct")
     ours, _, _ = load_causal_lm(fp8_dir, tokenizer=False)
     with warnings.catch_warnings():
@@ -362,7 +363,10 @@ def test_compressed_tensors_output_runs_in_transformers_like_ours(fp8_dir, tmp_p
         model = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(torch.from_numpy(IDS)).logits.numpy()
-    assert np.abs(_logits(ours) - theirs).max() <= 2e-5
+    d = np.abs(_logits(ours) - theirs).max(-1)  # per token
+    # float32 sums in another order can put a dynamic activation one e4m3 code step apart (seen: one token of 18 at
+    # 6.3e-4 on one CPU, none on another): at most one such token, and within 1e-3 (a code step's reach at this size)
+    assert (d > 2e-5).sum() <= 1 and d.max() <= 1e-3, d
 
 
 def test_sharded_checkpoint_reads_the_same(fp8_dir, tmp_path):
