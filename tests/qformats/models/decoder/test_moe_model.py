@@ -142,9 +142,12 @@ def naive_block(blk: MoEBlock, x):
     return out.reshape(x.shape)
 
 
+# the expert stacks that dispatch differently: separate gate / up / down (qwen3_moe; mixtral's are the same kind,
+# named w1 / w3 / w2), plus a shared expert (qwen2_moe), fused interleaved gate_up with biases (gpt_oss)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("tokens", [1, 40])
-def test_dispatch_paths_agree_with_a_loop_over_experts(pair, tokens):
-    _, _, model, _ = pair
+def test_dispatch_paths_agree_with_a_loop_over_experts(arch, tokens, tmp_path_factory):
+    _, _, model, _ = make_pair(arch, tmp_path_factory)
     blk = moe_blocks(model)[0]
     x = jnp.asarray(np.random.RandomState(tokens).randn(1, tokens, 64).astype(np.float32))
     want = np.asarray(naive_block(blk, x))
