@@ -89,8 +89,9 @@ def test_prefill_holds_about_one_layer_of_dense_weights():
     from qformats.models.decoder import CausalLM, DecoderConfig, quantization_rules
     from qformats.nn import quantize_model
 
+    # 2 layers: a schedule holding every layer's dense copies (2 layers' worth) is over the bound already
     cfg = DecoderConfig.from_hf(dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=384,
-                                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
     prompt = jnp.zeros((1, 16), jnp.int32)
 
     def temp_bytes(scheme):

@@ -131,11 +131,12 @@ def test_shard_model_on_one_device_keeps_outputs_and_places_every_param():
     model = CausalLM(cfg, rngs=nnx.Rngs(0))
     quantize_model(model, quantization_rules(parse_scheme("W4A16:g16")))
     ids = jnp.array([[3, 1, 4, 1, 5]], jnp.int32)
-    ref = model(ids)[0]
+    forward = nnx.jit(lambda m, x: m(x)[0])  # one program (jitted, not dispatched op by op), before and after
+    ref = forward(model, ids)
     shard_model(model, mesh, tensor_parallel_rules(cfg))
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert all(isinstance(a.sharding, NamedSharding) and a.sharding.mesh == mesh for a in leaves)
-    np.testing.assert_array_equal(np.asarray(model(ids)[0]), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(forward(model, ids)), np.asarray(ref))
     (dev, nbytes), = param_bytes_per_device(model).items()
     assert nbytes == sum(a.nbytes for a in leaves)
 

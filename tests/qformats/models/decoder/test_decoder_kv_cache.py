@@ -142,6 +142,10 @@ def ct_model(hf, scheme: KVCacheScheme, scales=None):
     return hf
 
 
+forward = nnx.jit(lambda m, x: m(x)[0])
+step = nnx.jit(lambda m, x, c: m(x, c))
+
+
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_logits_and_cached_decoding_equal_compressed_tensors(dense, name):
     scheme = SCHEMES[name]
@@ -168,12 +172,11 @@ def test_logits_and_cached_decoding_equal_compressed_tensors(dense, name):
     with torch.no_grad():
         ref = ref_model(ids).logits.numpy()
         plain = dense(ids).logits.numpy()
-    got = np.asarray(nnx.jit(lambda m, x: m(x)[0])(model, jnp.asarray(IDS)))
+    got = np.asarray(forward(model, jnp.asarray(IDS)))
     assert np.abs(ref - plain).max() > 20 * LOGITS_ATOL  # the quantization shows in the logits
     np.testing.assert_allclose(got, ref, rtol=0, atol=LOGITS_ATOL)
 
     # prefill 12 then one token at a time, against transformers stepping its cache the same way
-    step = nnx.jit(lambda m, x, c: m(x, c))
     cache = model.init_cache(2, 24)
     assert cache.keys[0].dtype == jnp.uint8 and (cache.key_scales is not None) == scheme.dynamic
     logits, cache = step(model, jnp.asarray(IDS[:, :12]), cache)

@@ -48,8 +48,11 @@ def src(tmp_path_factory):
     return d
 
 
+_forward = nnx.jit(lambda m, x: m(x)[0])  # one jitted function: a model structure seen before is not traced again
+
+
 def logits(model):
-    return np.asarray(nnx.jit(lambda m, x: m(x)[0])(model, IDS))
+    return np.asarray(_forward(model, IDS))
 
 
 def flat_state(model):

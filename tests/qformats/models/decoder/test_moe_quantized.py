@@ -23,7 +23,8 @@ IDS = ids()
 @pytest.mark.parametrize("arch, scheme", [pytest.param("qwen2_moe", "NVFP4A16", marks=pytest.mark.slow),
                                           pytest.param("mixtral", "W4A16:g16", marks=pytest.mark.slow)])
 def test_packed_moe_equals_float_model_on_dequantized_weights(arch, scheme, tmp_path):
-    write_checkpoint(arch, tmp_path)
+    # 2 layers: qwen2_moe's sparse layer (shared expert) then a dense one (mlp_only_layers)
+    write_checkpoint(arch, tmp_path, num_hidden_layers=2, **({"mlp_only_layers": [1]} if arch == "qwen2_moe" else {}))
     cfg, tensors = read_checkpoint(tmp_path)
 
     def fresh():
