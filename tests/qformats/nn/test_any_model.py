@@ -119,8 +119,8 @@ def test_vmapped_flax_multi_head_attention():
 @pytest.mark.slow
 def test_gemma_linen_every_einsum_is_quantized_and_the_tied_embedding_is_named():
     model = Gemma()
-    params = model.init(jax.random.key(0), TOKENS)
-    ref = model.apply(params, TOKENS)
+    params = jax.jit(model.init)(jax.random.key(0), TOKENS)
+    ref = jax.jit(model.apply)(params, TOKENS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         qmod, qparams = quantize_linen(model, params, [Rule(".*", "W4A16")], TOKENS)
@@ -140,13 +140,13 @@ def test_gemma_linen_every_einsum_is_quantized_and_the_tied_embedding_is_named()
 @pytest.mark.slow
 def test_gemma_linen_under_nn_scan():
     model = Gemma(scan=True)
-    params = model.init(jax.random.key(0), TOKENS)
-    ref = model.apply(params, TOKENS)
+    params = jax.jit(model.init)(jax.random.key(0), TOKENS)
+    ref = jax.jit(model.apply)(params, TOKENS)
     qmod, qparams = quantize_linen(model, params, [Rule("embedder/.*", None), Rule(".*", "NVFP4A16")], TOKENS,
                                    strict=True)
     w = qparams["params"]["layers"]["attn"]["q_einsum"]["w"]
     assert isinstance(w, MatmulWeight) and w.stacked == (2,) and w.shape == (4, 128, 128)
-    assert 0 < rel(qmod.apply(qparams, TOKENS), ref) < 0.2
+    assert 0 < rel(jax.jit(qmod.apply)(qparams, TOKENS), ref) < 0.2
 
 
 # ---- small and fast: every skip reason in the summary, the partial-match warning and strict=True, NNX and linen ----

@@ -89,6 +89,19 @@ def rows_and_experts(m, seed=1, empty=(2, 5)):
     return x, experts
 
 
+def dense_rows(m, x, experts):
+    """The reference `m.dense` for rows x [M, K] of experts [M]: row m of `m.dense(x, e_m)`, one call on all the
+    rows per expert named (one shape: one compilation of each eager op). A row's result does not depend on the
+    other rows of its call: the activation schemes here quantize per row (token) or with the expert's own static
+    scale, and a row of a matmul is its row's product."""
+    x, experts = jnp.asarray(x), np.asarray(experts)
+    out = np.zeros((len(experts), m.out_features), np.float32)
+    for e in np.unique(experts):
+        rows = experts == e
+        out[rows] = np.asarray(m.dense(x, int(e)))[rows]
+    return out
+
+
 @pytest.mark.parametrize("scheme", [None, "W4A16:g32", "NVFP4A16", "FP8_DYNAMIC"])
 def test_grouped_and_gathered_products_agree_with_a_loop(scheme):
     ks = kernels(2)
@@ -102,7 +115,7 @@ def test_grouped_and_gathered_products_agree_with_a_loop(scheme):
     xs, es = x[order], experts[order]
     sizes = np.bincount(es, minlength=E)
     assert sizes[2] == sizes[5] == 0  # experts without rows
-    want = np.stack([np.asarray(m.dense(jnp.asarray(xs[i]), int(es[i]))) for i in range(len(es))])
+    want = dense_rows(m, xs, es)
     gathered = np.asarray(nnx.jit(lambda m, x, e: m.gathered(x, e))(m, xs, es))
     np.testing.assert_allclose(gathered, want, rtol=0, atol=2e-5)
     for method, tile in (("tiled", None), ("tiled", 8), ("tiled", 32), ("ragged", None)):
@@ -196,7 +209,7 @@ def test_packed_grouped_never_dequantizes_the_whole_stack(monkeypatch, scheme):
     for method, most in (("ragged", 2), ("tiled", 1)):
         sizes_seen = _dense_buffers(lambda s, x, n: nnx.merge(g, s).grouped(x, n, method), st, xs, sizes)
         assert max(sizes_seen) <= max(most * one, xs.shape[0] * ks["up_proj"].shape[2]), (method, max(sizes_seen))
-    want = np.stack([np.asarray(m.dense(xs[i], int(e))) for i, e in enumerate(np.sort(experts, kind="stable"))])
+    want = dense_rows(m, xs, np.sort(experts, kind="stable"))
     got = np.asarray(m.grouped(xs, sizes, "ragged"))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
     np.testing.assert_array_equal(got, np.asarray(qat.experts["up_proj"].grouped(xs, sizes, "ragged")))
@@ -300,10 +313,10 @@ def test_static_input_scales_per_expert(scheme):
     got = np.asarray(m._input(xs, lambda: jnp.asarray(es_)))
     s = None if m.input_scale is None else m.input_scale.get_value()
     g = None if m.input_global_scale is None else m.input_global_scale.get_value()
-    for e in set(es_.tolist()):
-        want = quantize_acts(xs[es_ == e], a, None if s is None else s[e], None if g is None else g[e])
-        np.testing.assert_array_equal(got[es_ == e], np.asarray(want), err_msg=f"expert {e}")
-    dense = np.stack([np.asarray(m.dense(xs[i], int(es_[i]))) for i in range(len(es_))])
+    for e in set(es_.tolist()):  # all rows with expert e's scale (one shape), its own rows compared
+        want = quantize_acts(xs, a, None if s is None else s[e], None if g is None else g[e])
+        np.testing.assert_array_equal(got[es_ == e], np.asarray(want)[es_ == e], err_msg=f"expert {e}")
+    dense = dense_rows(m, xs, es_)
     gathered = np.asarray(nnx.jit(lambda m, x, e: m.gathered(x, e))(m, xs, es_))
     tol = dict(rtol=1e-6, atol=2e-5)  # the packed GEMV against dequantize-then-dot: summation order only
     np.testing.assert_allclose(gathered, dense, **tol)

@@ -12,8 +12,10 @@ from qformats.algorithms.weight_search import quantize_weight as jitted
 from qformats.nn import host_quantize as H
 from qformats.presets import parse_scheme as resolve, presets
 
-SCHEMES = ("FP8_E4M3", "FP8_DYNAMIC", "NVFP4A16", "FP6_E3M2", "FP6_E2M3", "W8A16", "W4A16", "W8A8", "W3A16",
-           "W6A16:g64", "W2A16:g32")
+# one scheme per distinct host path: float channel formats (FP8_DYNAMIC's weights are FP8_E4M3's, the same
+# QuantScheme, so the same path), NVFP4, integer group / channel scales over the code widths 2, 3, 4, 6, 8
+SCHEMES = ("FP8_E4M3", "NVFP4A16", "FP6_E3M2", "FP6_E2M3", "W8A16", "W4A16", "W8A8", "W3A16", "W6A16:g64",
+           "W2A16:g32")
 
 
 def same_bits(a, b):
@@ -47,32 +49,35 @@ CASES = {"all": lambda v: v, "finite": lambda v: np.clip(v, -1e3, 1e3),
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_host_equals_the_jitted_path_bit_for_bit(dtype, case, scheme):
-    w = jnp.asarray(CASES[case](all_values(dtype)), dtype)
+def test_host_equals_the_jitted_path_bit_for_bit(dtype, scheme):
+    """Every row-set of CASES. Channel and group scales see one output channel (a column of W [K, N]) each, so
+    the row-sets side by side along N, [256, 5 * 256], are quantized as each alone, in one call per path; NVFP4's
+    global scale is the whole tensor's: one call per row-set."""
     ss = resolve(scheme)
-    assert H.host_quantizable(w, ss, "rtn")
-    same_bits(H.host_quantize_weight(w, ss), jitted(w, ss, "rtn"))
+    v = all_values(dtype)
+    parts = [jnp.asarray(case(v), dtype) for case in CASES.values()]
+    for w in (parts if H._kind(ss.weights) == "nvfp4" else [jnp.concatenate(parts, axis=1)]):
+        assert H.host_quantizable(w, ss, "rtn")
+        same_bits(H.host_quantize_weight(w, ss), jitted(w, ss, "rtn"))
 
 
-@pytest.mark.parametrize("chunk", [H.CHUNK, 1000])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_stacked_layers_and_an_einsum_layout_in_any_chunking(monkeypatch, scheme, chunk):
-    monkeypatch.setattr(H, "CHUNK", chunk)
+def test_stacked_layers_and_an_einsum_layout_in_any_chunking(monkeypatch, scheme):
     ss = resolve(scheme)
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((3, 128, 48)) * rng.uniform(1e-3, 10, (3, 1, 48)), jnp.float32)
-    same_bits(H.host_quantize_weight(w, ss), jitted(w, ss, "rtn"))
     # [N1, K, N2] contracted along K (gemma's "BTD,NDH->BTNH"): W = transpose(w, (1, 0, 2)).reshape(K, N1 * N2)
     e = jnp.asarray(rng.standard_normal((2, 4, 128, 16)), jnp.bfloat16)  # one stacked axis
-    got = H.host_quantize(e, (1, 0, 2), 1, 1, ss)
-    want = jitted(jnp.transpose(e, (0, 2, 1, 3)).reshape(2, 128, 64), ss, "rtn")
-    same_bits(got, want)
     # two contracted axes (K = 16 * 8, groups across both) and two free ones, in a permuted order
     f = jnp.asarray(rng.standard_normal((8, 3, 16, 10)), jnp.float32)
-    got = H.host_quantize(f, (2, 0, 1, 3), 2, 0, ss)
-    same_bits(got, jitted(jnp.transpose(f, (2, 0, 1, 3)).reshape(128, 30), ss, "rtn"))
+    want = (jitted(w, ss, "rtn"), jitted(jnp.transpose(e, (0, 2, 1, 3)).reshape(2, 128, 64), ss, "rtn"),
+            jitted(jnp.transpose(f, (2, 0, 1, 3)).reshape(128, 30), ss, "rtn"))
+    for chunk in (H.CHUNK, 1000):  # the jitted results do not depend on the host's chunking: computed once
+        monkeypatch.setattr(H, "CHUNK", chunk)
+        same_bits(H.host_quantize_weight(w, ss), want[0])
+        same_bits(H.host_quantize(e, (1, 0, 2), 1, 1, ss), want[1])
+        same_bits(H.host_quantize(f, (2, 0, 1, 3), 2, 0, ss), want[2])
 
 
 def test_fp4_rounding_is_ml_dtypes_on_every_bfloat16_and_each_cut():

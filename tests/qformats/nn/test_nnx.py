@@ -41,6 +41,8 @@ class Toy(nnx.Module):
 
 
 X = jax.random.normal(jax.random.key(1), (4, 128))
+# one jitted forward for the whole module: models of the same structure (graphdef) reuse its trace and executable
+FWD = nnx.jit(lambda m, x: m(x))
 PATHS = ["blocks/0/down", "blocks/0/shared", "blocks/0/up", "blocks/1/down", "blocks/1/up", "heads/cls"]
 
 
@@ -73,7 +75,7 @@ def test_ptq_swaps_in_place_and_matches_reference(name):
     # the shared Linear became one shared QLinear
     assert isinstance(model.blocks[0].shared, QLinear) and model.blocks[0].shared is model.blocks[1].shared
     assert isinstance(model.heads["cls"], QLinear)
-    got = nnx.jit(lambda m, x: m(x))(model, X)
+    got = FWD(model, X)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
@@ -152,7 +154,7 @@ def test_qat_grads_reach_every_float_weight_and_convert_is_identical():
     # one SGD step changes the weights, then convert: outputs identical
     opt = nnx.Optimizer(model, __import__("optax").sgd(1e-2), wrt=nnx.Param)
     opt.update(model, grads)
-    fwd = nnx.jit(lambda m, x: m(x))
+    fwd = FWD
     before = fwd(model, X)
     dense_bytes = param_bytes(model)
     convert(model)
@@ -191,7 +193,7 @@ def _trunk(m, x):
 def test_calibration_nvfp4_global_scale_and_mse_weights_improve():
     batches = [X, X * 2]
     rtn, cal = Toy(), Toy()
-    ref = Toy()(X)
+    ref = FWD(Toy(), X)
     rules = [Rule(r"blocks/\d/up|heads/cls", "NVFP4")]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -199,7 +201,7 @@ def test_calibration_nvfp4_global_scale_and_mse_weights_improve():
     quantize_model(cal, rules, calibration_data=batches, weight_search="mse")
     g = cal.heads["cls"].input_global_scale.get_value()
     assert g.shape == (1,) and float(g[0]) > 0
-    err = lambda m: float(jnp.mean((nnx.jit(lambda m, x: m(x))(m, X) - ref) ** 2))  # noqa: E731
+    err = lambda m: float(jnp.mean((FWD(m, X) - ref) ** 2))  # noqa: E731
     assert err(cal) < err(rtn)
 
 
@@ -209,8 +211,9 @@ def test_weight_search_never_loses_to_rtn_on_the_calibration_batches(scheme):
     searched and the round-to-nearest model's (each measured independently here)."""
     batches = [X, X * 2]
     rules = [Rule(".*", scheme)]
-    ref = [Toy()(b) for b in batches]
-    err = lambda m: sum(float(jnp.sum((nnx.jit(lambda m, x: m(x))(m, b) - r) ** 2))  # noqa: E731
+    float_model = Toy()
+    ref = [FWD(float_model, b) for b in batches]
+    err = lambda m: sum(float(jnp.sum((FWD(m, b) - r) ** 2))  # noqa: E731
                         for b, r in zip(batches, ref))
     rtn, unguarded, guarded = Toy(), Toy(), Toy()
     quantize_model(rtn, rules, calibration_data=batches)
@@ -347,7 +350,7 @@ def test_linear_general_and_einsum(name):
     from qformats.nn import QEinsum, QLinearGeneral
     assert isinstance(model.qkv, QEinsum) and isinstance(model.out, QLinearGeneral)
     assert model.qkv.kernel.get_value().shape == (128, 128)
-    got = nnx.jit(lambda m, x: m(x))(model, XT)
+    got = FWD(model, XT)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=5e-5, atol=5e-5)
 
 
@@ -417,7 +420,7 @@ def test_scanned_layers(mode):
     else:
         convert(model)
         assert lin.kernel.get_value().codes.shape == (3, 128, 64)
-    got = nnx.jit(lambda m, x: m(x))(model, X)
+    got = FWD(model, X)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
     with pytest.raises(ModelError, match="stacked"):
         quantize_model(Scanned(), [Rule(".*", "FP8_BLOCK")])
@@ -463,8 +466,8 @@ def test_scanned_layers_calibrate_like_unrolled_ones(scheme, search):
             else:
                 np.testing.assert_array_equal(np.asarray(getattr(lin, name).get_value()[i]), np.asarray(r.get_value()))
     assert (lin.input_scale is not None) == (scheme == "FP8")
-    got = nnx.jit(lambda m, x: m(x))(scanned, X)
-    want = nnx.jit(lambda m, x: m(x))(unrolled, X)
+    got = FWD(scanned, X)
+    want = FWD(unrolled, X)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
