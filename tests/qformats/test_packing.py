@@ -272,14 +272,6 @@ def _signed(rng, shape, bits):
     return rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), size=shape).astype(np.int8)
 
 
-# Signed values -> int32 words and back, each one jitted program per shape (not an eager dispatch, and compile, of
-# every operation)
-_pack_int32_signed = jax.jit(lambda q, bits, axis: pack_int32(offset_signed(q, bits), bits, axis=axis),
-                             static_argnums=(1, 2))
-_unpack_int32_signed = jax.jit(lambda w, bits, n, axis: unoffset_signed(unpack_int32(w, bits, n, axis=axis), bits),
-                               static_argnums=(1, 2, 3))
-
-
 @pytest.mark.parametrize("bits", ALL_BITS)
 def test_pack_to_int32_dense_matches_compressed_tensors(ct, bits):
     import torch
@@ -289,7 +281,7 @@ def test_pack_to_int32_dense_matches_compressed_tensors(ct, bits):
     for shape in [(5, 37), (3, 64), (2, 3, 19)]:  # odd, word-aligned, MoE-style 3-d
         q = _signed(rng, shape, bits)
         ref = pq.pack_to_int32(torch.from_numpy(q.copy()), bits).numpy()
-        got = np.asarray(_pack_int32_signed(q, bits, -1))
+        got = np.asarray(pack_int32(offset_signed(q, bits), bits))
         assert ref.dtype == np.int32 and got.dtype == np.int32
         np.testing.assert_array_equal(got, ref, err_msg=f"bits={bits} shape={shape}")
         back = pq.unpack_from_int32(torch.from_numpy(got.copy()), bits, torch.Size(shape)).numpy()
@@ -306,12 +298,12 @@ def test_zero_point_packing_along_dim0_matches_compressed_tensors(ct, bits):
     for shape, axis in [((37, 3), 0), ((2, 19, 4), -2)]:
         zp = _signed(rng, shape, bits)
         ref = pq.pack_to_int32(torch.from_numpy(zp.copy()), bits, packed_dim=0).numpy()
-        got = np.asarray(_pack_int32_signed(zp, bits, axis))
+        got = np.asarray(pack_int32(offset_signed(zp, bits), bits, axis=axis))
         np.testing.assert_array_equal(got, ref, err_msg=f"bits={bits} shape={shape}")
         back = pq.unpack_from_int32(torch.from_numpy(got.copy()), bits, torch.Size(shape), packed_dim=0).numpy()
         np.testing.assert_array_equal(back, zp)
         n = shape[axis]
-        np.testing.assert_array_equal(np.asarray(_unpack_int32_signed(ref, bits, n, axis)), zp)
+        np.testing.assert_array_equal(np.asarray(unoffset_signed(unpack_int32(ref, bits, n, axis=axis), bits)), zp)
 
 
 def test_fp4_packing_matches_compressed_tensors_and_torchao(ct):
