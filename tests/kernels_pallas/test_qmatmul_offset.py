@@ -23,11 +23,6 @@ from kernel_cases import assert_close, make_x
 
 pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning")
 
-# each one jitted program per weight and dtype (not an eager dispatch, and compile, of every operation)
-_dequantize = jax.jit(dequantize, static_argnums=1)
-_dequantize_prepared = jax.jit(dequantize_prepared, static_argnums=1)
-_dequantize_mgpu = jax.jit(dequantize_mgpu, static_argnums=1)
-
 
 def _gguf_like(k=160, n=72, fmt="uint4", g=32, sdt=jnp.float16, compute=jnp.float32, seed=0):
     """A Q4_1-like QArray: codes of a random `fmt` group-`g` quantization, random scales and offsets stored in `sdt`
@@ -58,10 +53,10 @@ def test_layouts_decode_the_offset_bit_exactly(case):
     assert pw.meta.has_offset and mw.meta.has_offset
     assert pw.meta.scale_dtype == mw.meta.scale_dtype == q.work_dtype.name
     for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
-        ref = np.asarray(_dequantize(q, dt), np.float32)
-        np.testing.assert_array_equal(np.asarray(_dequantize_prepared(pw, dt), np.float32), ref)
+        ref = np.asarray(dequantize(q, dt), np.float32)
+        np.testing.assert_array_equal(np.asarray(dequantize_prepared(pw, dt), np.float32), ref)
         if dt != jnp.float32:  # the Mosaic kernel takes bf16 / f16 activations only
-            np.testing.assert_array_equal(np.asarray(_dequantize_mgpu(mw, dt), np.float32), ref)
+            np.testing.assert_array_equal(np.asarray(dequantize_mgpu(mw, dt), np.float32), ref)
 
 
 def test_triton_kernel_interpreted_with_offset():
