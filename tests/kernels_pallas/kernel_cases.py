@@ -39,12 +39,19 @@ def make_x(shape, dtype, seed=1):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
-def reference(x, q):
-    """jnp.dot(x, dequantize(q, x.dtype)) accumulated in f32 at full precision, and |x| @ |w| (f32)."""
+@jax.jit
+def _reference(x, q):
     w = dequantize(q, x.dtype)
     y = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     mag = jnp.dot(jnp.abs(x).astype(jnp.float32), jnp.abs(w).astype(jnp.float32),
                   precision=jax.lax.Precision.HIGHEST)
+    return y, mag
+
+
+def reference(x, q):
+    """jnp.dot(x, dequantize(q, x.dtype)) accumulated in f32 at full precision, and |x| @ |w| (f32). One jitted
+    program per weight and x shape (not an eager dispatch, and compile, of each operation)."""
+    y, mag = _reference(jnp.asarray(x), q)
     return np.asarray(y), np.asarray(mag)
 
 

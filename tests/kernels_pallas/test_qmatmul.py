@@ -1,6 +1,8 @@
 """qmatmul (Pallas, interpret=True on CPU) against qformats.dequantize + jnp.dot, its layout, errors,
 dispatch, and the lowering of every kernel variant to Triton IR (cross-platform lowering, no GPU needed)."""
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,21 @@ from kernel_cases import SCHEMES, assert_close, awkward_k, make_q, make_x
 ALL = sorted(SCHEMES)
 FEW = ["FP6_E3M2", "MXFP4A16", "NVFP4A16", "W4A16_ASYM"]
 F32_TOO = ("NVFP4A16", "W8A16_ASYM", "FP8_BLOCK", "FP5_E3M1")
+
+
+def _q(name):
+    """Each format's weight at an awkward K (`awkward_k`) and N = 200 (N_pad 256: not a multiple of the blocks)."""
+    return make_q(name, awkward_k(SCHEMES[name]), 200)
+
+
+@functools.lru_cache(maxsize=None)
+def _pw(name):
+    """The kernel layout of `_q(name)`, prepared once for the layout, interpret and lowering tests."""
+    return prepare(_q(name))
+
+
+_dequantize = jax.jit(dequantize, static_argnums=1)
+_dequantize_prepared = jax.jit(dequantize_prepared, static_argnums=1)
 
 
 # ---- layout ---------------------------------------------------------------------------------------------------
@@ -66,14 +83,14 @@ def test_in_kernel_decode_is_exact_for_every_code(fmt):
 @pytest.mark.parametrize("name", ALL)
 def test_prepared_dequantizes_bit_exactly(name):
     """The kernel's arithmetic (same functions) on the prepared layout equals qformats.dequantize bit for bit."""
-    q = make_q(name, awkward_k(SCHEMES[name]), 200)
-    pw = prepare(q)
+    q = _q(name)
+    pw = _pw(name)
     assert pw.meta.K_pad % pw.meta.block_k == 0 and pw.meta.N_pad % 128 == 0
     packed_bytes = sum(int(np.prod(p.shape)) * 4 for p in pw.planes)  # uint32 words
     assert packed_bytes == pw.meta.K_pad * pw.meta.N_pad * q.scheme.bits // 8  # no wasted bits
     for dt in (jnp.bfloat16, jnp.float32) if name in F32_TOO else (jnp.bfloat16,):
-        ref = np.asarray(dequantize(q, dt), np.float32)
-        got = np.asarray(dequantize_prepared(pw, dt), np.float32)
+        ref = np.asarray(_dequantize(q, dt), np.float32)
+        got = np.asarray(_dequantize_prepared(pw, dt), np.float32)
         np.testing.assert_array_equal(got, ref)
 
 
@@ -97,10 +114,9 @@ def test_prepared_layout_is_k_major_planes():
 @pytest.mark.parametrize("name", ALL)
 def test_all_formats_small_m(name):
     """Every format at M=3 (one 16-row block), awkward K and N (not multiples of the blocks)."""
-    q = make_q(name, awkward_k(SCHEMES[name]), 200)
-    pw = prepare(q)
+    q = _q(name)
     x = make_x((3, q.shape[0]), jnp.bfloat16)
-    assert_close(qmatmul(x, pw, interpret=True), x, q)
+    assert_close(qmatmul(x, _pw(name), interpret=True), x, q)
 
 
 @pytest.mark.parametrize("name,m", [(n, m) for n in FEW for m in (1, 16)]
@@ -109,9 +125,9 @@ def test_m_sweep(name, m):
     """M = 1 takes the GEMV form (block_m 1); M = 16 shares the 16-row dot tiling with M = 3 above (one
     compile per format); M = 64 (one 64-row block) and 256 (two 128-row blocks) are the prefill tilings,
     each compiled for two formats."""
-    q = make_q(name, awkward_k(SCHEMES[name]), 200)
+    q = _q(name)
     x = make_x((m, q.shape[0]), jnp.bfloat16, seed=m + 1)
-    assert_close(qmatmul(x, prepare(q), interpret=True), x, q)
+    assert_close(qmatmul(x, _pw(name), interpret=True), x, q)
 
 
 @pytest.mark.parametrize("name,xdt", [("FP6_E2M3", jnp.float16), ("W4A16_ASYM", jnp.float32),
@@ -148,9 +164,9 @@ def test_batch_dims_split_k_and_block_sizes():
                                                  ("FP8_E4M3", 1, 1, 2, jnp.bfloat16)])  # chunk 128 in 32s
 def test_gemv_form(name, m, bm, split, xdt):
     """block_m < 16: FMAs into per-row accumulators, no dot; the last block's rows past M are masked."""
-    q = make_q(name, awkward_k(SCHEMES[name]), 200)
+    q = _q(name)
     x = make_x((m, q.shape[0]), xdt)
-    assert_close(qmatmul(x, prepare(q), interpret=True, block_sizes=BlockSizes(block_m=bm, split_k=split)), x, q)
+    assert_close(qmatmul(x, _pw(name), interpret=True, block_sizes=BlockSizes(block_m=bm, split_k=split)), x, q)
 
 
 def test_block_k_256():
@@ -260,8 +276,7 @@ def _lower_gpu(x, pw, bs):
 
 @pytest.mark.parametrize("name", ALL)
 def test_lowers_to_triton(name):
-    q = make_q(name, awkward_k(SCHEMES[name]), 200)
-    pw = prepare(q)
+    pw = _pw(name)
     tiles = pw.meta.K_pad // pw.meta.block_k
     # decode: 3 rows under a mask, split-K (uneven when 3 tiles: a dynamic trip count), bf16;
     # prefill: 64-row blocks, f32 (IEEE dot), no mask

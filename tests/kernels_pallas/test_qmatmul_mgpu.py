@@ -2,6 +2,7 @@
 errors, dispatch, and every kernel variant lowered for cuda on the CPU (Mosaic GPU's own lowering checks)."""
 
 import dataclasses
+import functools
 
 import numpy as np
 import jax
@@ -29,20 +30,30 @@ def _q(name, n=N_SMALL):
     return make_q(name, awkward_k(SCHEMES[name]), n)
 
 
+@functools.lru_cache(maxsize=None)
+def _mw(name):
+    """The Mosaic GPU layout of `_q(name)`, prepared once for the layout, interpret and dispatch tests."""
+    return prepare_mgpu(_q(name))
+
+
+_dequantize = jax.jit(dequantize, static_argnums=1)
+_dequantize_mgpu = jax.jit(dequantize_mgpu, static_argnums=1)
+
+
 # ---- layout -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ALL)
 def test_layout_dequantizes_bit_exactly(name):
     """The kernel's decode and scale arithmetic (the same functions) on the Mosaic GPU layout equals
     qformats.dequantize bit for bit, in both activation dtypes."""
-    q = make_q(name, awkward_k(SCHEMES[name]), 200)
+    q = _q(name)  # N 72: N_pad 128, the last 56 channels padding
     assert mgpu_unsupported_reason(q) is None
-    mw = prepare_mgpu(q)
+    mw = _mw(name)
     m = mw.meta
     assert m.K_pad % m.tile_k == 0 and m.N_pad % 64 == 0
     assert sum(int(np.prod(p.shape)) for p in mw.planes) == m.K_pad * m.N_pad * q.scheme.bits // 8  # no waste
     for dt in (jnp.bfloat16, jnp.float16):
-        ref = np.asarray(dequantize(q, dt), np.float32)
-        got = np.asarray(dequantize_mgpu(mw, dt), np.float32)
+        ref = np.asarray(_dequantize(q, dt), np.float32)
+        got = np.asarray(_dequantize_mgpu(mw, dt), np.float32)
         np.testing.assert_array_equal(got, ref)
 
 
@@ -88,7 +99,7 @@ def test_interpret_all_formats(name):
     """Every format at M = 3 (one 16-token tile), awkward K (not a multiple of the K tile) and N."""
     q = _q(name)
     x = make_x((3, q.shape[0]), jnp.bfloat16)
-    assert_close(qmatmul_mgpu(x, prepare_mgpu(q), interpret=True), x, q)
+    assert_close(qmatmul_mgpu(x, _mw(name), interpret=True), x, q)
 
 
 @pytest.mark.parametrize("name,m,bs", [("MXFP4A16", 1, None), ("NVFP4A16", 16, None), ("FP6_E3M2", 64, None),
@@ -100,7 +111,7 @@ def test_interpret_m_sweep(name, m, bs):
     64 channels each); one 64-token case with a single warpgroup."""
     q = _q(name)
     x = make_x((m, q.shape[0]), jnp.bfloat16, seed=m + 1)
-    mw = prepare_mgpu(q)
+    mw = _mw(name)
     want = 2 if bs is None and m >= 64 else 1
     assert dataclasses.replace(default_mgpu_block_sizes(m, mw.meta), **(bs or {})).compute_wgs == want
     assert_close(qmatmul_mgpu(x, mw, interpret=True, block_sizes=bs), x, q)
@@ -130,8 +141,23 @@ def test_default_block_sizes():
 
 
 # ---- lowering for cuda (no GPU needed) ---------------------------------------------------------------------------
-def _lower(q, bs, xdt=jnp.bfloat16):
-    mw = prepare_mgpu(q)
+@functools.lru_cache(maxsize=None)
+def _lowering_weight(name):
+    """The layout of a [4 awkward_k, 200] weight (several K tiles, N_pad 256). A lowering reads only the shapes
+    and the static meta, so quantize + prepare_mgpu are traced (jax.eval_shape: no values, nothing compiled),
+    except for a global scale (NVFP4): its e4m3 table form is chosen on the concrete value (traced, it would be
+    f32 scales), so that one is prepared from a real weight."""
+    scheme = SCHEMES[name]
+    k = 4 * awkward_k(scheme)
+    if scheme.strategy == "tensor_group":
+        mw = prepare_mgpu(make_q(name, k, 200))
+        assert mw.meta.scale_kind == "e4m3_table"
+        return mw
+    q = jax.eval_shape(lambda w: quantize(w, scheme, axis=0), jax.ShapeDtypeStruct((k, 200), jnp.bfloat16))
+    return jax.eval_shape(prepare_mgpu, q)
+
+
+def _lower(mw, bs, xdt=jnp.bfloat16):
     xt = jax.ShapeDtypeStruct((mw.meta.K_pad, bs.tile_m), xdt)
     lowered = _kernel_jit.trace(xt, mw, bs=bs, interpret=False).lower(lowering_platforms=("cuda",))
     assert "custom_call @mosaic_gpu" in lowered.as_text()  # a Mosaic GPU kernel, not a fallback
@@ -143,13 +169,13 @@ def test_lowered_for_cuda(name):
     """The GPU variant (weight in registers) of every format at decode (16-token tile, split-K, one
     warpgroup) and prefill (128-token tile, warp-specialized) tilings passes Mosaic GPU's lowering (layouts,
     swizzles, wgmma operand rules)."""
-    q = make_q(name, 4 * awkward_k(SCHEMES[name]), 200)
-    meta = prepare_mgpu(q).meta
+    mw = _lowering_weight(name)
+    meta = mw.meta
     tiles = meta.K_pad // meta.tile_k
     prefill = default_mgpu_block_sizes(256, meta)
     assert prefill.compute_wgs == 2
     for bs in (MgpuBlockSizes(16, 2 if tiles % 2 == 0 else 1, 2, "regs"), prefill):
-        _lower(q, bs)
+        _lower(mw, bs)
 
 
 @pytest.mark.parametrize("name,bs,xdt", [
@@ -165,7 +191,7 @@ def test_lowered_for_cuda(name):
 def test_lowered_variants(name, bs, xdt):
     """Other tile sizes, stage counts, f16, one or two compute warpgroups, and the shared-memory weight
     operand (what interpret mode runs)."""
-    _lower(make_q(name, 4 * awkward_k(SCHEMES[name]), 200), bs, xdt)
+    _lower(_lowering_weight(name), bs, xdt)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ ML_DTYPES_FORMATS = ["fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz", "
                      "fp8_e3m4", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1"]
 
 _encode_jit = jax.jit(encode, static_argnames=("fmt", "overflow"))
+_decode_jit = jax.jit(decode, static_argnames=("fmt", "dtype"))
+_encode_e8m0_jit = jax.jit(encode_e8m0)
 
 
 def _ref_cast(x, fmt):
@@ -55,10 +57,10 @@ def test_decode_matches_ml_dtypes_all_codes(name):
     fmt = get_format(name)
     codes = np.arange(1 << fmt.bits, dtype=np.uint8)
     want = codes.view(getattr(ml_dtypes, fmt.ml_dtypes_name)).astype(np.float32)
-    got = np.asarray(jax.jit(decode, static_argnames=("fmt", "dtype"))(jnp.asarray(codes), fmt=fmt))
+    got = np.asarray(_decode_jit(jnp.asarray(codes), fmt=fmt))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     for dtype in (jnp.bfloat16, jnp.float16):
-        got_d = np.asarray(decode(codes, fmt, dtype=dtype)).astype(np.float32)
+        got_d = np.asarray(_decode_jit(jnp.asarray(codes), fmt=fmt, dtype=dtype)).astype(np.float32)
         np.testing.assert_array_equal(got_d, want.astype(dtype).astype(np.float32))
 
 
@@ -134,12 +136,12 @@ def test_oracle_agrees_with_ml_dtypes():
 def test_decode_roundtrip_every_code(fmt):
     """decode is exact: every finite code decodes to its value and encodes back to itself."""
     codes = np.arange(1 << fmt.bits, dtype=np.uint8)
-    vals = np.asarray(decode(codes, fmt))
+    vals = np.asarray(_decode_jit(jnp.asarray(codes), fmt=fmt))
     table = code_table(fmt)
     finite = np.isfinite(table)
     np.testing.assert_array_equal(vals[finite], table[finite].astype(np.float32))
     assert np.all(np.isnan(vals[np.isnan(table)]))
-    back = np.asarray(encode(jnp.asarray(vals[finite]), fmt))
+    back = np.asarray(_encode_jit(jnp.asarray(vals[finite]), fmt=fmt))
     want = codes[finite].copy()
     if fmt.specials == "fnuz":
         want = np.where(table[finite] == 0, 0, want)  # there is only +0
@@ -228,13 +230,14 @@ def test_e8m0_encode_exhaustive_and_decode():
     for x in INPUTS.values():
         with np.errstate(invalid="ignore"):
             want = x.astype(np.float32).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
-        np.testing.assert_array_equal(np.asarray(encode_e8m0(jnp.asarray(x))), want)
+        np.testing.assert_array_equal(np.asarray(_encode_e8m0_jit(jnp.asarray(x))), want)
     f32 = np.arange(0, 1 << 24, 7, dtype=np.uint32).view(np.float32)  # f32 subnormals and the lowest binades
     want = f32.astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
-    np.testing.assert_array_equal(np.asarray(encode(jnp.asarray(f32), "e8m0")), want)
+    np.testing.assert_array_equal(np.asarray(_encode_jit(jnp.asarray(f32), fmt="e8m0")), want)
     codes = np.arange(256, dtype=np.uint8)
     want = codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(decode(codes, "e8m0")).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(_decode_jit(jnp.asarray(codes), fmt="e8m0")).view(np.uint32),
+                                  want.view(np.uint32))
 
 
 def test_e8m0_subnormal_binade_rounds_to_nearest_where_torch_rounds_up():
@@ -242,7 +245,7 @@ def test_e8m0_subnormal_binade_rounds_to_nearest_where_torch_rounds_up():
     float8_e8m0fnu cast sends all of (2^-127, 1.5 * 2^-127) up to 2^-126 and agrees everywhere else."""
     torch = pytest.importorskip("torch")
     a = np.arange(0, 1 << 24, dtype=np.uint32)  # every f32 below 2^-125
-    ours = np.asarray(encode_e8m0(jnp.asarray(a.view(np.float32))))
+    ours = np.asarray(_encode_e8m0_jit(jnp.asarray(a.view(np.float32))))
     np.testing.assert_array_equal(ours[1:], a[1:].view(np.float32).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8))
     theirs = torch.from_numpy(a.view(np.float32)).to(torch.float8_e8m0fnu).view(torch.uint8).numpy()
     differ = np.nonzero(ours[1:] != theirs[1:])[0] + 1
@@ -318,4 +321,4 @@ def test_e8m0_encode_float32_random_bits():
     x = _random_f32(1 << 20, 11)
     with np.errstate(invalid="ignore", over="ignore"):
         want = x.astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
-    np.testing.assert_array_equal(np.asarray(jax.jit(encode_e8m0)(jnp.asarray(x))), want)
+    np.testing.assert_array_equal(np.asarray(_encode_e8m0_jit(jnp.asarray(x))), want)
