@@ -33,11 +33,19 @@ def tiny(tmp_path_factory):
     return root
 
 
-@pytest.mark.slow
-def test_checkpoint_holds_the_sequential_codes(tiny, tmp_path):
-    dst = tmp_path / "q"
+@pytest.fixture(scope="module")
+def w4a16(tiny, tmp_path_factory):
+    """(checkpoint, info) of the API's W4A16:g32 calibration of the tiny checkpoint, without between_phases (read
+    only; run once for the tests that check it)."""
+    dst = tmp_path_factory.mktemp("api") / "q"
     info = quantize_calibrated_lm(tiny / "src", dst, "W4A16:g32", tiny / "calib.npy", seq_len=32,
                                   calibration_tokens=160)
+    return dst, info
+
+
+@pytest.mark.slow
+def test_checkpoint_holds_the_sequential_codes(tiny, w4a16):
+    dst, info = w4a16
     samples = load_calibration(tiny / "calib.npy", seq_len=32, max_tokens=160, seed=0)
     assert info["tokens"] == 160 and info["samples"] == len(samples) and info["projections"] == 14
     qc = json.loads((dst / "config.json").read_text())["quantization_config"]
@@ -68,15 +76,14 @@ def test_errors(tiny, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_cli_calibrates_a_causal_lm(tiny, tmp_path):
+def test_cli_calibrates_a_causal_lm(tiny, w4a16, tmp_path):
     from converters.cli import main
 
     dst = tmp_path / "cli"
     rc = main(["quantize", str(tiny / "src"), str(dst), "--scheme", "W4A16:g32", "--calibrate",
                str(tiny / "calib.npy"), "--calibration-tokens", "160", "--seq-len", "32", "--quiet"])
     assert rc == 0
-    ref = tmp_path / "api"
-    quantize_calibrated_lm(tiny / "src", ref, "W4A16:g32", tiny / "calib.npy", seq_len=32, calibration_tokens=160)
+    ref = w4a16[0]  # the API's checkpoint of the same arguments
     from converters.formats.safetensors_io import open_checkpoint
     with open_checkpoint(dst) as a, open_checkpoint(ref) as b:
         assert sorted(a.keys()) == sorted(b.keys())

@@ -85,27 +85,51 @@ def tiny_dirs(tmp_path_factory):
     return {kind: _save_tiny(kind, root / kind) for kind in TINY}
 
 
+@pytest.fixture(scope="module")
+def dense_logits(tiny_dirs):
+    """kind -> our logits of the dense tiny checkpoint (computed once, on first use)."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            model, hf_config, tok = load_causal_lm(tiny_dirs[kind])
+            assert hf_config["model_type"] == kind and tok is None
+            cache[kind] = _our_logits(model)
+        return cache[kind]
+    return get
+
+
+@pytest.fixture(scope="module")
+def qwen3_w4a16(tiny_dirs, tmp_path_factory):
+    """The tied qwen3 checkpoint quantized W4A16 (read only)."""
+    dst = tmp_path_factory.mktemp("ct") / "qwen3-W4A16"
+    quantize_checkpoint(tiny_dirs["qwen3"], dst, "W4A16", progress=False)
+    return dst
+
+
 @pytest.mark.parametrize("kind", sorted(TINY))
-def test_dense_logits_equal_transformers(tiny_dirs, kind):
-    model, hf_config, tok = load_causal_lm(tiny_dirs[kind])
-    assert hf_config["model_type"] == kind and tok is None
-    diff = np.abs(_our_logits(model) - _torch_logits(tiny_dirs[kind])).max()
+def test_dense_logits_equal_transformers(tiny_dirs, dense_logits, kind):
+    diff = np.abs(dense_logits(kind) - _torch_logits(tiny_dirs[kind])).max()
     assert diff <= DENSE_ATOL, diff
 
 
-def test_sharded_checkpoint_loads_the_same(tiny_dirs, tmp_path):
+def test_sharded_checkpoint_loads_the_same(dense_logits, tmp_path):
     sharded = _save_tiny("llama", tmp_path / "sharded", max_shard_size="100KB")
     assert (sharded / "model.safetensors.index.json").is_file()
     a, _, _ = load_causal_lm(sharded)
-    b, _, _ = load_causal_lm(tiny_dirs["llama"])
-    np.testing.assert_array_equal(_our_logits(a), _our_logits(b))
+    np.testing.assert_array_equal(_our_logits(a), dense_logits("llama"))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("scheme", ["W4A16", "FP8_DYNAMIC", "NVFP4A16"])
-def test_compressed_tensors_logits_equal_transformers(tiny_dirs, tmp_path, kind, scheme):
+# One case per scheme (each a different compressed-tensors format / activation path), the architectures shared out
+# between them: what differs between llama and qwen3 (the tied embedding, q/k norms) does not depend on the scheme.
+# The tied qwen3 W4A16 checkpoint is also the one transformers must load unchanged.
+@pytest.mark.parametrize("kind,scheme", [("qwen3", "W4A16"), ("llama", "FP8_DYNAMIC"), ("llama", "NVFP4A16")])
+def test_compressed_tensors_logits_equal_transformers(tiny_dirs, dense_logits, qwen3_w4a16, tmp_path, kind, scheme):
     dst = tmp_path / f"{kind}-{scheme}"
-    quantize_checkpoint(tiny_dirs[kind], dst, scheme, progress=False)
+    if (kind, scheme) == ("qwen3", "W4A16"):
+        dst = qwen3_w4a16
+    else:
+        quantize_checkpoint(tiny_dirs[kind], dst, scheme, progress=False)
     model, hf_config, _ = load_causal_lm(dst)
     assert hf_config["quantization_config"]["quant_method"] == "compressed-tensors"
     packed = [m for _, m in nnx.iter_modules(model) if isinstance(m, QLinear)]
@@ -116,20 +140,13 @@ def test_compressed_tensors_logits_equal_transformers(tiny_dirs, tmp_path, kind,
     diff = np.abs(ours - _torch_logits(dst, dequantize)).max()
     assert diff <= atol, diff
     # the quantization is visible: the dense model's logits are far outside that tolerance
-    dense, _, _ = load_causal_lm(tiny_dirs[kind], tokenizer=False)
-    assert np.abs(ours - _our_logits(dense)).max() > 5 * atol
+    assert np.abs(ours - dense_logits(kind)).max() > 5 * atol
 
 
-def test_tied_checkpoint_loads_in_transformers_unchanged(tiny_dirs, tmp_path):
-    dst = tmp_path / "qwen3-W4A16"
-    quantize_checkpoint(tiny_dirs["qwen3"], dst, "W4A16", progress=False)
-    _torch_logits(dst)
-
-
-def test_tied_compressed_checkpoint_with_a_different_lm_head_is_an_error(tiny_dirs, tmp_path):
-    """A tied model's compressed checkpoint may carry lm_head.weight only as a copy of the embedding."""
-    dst = tmp_path / "qwen3-W4A16"
-    quantize_checkpoint(tiny_dirs["qwen3"], dst, "W4A16", progress=False)
+def test_tied_compressed_checkpoint_with_a_different_lm_head_is_an_error(qwen3_w4a16, tmp_path):
+    """A tied model's compressed checkpoint may carry lm_head.weight only as a copy of the embedding. (That
+    transformers loads the tied checkpoint unchanged: test_compressed_tensors_logits_equal_transformers[qwen3-W4A16].)"""
+    dst = qwen3_w4a16
     with open_checkpoint(dst) as ck:
         emb = np.array(ck.get("model.embed_tokens.weight"))
     same = _rewrite(dst, tmp_path / "same", lambda t: t.__setitem__("lm_head.weight", emb.copy()))
@@ -197,7 +214,7 @@ def test_tiny_gguf_logits_equal_transformers(tmp_path, arch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # test_gguf_convert's helper
     from test_gguf_convert import write_tiny_gguf
 
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, hidden=128, heads=4, kv_heads=2, inter=256,
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", arch, hidden=128, heads=4, kv_heads=2, inter=256, layers=1,
                            weight_type=gguf.GGMLQuantizationType.Q8_0)
     model, hf_config, tok = load_causal_lm(path)
     assert hf_config == open_gguf(path).config and tok is not None
@@ -236,8 +253,11 @@ def test_tiny_gguf_loads_packed(tmp_path, arch, type_name):
     from qformats import dequantize
 
     gguf = pytest.importorskip("gguf")
-    path = _tiny_gguf_writer()(tmp_path / "tiny.gguf", arch, hidden=128, heads=4, kv_heads=2, inter=256, layers=1,
-                               weight_type=gguf.GGMLQuantizationType[type_name])
+    # Q5_0: every projection one shape (no GQA, intermediate = hidden): its 5-bit pack compiles slowly (~6 CPU s per
+    # shape), once here instead of four times
+    shapes = dict(kv_heads=4, inter=128) if type_name == "Q5_0" else dict(kv_heads=2, inter=256)
+    path = _tiny_gguf_writer()(tmp_path / "tiny.gguf", arch, hidden=128, heads=4, layers=1,
+                               weight_type=gguf.GGMLQuantizationType[type_name], **shapes)
     packed, _, tok = load_causal_lm(path)
     dense, _, _ = load_causal_lm(path, packed=False)
     pp, dp = _projections(packed), _projections(dense)
@@ -290,6 +310,8 @@ def test_tiny_gguf_schemes_start_from_the_right_weights(tmp_path):
 PROMPT = "The capital of France is"
 # 30 layers in float32 against torch's float32: accumulation order only (measured 1.7e-4; logits reach |x| ~ 30).
 SMOLLM2_ATOL = 1e-3
+# greedy tokens compared (one compiled generate program whatever the count: a while_loop over the steps)
+GREEDY_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -315,10 +337,10 @@ def test_smollm2_gguf_greedy_tokens_equal_transformers(smollm2):
 
     model, tok, ref = smollm2
     ids = tok.encode(PROMPT).ids
-    ours = np.asarray(generate(model, jnp.asarray([ids], jnp.int32), 32))[0].tolist()
+    ours = np.asarray(generate(model, jnp.asarray([ids], jnp.int32), GREEDY_TOKENS))[0].tolist()
     theirs, past, step = [], None, torch.tensor([ids])
     with torch.no_grad():
-        for _ in range(32):  # greedy with the KV cache, no end-of-sequence stop
+        for _ in range(GREEDY_TOKENS):  # greedy with the KV cache, no end-of-sequence stop
             out = ref(step, past_key_values=past, use_cache=True)
             past = out.past_key_values
             step = out.logits[:, -1].argmax(-1, keepdim=True)
