@@ -23,9 +23,7 @@ def main(n: int):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "qformats" / "models" / "decoder"))
     import test_deepseek_v3 as ds
 
-    # 2 of TINY's 3 layers: layer 0 dense (first_k_dense_replace=1), layer 1 routed experts (a third layer adds
-    # compile time, not a layout)
-    hf = ds.hf_model(dict(ds.TINY, num_hidden_layers=2))
+    hf = ds.hf_model(ds.TINY)
     prompt = jnp.asarray(ds.IDS[:, :5])
     out = {}
     for scheme in ("W4A16:g16",):  # packed stacks (the dense case is the moe worker's)
