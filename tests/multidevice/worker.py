@@ -93,14 +93,12 @@ def case_tp(n: int, workdir: str):
         out = np.asarray(generate(tp, ids, 6))
         per = param_bytes_per_device(tp)
         gd, st = nnx.split(tp)
+        hlo = jax.jit(lambda s, i: nnx.merge(gd, s)(i)[0]).lower(st, ids).compile().as_text()
 
         def prefill(s, i):
             m = nnx.merge(gd, s)
-            return m(i, m.init_cache(2, 8))  # logits and cache: every layer's output is live
-        # the forward of the prompt into a cache, compiled once: its HLO is read and it is run for the cache
-        compiled = jax.jit(prefill).lower(st, ids).compile()
-        hlo = compiled.as_text()
-        cache = compiled(st, ids)[1]
+            return m(i, m.init_cache(2, 8))[1]
+        cache = jax.jit(prefill)(st, ids)
         cache_spec = [json.dumps(list(a.sharding.spec) + [None] * (a.ndim - len(a.sharding.spec)))
                       for a in cache.keys + cache.values]
         replicated = sum(a.nbytes for a in jax.tree.leaves(nnx.state(tp, nnx.Param)) if a.sharding.is_fully_replicated)
