@@ -18,9 +18,12 @@ import sys
 from pathlib import Path
 
 DEVICES = 8
+# one (sparse) layer: the layouts and the collectives are per layer (a second one adds compile time to each of the
+# 16 programs of case_hlo, not a layout); the checkpoints of case_load keep 2 layers (sparse + dense, sliding + full
+# attention)
 CFG = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=256, hidden_size=64,
            intermediate_size=128, moe_intermediate_size=96, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
            max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-6)
 OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast")
 INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(OPS) + r")(-start)?\(", re.M)

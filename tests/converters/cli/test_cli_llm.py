@@ -243,7 +243,11 @@ def test_eval_help_states_the_protocol(capsys):
     assert "the last partial window is dropped" in out and "exp(mean NLL of every token but the first" in out
 
 
-@pytest.mark.parametrize("scheme", [None, "W4A16:g64"])
+# dense only: a stored packed checkpoint through `generate --tensor-parallel 2` (the same CLI code and loader, read
+# shard by shard) is test_cli_parallel's test_generate_expert_parallel_equals_one_device (--tensor-parallel 2 alone,
+# compressed-tensors W4A16:g16); a packed llama on a tensor-parallel mesh: tests/multidevice/test_sharded_load.py
+# (w4, every parameter equal) and test_tensor_parallel.py (W4A16:g16 greedy tokens)
+@pytest.mark.parametrize("scheme", [None])
 @pytest.mark.slow
 def test_tiny_generate_tensor_parallel_equals_one_device(tiny, tmp_path, scheme, capsys):
     """--tensor-parallel 2 (a fresh interpreter: the CPU device count is set before JAX starts) gives the
