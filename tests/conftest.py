@@ -1,4 +1,5 @@
-"""Suite-wide fixtures: one JAX compilation cache per test run, and the embedded SmolLM2 converted once per run."""
+"""Suite-wide settings and fixtures: one JAX compilation cache per test run, the garbage collector tuned for tracing, and
+the embedded SmolLM2 converted once per run."""
 
 from __future__ import annotations
 
