@@ -276,7 +276,7 @@ def gguf_qarray(data: np.ndarray, type_name: str, shape: Tuple[int, int], where:
     """
     import jax.numpy as jnp
 
-    from qformats.packing import pack
+    from qformats.packing import pack_numpy
     from qformats.qarray import QArray
     from qformats.schemes import QuantScheme
 
@@ -289,7 +289,7 @@ def gguf_qarray(data: np.ndarray, type_name: str, shape: Tuple[int, int], where:
     scheme = QuantScheme(fmt, "group", group_size=g, scale_format="e8m0" if mx else np.dtype(s.dtype).name,
                          scale_rule="floor" if mx else "absmax")
     bits = scheme.bits
-    codes = u if bits == 8 else np.asarray(pack(jnp.asarray(u), bits))
+    codes = u if bits == 8 else pack_numpy(u, bits)
     n, k = (int(x) for x in shape)
     q = QArray(jnp.asarray(codes), jnp.asarray(s), None, None,
                scheme=scheme, shape=(k, n), dtype=jnp.float32, axis=0, offset=None if o is None else jnp.asarray(o),

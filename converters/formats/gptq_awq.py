@@ -45,7 +45,7 @@ from converters.formats.compressed_tensors.read import (CompressedModel, Leaf, S
 from converters.formats.safetensors_io import Checkpoint, open_checkpoint
 from qformats.errors import CheckpointError
 from qformats.formats import IntFormat
-from qformats.packing import pack, unpack
+from qformats.packing import pack_numpy, unpack
 from qformats.schemes import QuantScheme
 
 __all__ = ["AWQ_ORDER", "GPTQ_BITS", "read_awq", "read_gptq"]
@@ -321,7 +321,7 @@ class _AWQ:
         g = k // gs
         _info(ck, t, "scales", m, _FLOAT, (g, n), "group scales")
         q = self.unpack(ck.get(t["qweight"]))  # [K, N]
-        codes = np.asarray(pack(np.ascontiguousarray(q.T), 4))  # [N, K/2]: q is the offset code q_ct + 8
+        codes = pack_numpy(np.ascontiguousarray(q.T), 4)  # [N, K/2]: q is the offset code q_ct + 8
         zp = None
         if self.zero_point:
             _info(ck, t, "qzeros", m, ("I32",), (g, n // 8), "int32 zero points, AutoAWQ GEMM order")

@@ -83,7 +83,7 @@ def _weight(ck, meta: dict, module: str, local: str, names: Dict[str, str], at: 
     """The QArray of one torchao weight record; returns it and the tensor names it consumed."""
     import jax.numpy as jnp
 
-    from qformats.packing import pack
+    from qformats.packing import pack_numpy
 
     kind = meta.get("_type")
     data = meta.get("_data") if isinstance(meta.get("_data"), dict) else {}
@@ -145,8 +145,7 @@ def _weight(ck, meta: dict, module: str, local: str, names: Dict[str, str], at: 
             raise CheckpointError(f"{at}: tensor {parts['qdata']!r}: {target} values expected in [{lo}, {hi}], "
                                   f"found [{qdata.min()}, {qdata.max()}]")
         scheme = QuantScheme(f"int{bits}", strategy, symmetric=False, scale_format=_SCALE_FORMAT[si.dtype], **kw)
-        codes = qdata if bits == 8 else np.asarray(pack(jnp.asarray((qdata.astype(np.int16) - lo).astype(np.uint8)),
-                                                        bits))
+        codes = qdata if bits == 8 else pack_numpy((qdata.astype(np.int16) - lo).astype(np.uint8), bits)
         zp = np.asarray(ck.get(parts["zero_point"])).reshape(want)
         q = QArray(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(zp), None, scheme=scheme, shape=(k, n),
                    dtype=dtype, axis=0)

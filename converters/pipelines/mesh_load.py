@@ -248,10 +248,9 @@ def gguf_sliced(g, name: str, stats: Optional[ReadStats] = None) -> SlicedQArray
     packed codes on byte boundaries). Each leaf's read decodes its blocks again (codes, scales and offsets of one
     slice read the same bytes up to three times, from the page cache after the first); `stats` counts every read."""
     import jax
-    import jax.numpy as jnp
 
     from converters.formats.gguf_packed import PACKED_TYPES, decode_blocks, gguf_qarray
-    from qformats.packing import pack
+    from qformats.packing import pack_numpy
     from qformats.qarray import QArray
 
     data, type_name = g.raw(name)
@@ -284,7 +283,7 @@ def gguf_sliced(g, name: str, stats: Optional[ReadStats] = None) -> SlicedQArray
         if bits == 8:
             return decoded(rix, c0, c1)[0]
         u = decoded(rix, c0 * 8 // bits, min(k, c1 * 8 // bits))[0]
-        return np.asarray(pack(jnp.asarray(u), bits))
+        return pack_numpy(u, bits)
 
     def part(i):
         def read(ix):

@@ -13,7 +13,7 @@ Covered (`host_quantizable`): weight-only round-to-nearest of a float32 / bfloat
 under (float16 is not: a NaN scale's payload bits differ from XLA's)
   - symmetric integer channel or group scales in the input dtype (W8A16, W4A16, W8A8's weights, ...):
     s = amax / ((qmax - qmin) / 2) (0 -> eps of the dtype), q = round_half_even(clip(x / s, qmin, qmax))
-    (NaN -> 0), int8 stored as is, narrower codes offset by -qmin and packed (`pack_codes`);
+    (NaN -> 0), int8 stored as is, narrower codes offset by -qmin and packed (`qformats.packing.pack_numpy`);
   - float channel scales in the input dtype (FP8_E4M3, FP8_DYNAMIC's weights, FP6_E3M2, FP6_E2M3):
     s_n = amax_n / max_fmt (448, 28, 7.5; 0 -> eps of the dtype), q = fmt(x / s) (6-bit codes packed four in
     three bytes);
@@ -39,6 +39,7 @@ import numpy as np
 
 from qformats.formats import IntFormat
 from qformats.qarray import QArray
+from qformats.packing import pack_numpy
 from qformats.scales import FP8_MAX, NVFP4_GLOBAL_NUMERATOR
 from qformats.schemes import QuantScheme, SchemeSet
 
@@ -291,7 +292,7 @@ def host_quantize(value, perm, n_contracted: int, stacked: int, schemes: SchemeS
                     return None
                 c, s = out
                 if kind != "nvfp4" and bits < 8:
-                    c = pack_codes(c, bits)
+                    c = pack_numpy(c, bits)
                 codes[i, r0:r1] = c
                 scale[i, r0:r1] = s
     leaves = [a if a is None else jax.device_put(a.reshape(lead + a.shape[1:]), may_alias=True)
@@ -336,27 +337,6 @@ def _aligned(shape: tuple, dtype) -> np.ndarray:
     buf = np.empty(nbytes + 64, np.uint8)
     off = -buf.ctypes.data % 64
     return buf[off:off + nbytes].view(dtype).reshape(shape)
-
-
-def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """`qformats.packing.pack(codes, bits)` in numpy: along the last axis, code j of a row in bits j*bits ..
-    j*bits+bits-1 of the row's little-endian byte stream (4 bits: code 2i in the low nibble of byte i; 6 bits:
-    c0 | c1 << 6 | c2 << 12 | c3 << 18 in three bytes); a partial last octet padded with zero codes, then cut to
-    ceil(n * bits / 8) bytes. `codes` hold their values in the low `bits` bits."""
-    if bits == 8:
-        return codes.view(np.uint8) if codes.dtype == np.int8 else codes
-    n = codes.shape[-1]
-    if bits == 4 and n % 2 == 0:
-        return codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
-    pad = -n % 8
-    if pad:
-        codes = np.concatenate([codes, np.zeros(codes.shape[:-1] + (pad,), np.uint8)], axis=-1)
-    c = codes.reshape(codes.shape[:-1] + (-1, 8)).astype(np.uint64) & np.uint64((1 << bits) - 1)
-    w = np.zeros(c.shape[:-1], np.uint64)
-    for j in range(8):
-        w |= c[..., j] << np.uint64(j * bits)
-    out = np.stack([(w >> np.uint64(8 * b)) & np.uint64(0xFF) for b in range(bits)], axis=-1).astype(np.uint8)
-    return out.reshape(codes.shape[:-1] + (-1,))[..., :-(-n * bits // 8)]
 
 
 def quantize_weight(kernel, schemes: SchemeSet, weight_search: str = "rtn") -> QArray:

@@ -15,6 +15,7 @@ from qformats.packing import (
     offset_signed,
     pack,
     pack_int32,
+    pack_numpy,
     packed_length,
     packed_length_int32,
     unoffset_signed,
@@ -243,6 +244,38 @@ def test_int8_bytes_and_uint32_words_accepted():
     np.testing.assert_array_equal(np.asarray(unpack(packed.view(np.int8), 4, 4)), codes)
     words = np.asarray(pack_int32(codes, 4))
     np.testing.assert_array_equal(np.asarray(unpack_int32(words.view(np.uint32), 4, 4)), codes)
+
+
+def _stream_bytes(row, bits):
+    """The definition, with Python integers: byte i = (sum_j code_j << (j * bits)) >> 8i & 0xFF."""
+    v = sum(int(c) << (j * bits) for j, c in enumerate(row))
+    return [(v >> (8 * i)) & 0xFF for i in range(-(-len(row) * bits // 8))]
+
+
+def test_pack_numpy_is_pack_bit_for_bit():
+    """The host twin of `pack`: every code of every width at odd and even lengths against the definition, and against
+    the jitted `pack` on [2 x 7] and [3 x 66]; codes of other integer dtypes masked to their low bits as `pack` masks
+    them; the same refusals."""
+    rng = np.random.default_rng(3)
+    for bits in ALL_BITS:
+        for n in (1, 2, 3, 4, 5, 7, 8, 9, 66):
+            c = np.concatenate([np.arange(1 << bits, dtype=np.uint8).repeat(n).reshape(-1, n),
+                                _codes(rng, (3, n), bits)])
+            np.testing.assert_array_equal(pack_numpy(c, bits), [_stream_bytes(r, bits) for r in c],
+                                          err_msg=f"{bits} x {n}")
+        for shape in ((2, 7), (3, 66)):
+            c = _codes(rng, shape, bits)
+            np.testing.assert_array_equal(pack_numpy(c, bits), np.asarray(pack(c, bits)), err_msg=f"{bits} {shape}")
+        wide = rng.integers(-70000, 70000, (2, 3, 13)).astype(np.int32)
+        low = (wide & ((1 << bits) - 1)).astype(np.uint8)
+        np.testing.assert_array_equal(pack_numpy(wide, bits), pack_numpy(low, bits))
+        np.testing.assert_array_equal(pack_numpy(wide.astype(np.int8), bits), pack_numpy(low, bits))
+    with pytest.raises(SchemeError, match="bits must be an integer in 1..8"):
+        pack_numpy(np.zeros(4, np.uint8), 9)
+    with pytest.raises(SchemeError, match="integer codes"):
+        pack_numpy(np.zeros(4, np.float32), 4)
+    with pytest.raises(SchemeError, match="scalar"):
+        pack_numpy(np.uint8(3), 4)
 
 
 def test_under_jit_and_vmap():

@@ -64,7 +64,7 @@ from converters.formats.safetensors_io import Checkpoint, open_checkpoint
 from converters.formats.compressed_tensors.transforms import check_targets_present, parse_transform_config
 from qformats.errors import CheckpointError, QFormatsError
 from qformats.formats import IntFormat
-from qformats.packing import pack, packed_length_int32, unpack_int32
+from qformats.packing import pack_numpy, packed_length_int32, unpack_int32
 from qformats.qarray import QArray
 from qformats.grouping import expected_shapes
 from qformats.quantize import dequantize
@@ -695,7 +695,7 @@ def decode_weight(ck: Checkpoint, m: StoredModule, qc: QuantConfig, src: Optiona
             def codes(ix):
                 w = src.read(name)
                 _check_int_range(w, s.format.qmin, s.format.qmax, _at(ck, m, "weight"))
-                return _cut(pack((w.astype(np.int16) - s.format.qmin).astype(np.uint8), bits), ix)
+                return _cut(pack_numpy((w.astype(np.int16) - s.format.qmin).astype(np.uint8), bits), ix)
     elif fmt == "pack-quantized":
         name = t["weight_packed"]
         vals = k if bits == 8 else kbytes  # bytes of the little-endian word stream that hold the codes
@@ -726,7 +726,7 @@ def decode_weight(ck: Checkpoint, m: StoredModule, qc: QuantConfig, src: Optiona
 
             def codes(ix):
                 if ix is None or 32 % bits:
-                    return _cut(pack(unpack_int32(src.read(name), bits, k, legacy=True), bits), ix)
+                    return _cut(pack_numpy(np.asarray(unpack_int32(src.read(name), bits, k, legacy=True)), bits), ix)
                 return np.ascontiguousarray(stream(ix))
     else:
         name = t["weight_packed"]

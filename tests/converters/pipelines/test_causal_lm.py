@@ -253,11 +253,8 @@ def test_tiny_gguf_loads_packed(tmp_path, arch, type_name):
     from qformats import dequantize
 
     gguf = pytest.importorskip("gguf")
-    # Q5_0: every projection one shape (no GQA, intermediate = hidden): its 5-bit pack compiles slowly (~6 CPU s per
-    # shape), once here instead of four times
-    shapes = dict(kv_heads=4, inter=128) if type_name == "Q5_0" else dict(kv_heads=2, inter=256)
-    path = _tiny_gguf_writer()(tmp_path / "tiny.gguf", arch, hidden=128, heads=4, layers=1,
-                               weight_type=gguf.GGMLQuantizationType[type_name], **shapes)
+    path = _tiny_gguf_writer()(tmp_path / "tiny.gguf", arch, hidden=128, heads=4, kv_heads=2, inter=256, layers=1,
+                               weight_type=gguf.GGMLQuantizationType[type_name])
     packed, _, tok = load_causal_lm(path)
     dense, _, _ = load_causal_lm(path, packed=False)
     pp, dp = _projections(packed), _projections(dense)

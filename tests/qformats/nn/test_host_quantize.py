@@ -89,16 +89,6 @@ def test_fp4_rounding_is_ml_dtypes_on_every_bfloat16_and_each_cut():
     np.testing.assert_array_equal(H._fp4_codes(y.copy()), y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F)
 
 
-@pytest.mark.parametrize("bits", range(1, 9))
-def test_pack_codes_is_the_packing_module_s_on_every_code_and_odd_lengths(bits):
-    from qformats.packing import pack
-
-    rng = np.random.default_rng(3)
-    for n in (1, 2, 3, 4, 5, 7, 9, 64, 66):
-        c = rng.integers(0, 1 << bits, (3, n), dtype=np.uint8)
-        np.testing.assert_array_equal(H.pack_codes(c, bits), np.asarray(pack(c, bits)))
-
-
 def test_nan_weights_and_other_schemes_take_the_jitted_path():
     w = np.random.default_rng(2).standard_normal((64, 32)).astype(np.float32)
     w[5, 7] = np.nan
