@@ -24,7 +24,9 @@ naming the file and tensor/key and saying what is supported.
 
 The file is untrusted: `check_gguf_header` reads the header first, every count and length checked against
 the file size (so a 2^40-element array in a 49-byte file is refused at once), every tensor's data aligned,
-in bounds, non-overlapping and exactly its type's size; only then does gguf's reader map it. Metadata is
+in bounds, non-overlapping and exactly its type's size; the checked header is then the file's reader (metadata
+decoded on demand, tensors memory-mapped as gguf's `GGUFReader` gives them, gguf's own reader not used: it took ~6 CPU
+s to split SmolLM2's 49k-token vocabulary into numpy parts on every open). Metadata is
 type-checked (integers in range, `rope.freq_base` and the RMS epsilon finite and positive) and the tokenizer
 is built only from string tokens and merges whose pieces are in the vocabulary.
 """
@@ -162,34 +164,34 @@ def _bytes_to_unicode() -> dict[int, str]:
 class GGUFModel:
     """An open GGUF causal LM: its HF config, tensors under HF names (dequantized on demand), tokenizer files.
 
-    Built by `open_gguf`. The file is memory-mapped by gguf's reader; `get(name)` dequantizes one tensor.
+    Built by `open_gguf`. The file is memory-mapped (`gguf_tensors`); `get(name)` dequantizes one tensor.
     Metadata is type-checked against the header (`check_gguf_header`): sizes and counts are integers in
     [1, 2^31) (`block_count` at most the file's tensor count), `rope.freq_base` and the RMS epsilon finite
     positive numbers, token ids inside the vocabulary.
     """
 
-    def __init__(self, path: Path, reader: Any, header: GGUFHeader):
+    def __init__(self, path: Path, data: np.ndarray, header: GGUFHeader):
         self.path = path
-        self._reader = reader
+        self._data = data
         self._header = header
-        self._fields = reader.fields
+        self._fields = header.fields
+        self._stored_tensors = gguf_tensors(data, header)
         arch = self._value("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(f"{path}: general.architecture is {arch!r}; supported GGUF architectures: "
                                   f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
         self.architecture: str = arch
         self.config: dict[str, Any] = self._build_config()
-        self._tensors: dict[str, Any] = {}  # HF name -> gguf ReaderTensor
+        self._tensors: dict[str, Any] = {}  # HF name -> GGUFTensor
         self._map_tensors()
 
     # -- metadata ---------------------------------------------------------------------------------------
 
     def _value(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        if field is None:
+        if key not in self._fields:
             return default
         try:
-            value = field.contents()
+            value = field_contents(self._data, self._header, key)
         except (UnicodeDecodeError, ValueError, IndexError) as e:
             raise CheckpointError(f"{self.path}: metadata key {key!r}: expected a readable value, found "
                                   f"{type(e).__name__}: {e}") from None
@@ -269,7 +271,7 @@ class GGUFModel:
         if "vocab_size" not in config:
             raise CheckpointError(f"{path}: expected {arch}.vocab_size or tokenizer.ggml.tokens to give the "
                                   f"vocabulary size, found neither")
-        config["tie_word_embeddings"] = all(t.name != "output.weight" for t in self._reader.tensors)
+        config["tie_word_embeddings"] = all(t.name != "output.weight" for t in self._stored_tensors)
         if arch == "qwen3" and "head_dim" not in config:
             config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
         theta = config.pop("rope_theta", None)
@@ -332,7 +334,7 @@ class GGUFModel:
         expected = self._expected_shapes()
         supported = supported_tensor_types()
         model_type = self.config["model_type"]
-        for t in self._reader.tensors:
+        for t in self._stored_tensors:
             hf = self._hf_name(t.name)
             if hf is None or hf not in expected:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r}: a {model_type} model has no place for it "
@@ -553,7 +555,7 @@ class GGUFModel:
         return files
 
 
-# ---- the header, checked before gguf's reader sees the file ---------------------------------------------------------
+# ---- the header, checked, then the file's reader ---------------------------------------------------------------------
 
 #: Largest GGUF header (metadata and tensor infos) read: 1 GiB; a 256k-token vocabulary with its merges is ~20 MB.
 MAX_GGUF_HEADER_BYTES = 1 << 30
@@ -570,12 +572,14 @@ _FLOAT_TYPES = {"FLOAT32", "FLOAT64"}
 
 class _Field(NamedTuple):
     """One metadata value as stored: its type name, the array's element type (None for a scalar), the element
-    count (1 for a scalar) and, for scalars, the value."""
+    count (1 for a scalar), for scalars the value, and for arrays where the array starts in the file (its element
+    type id)."""
 
     type: str
     element: str | None
     count: int
     value: Any
+    pos: int = -1
 
 
 class _TensorInfo(NamedTuple):
@@ -588,13 +592,14 @@ class _TensorInfo(NamedTuple):
 
 class GGUFHeader(NamedTuple):
     """A GGUF file's header as `check_gguf_header` read it: metadata fields by key, tensor infos in file
-    order, the data section's offset in the file, the alignment and the file size."""
+    order, the data section's offset in the file, the alignment, the file size and the byte order ("<", ">")."""
 
     fields: dict
     tensors: list
     data_offset: int
     alignment: int
     size: int
+    order: str = "<"
 
 
 class _Cursor:
@@ -648,6 +653,7 @@ def _read_value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> _Field:
         return _Field(name, None, 1, c.string(f"the value of {key!r}"))
     if depth >= MAX_GGUF_ARRAY_DEPTH:
         raise c.fail(f"metadata key {key!r}: arrays nested deeper than {MAX_GGUF_ARRAY_DEPTH}")
+    pos = c.pos
     etype = c.take("I")
     if etype not in _GGUF_TYPES:
         raise c.fail(f"metadata key {key!r}: an array of the unknown value type {etype}")
@@ -662,7 +668,7 @@ def _read_value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> _Field:
     else:
         for _ in range(n):
             _read_value(c, etype, key, depth + 1)
-    return _Field("ARRAY", ename, n, None)
+    return _Field("ARRAY", ename, n, None, pos)
 
 
 def _type_name(gguf: Any, ttype: int) -> str:
@@ -783,33 +789,95 @@ def _parse_header(mm: Any, p: Path, size: int, max_header_bytes: int, gguf: Any)
             raise CheckpointError(f"{p}: tensor {last.name!r} ({_type_name(gguf, last.type)} {list(last.dims)}: "
                                   f"{last.nbytes} bytes), the last: expected the tensor data to end the file at "
                                   f"byte {end} (up to {padded} with padding), found a {size}-byte file")
-    return GGUFHeader(fields, infos, data_offset, alignment, size)
+    return GGUFHeader(fields, infos, data_offset, alignment, size, order)
+
+
+def field_contents(buf: Any, header: GGUFHeader, key: str) -> Any:
+    """Metadata `key` of a file whose header is `header` (`buf`: the file's bytes, mapped) as gguf's
+    `ReaderField.contents()` gives it: a scalar as a Python int / float / bool, a string as str, an array of numbers
+    as a list of Python numbers, an array of strings as a list of str (UTF-8). None when the key is absent.
+
+    Raises:
+      UnicodeDecodeError: a string that is not UTF-8.
+      ValueError: an array of arrays (no metadata read here has one).
+    """
+    f = header.fields.get(key)
+    if f is None:
+        return None
+    if f.type != "ARRAY":
+        return f.value
+    c = _Cursor(buf, Path("?"), header.order, header.size)
+    c.pos = f.pos
+    ename, code = _GGUF_TYPES[c.take("I")]
+    n = c.take("Q")
+    if code is not None:
+        return np.frombuffer(buf, np.dtype(header.order + code), n, c.pos).tolist()
+    if ename != "STRING":
+        raise ValueError(f"metadata key {key!r}: an array of arrays")
+    out, mv, at = [], memoryview(buf), c.pos
+    length = struct.Struct(header.order + "Q")
+    for _ in range(n):  # the lengths were checked against the file by check_gguf_header
+        (m,) = length.unpack_from(buf, at)
+        out.append(str(mv[at + 8:at + 8 + m], "utf-8"))
+        at += 8 + m
+    return out
+
+
+class GGUFTensor(NamedTuple):
+    """One tensor of a checked GGUF file, as gguf's `ReaderTensor` has it: its GGUF name, `gguf.GGMLQuantizationType`,
+    dimensions (GGUF order, fastest first, uint64) and data, memory-mapped: a float / integer type as an array of its
+    dtype shaped by the reversed dimensions, a block type as uint8 [..., bytes per row]."""
+
+    name: str
+    tensor_type: Any
+    shape: np.ndarray
+    data: np.ndarray
+
+
+_TYPED = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
+          "I64": np.int64}
+
+
+def gguf_tensors(data: np.ndarray, header: GGUFHeader) -> list[GGUFTensor]:
+    """The tensors of a checked header (`check_gguf_header`) over `data`, the whole file mapped as uint8 (np.memmap):
+    views, nothing read. Offsets and sizes were checked against the file by the header check."""
+    import gguf
+
+    out = []
+    for t in header.tensors:
+        qtype = gguf.GGMLQuantizationType(t.type)
+        dims = tuple(reversed(t.dims))
+        start = header.data_offset + t.offset
+        raw = data[start:start + t.nbytes]
+        if qtype.name in _TYPED:
+            arr = raw.view(np.dtype(_TYPED[qtype.name]).newbyteorder(header.order)).reshape(dims)
+        else:
+            arr = raw.reshape(gguf.quants.quant_shape_to_byte_shape(dims, qtype))
+        out.append(GGUFTensor(t.name, qtype, np.array(t.dims, np.uint64), arr))
+    return out
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFModel:
-    """Opens a GGUF causal LM (memory-mapped) with gguf's reader; its config and tensor names are checked here.
+    """Opens a GGUF causal LM, memory-mapped after `check_gguf_header`; its config and tensor names are checked here.
 
     Raises:
       CheckpointError: not a readable GGUF file, an unsupported architecture / tensor type / tensor, or a
         shape that does not fit the metadata.
     """
-    try:
-        import gguf
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:  # its block types and dequantization
         raise CheckpointError(f"{path}: reading GGUF files needs the 'gguf' package (llama.cpp's reader); found it "
                               f"not installed. Install it with `pip install gguf`") from None
     p = Path(path)
     if not p.is_file():
         raise CheckpointError(f"{p}: expected a GGUF file, found no such file")
-    header = check_gguf_header(p)  # bounded by the file size; gguf's reader trusts the counts it reads
+    header = check_gguf_header(p)  # bounded by the file size; every count and offset checked
     try:
-        reader = gguf.GGUFReader(p)
-    except (ValueError, OSError, IndexError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{p}: expected a GGUF file, found {type(e).__name__}: {e}") from None
-    if reader.data_offset != header.data_offset or len(reader.tensors) != len(header.tensors):
-        raise CheckpointError(f"{p}: expected gguf's reader to find the header checked here, found another "
-                              f"(data at {reader.data_offset}, not {header.data_offset})")
-    return GGUFModel(p, reader, header)
+        data = np.memmap(p, mode="r")
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{p}: expected a readable GGUF file, found {type(e).__name__}: {e}") from None
+    return GGUFModel(p, data, header)
 
 
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "float32", tokenizer: bool = True,

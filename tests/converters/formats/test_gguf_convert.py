@@ -20,7 +20,10 @@ tokenizers = pytest.importorskip("tokenizers")
 from converters.evaluation.embedded import smollm2_gguf  # noqa: E402
 from converters.formats.gguf_convert import (  # noqa: E402
     SUPPORTED_ARCHITECTURES,
+    check_gguf_header,
     convert_gguf,
+    field_contents,
+    gguf_tensors,
     open_gguf,
     supported_tensor_types,
 )
@@ -176,6 +179,56 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, hidden=64, heads=4, kv_h
     for name in drop:
         tensors.pop(name)
     return write_tensors(w, tensors, path)
+
+
+@pytest.mark.parametrize("endian", ["LITTLE", "BIG"])
+def test_the_checked_header_reads_what_gguf_s_reader_reads(tmp_path, endian):
+    """`open_gguf` reads the file through its checked header (`field_contents`, `gguf_tensors`), not gguf's
+    GGUFReader: every metadata value of every type (scalars, strings, arrays of numbers, of strings, an empty one)
+    equals `ReaderField.contents()` in value and Python type, and every tensor (plain and block types) has gguf's
+    name, type, dimensions, data dtype, shape and bytes, in both byte orders."""
+    w = gguf.GGUFWriter(str(tmp_path / "f.gguf"), "llama", endianess=gguf.GGUFEndian[endian])
+    w.add_uint8("k.u8", 200)
+    w.add_int8("k.i8", -5)
+    w.add_uint16("k.u16", 60000)
+    w.add_int16("k.i16", -30000)
+    w.add_uint32("k.u32", 4_000_000_000)
+    w.add_int32("k.i32", -2_000_000_000)
+    w.add_uint64("k.u64", 2**63 + 5)
+    w.add_int64("k.i64", -(2**62))
+    w.add_float32("k.f32", 0.1)
+    w.add_float64("k.f64", -1e300)
+    w.add_bool("k.bool", True)
+    w.add_string("k.str", "héllo ✓")
+    w.add_array("k.ints", [1, -2, 3])
+    w.add_array("k.floats", [0.5, -1.25])
+    w.add_array("k.strs", ["a", "", "ünï", "Ġthe"])
+    w.add_array("k.empty", [])
+    rng = np.random.default_rng(0)
+    q = gguf.GGMLQuantizationType
+    write_tensors(w, {"a": (rng.standard_normal((4, 64)).astype(np.float32), q.F32),
+                      "b": (rng.standard_normal((64,)).astype(np.float32), q.F16),
+                      "c": (rng.standard_normal((3, 64)).astype(np.float32), q.Q8_0),
+                      "d": (rng.standard_normal((2, 64)).astype(np.float32), q.Q4_0),
+                      "e": (np.arange(6, dtype=np.int32).reshape(2, 3), q.I32)}, tmp_path / "f.gguf")
+    path = tmp_path / "f.gguf"
+    header = check_gguf_header(path)
+    data = np.memmap(path, mode="r")
+    reader = gguf.GGUFReader(path)
+    keys = [k for k in reader.fields if not k.startswith("GGUF.")]  # the reader's own entries for the header
+    assert keys == list(header.fields)
+    for k in keys:
+        want, got = reader.fields[k].contents(), field_contents(data, header, k)
+        assert got == want and type(got) is type(want), (k, got, want)
+        if isinstance(want, list):
+            assert [type(x) for x in got] == [type(x) for x in want], k
+    assert field_contents(data, header, "no.such.key") is None
+    ours = gguf_tensors(data, header)
+    assert [t.name for t in ours] == [t.name for t in reader.tensors] == list("abcde")
+    for a, b in zip(reader.tensors, ours):
+        assert b.tensor_type == a.tensor_type and b.shape.tolist() == a.shape.tolist(), a.name
+        assert b.data.dtype == a.data.dtype and b.data.shape == a.data.shape, a.name
+        assert b.data.tobytes() == a.data.tobytes(), a.name
 
 
 @pytest.mark.parametrize("arch,weight_type,tied,pre,head_dim", [
