@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "qformats" / "models" / "decoder"))
@@ -24,6 +25,10 @@ from converters.pipelines.causal_lm import load_causal_lm  # noqa: E402
 from qformats.errors import ModelError  # noqa: E402
 from qformats.models.decoder.calibration import calibrate_decoder  # noqa: E402
 from qformats.nn.experts import QExperts  # noqa: E402
+
+# the loaded checkpoints' forward as one jitted program (eagerly, each operation of each layer compiled on its own)
+_forward = nnx.jit(lambda m, x: m(x))
+
 
 @pytest.mark.slow  # 50-120 s each on the loaded 2-core machine: two calibrations of a one- or two-layer model
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -66,7 +71,7 @@ def test_cli_calibrated_moe_checkpoint_reads_back(arch, tmp_path, capsys):
             qa, qc_ = qb.kernel.get_value(), qm.kernel.get_value()
             for a, b in zip(jax.tree.leaves(qa), jax.tree.leaves(qc_)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"layer {i} {p}")
-    out = back(np.asarray(moe_tiny.ids(1, 10)))
+    out = _forward(back, np.asarray(moe_tiny.ids(1, 10)))
     out = np.asarray(out[0] if isinstance(out, tuple) else out)
     assert np.all(np.isfinite(out))
 
@@ -110,7 +115,7 @@ def test_in_memory_path_qwen2_moe_with_static_kv_cache(tmp_path):
     for i in range(1):
         assert isinstance(back.model.layers[i].mlp.experts.down_proj, QExperts)
         assert isinstance(back.model.layers[i].mlp.shared_expert.down_proj, QLinear)
-    out = back(np.asarray(moe_tiny.ids(1, 8)))
+    out = _forward(back, np.asarray(moe_tiny.ids(1, 8)))
     assert np.all(np.isfinite(np.asarray(out[0] if isinstance(out, tuple) else out)))
 
 
@@ -148,5 +153,5 @@ def test_static_fp8_expert_input_scales_written_per_expert(path, tmp_path):
                     np.asarray(ck.get(f"model.layers.0.mlp.experts.{e}.{p}.input_scale"), np.float32).reshape(1),
                     mine[e], err_msg=f"{p} expert {e}")
     assert len(np.unique(mine)) == n  # down_proj: each expert its own range
-    out = back(np.asarray(moe_tiny.ids(1, 8)))
+    out = _forward(back, np.asarray(moe_tiny.ids(1, 8)))
     assert np.all(np.isfinite(np.asarray(out[0] if isinstance(out, tuple) else out)))
