@@ -25,6 +25,9 @@ from qformats.errors import CheckpointError  # noqa: E402
 from qformats.nn import QLinear  # noqa: E402
 from qformats.models.decoder.scan import scan_layers  # noqa: E402
 
+# the model's forward as one jitted program (eagerly, each operation of each layer compiles on its own)
+_logits_of = nnx.jit(lambda m, x: m(x)[0])
+
 # float32 on both sides: the only difference is the order of accumulation in the matmuls and softmax.
 DENSE_ATOL = 2e-5
 # compressed-tensors checkpoints, against transformers + compressed-tensors on the same directory:
@@ -76,8 +79,7 @@ def _torch_logits(path, dequantize: bool = False) -> np.ndarray:
 
 
 def _our_logits(model) -> np.ndarray:
-    logits, _ = model(jnp.asarray(IDS, jnp.int32))
-    return np.asarray(logits)
+    return np.asarray(_logits_of(model, jnp.asarray(IDS, jnp.int32)))
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +228,7 @@ def test_tiny_gguf_logits_equal_transformers(tmp_path, arch):
         ref = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = ref(torch.from_numpy(ids)).logits.numpy()
-    ours, _ = model(jnp.asarray(ids, jnp.int32))
+    ours = _logits_of(model, jnp.asarray(ids, jnp.int32))
     assert np.abs(np.asarray(ours) - theirs).max() <= DENSE_ATOL * np.abs(theirs).max()
 
 
@@ -270,7 +272,7 @@ def test_tiny_gguf_loads_packed(tmp_path, arch, type_name):
     if arch != "llama":
         return  # the forward pass is the same code for every architecture: run once
     x = jnp.asarray([tok.encode("the fox").ids[:1]], jnp.int32)  # one token: the fused packed GEMV path
-    ours, theirs = (np.asarray(m(x)[0]) for m in (packed, dense))
+    ours, theirs = (np.asarray(_logits_of(m, x)) for m in (packed, dense))
     assert np.abs(ours - theirs).max() <= DENSE_ATOL * np.abs(theirs).max()
 
 
