@@ -16,6 +16,25 @@ import pytest
 # that compare with torch allow for. An OMP_NUM_THREADS set by the caller is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# XLA compiles the suite's programs with little optimization work: JAX's jax_disable_most_optimizations (LLVM at -O0,
+# no expensive LLVM passes) and XLA:CPU's classic loop emitters instead of its MLIR fusion emitters
+# (--xla_cpu_use_fusion_emitters=false in XLA_FLAGS); XLA's HLO passes, fusion included, still run. Compiling is
+# most of the suite's time (67% of tests/qformats/models/decoder/test_decoder_scan.py's wall time, py-spy --idle) and
+# these programs run once or a few times on tiny shapes: that file 79 -> 49 s (-O0) -> 41 s (and classic emitters).
+# What changes: at full optimization XLA:CPU contracts a * b + c into one fused multiply-add, and rsqrt and tanh
+# are computed otherwise, so fused floating-point code (norms, attention, activations) may differ in its last bits.
+# What does not: quantize / dequantize / packing / the packed and scaled dots, bit for bit (tests/
+# test_optimization_level.py: every finite bfloat16 value for every preset). A module whose claim rests on those
+# last bits against a reference computed outside XLA (torch's bit-exact scales) sets
+# `pytestmark = pytest.mark.full_optimization`: -O3 for it (the emitters are fixed per process; those modules pass
+# with either). Inherited by the CLI and multi-device subprocesses. QFORMATS_TEST_FULL_OPTIMIZATION=1 runs the
+# whole suite as users' programs compile.
+LEAN_COMPILE = os.environ.get("QFORMATS_TEST_FULL_OPTIMIZATION", "0") != "1"
+if LEAN_COMPILE:
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
+
 # Python's cyclic garbage collector less often: tracing and compiling allocate millions of short-lived objects, and
 # with the default thresholds (700, 10, 10) the collector ran 2,300 times in tests/qformats/models/decoder/
 # test_decoder_model.py (3.2 of its 59 CPU s); at (20000, 20, 50) 116 times (1.8 s). Objects are still collected;
@@ -24,6 +43,9 @@ gc.set_threshold(20000, 20, 50)
 
 
 def pytest_configure(config):
+    if sys.modules.get("jax") is not None:  # imported before this file (a plugin): its flag was read already
+        sys.modules["jax"].config.update("jax_disable_most_optimizations",
+                                         os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", "0") in ("1", "true", "True"))
     if sys.modules.get("torch") is not None:  # imported before this file (a plugin): its pool size is fixed
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     # `-n N --dist loadfile` (or loadscope): xdist hands out files in the order the workers collected them
@@ -130,6 +152,31 @@ def smollm2_dense(tmp_path_factory):
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return dst
+
+
+@pytest.fixture(scope="module", autouse=True)
+def full_optimization(request):
+    """For a module marked `full_optimization`: JAX's jax_disable_most_optimizations off while it runs (its
+    subprocesses too), JAX's in-memory caches cleared on the way in and out (their keys do not hold the flag; the
+    persistent cache's do)."""
+    if request.node.get_closest_marker("full_optimization") is None:
+        yield
+        return
+    import jax
+
+    saved = jax.config.values["jax_disable_most_optimizations"], os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
+    jax.clear_caches()
+    jax.config.update("jax_disable_most_optimizations", False)
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"
+    try:
+        yield
+    finally:
+        jax.clear_caches()
+        jax.config.update("jax_disable_most_optimizations", saved[0])
+        if saved[1] is None:
+            os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+        else:
+            os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = saved[1]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,19 +13,16 @@ WORKER = Path(__file__).with_name("worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# XLA's CPU backend at LLVM optimisation level 0 in the workers: their programs are tiny models compiled once and
-# run for a few tokens, so compiling is most of their time and O0 cuts it by about a third (moe_mesh_worker's
-# generate: 7.8 -> 5.4 s of CPU on one device, 9.1 -> 6.8 s on 8). Every check of tests/multidevice compares the
-# mesh with one device (or two processes with one) inside the same worker, both compiled with these flags.
-WORKER_XLA_FLAGS = "--xla_backend_optimization_level=0"
-
-
 def _env(xla_flags: str = ""):
-    """The environment of a worker interpreter: this checkout first on PYTHONPATH, the CPU platform, and XLA_FLAGS
-    of WORKER_XLA_FLAGS (plus `xla_flags`) in place of the caller's (the worker sets its own device count with
-    jax_num_cpu_devices, or passes it in `xla_flags`)."""
+    """The environment of a worker interpreter: this checkout first on PYTHONPATH, the CPU platform, and the caller's
+    XLA_FLAGS less any host device count, plus `xla_flags` (the worker sets its own device count with
+    jax_num_cpu_devices, or passes it in `xla_flags`). The suite's lean compilation (tests/conftest.py: -O0, classic
+    emitters) is inherited: a worker's programs are tiny models compiled once and run for a few tokens, and every
+    check of tests/multidevice compares the mesh with one device (or two processes with one) inside the same worker,
+    both compiled alike."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(f for f in (WORKER_XLA_FLAGS, xla_flags) if f)
+    kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(kept + ([xla_flags] if xla_flags else []))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["JAX_PLATFORMS"] = "cpu"
     return env
