@@ -59,8 +59,9 @@ def test_fold_leaves_float_outputs_unchanged():
     assert [r["smooth"] for r in rec] == [mp.smooth for mp in AWQ_MAPPINGS]
     after = np.asarray(m.model.layers[0].input_layernorm.weight.get_value())
     assert np.max(np.abs(after / before - 1)) > 0.05  # scales were folded
-    # float32 rounding of the rescaled weights only (outputs of magnitude ~4)
-    np.testing.assert_allclose(np.asarray(m(ids)[0]), np.asarray(ref), atol=2e-5, rtol=0)
+    # float32 rounding of the rescaled weights only (outputs of magnitude ~4): measured 1.2e-5 (fully optimized
+    # programs), 2.6e-5 (the suite's lean compile: no fused multiply-adds, tests/conftest.py)
+    np.testing.assert_allclose(np.asarray(m(ids)[0]), np.asarray(ref), atol=5e-5, rtol=0)
 
 
 def _direct_search(layer, x, cos, sin, mask, mp, ws, points, x_mean):
