@@ -27,10 +27,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # test_optimization_level.py: every finite bfloat16 value for every preset). A module whose claim rests on those
 # last bits against a reference computed outside XLA (torch's bit-exact scales), or whose programs run long enough
 # that optimizing them pays (the real MiniLM's calibrations), sets `pytestmark = pytest.mark.full_optimization`:
-# -O3 for it (the emitters are fixed per process; those modules pass with either). Inherited by the CLI and multi-device subprocesses. QFORMATS_TEST_FULL_OPTIMIZATION=1 runs the
-# whole suite as users' programs compile.
-LEAN_COMPILE = os.environ.get("QFORMATS_TEST_FULL_OPTIMIZATION", "0") != "1"
-if LEAN_COMPILE:
+# -O3 for it (the emitters are fixed per process; those modules pass with either). Inherited by the CLI and
+# multi-device subprocesses. QFORMATS_TEST_FULL_OPTIMIZATION=1 runs the whole suite as users' programs compile.
+if os.environ.get("QFORMATS_TEST_FULL_OPTIMIZATION", "0") != "1":
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
