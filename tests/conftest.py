@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # What changes: at full optimization XLA:CPU contracts a * b + c into one fused multiply-add, and rsqrt and tanh
 # are computed otherwise, so fused floating-point code (norms, attention, activations) may differ in its last bits.
 # What does not: quantize / dequantize / packing / the packed and scaled dots, bit for bit (tests/
-# test_optimization_level.py: every finite bfloat16 value for every preset). A module whose claim rests on those
+# test_optimization_level.py: every finite bfloat16 value for 13 presets). A module whose claim rests on those
 # last bits against a reference computed outside XLA (torch's bit-exact scales), or whose programs run long enough
 # that optimizing them pays (the real MiniLM's calibrations), sets `pytestmark = pytest.mark.full_optimization`:
 # -O3 for it (the emitters are fixed per process; those modules pass with either). Inherited by the CLI and
