@@ -1,9 +1,9 @@
 """The suite compiles lean (tests/conftest.py: JAX's jax_disable_most_optimizations, i.e. LLVM at -O0 without its
-expensive passes, and XLA:CPU's classic emitters). Exact numerics do not change: quantize / dequantize of 13 presets'
-weights on every finite bfloat16 value, the packed and scaled matmuls and GPTQ's inverse Hessian factor compute, bit
-for bit, what the fully optimized programs compute. Fused floating-point code may change in its last bits: at full
-optimization XLA:CPU contracts a * b + c into one fused multiply-add (and computes rsqrt and tanh otherwise); a tiny
-packed decoder's logits, stated bound."""
+expensive passes, XLA:CPU's classic emitters, each program's code as one LLVM module). Exact numerics do not change:
+quantize / dequantize of 13 presets' weights on every finite bfloat16 value, the packed and scaled matmuls and GPTQ's
+inverse Hessian factor compute, bit for bit, what the fully optimized programs compute. Fused floating-point code may
+change in its last bits: at full optimization XLA:CPU contracts a * b + c into one fused multiply-add (and computes
+rsqrt and tanh otherwise); a tiny packed decoder's logits, stated bound."""
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +16,12 @@ from qformats import dequantize, presets, qdot, quantize, scaled_dot
 from qformats.algorithms.gptq import gptq_hinv
 
 # What each compilation gets on top of the process's defaults: explicit both ways (LEAN is what tests/conftest.py
-# sets for the suite), so the comparison holds whatever the environment sets. XLA's default backend optimization level is 3 (xla/debug_options_flags.cc).
+# sets for the suite), so the comparison holds whatever the environment sets.
+# XLA's defaults: backend optimization level 3, codegen split into 32 parts (xla/debug_options_flags.cc).
 LEAN = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-        "xla_cpu_use_fusion_emitters": False}
+        "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
 FULL = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False,
-        "xla_cpu_use_fusion_emitters": True}
+        "xla_cpu_use_fusion_emitters": True, "xla_cpu_parallel_codegen_split_count": 32}
 
 
 def both(fn, *args):
