@@ -25,9 +25,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # are computed otherwise, so fused floating-point code (norms, attention, activations) may differ in its last bits.
 # What does not: quantize / dequantize / packing / the packed and scaled dots, bit for bit (tests/
 # test_optimization_level.py: every finite bfloat16 value for 13 presets). A module whose claim rests on those
-# last bits against a reference computed outside XLA (torch's bit-exact scales), or whose programs run long enough
-# that optimizing them pays (the real MiniLM's calibrations), sets `pytestmark = pytest.mark.full_optimization`:
-# -O3 for it (the emitters are fixed per process; those modules pass with either). Inherited by the CLI and
+# last bits against a reference computed outside XLA (torch's bit-exact scales) sets `pytestmark =
+# pytest.mark.full_optimization`: -O3 for it (the emitters and the code splitting below are fixed per process; those
+# modules pass with either). Inherited by the CLI and
 # multi-device subprocesses. QFORMATS_TEST_FULL_OPTIMIZATION=1 runs the whole suite as users' programs compile.
 #
 # And XLA:CPU emits each program's code as one LLVM module (--xla_cpu_parallel_codegen_split_count=1) instead of
