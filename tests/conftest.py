@@ -33,8 +33,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # And XLA:CPU emits each program's code as one LLVM module (--xla_cpu_parallel_codegen_split_count=1) instead of
 # splitting it into parts compiled on a thread pool: with one test process per core the threads only compete with
 # the other process, and every part pays its own setup. Only how the code is compiled changes, not what it computes
-# (tests/test_optimization_level.py compiles its lean programs this way and finds the exact paths bit-equal): tests/qformats/nn + algorithms + test_packed_dot.py + test_decoder_scan.py (363 tests, -n 2) 151-154 ->
-# 132-135 s wall, 264-269 -> 236-241 CPU s.
+# (tests/test_optimization_level.py compiles its lean programs this way and finds the exact paths bit-equal):
+# tests/qformats/nn + algorithms + test_packed_dot.py + test_decoder_scan.py (363 tests, -n 2) 151-154 -> 132-135 s
+# wall, 264-269 -> 236-241 CPU s.
 LEAN_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 if os.environ.get("QFORMATS_TEST_FULL_OPTIMIZATION", "0") != "1":
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
