@@ -47,7 +47,7 @@ def sentences():
 
 @pytest.fixture(scope="module")
 def reference(sentences):
-    # The dense JAX embeddings: they match torch sentence-transformers to cos >= 0.99999 (test_minilm),
+    # The dense JAX embeddings: they match torch sentence-transformers to cos >= 0.99999 (test_embedded.py),
     # which moves the numbers below by < 1e-5, and they save loading torch here (~7 s).
     return minilm.encode_sentences(embedded.load_minilm(), embedded.Tokenizer(), sentences)
 
@@ -82,22 +82,14 @@ def test_weight_bytes_are_the_packed_sizes(results):
 # Calibrated on the first 32 sentences and evaluated on the other 32 (held out), mean cos RTN → calibrated:
 # W4A16 .94950 → .96486, NVFP4A16 .97604 → .98105, MXFP4A16 .96398 → .96751, FP6_E3M2 .99385 → .99483,
 # FP8_E4M3 .99849 → .99860, NVFP4 (W+A) .96609 → .97071: the gains do not come from seeing the test set.
+# GPTQ's gain on the real MiniLM is held by tests/converters/pipelines/test_calibrate.py (the CLI's calibrated
+# checkpoint, MSE scales + GPTQ, calibrated on the first 32 sentences and compared on the other 32).
 @pytest.mark.slow
 def test_calibrated_mse_search_beats_round_to_nearest(sentences, reference, results):
     tok = embedded.Tokenizer()
     calib = [tok(sentences[i:i + 32]) for i in range(0, len(sentences), 32)]
     r = ev.evaluate_one("W4A16", sentences, reference, tokenizer=tok, calibration=calib, weight_search="mse")
     assert r["mean_cos"] > results["W4A16"]["mean_cos"] + 0.01  # measured: .96471 vs .94943
-    assert r["min_cos"] > results["W4A16"]["min_cos"]
-    assert r["bytes"] == results["W4A16"]["bytes"]
-
-
-@pytest.mark.slow
-def test_calibrated_gptq_beats_round_to_nearest(sentences, reference, results):
-    tok = embedded.Tokenizer()
-    calib = [tok(sentences[i:i + 32]) for i in range(0, len(sentences), 32)]
-    r = ev.evaluate_one("W4A16", sentences, reference, tokenizer=tok, calibration=calib, weight_search="gptq")
-    assert r["mean_cos"] > results["W4A16"]["mean_cos"] + 0.01
     assert r["min_cos"] > results["W4A16"]["min_cos"]
     assert r["bytes"] == results["W4A16"]["bytes"]
 
