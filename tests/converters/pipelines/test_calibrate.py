@@ -89,7 +89,8 @@ def test_calibrated_gptq_checkpoint_of_the_embedded_minilm(tmp_path, capsys):
     assert len(qs) == 37 and set(cm.formats.values()) == {"pack-quantized"}
     assert (out / "tokenizer.json").exists() and (out / "1_Pooling").is_dir()
     # the dense JAX embeddings as the reference: equal to torch sentence-transformers' to cos >= 0.99999
-    # (tests/converters/evaluation/test_embedded.py), far inside the 0.01 margin below, without loading torch's model here
+    # (tests/converters/evaluation/test_embedded.py), far inside the 0.01 margin below, without loading torch's
+    # model here
     ref = minilm.encode_sentences(embedded.load_minilm(), embedded.Tokenizer(), held)
     gptq = ev.evaluate_checkpoint(out, held, ref)
     rtn = ev.evaluate_one("W4A16", held, ref)
