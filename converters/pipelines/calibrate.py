@@ -414,12 +414,12 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
     c0 = time.process_time()
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     from converters.evaluation.calibration_data import load_calibration
     from converters.pipelines.causal_lm import load_tokenizer
     from converters.formats.compressed_tensors.write import CompressedWriter
     from converters.formats.safetensors_io import open_checkpoint, read_json
+    from qformats.models.abstract import abstract_module
     from qformats.models.decoder import CausalLM, DecoderConfig, hf_tensor_names, inv_freq
     import jax
 
@@ -432,7 +432,7 @@ def _quantize_streamed(src: Path, dst, scheme: str, calibration, *, weight_searc
         cfg = DecoderConfig.from_hf(hf_config)
     except ModelError as e:
         raise CheckpointError(f"{src / 'config.json'}: {e}") from None
-    model = nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    model = abstract_module(lambda rngs: CausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs))
     tok = load_tokenizer(src)
     t1, c1 = time.perf_counter(), time.process_time()
     samples = load_calibration(calibration, None if tok is None else (lambda text, t=tok: t.encode(text).ids),

@@ -82,15 +82,14 @@ class _LazyTensors(Mapping):
 
 
 def _abstract_model(hf_config: Mapping[str, Any], dtype, param_dtype, where: str):
-    from flax import nnx
-
     from qformats.models import decoder
+    from qformats.models.abstract import abstract_module
 
     try:
         cfg = decoder.DecoderConfig.from_hf(hf_config)
     except ModelError as e:
         raise CheckpointError(f"{where}: {e}") from None
-    model = nnx.eval_shape(lambda: decoder.CausalLM(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    model = abstract_module(lambda rngs: decoder.CausalLM(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
     return model, cfg
 
 

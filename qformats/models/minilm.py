@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from qformats.errors import CheckpointError, ModelError
+from qformats.models.abstract import abstract_module
 
 __all__ = [
     "MiniLMConfig", "MiniLM", "IGNORED_TENSORS", "linear_paths", "torch_to_flax", "assign_weights",
@@ -294,11 +295,11 @@ def from_tensors(tensors: Mapping[str, np.ndarray], cfg: MiniLMConfig | None = N
     """A MiniLM built from `cfg` (default all-MiniLM-L6-v2's) with every parameter taken from `tensors`
     (HF names, see `assign_weights`), parameters in `dtype`.
 
-    The model is built abstractly (`nnx.eval_shape`: no random initialisation, no memory for it), then
+    The model is built abstractly (`abstract_module`: no random initialisation, no memory for it), then
     filled. Raises CheckpointError as `assign_weights`.
     """
     cfg = cfg if cfg is not None else MiniLMConfig()
-    model = nnx.eval_shape(lambda: MiniLM(cfg, with_pooler=with_pooler, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = abstract_module(lambda rngs: MiniLM(cfg, with_pooler=with_pooler, dtype=dtype, rngs=rngs))
     return assign_weights(model, tensors, source=source)
 
 
