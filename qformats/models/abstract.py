@@ -36,7 +36,8 @@ def abstract_module(build: Callable[..., M]) -> M:
     `jax.ShapeDtypeStruct` (shape and dtype, no value), with `rngs` a stand-in for `nnx.Rngs` whose every stream
     returns one fixed key. The same graph, shapes and dtypes as building with `nnx.Rngs(0)` under
     `nnx.eval_shape`, in time linear in the number of parameters (see `_FixedKeys`). `build` may draw keys only
-    (`rngs.<stream>()`), as flax's layers do; a module that keeps `rngs` (dropout) needs a real `nnx.Rngs`.
+    (`rngs.<stream>()`), as flax's layers do; a module that keeps `rngs` needs a real `nnx.Rngs` (flax's
+    `nnx.Dropout` refuses the stand-in with a TypeError).
 
         model = abstract_module(lambda rngs: CausalLM(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs))
     """

@@ -46,3 +46,9 @@ def test_minilm_equals_eval_shape_with_rngs():
     got = abstract_module(lambda rngs: minilm.MiniLM(cfg, rngs=rngs))
     want = nnx.eval_shape(lambda: minilm.MiniLM(cfg, rngs=nnx.Rngs(0)))
     _same(got, want)
+
+
+def test_a_module_that_keeps_rngs_is_refused():
+    """The stand-in only draws keys; a layer that would keep it (dropout) fails loudly rather than reusing one key."""
+    with pytest.raises(TypeError, match="rngs must be"):
+        abstract_module(lambda rngs: nnx.Dropout(0.1, rngs=rngs))
