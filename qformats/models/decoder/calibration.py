@@ -43,7 +43,8 @@ once: peak memory grows with one layer, not with the model. Samples of different
 of one length (`pack_batches`: each token attends only to the earlier tokens of its own sample, positions restart
 per sample) or, with pack=False, right-padded to a bucket length; padding positions are zeroed at every
 projection's input, so they add nothing to H, and the real tokens' activations are those of each sample alone.
-Each group's H = sum x x^T is summed on the host from the inputs the calibration pass captures (BLAS syrk).
+Each group's H = sum x x^T is summed on the host from the inputs the calibration pass captures (BLAS syrk), batch j's
+while the device runs batch j+1 (the same sums in the same order, on both cores at once).
 Each layer's projections are built with paths relative to the layer, so every layer has the same graph and each
 (batch, length) shape compiles once for the whole model (packed: one shape).
 
@@ -401,6 +402,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         # the masks get a batch's shape before the first pass: the pass sets them as state, so a placeholder
         # shape would make its second batch (of every layer) a second compilation
         _set_valid(layer, valid[0])
+        inside = None if moe is None else moe.name
+        pending = None  # batch j-1's taps: summed on the host while the device runs batch j (dispatched first)
         for j, (x, v) in enumerate(zip(xs, valid)):
             args = (layer, x, v, *layer_inputs(j, window))
             if kv_static:
@@ -410,8 +413,13 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 out, taps = _calibration_pass(*args, keep)
             if keep:
                 xs[j] = out
-            _host_moments(taps, sums, None if moe is None else moe.name)
+            if pending is not None:
+                _host_moments(pending, sums, inside)
+            pending = taps
             del taps
+        if pending is not None:
+            _host_moments(pending, sums, inside)
+        del pending
         if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
         moe_stats = None if moe is None else moe.finish(layer)  # the MoE block back in place, its statistics out
