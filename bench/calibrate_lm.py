@@ -112,7 +112,10 @@ model.save_pretrained(dst, save_compressed=True)
 print(json.dumps({"oneshot_s": t, "oneshot_cpu_s": c, "threads": torch.get_num_threads(), **mem}))
 """
 
-OURS = MEASURE + r"""
+OURS = r"""
+from converters.process import reexec_with_hugepage_malloc
+reexec_with_hugepage_malloc()  # as `qformats quantize --calibrate` restarts itself: huge-page malloc
+""" + MEASURE + r"""
 import json, resource, sys, time
 _t0 = time.perf_counter()
 from converters.pipelines.calibrate import quantize_calibrated_lm
@@ -124,7 +127,7 @@ if cache:  # JAX's persistent compilation cache, as `qformats quantize --calibra
     os.environ["QFORMATS_COMPILE_CACHE"] = cache
     enable_compile_cache()
 phases = {"imports": time.perf_counter() - _t0, "imports cpu": time.process_time()}
-with lean_calibration() as between_phases:  # the process tuning `qformats quantize --calibrate` applies
+with lean_calibration() as between_phases:  # the rest of the process tuning `qformats quantize --calibrate` applies
     info = quantize_calibrated_lm(src, dst, scheme, text, seq_len=int(seq_len), calibration_tokens=int(tokens),
                                   seed=int(seed),
                                   awq=kind == "awq", smooth=0.5 if kind == "smoothquant-gptq" else None,

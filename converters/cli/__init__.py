@@ -21,7 +21,9 @@ Scheme strings are preset names with optional ":gN" (weight groups of N columns,
 (weights only) suffixes. A layer whose columns the scheme's groups do not divide is an error naming every such
 layer (as llm-compressor refuses it), the ways out first, never skipped quietly; --skip-indivisible leaves them dense
 and says so. generate, eval and quantize --calibrate keep compiled programs in JAX's persistent compilation cache
-($XDG_CACHE_HOME/qformats/jax; --no-compile-cache). Library errors name Python arguments (overwrite=True); `main`
+($XDG_CACHE_HOME/qformats/jax; --no-compile-cache). quantize --calibrate of a causal LM restarts its process once
+under glibc's huge-page malloc (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, where glibc >= 2.35 and the kernel's
+transparent huge pages allow it; set it to 0 to keep malloc as it is: `converters.process`). Library errors name Python arguments (overwrite=True); `main`
 prints them with the CLI's options (--overwrite, `converters.cli.common.cli_spelling`).
 (FPx presets such as FP6_E3M2 are written as "fpx-pack-quantized", our extension: qformats reads it, vLLM does not.)
 `eval` picks its measure by the model (converters.cli.eval). Each subcommand is a module `converters.cli.<name>`
@@ -67,7 +69,10 @@ def _showwarning(message, category, filename, lineno, file=None, line=None):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 2 usage, 1 failure)."""
+    """Run the CLI; returns the exit status (0 ok, 2 usage, 1 failure). With `argv` None (the `qformats` command) the
+    CLI owns its process: `quantize --calibrate` of a causal LM then restarts it with huge-page malloc
+    (`converters.process.reexec_with_hugepage_malloc`); called with a list (from Python), it never does."""
+    own_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "eval":  # eval parses its own arguments: which ones depends on the model
         try:
@@ -87,6 +92,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
+    a.own_process = own_process
     if a.cmd is None:
         _parser().print_usage(sys.stderr)
         print("qformats: error: expected a command: quantize, dequantize, inspect, eval, convert or generate",

@@ -103,7 +103,8 @@ def run(a) -> int:
 
 def _quantize_calibrated_lm(a) -> int:
     """`qformats quantize SRC DST --scheme S --calibrate FILE ...` for a causal LM (converters.pipelines.calibrate),
-    run under the process tuning of `converters.process.lean_calibration`."""
+    run under the process tuning of `converters.process.lean_calibration`, in a process restarted with huge-page
+    malloc (`converters.process.reexec_with_hugepage_malloc`) when the CLI owns it (`a.own_process`)."""
     if not a.calibrate:
         raise Usage("qformats quantize: error: --calibrate needs FILE (text, .jsonl or .npy token ids) for SRC DST")
     if a.ignore is not None or a.targets is not None or a.max_shard_size != "5GB" or a.skip_indivisible:
@@ -112,8 +113,10 @@ def _quantize_calibrated_lm(a) -> int:
     if a.awq and a.smooth is not None:
         raise Usage("qformats quantize: error: --awq and --smooth both fold per-channel scales into the same norms "
                     "(llm-compressor does not combine AWQ with SmoothQuant either): give one of them")
+    from converters.process import lean_calibration, reexec_with_hugepage_malloc
+    if getattr(a, "own_process", False):
+        reexec_with_hugepage_malloc()  # before the (slow) imports and before any output; see its docstring
     from converters.pipelines.calibrate import DEFAULT_LM_WEIGHT_SEARCH, quantize_calibrated_lm
-    from converters.process import lean_calibration
     search = a.weight_search or ("rtn" if a.awq else DEFAULT_LM_WEIGHT_SEARCH)
     _check_dampening(a, search)
     log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr))

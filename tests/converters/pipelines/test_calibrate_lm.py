@@ -77,12 +77,29 @@ def test_errors(tiny, tmp_path):
 
 
 def test_cli_calibrates_a_causal_lm(tiny, w4a16, tmp_path):
+    """The `qformats` command (main with argv None, in its own process) restarts itself with huge-page malloc where
+    the machine has it (`converters.process.reexec_with_hugepage_malloc`: the command line runs twice, the second
+    time under GLIBC_TUNABLES), and writes the API's checkpoint byte for byte."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
     from converters.cli import main
+    from converters.process import hugepage_malloc_env
 
     dst = tmp_path / "cli"
-    rc = main(["quantize", str(tiny / "src"), str(dst), "--scheme", "W4A16:g32", "--calibrate",
-               str(tiny / "calib.npy"), "--calibration-tokens", "160", "--seq-len", "32", "--quiet"])
-    assert rc == 0
+    argv = ["qformats", "quantize", str(tiny / "src"), str(dst), "--scheme", "W4A16:g32", "--calibrate",
+            str(tiny / "calib.npy"), "--calibration-tokens", "160", "--seq-len", "32", "--quiet"]
+    code = ("import os, sys\nprint('GLIBC_TUNABLES', os.environ.get('GLIBC_TUNABLES'), flush=True)\n"
+            f"sys.argv = {argv!r}\nfrom converters.cli import main\nsys.exit(main())\n")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=str(Path(__file__).resolve().parents[3]))
+    assert r.returncode == 0, r.stderr[-3000:]
+    starts = r.stdout.splitlines()
+    assert starts == (["GLIBC_TUNABLES None"] if hugepage_malloc_env(env) is None
+                      else ["GLIBC_TUNABLES None", "GLIBC_TUNABLES glibc.malloc.hugetlb=1"]), starts
     ref = w4a16[0]  # the API's checkpoint of the same arguments
     from converters.formats.safetensors_io import open_checkpoint
     with open_checkpoint(dst) as a, open_checkpoint(ref) as b:
