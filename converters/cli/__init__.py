@@ -23,8 +23,9 @@ layer (as llm-compressor refuses it), the ways out first, never skipped quietly;
 and says so. generate, eval and quantize --calibrate keep compiled programs in JAX's persistent compilation cache
 ($XDG_CACHE_HOME/qformats/jax; --no-compile-cache). quantize --calibrate of a causal LM restarts its process once
 under glibc's huge-page malloc (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, where glibc >= 2.35 and the kernel's
-transparent huge pages allow it; set it to 0 to keep malloc as it is: `converters.process`). Library errors name Python arguments (overwrite=True); `main`
-prints them with the CLI's options (--overwrite, `converters.cli.common.cli_spelling`).
+transparent huge pages allow it; set it to 0 to keep malloc as it is: `converters.process`). Library errors name
+Python arguments (overwrite=True); `main` prints them with the CLI's options (--overwrite,
+`converters.cli.common.cli_spelling`).
 (FPx presets such as FP6_E3M2 are written as "fpx-pack-quantized", our extension: qformats reads it, vLLM does not.)
 `eval` picks its measure by the model (converters.cli.eval). Each subcommand is a module `converters.cli.<name>`
 with `add_parser(subparsers)` and `run(args)`.
