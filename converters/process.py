@@ -110,9 +110,9 @@ def hugepage_malloc_env(environ: Optional[Mapping[str, str]] = None, thp_path: s
     kernel (SmolLM2, 15k tokens, GPTQ, 2 cores). With huge pages a fault maps 2 MiB: 4.1 M faults, the whole process
     119-120 -> 103-106 s wall and 203-205 -> 175-180 CPU s, the same peak resident set (521 -> 525 MiB) and the
     same bytes written (BENCHMARKS.md). Tunables are read when a process starts: hence a new process
-    (`reexec_with_hugepage_malloc`). Measured for calibration (under `lean_malloc`) only: `qformats eval --text` (without
-    it) ran slower under huge pages (SmolLM2, 16 windows: 33.3 -> 45.1 s wall, system time 6.3 -> 24.1 s), so the CLI
-    restarts for `quantize --calibrate` alone.
+    (`reexec_with_hugepage_malloc`). Measured for calibration (under `lean_malloc`) only: `qformats eval --text`
+    (without it) ran slower under huge pages (SmolLM2, 16 windows: 33.3 -> 45.1 s wall, system time 6.3 -> 24.1 s),
+    so the CLI restarts for `quantize --calibrate` alone.
     """
     env = dict(os.environ if environ is None else environ)
     lib, version = platform.libc_ver()
