@@ -32,7 +32,8 @@ result varies run to run) and `--seeds` ours over several sample orders; the tab
 spread) is printed from whatever WORK holds.
 
     python bench/calibrate_lm.py [--recipe gptq|awq|smoothquant-gptq] [--data numpy|prose] [--samples 64]
-        [--seq-len 256] [--side both|ours|theirs|none] [--runs 1] [--shuffle] [--seeds 0,1,2] [--no-table]
+        [--seq-len 256] [--side both|ours|theirs|none] [--runs 1] [--first-run 0] [--shuffle] [--seeds 0,1,2]
+        [--no-table]
         [--src DIR] [--work DIR] [--llmc-python /work/oneshot/bin/python]
 """
 
@@ -255,6 +256,8 @@ def main():
     ap.add_argument("--side", choices=("ours", "theirs", "both", "none"), default="both",
                     help="which side to (re)measure; 'none': only print the table from WORK")
     ap.add_argument("--runs", type=int, default=1, help="llm-compressor runs (their result varies run to run)")
+    ap.add_argument("--first-run", type=int, default=0,
+                    help="number their runs from this one (keeps the earlier runs' figures in WORK)")
     ap.add_argument("--seeds", default="0", help="our runs: the calibration sample order's seeds, comma-separated")
     ap.add_argument("--shuffle", action="store_true",
                     help="their side with oneshot's default shuffle_calibration_samples=True (an unseeded "
@@ -288,7 +291,7 @@ def main():
     tag = f"{a.data}-{a.recipe}"
     seeds = [int(x) for x in a.seeds.split(",")]
     runs = {"ours": [work / (f"{tag}-ours" if k == 0 else f"{tag}-ours-s{k}") for k in seeds],
-            "theirs": [work / f"{tag}-theirs-{k}" for k in range(a.runs)]}
+            "theirs": [work / f"{tag}-theirs-{k}" for k in range(a.first_run, a.first_run + a.runs)]}
     for side in ("ours", "theirs"):
         if a.side not in (side, "both"):
             continue

@@ -226,6 +226,11 @@ class ScaleSearch(NamedTuple):
     evaluated: float = 1.0
 
 
+RACE_KEEP_BYTES = 64 << 20
+"""How many bytes of quantized kernels `race_scales` keeps from the first chunk's pass for the points it races first
+(the others are quantized again when raced)."""
+
+
 def race_scales(x_mean, w_mean, kernels: Sequence, scheme: QuantScheme, points: Sequence[Tuple[float, bool]],
                 chunk_sse: Callable[[tuple, int], float], chunks: int, count: float, where: str = "AWQ",
                 parent: str = "the parent", prune: bool = True) -> ScaleSearch:
@@ -247,11 +252,20 @@ def race_scales(x_mean, w_mean, kernels: Sequence, scheme: QuantScheme, points: 
     Raises ModelError naming `where` and `parent` when no point gives a finite loss."""
     n = len(points)
     scales = [candidate_scales(x_mean, w_mean, r, d) for r, d in points]
+    kept: dict = {}  # point -> its quantized kernels from the first chunk's pass, within RACE_KEEP_BYTES
 
     def quantized(i):
-        return tuple(fake_quantize_scaled(k, scales[i], scheme) for k in kernels)
+        return kept.pop(i, None) or tuple(fake_quantize_scaled(k, scales[i], scheme) for k in kernels)
 
-    sse = [float(chunk_sse(quantized(i), 0)) for i in range(n)]
+    sse = []
+    for i in range(n):
+        ks = quantized(i)
+        sse.append(float(chunk_sse(ks, 0)))
+        if chunks > 1 and math.isfinite(sse[i]) and sum(k.nbytes for k in ks) * (len(kept) + 1) <= RACE_KEEP_BYTES:
+            kept[i] = ks
+        elif kept and math.isfinite(sse[i]) and sse[i] < max(sse[j] for j in kept):
+            del kept[max(kept, key=lambda j: sse[j])]  # keep those raced first: the smallest first-chunk sums
+            kept[i] = ks
     done = [1] * n
     best, best_loss = None, math.inf
 

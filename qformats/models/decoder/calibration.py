@@ -72,6 +72,7 @@ from qformats.kv_cache import KVCacheScheme, amax_of, scale_from_amax
 from qformats.models.decoder import CausalLM, attention_mask, enable_kv_cache_quantization, inv_freq, rope_tables
 from qformats.models.decoder.calibration_families import (attention_projections, check_fused_experts, expert_gate_up,
                                                           refuse_scaling)
+from qformats.models.decoder.model import MLP
 from qformats.models.decoder.moe import DeepseekRouter, MoEBlock, MoEConfig, activation, route
 from qformats.models.decoder.params import interleave_gate_up
 from qformats.matching import resolve_scheme
@@ -258,7 +259,11 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
       transform: optional `transform(layer, index, xs, valid, layer_inputs)` run on the float layer before its
         calibration pass (e.g. `smoothquant_transform` folding scales into the layer): `xs`
         the layer's input batches [B, T, d], `valid` their [B, T] real-token masks, `layer_inputs(j) -> (cos,
-        sin, mask)` batch j's other arguments.
+        sin, mask)` batch j's other arguments. It may return the float layer's outputs for every batch, computed
+        before it changed the layer (a function-preserving fold): with propagate="float" and a calibration pass
+        that would record nothing (weight_search "rtn", dynamic or no activation scales, no static KV-cache
+        scales, no MoE layer) they are the next layer's inputs and the pass is skipped (with propagate=
+        "quantized" such a pass is skipped anyway).
       kv_cache: quantize the KV cache too (`qformats.kv_cache`): static scales k_scale = max|keys| / 448 (per
         tensor or per KV head) over the real tokens of every layer's calibration pass, i.e. from that layer's
         float projections fed by the propagated (quantized-weight) outputs of the layers below, as
@@ -375,8 +380,9 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         if load_layer is not None:
             load_layer(i, layer)
             clock("load layer")
+        outputs = None
         if transform is not None:
-            transform(layer, i, xs, valid, lambda j: layer_inputs(j, window))
+            outputs = transform(layer, i, xs, valid, lambda j: layer_inputs(j, window))
             clock("transform", nnx.state(layer))
             if between_phases is not None:
                 between_phases()
@@ -398,13 +404,21 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         # the calibration pass's outputs are the next layer's inputs only with float propagation; otherwise
         # the propagation pass makes them, and this pass keeps none (nor computes what only they need)
         keep = propagate == "float"
+        # round-to-nearest weights with dynamic (or no) activation scales, no static KV-cache scales and no MoE
+        # statistics: the pass records nothing; it runs for the next layer's inputs only, unless the transform
+        # has handed back the float layer's outputs (computed before it rescaled the layer: the same function)
+        records = weight_search != RTN or static or kv_static or moe is not None
+        if not records and keep and outputs is not None:
+            xs[:] = outputs
+        skip = not records and (not keep or outputs is not None)
+        del outputs
         amax = None
         # the masks get a batch's shape before the first pass: the pass sets them as state, so a placeholder
         # shape would make its second batch (of every layer) a second compilation
         _set_valid(layer, valid[0])
         inside = None if moe is None else moe.name
         pending = None  # batch j-1's taps: summed on the host while the device runs batch j (dispatched first)
-        for j, (x, v) in enumerate(zip(xs, valid)):
+        for j, (x, v) in enumerate(zip(xs, valid) if not skip else ()):
             args = (layer, x, v, *layer_inputs(j, window))
             if kv_static:
                 out, taps, cur = _calibration_pass_kv(*args, kv_cache, keep)
@@ -849,26 +863,39 @@ differ from o_proj's inputs, as under GQA (llm-compressor's exact rule)."""
 
 
 class _Tap(nnx.Module):
-    """Passes its input to the wrapped module and hands it to `sink` (used inside one trace only)."""
+    """Passes its arguments to the wrapped module and hands `sink` its first argument, or with output=True its output
+    (the first element of a tuple output) under "out:" + rel (used inside one trace only)."""
 
-    def __init__(self, inner, rel: str, sink: dict):
+    def __init__(self, inner, rel: str, sink: dict, output: bool = False):
         self.inner = inner
         self.rel = rel
         self.sink = nnx.data(sink)
+        self.output = output
 
-    def __call__(self, x):
-        self.sink[self.rel] = x
-        return self.inner(x)
+    def __call__(self, x, *rest):
+        if not self.output:
+            self.sink[self.rel] = x
+        y = self.inner(x, *rest)
+        if self.output:
+            self.sink[OUT + self.rel] = y[0] if isinstance(y, tuple) else y
+        return y
+
+
+OUT = "out:"
+"""`_capture`'s tap prefix for a module's output (a parent's reference output) rather than its input."""
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
 def _capture(graphdef, state, x, cos, sin, mask, taps):
+    """One float pass of the layer over a batch; returns ({tap: array}: a module's input for a path in `taps`, its
+    output for OUT + path; the layer's output)."""
     layer = nnx.merge(graphdef, state)
     seen: dict = {}
-    for rel in taps:
-        _set(layer, rel, _Tap(_get(layer, rel), rel, seen))
-    layer(x, cos, sin, mask)
-    return {rel: seen[rel] for rel in taps}
+    for tap in taps:
+        rel = tap[len(OUT):] if tap.startswith(OUT) else tap
+        _set(layer, rel, _Tap(_get(layer, rel), rel, seen, output=tap.startswith(OUT)))
+    y, _ = layer(x, cos, sin, mask)
+    return {tap: seen[tap] for tap in taps}, y
 
 
 def _run_parent(layer, parent: str, x, cos, sin, mask):
@@ -881,12 +908,32 @@ def _parent_out(graphdef, state, x, cos, sin, mask, parent):
     return _run_parent(nnx.merge(graphdef, state), parent, x, cos, sin, mask)
 
 
+def _fused_mlp(mlp: MLP, x):
+    """mlp(x) = down(silu(gate(x)) * up(x)) with gate_proj and up_proj run as one Linear, their kernels side by side
+    ([d, 2 I]: one matmul, ~15% faster than two on XLA:CPU at the AWQ race's chunk sizes); the same function, float32
+    summation order apart."""
+    g, u = mlp.gate_proj, mlp.up_proj
+    n = g.kernel.get_value().shape[-1]
+    g.kernel.set_value(jnp.concatenate([g.kernel.get_value(), u.kernel.get_value()], axis=-1))
+    if g.bias is not None:
+        g.bias.set_value(jnp.concatenate([g.bias.get_value(), u.bias.get_value()]))
+    gu = g(x)
+    return mlp.down_proj(jax.nn.silu(gu[..., :n]) * gu[..., n:])
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "parent", "balances"))
 def _parent_sse(graphdef, state, kernels, x, cos, sin, mask, ref, valid, parent, balances):
+    """sum over the real tokens of |parent(x) - ref|^2 with the balance projections' kernels replaced by `kernels`
+    (a dense MLP with both gate and up replaced: `_fused_mlp`)."""
     layer = nnx.merge(graphdef, state)
     for rel, k in zip(balances, kernels):
         _get(layer, rel).kernel.set_value(k)
-    d = (_run_parent(layer, parent, x, cos, sin, mask) - ref).astype(jnp.float32)
+    mod = _get(layer, parent)
+    if type(mod) is MLP and mod.rotations is None and {f"{parent}/gate_proj", f"{parent}/up_proj"} <= set(balances):
+        y = _fused_mlp(mod, x)
+    else:
+        y = _run_parent(layer, parent, x, cos, sin, mask)
+    d = (y - ref).astype(jnp.float32)
     return jnp.sum(jnp.where(valid[..., None], d * d, 0.0))
 
 
@@ -913,48 +960,81 @@ AWQ_CHUNK_TOKENS = 512
 point stops after a fraction of the tokens, large enough to keep the matmuls efficient."""
 
 
-def _token_chunks(inputs, valid, size: Optional[int] = None):
+@jax.jit
+def _token_norms(x):
+    """|x_t|^2 (float32) of every token of a batch [B, T, d]: [B, T]."""
+    return jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("flat", "size"))
+def _take(arrays, idx, flat, size):
+    """Rows idx of the batches `arrays` ([B, T, ...] each) concatenated: along B, or with flat=True along B * T
+    (tokens), as a tuple of chunks of `size` rows; an index past the end gives a row of zeros."""
+    a = jnp.concatenate([x.reshape((-1,) + x.shape[2:]) if flat else x for x in arrays])
+    a = jnp.take(a, idx, axis=0, mode="fill", fill_value=0)
+    return tuple(a[c:c + size] for c in range(0, a.shape[0], size))
+
+
+def _token_chunks(inputs, valid, size: Optional[int] = None, outs=None):
     """The real tokens of batches [B, T, d], largest |x_t|^2 first (ties in token order), as chunks [1, size, d]
     with their masks [1, size] (the last padded with zero rows): the inputs of a token-wise parent (the MLP).
-    size: AWQ_CHUNK_TOKENS by default."""
+    size: AWQ_CHUNK_TOKENS by default. With `outs` (batches [B, T, e] beside the inputs: the parent's outputs),
+    returns (chunks, the outputs' chunks [1, size, e] in the same order)."""
     size = AWQ_CHUNK_TOKENS if size is None else size
-    x = jnp.concatenate([jnp.asarray(b).reshape(-1, b.shape[-1])[np.asarray(v).reshape(-1)]
-                         for b, v in zip(inputs, valid)])
-    order = np.argsort(-np.asarray(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1)), kind="stable")
-    n = x.shape[0]
+    keep = np.concatenate([np.asarray(v).reshape(-1) for v in valid])
+    norms = np.concatenate([np.asarray(_token_norms(b)).reshape(-1) for b in inputs])
+    real = np.flatnonzero(keep)
+    n = real.shape[0]
     pad = -n % size
-    x = jnp.concatenate([x[jnp.asarray(order)], jnp.zeros((pad, x.shape[-1]), x.dtype)])
+    idx = np.concatenate([real[np.argsort(-norms[real], kind="stable")], np.full(pad, keep.shape[0])])
     v = np.arange(n + pad) < n
-    return [(x[None, c:c + size], None, jnp.asarray(v[None, c:c + size])) for c in range(0, n + pad, size)]
+
+    def gathered(batches):
+        return [x[None] for x in _take(tuple(batches), jnp.asarray(idx), True, size)]
+
+    chunks = [(x, None, jnp.asarray(v[None, c:c + size])) for x, c in zip(gathered(inputs), range(0, n + pad, size))]
+    return chunks if outs is None else (chunks, gathered(outs))
 
 
-def _row_chunks(inputs, valid, extras, size: Optional[int] = None):
+def _row_chunks(inputs, valid, extras, size: Optional[int] = None, outs=None):
     """The rows of batches [B, T, d] regrouped, largest sum of real |x_t|^2 first, into chunks of r rows (r the
     largest divisor of B with r T <= size, at least 1) with their (cos, sin, mask) and masks [r, T] (a last chunk
     filled up with masked copies of a row): the inputs of a parent that mixes the tokens of a row (the attention).
     Only rows of batches of one shape share a chunk; per-row tables ([B, T, D] cos / sin, [B, T, T] masks of
     packed batches) follow their rows, shared ones ([T, D], [T, T]) are passed as they are. size: 2 *
-    AWQ_CHUNK_TOKENS by default."""
+    AWQ_CHUNK_TOKENS by default. With `outs` (batches [B, T, e] beside the inputs: the parent's outputs), returns
+    (chunks, the outputs' chunks [r, T, e] in the same order)."""
     size = 2 * AWQ_CHUNK_TOKENS if size is None else size
     groups: Dict[tuple, list] = {}
     for j, (x, v) in enumerate(zip(inputs, valid)):
-        w = np.asarray(jnp.sum(jnp.where(v[..., None], jnp.square(x.astype(jnp.float32)), 0.0), axis=(1, 2)))
+        w = np.sum(np.where(np.asarray(v), np.asarray(_token_norms(x)), np.float32(0)), axis=1)
         groups.setdefault(tuple(x.shape), []).extend((-float(w[i]), j, i) for i in range(x.shape[0]))
-    chunks = []
+    chunks, out_chunks = [], []
     for shape, rows in groups.items():
         b, t = shape[0], shape[1]
         r = max(d for d in range(1, b + 1) if b % d == 0 and (d * t <= size or d == 1))
         rows.sort()
         real = len(rows)
         rows += [rows[0]] * (-real % r)
-        for c in range(0, len(rows), r):
-            part = rows[c:c + r]
-            first = extras[part[0][1]]
-            ex = tuple(jnp.stack([extras[j][k][i] for _, j, i in part]) if e.ndim == 3 else e
-                       for k, e in enumerate(first))
-            vs = jnp.stack([valid[j][i] & (c + n < real) for n, (_, j, i) in enumerate(part)])
-            chunks.append((jnp.stack([inputs[j][i] for _, j, i in part]), ex, vs))
-    return chunks
+        js = sorted({j for _, j, _ in rows})
+        at = {j: n * b for n, j in enumerate(js)}
+        order = np.array([at[j] + i for _, j, i in rows])
+        idx = jnp.asarray(order)
+
+        def stacked(arrays):
+            return _take(tuple(arrays[j] for j in js), idx, False, r)
+
+        xs = stacked(inputs)
+        vs = np.concatenate([np.asarray(valid[j]) for j in js])[order] & (np.arange(len(rows)) < real)[:, None]
+        vs = [jnp.asarray(vs[c:c + r]) for c in range(0, len(rows), r)]
+        first = extras[js[0]]
+        per_row = {k: stacked([ex[k] for ex in extras]) for k, e in enumerate(first) if e.ndim == 3}
+        ys = stacked(outs) if outs is not None else None
+        for n in range(len(xs)):
+            chunks.append((xs[n], tuple(per_row[k][n] if k in per_row else e for k, e in enumerate(first)), vs[n]))
+            if ys is not None:
+                out_chunks.append(ys[n])
+    return chunks if outs is None else (chunks, out_chunks)
 
 
 MLA_AWQ_MAPPINGS: Tuple[AWQMapping, ...] = (
@@ -1054,6 +1134,10 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
         "duo", "scales", "x_mean", "errors" (the loss at each grid point; None where the race pruned it),
         "initial_error", "best_error", "evaluated" (the fraction of the race's terms evaluated)}).
 
+    The transform returns the float layer's outputs from the pass that captured the mappings' inputs (before any
+    fold): `calibrate_decoder` propagates them under round-to-nearest with float propagation (the folded layer
+    computes the same function, float32 rounding apart), without a second pass over the layer.
+
     Raises:
       ModelError: a scheme without weights, duo scaling with per-tensor weights (llm-compressor refuses it), bad
         grid options; per layer (naming it): a missing or non-float module, online rotations, no finite loss.
@@ -1073,14 +1157,20 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
         moe = _moe_block(layer)
         if moe is not None:
             _check_awq_moe(layer, index, moe)
-        taps = tuple(dict.fromkeys([m.balances[0] for m in head + tail] + ([] if moe is None else [moe[0]])))
+        # every mapping's input from the float layer before any smoothing (llm-compressor caches them so), and the
+        # outputs of the attention / MLP parents: their reference outputs while no earlier mapping has changed them
+        taps = tuple(dict.fromkeys([m.balances[0] for m in head + tail] + ([] if moe is None else [moe[0]]) +
+                                   [OUT + m.parent for m in head if m.balances != (m.parent,)]))
         graphdef, state = nnx.split(layer)
         extras = [layer_inputs(j) for j in range(len(xs))]
-        # every mapping's input from the float layer before any smoothing (llm-compressor caches them so); inputs
-        # taken inside an MoE block (the shared expert's, over flattened tokens) back to [B, T, K]
-        seen = [{k: v.reshape(x.shape[:2] + v.shape[-1:]) for k, v in _capture(graphdef, state, x, *e, taps).items()}
-                for x, e in zip(xs, extras)]
+        # inputs taken inside an MoE block (the shared expert's, over flattened tokens) back to [B, T, K]
+        seen, outputs = [], []
+        for x, e in zip(xs, extras):
+            got, y = _capture(graphdef, state, x, *e, taps)
+            seen.append({k: v.reshape(x.shape[:2] + v.shape[-1:]) for k, v in got.items()})
+            outputs.append(y)
         tokens = int(sum(int(np.sum(np.asarray(v))) for v in valid))
+        changed: List[str] = []  # the modules the mappings applied so far have rescaled
 
         def apply(m: AWQMapping) -> None:
             where = f"model/layers/{index}/{m.smooth}"
@@ -1099,8 +1189,17 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
                 def chunk_sse(ks, c, h=h, orig=origs[0]):
                     return float(_gram_sse(h, ks[0], orig))
             else:  # the attention mixes a row's tokens; the MLP acts token by token
-                parts = _row_chunks(inputs, valid, extras) if m.parent == "self_attn" else _token_chunks(inputs, valid)
-                refs = [_parent_out(graphdef, state, x, *(e or (None,) * 3), m.parent) for x, e, _ in parts]
+                kept = not any(rel == m.parent or rel.startswith(m.parent + "/") for rel in changed)
+                outs = [s[OUT + m.parent] for s in seen] if kept else None
+                if m.parent == "self_attn":
+                    got = _row_chunks(inputs, valid, extras, outs=outs)
+                else:
+                    got = _token_chunks(inputs, valid, outs=outs)
+                parts, refs = got if kept else (got, None)
+                for s in seen:
+                    s.pop(OUT + m.parent, None)
+                if refs is None:  # an earlier mapping rescaled part of the parent: its outputs now
+                    refs = [_parent_out(graphdef, state, x, *(e or (None,) * 3), m.parent) for x, e, _ in parts]
                 count = tokens * int(refs[0].shape[-1])
 
                 def chunk_sse(ks, c, m=m, graphdef=graphdef, state=state, parts=parts, refs=refs):
@@ -1111,6 +1210,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
             found = awq.race_scales(x_mean, w_mean, origs, ws, points, chunk_sse, len(parts), count, where=where,
                                     parent=m.parent, prune=prune)
             best = found.scales
+            changed.extend((m.smooth,) + m.balances)
             for lin, k in zip(lins, origs):
                 lin.kernel.set_value(awq.scale_rows(k, best))
             sm = _get(layer, m.smooth)
@@ -1133,6 +1233,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
                      duo_scaling is not False, record)
         for m in tail:
             apply(m)
+        return outputs
 
     return transform
 
