@@ -2,6 +2,7 @@
 quantization follow llm-compressor 0.14's formulas."""
 
 import math
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -64,8 +65,10 @@ def test_fake_quantize_scaled_is_q_of_ws_over_s():
                                   (q.astype(np.float64) / s[:, None]).astype(np.float32))
 
 
-def _table_race(table, prune, chunks):
-    """race_scales over a grid of 8 points whose chunk sums are table[i][c] (each point told apart by its scales)."""
+def _table_race(table, prune, chunks, workers=1, jitter=None):
+    """race_scales over a grid of 8 points whose chunk sums are table[i][c] (each point told apart by its scales);
+    jitter: a random generator, each term then returns after a random few milliseconds (threads finish in any
+    order)."""
     from qformats.algorithms.awq import race_scales
 
     ws = parse_scheme(SCHEME).weights
@@ -80,13 +83,16 @@ def _table_race(table, prune, chunks):
     def chunk_sse(ks, c):
         i = keys.index(np.asarray(ks[0]).tobytes())
         calls.append((i, c))
+        if jitter is not None:
+            time.sleep(float(jitter.uniform(0, 0.004)))
         return table[i][c]
 
-    return race_scales(x, wm, [k], ws, points, chunk_sse, chunks, 4.0, prune=prune), calls
+    return race_scales(x, wm, [k], ws, points, chunk_sse, chunks, 4.0, prune=prune, workers=workers), calls
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3])
 @pytest.mark.parametrize("seed", range(6))
-def test_race_picks_what_every_point_evaluated_picks(seed):
+def test_race_picks_what_every_point_evaluated_picks(seed, workers):
     rng = np.random.default_rng(seed)
     chunks = 5
     # chunk sums >= 0, heavier first; seed 1: exact ties between points (the first grid index wins); seed 2: a NaN
@@ -98,8 +104,9 @@ def test_race_picks_what_every_point_evaluated_picks(seed):
     if seed == 2:
         table[0][3] = math.nan
         table[5][1] = math.inf
-    full, n_full = _table_race(table, False, chunks)
-    fast, n_fast = _table_race(table, True, chunks)
+    jitter = None if workers == 1 else np.random.default_rng(100 + seed)
+    full, n_full = _table_race(table, False, chunks, workers, jitter)
+    fast, n_fast = _table_race(table, True, chunks, workers, jitter)
     totals = []
     for row in table:
         t = 0.0
@@ -113,7 +120,10 @@ def test_race_picks_what_every_point_evaluated_picks(seed):
     assert [e if e is None or math.isfinite(e) else None for e in full.errors] == \
         [t if math.isfinite(t) else None for t in totals]
     assert all(e is None or e == t for e, t in zip(fast.errors, totals))
-    assert len(n_full) == 8 * chunks - (1 + 3 if seed == 2 else 0)  # a non-finite partial sum stops its point
+    # a non-finite partial sum stops its point (the first point's chunks run `workers` at a time: up to workers - 1
+    # past it)
+    lost = 1 + 3 if seed == 2 else 0
+    assert 8 * chunks - lost <= len(n_full) <= 8 * chunks - lost + (workers - 1 if seed == 2 else 0)
     assert len(n_fast) < len(n_full) and fast.evaluated == len(n_fast) / (8 * chunks)
     assert sorted(set(n_fast)) == sorted(n_fast)  # no term evaluated twice
 
