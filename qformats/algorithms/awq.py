@@ -34,7 +34,6 @@ where llm-compressor shares it among q/k/v and gate/up.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
 import threading
@@ -47,6 +46,7 @@ import numpy as np
 from qformats.errors import ModelError
 from qformats.quantize import dequantize, quantize
 from qformats.schemes import QuantScheme
+from qformats.threads import each
 
 __all__ = ["grid", "weight_means", "activation_means", "candidate_scales", "fake_quantize_scaled", "ScaleSearch",
            "race_scales", "search_scales", "scale_rows", "unscale_cols", "unscale"]
@@ -237,16 +237,6 @@ waits on its threads at the end of an op, the other's ops keep the cores busy (o
 second than one at a time). 1: one term after the other, in the calling thread."""
 
 
-def _each(fn, items, workers: int) -> list:
-    """[fn(item) for item in items], by `workers` threads (in the calling thread for 1); the first exception raised
-    is raised here once every call has returned."""
-    items = list(items)
-    if workers <= 1 or len(items) <= 1:
-        return [fn(x) for x in items]
-    with concurrent.futures.ThreadPoolExecutor(min(workers, len(items))) as pool:
-        return list(pool.map(fn, items))
-
-
 def race_scales(x_mean, w_mean, kernels: Sequence, scheme: QuantScheme, points: Sequence[Tuple[float, bool]],
                 chunk_sse: Callable[[tuple, int], float], chunks: int, count: float, where: str = "AWQ",
                 parent: str = "the parent", prune: bool = True, workers: Optional[int] = None) -> ScaleSearch:
@@ -296,7 +286,7 @@ def race_scales(x_mean, w_mean, kernels: Sequence, scheme: QuantScheme, points: 
                 del kept[max(kept, key=lambda j: sse[j])]  # keep those raced first: the smallest first-chunk sums
                 kept[i] = ks
 
-    _each(first, range(n), workers)
+    each(first, range(n), workers)
     best = [None, math.inf]  # the grid index of the best total so far, its loss
 
     def can_win(loss, i):
@@ -325,12 +315,12 @@ def race_scales(x_mean, w_mean, kernels: Sequence, scheme: QuantScheme, points: 
         ks = quantized(i)
         while done[i] < chunks and math.isfinite(sse[i]):
             batch = range(done[i], min(chunks, done[i] + workers))
-            for s in _each(lambda c: float(chunk_sse(ks, c)), batch, workers):
+            for s in each(lambda c: float(chunk_sse(ks, c)), batch, workers):
                 if math.isfinite(sse[i]):
                     sse[i] += s
                     done[i] += 1
         finish(i)
-    _each(race, order, workers)
+    each(race, order, workers)
     if best[0] is None:
         raise ModelError(f"{where}: AWQ found no finite loss on the grid (NaN or inf in the outputs of {parent} "
                          "under the scaled weights)")

@@ -82,6 +82,7 @@ from qformats.qarray import QArray
 from qformats.plan import check_fits
 from qformats.observers import get_observer, static_scale
 from qformats.schemes import SchemeSet
+from qformats.threads import each
 
 __all__ = ["PROJECTIONS", "AWQ_MAPPINGS", "MLA_AWQ_MAPPINGS", "AWQMapping", "SMOOTHQUANT_MAPPINGS", "calibrate_decoder",
            "awq_transform", "smoothquant_transform",
@@ -234,6 +235,12 @@ def _layer_inputs(config, batches: Batches, j: int, window):
         mask = jnp.asarray(packed_mask(batches.positions[j], batches.segments[j], window))
     cos, sin = rope_tables(positions, inv_freq(config), config.rope.attention_scaling)
     return cos, sin, mask
+
+
+SEARCH_WORKERS = 2
+"""How many of a layer's projection groups (q/k/v, o, gate/up, down: one H each) `calibrate_decoder` searches at once
+(GPTQ and the other H-driven searches), from as many threads: one search's column loop, host factorizations and
+read-backs leave a core idle that the other's fill. The same codes; 1: one after the other."""
 
 
 def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = "gptq",
@@ -443,17 +450,26 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         shared = fused_global_scales(floats, ss.weights) if weight_search in (RTN, "gptq") else {}
         results = {}
         for group in groups:
-            first = _get(layer, group[0]).inner
             if weight_search != RTN and group[0] not in sums:  # never a silent round-to-nearest
                 raise ModelError(f"model/layers/{i}/{group[0]}: the calibration pass recorded no input statistics "
                                  f"for this projection's {weight_search} search")
-            h = jnp.asarray(sums.pop(group[0]) / np.float32(batches.tokens)) if group[0] in sums else None
-            results.update(quantize_group({r: floats[r] for r in group}, ss, h, weight_search, gptq, guard, shared))
+
+        def search(group, tokens=np.float32(batches.tokens)):
+            h = jnp.asarray(sums[group[0]] / tokens) if group[0] in sums else None
+            return quantize_group({r: floats[r] for r in group}, ss, h, weight_search, gptq, guard, shared)
+
+        # the groups' searches two at a time (`SEARCH_WORKERS`); one BLAS thread around both (their own limits nest)
+        with _one_blas_thread():
+            found = each(search, groups, SEARCH_WORKERS if weight_search != RTN else 1)
+        for group, got in zip(groups, found):
+            results.update(got)
+            first = _get(layer, group[0]).inner
             for rel in group[1:]:  # the input range the first member observed is theirs too
                 _get(layer, rel).inner.calib_amax.set_value(first.calib_amax.get_value())
-            del h
-            if between_phases is not None:
-                between_phases()
+        sums.clear()
+        del found
+        if between_phases is not None:
+            between_phases()
         for rel in projs:
             inner = _get(layer, rel).inner
             q, method = results[rel]
