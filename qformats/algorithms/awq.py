@@ -310,7 +310,8 @@ def race_scales(x_mean, w_mean, kernels: Sequence, scheme: QuantScheme, points: 
         finish(i)
 
     order = sorted(range(n), key=lambda i: (not math.isfinite(sse[i]), sse[i] if math.isfinite(sse[i]) else 0.0, i))
-    if chunks > 1 and math.isfinite(sse[order[0]]):  # the likely winner: nothing to race against yet, chunks side by side
+    # the likely winner first: nothing to race against yet, so its chunks run side by side
+    if chunks > 1 and math.isfinite(sse[order[0]]):
         i = order.pop(0)
         ks = quantized(i)
         while done[i] < chunks and math.isfinite(sse[i]):
