@@ -61,6 +61,19 @@ def test_float_propagation_equals_whole_model_gptq():
     same_codes(weights(a), weights(b))
 
 
+def test_groups_searched_side_by_side_give_the_same_codes(monkeypatch):
+    """SEARCH_WORKERS: a layer's projection groups searched from two threads give the codes of one after the other."""
+    from qformats.models.decoder import calibration
+
+    got = []
+    for workers in (1, 2):
+        monkeypatch.setattr(calibration, "SEARCH_WORKERS", workers)
+        m = model()
+        calibrate_decoder(m, samples(), SCHEME, weight_search="gptq")
+        got.append(weights(m))
+    same_codes(*got)
+
+
 def test_padding_changes_nothing():
     """Samples of mixed length, padded into buckets, give the codes of the same samples batched unpadded
     (different lengths in separate calls would compile separately; here: one length per batch)."""
