@@ -343,6 +343,33 @@ class KVCache:
         return int(self.keys[0].shape[-2])
 
 
+SEQUENCE_LOOP_BACKENDS = ("cpu",)
+"""JAX backends on which `Attention` over several sequences of several tokens (a prefill, a calibration or
+perplexity batch) runs one sequence after the other (`jax.lax.map`) instead of all at once. The same products: the
+results differ by float32 roundoff only (XLA compiles the loop body apart from the batch; ~3e-6 at most on a
+SmolLM2 layer's output; tests/qformats/models/decoder/test_attention_loop.py). Why, on XLA:CPU: a whole batch's
+scores and probabilities ([B, G, r * T, S] float32, 18 MiB for 8 x 256 tokens of SmolLM2) are mapped and zeroed
+afresh by every run; one sequence's fit under malloc's mmap threshold and stay in the heap and in cache. Measured
+(2 cores): SmolLM2's attention for 8 x 256 tokens 44-52 -> 21-26 ms, page faults 4x fewer; BENCHMARKS.md for a
+whole calibration. Elsewhere (GPU: a loop would serialize what the device runs side by side) the batch stays
+whole; an empty tuple turns the loop off."""
+
+
+def _attend(q, k, v, mask, *, scale, sink, dtype):
+    """softmax(q k^T * scale, masked) v for query rows q [B, G, M, D] (M = r * T: the r query heads of each KV head
+    stacked), keys / values k, v [B, G, S, D], mask [B, 1, M, S] or [M, S] (True = visible; masked logits ->
+    float32's minimum). Scores and softmax in float32; `sink` [1, G, M, 1] (or None): one more logit per row that
+    joins each softmax and whose probability is dropped after it. Returns [B, G, M, D] in `dtype`."""
+    scores = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.where(mask, scores * scale, jnp.finfo(jnp.float32).min)
+    if sink is not None:
+        full = jnp.concatenate([scores, jnp.broadcast_to(sink, scores.shape[:-1] + (1,))], axis=-1)
+        probs = jax.nn.softmax(full, axis=-1)[..., :-1].astype(dtype)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    return jnp.einsum("bgms,bgsd->bgmd", probs, v.astype(dtype))
+
+
 # ----------------------------------------------------------------------------------------------- modules
 
 class Attention(nnx.Module):
@@ -399,17 +426,18 @@ class Attention(nnx.Module):
             kv = (k, v)
         r = self.num_heads // g
         q = q.reshape(b, t, g, r, hd).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, hd)  # rows (r, t)
-        scores = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
         mask = jnp.tile(mask, (r, 1)) if mask.ndim == 2 else jnp.tile(mask, (1, r, 1))[:, None]  # rows (r, t)
-        scores = jnp.where(mask, scores * (hd ** -0.5), jnp.finfo(jnp.float32).min)
+        sink = None
         if self.sinks is not None:  # head g * r + j owns rows (j, t) of group g
             sink = self.sinks.get_value().astype(jnp.float32).reshape(g, r, 1, 1)
             sink = jnp.broadcast_to(sink, (g, r, t, 1)).reshape(1, g, r * t, 1)
-            full = jnp.concatenate([scores, jnp.broadcast_to(sink, scores.shape[:-1] + (1,))], axis=-1)
-            probs = jax.nn.softmax(full, axis=-1)[..., :-1].astype(x.dtype)
+        attend = functools.partial(_attend, scale=hd ** -0.5, sink=sink, dtype=x.dtype)
+        if b > 1 and t > 1 and jax.default_backend() in SEQUENCE_LOOP_BACKENDS:
+            shared = mask.ndim == 2
+            out = jax.lax.map(lambda a: attend(a[0][None], a[1][None], a[2][None], mask if shared else a[3][None])[0],
+                              (q, k, v) if shared else (q, k, v, mask))
         else:
-            probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bgms,bgsd->bgmd", probs, v.astype(x.dtype))
+            out = attend(q, k, v, mask)
         out = out.reshape(b, g, r, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, self.num_heads * hd)
         return _project(self, "o_proj", out), (kv if kv is not None else (k, v))
 
