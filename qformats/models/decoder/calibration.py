@@ -67,6 +67,7 @@ from qformats.algorithms.gptq import GPTQOptions, _one_blas_thread
 from qformats.algorithms.sequential import Batches, input_groups, make_batches, pack_batches, packed_mask
 from qformats.algorithms.shared_scales import fused_global_scales
 from qformats.algorithms.weight_search import RTN, quantize_group, quantize_projection, search_name
+from qformats import dispatch
 from qformats.errors import ModelError
 from qformats.kv_cache import KVCacheScheme, amax_of, scale_from_amax
 from qformats.models.decoder import CausalLM, attention_mask, enable_kv_cache_quantization, inv_freq, rope_tables
@@ -77,9 +78,11 @@ from qformats.models.decoder.moe import DeepseekRouter, MoEBlock, MoEConfig, act
 from qformats.models.decoder.params import interleave_gate_up
 from qformats.matching import resolve_scheme
 from qformats.nn import CalibStat, QLinear
+from qformats.nn.projection import add_bias, dot
 from qformats.nn.experts import Experts, QExperts
 from qformats.qarray import QArray
 from qformats.plan import check_fits
+from qformats.quantize import dequantize
 from qformats.observers import get_observer, static_scale
 from qformats.schemes import SchemeSet
 from qformats.threads import each
@@ -194,21 +197,63 @@ def _forward(layer, x, cos, sin, mask):
     return layer(x, cos, sin, mask)[0]
 
 
+class _Dequantized(nnx.Module):
+    """A packed QLinear's weight-only forward pass on its weight dequantized once, for a pass that runs one layer
+    over many batches: y = dot(x, W) + b, W = dequantize(q) in the compute dtype (the layer's `dtype`, else x's):
+    `dispatch.xla_qdot`'s path for more than FUSED_GEMV_ROWS rows, the same values, without a dequantize (and its
+    temporaries, mapped afresh on XLA:CPU) in every batch's run."""
+
+    def __init__(self, lin: QLinear, dtype):
+        self.dtype = lin.dtype
+        self.weight = nnx.Variable(_dequantize(lin.kernel.get_value(), dtype))
+        self.bias = None if lin.bias is None else nnx.Variable(lin.bias.get_value())
+
+    def __call__(self, x):
+        if self.dtype is not None:
+            x = x.astype(self.dtype)
+        return add_bias(dot(x, self.weight.get_value()), None if self.bias is None else self.bias.get_value())
+
+
+_dequantize = jax.jit(dequantize, static_argnames=("dtype",))
+
+
+def _dequantizable(lin, x) -> bool:
+    """Whether `lin`'s forward pass on x (a [rows, K] ShapeDtypeStruct; activations already unquantized) is the XLA
+    dequantize-then-dot path, which `_Dequantized` reproduces: a packed QLinear, no activation scheme, no kernel
+    that would take (x, its weight), more rows than the fused matrix-vector path takes."""
+    if type(lin) is not QLinear or lin.mode != "ptq" or lin.schemes.input_activations is not None:
+        return False
+    q = lin.kernel.get_value()
+    return (isinstance(q, QArray) and q.ndim == 2 and lin.kernel_cache is None
+            and x.shape[0] > dispatch.FUSED_GEMV_ROWS and dispatch.select_kernel(x, q) is None)
+
+
 def _propagate(layer, xs, layer_inputs) -> None:
     """Replaces each batch of `xs` by the layer's output with the quantized weights and float activations (each
     projection runs with its weight scheme alone while propagating: llm-compressor's propagation pass is under
     DisableQuantization, the weights GPTQ wrote back, unquantized inputs). In place, so a batch's input is freed
-    as its output is made."""
-    saved = {}
+    as its output is made. Projections on the XLA dequantize-then-dot path run on their weights dequantized once
+    for all batches (`_Dequantized`), then are put back."""
+    saved, swapped = {}, {}
     for rel in _linear_projections(layer) + _expert_paths(layer):
         lin = _get(layer, rel)
         if lin.schemes.input_activations is not None or lin.schemes.output_activations is not None:
             saved[rel] = lin.schemes
             lin.schemes = SchemeSet(lin.schemes.name, lin.schemes.weights)
     try:
+        if xs:
+            rows = int(np.prod(xs[0].shape[:-1]))
+            for rel in _linear_projections(layer):
+                lin = _get(layer, rel)
+                dtype = lin.dtype if lin.dtype is not None else xs[0].dtype
+                if _dequantizable(lin, jax.ShapeDtypeStruct((rows, lin.kernel.get_value().shape[0]), dtype)):
+                    swapped[rel] = lin
+                    _set(layer, rel, _Dequantized(lin, dtype))
         for j in range(len(xs)):
             xs[j] = _forward(layer, xs[j], *layer_inputs(j))
     finally:
+        for rel, lin in swapped.items():
+            _set(layer, rel, lin)
         for rel, schemes in saved.items():
             _get(layer, rel).schemes = schemes
 

@@ -135,3 +135,32 @@ def test_packed_rows_equal_one_sample_a_row():
     for p in wa:
         diff = np.abs(np.asarray(dequantize(wa[p])) - np.asarray(dequantize(wb[p])))
         assert (diff > 0).mean() < 0.01, p
+
+
+@pytest.mark.parametrize("scheme", ["W4A16:g32", "W8A8"])
+def test_propagation_on_weights_dequantized_once_is_bit_exact(scheme, monkeypatch):
+    """The propagation pass runs packed projections on their weights dequantized once (`_Dequantized`): the same
+    outputs, bit for bit, as each batch dequantizing them (W8A8: its activation scheme set aside, as propagating
+    does); the packed projections are back in place after."""
+    from qformats.models.decoder import calibration as C
+    from qformats.models.decoder.layers import rope_tables
+
+    m = model(dataclasses.replace(CFG, qkv_bias=True))
+    calibrate_decoder(m, samples(), scheme, weight_search="rtn")
+    layer = m.model.layers[0]
+    t = 16
+    inv = 1.0 / (10000.0 ** (np.arange(0, 16, 2) / 16))
+    cos, sin = rope_tables(jnp.arange(t), inv)
+    mask = jnp.asarray(np.tril(np.ones((t, t), bool)))
+    xs = [jax.random.normal(jax.random.PRNGKey(j), (3, t, 64)) for j in range(2)]
+    swapped = []
+    monkeypatch.setattr(C, "_Dequantized", lambda lin, dtype, cls=C._Dequantized: swapped.append(1) or cls(lin, dtype))
+    once = list(xs)
+    C._propagate(layer, once, lambda j: (cos, sin, mask))
+    assert len(swapped) == len(PROJECTIONS)
+    assert all(type(C._get(layer, r)) is QLinear for r in PROJECTIONS)
+    monkeypatch.setattr(C, "_dequantizable", lambda lin, x: False)
+    each_batch = list(xs)
+    C._propagate(layer, each_batch, lambda j: (cos, sin, mask))
+    for a, b in zip(once, each_batch):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
