@@ -19,6 +19,23 @@ def test_lean_malloc_and_trim_malloc_on_glibc():
     assert process.trim_malloc() is True
 
 
+def test_lean_malloc_sets_the_three_thresholds(monkeypatch):
+    calls = []
+
+    class _Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(process.ctypes, "CDLL", lambda name: _Libc())
+    assert process.lean_malloc() is True
+    # glibc's M_MMAP_THRESHOLD (-3), M_TRIM_THRESHOLD (-1), M_ARENA_MAX (-8): the defaults
+    assert calls == [(-3, 1 << 20), (-1, 16 << 20), (-8, 2)]
+    calls.clear()
+    assert process.lean_malloc(mmap_threshold=4 << 20, arena_max=1, trim_threshold=8 << 20) is True
+    assert calls == [(-3, 4 << 20), (-1, 8 << 20), (-8, 1)]
+
+
 def test_lean_compile_sets_the_codegen_flag_only_while_it_runs(monkeypatch):
     def flags_inside():
         with process.lean_compile():
