@@ -41,8 +41,8 @@ def lean_malloc(mmap_threshold: int = 1 << 20, arena_max: int = 2, trim_threshol
 
     Why the trim threshold is not the mmap threshold: the heaps then hold only blocks under `mmap_threshold`, and a
     top returned at every 1 MiB made each regrowth fault in (zeroed) pages afresh: on the Python-docs GPTQ bench
-    (BENCHMARKS.md) 16 MiB cut minor faults 2.76-2.92 M -> 2.40-2.50 M and system seconds 22-24 -> 19-21 at +7-15 MiB
-    of peak resident set; 64 or 256 MiB kept no more than 16 did.
+    (BENCHMARKS.md) 16 MiB cut minor faults 2.76-2.95 M -> 2.40-2.60 M and system seconds 22-24 -> 19-22 at +7-15 MiB
+    of peak resident set; 64 or 256 MiB did no better.
 
     Returns True when every option was accepted; False (and changes nothing) where the C library has no mallopt
     (not glibc).
