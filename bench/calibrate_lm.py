@@ -29,11 +29,13 @@ wall and CPU seconds of each phase (`quantize_calibrated_lm(timings=...)`). `--s
 (its figures are kept in WORK/<data>-<recipe>-ours[-sSEED].json and -theirs-K.json, so the sides can be measured
 in separate runs); `--runs K` runs llm-compressor K times (with `--shuffle`, its default unseeded sample order: the
 result varies run to run) and `--seeds` ours over several sample orders; the table (perplexities, their median and
-spread) is printed from whatever WORK holds.
+spread) is printed from whatever WORK holds. `--pairs N` times the two sides alternately, N runs each with a pause
+before every run, and compares the medians of those runs alone: this machine's speed drifts by tens of percent
+over an hour (their run 147-232 s on one day), so figures from different windows do not compare.
 
     python bench/calibrate_lm.py [--recipe gptq|awq|smoothquant-gptq] [--data numpy|prose] [--samples 64]
         [--seq-len 256] [--side both|ours|theirs|none] [--runs 1] [--first-run 0] [--shuffle] [--seeds 0,1,2]
-        [--no-table]
+        [--no-table] [--pairs N [--pause 20]]
         [--src DIR] [--work DIR] [--llmc-python /work/oneshot/bin/python]
 """
 
@@ -268,6 +270,11 @@ def main():
     ap.add_argument("--compile-cache", action="store_true",
                     help="ours with JAX's persistent compilation cache in WORK/jax-cache (the qformats CLI's default; "
                          "programs compiling in over 1 s): a second run reads them instead of compiling")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="time both sides N times each, alternately (ours, theirs, ours, ...; ours as runs r1..rN "
+                         "with the first --seeds seed, theirs numbered from --first-run), --pause seconds between "
+                         "runs: this machine's speed drifts over minutes, so only runs in the same window compare")
+    ap.add_argument("--pause", type=float, default=20.0, help="--pairs: idle seconds before each run")
     ap.add_argument("--src", default=None, help="a dense SmolLM2 HF directory (default: converted from the GGUF)")
     ap.add_argument("--llmc-python", default="/work/oneshot/bin/python")
     ap.add_argument("--work", default=None)
@@ -290,35 +297,39 @@ def main():
     scheme, title = (x.format(group=a.group) for x in RECIPES[a.recipe])
     tag = f"{a.data}-{a.recipe}"
     seeds = [int(x) for x in a.seeds.split(",")]
-    runs = {"ours": [work / (f"{tag}-ours" if k == 0 else f"{tag}-ours-s{k}") for k in seeds],
-            "theirs": [work / f"{tag}-theirs-{k}" for k in range(a.first_run, a.first_run + a.runs)]}
-    for side in ("ours", "theirs"):
-        if a.side not in (side, "both"):
-            continue
-        for dst in runs[side]:
-            if dst.exists():
-                import shutil
+    if a.pairs:  # (side, directory, seed), alternately
+        todo = [x for k in range(a.pairs) for x in (("ours", work / f"{tag}-ours-r{k + 1}", seeds[0]),
+                                                    ("theirs", work / f"{tag}-theirs-{a.first_run + k}", None))]
+    else:
+        todo = [("ours", work / (f"{tag}-ours" if k == 0 else f"{tag}-ours-s{k}"), k) for k in seeds
+                if a.side in ("ours", "both")]
+        todo += [("theirs", work / f"{tag}-theirs-{k}", None) for k in range(a.first_run, a.first_run + a.runs)
+                 if a.side in ("theirs", "both")]
+    for side, dst, seed in todo:
+        if dst.exists():
+            import shutil
 
-                shutil.rmtree(dst)
-            load = os.getloadavg()[0]
-            if side == "ours":
-                seed = 0 if dst.name.endswith("-ours") else int(dst.name.rsplit("-s", 1)[1])
-                r, wall = _run([sys.executable, "-c", OURS, str(src), str(dst), str(text), str(a.seq_len),
-                                str(total), scheme, a.recipe, str(seed),
-                                str(work / "jax-cache") if a.compile_cache else ""], env, "ours")
-                r["wall_s"] = wall
-                if r["tokens"] != total:
-                    raise SystemExit(f"calibration tokens differ: ours {r['tokens']}, theirs {total}")
-            else:
-                r, wall = _run([a.llmc_python, "-c", THEIRS, str(src), str(dst), str(work / f"ids-{a.data}.json"),
-                                str(a.seq_len), str(a.group), a.recipe, str(int(a.shuffle))],
-                               dict(env, OMP_WAIT_POLICY="PASSIVE"), "llm-compressor")
-                r["process_s"] = wall
-            r["load_before"], r["load_after"] = load, os.getloadavg()[0]
-            r["nice"] = os.nice(0)
-            r["date"] = time.strftime("%Y-%m-%d %H:%M")
-            Path(f"{dst}.json").write_text(json.dumps(r))
-            print(side, dst.name, r, file=sys.stderr)
+            shutil.rmtree(dst)
+        if a.pairs:
+            time.sleep(a.pause)
+        load = os.getloadavg()[0]
+        if side == "ours":
+            r, wall = _run([sys.executable, "-c", OURS, str(src), str(dst), str(text), str(a.seq_len),
+                            str(total), scheme, a.recipe, str(seed),
+                            str(work / "jax-cache") if a.compile_cache else ""], env, "ours")
+            r["wall_s"] = wall
+            if r["tokens"] != total:
+                raise SystemExit(f"calibration tokens differ: ours {r['tokens']}, theirs {total}")
+        else:
+            r, wall = _run([a.llmc_python, "-c", THEIRS, str(src), str(dst), str(work / f"ids-{a.data}.json"),
+                            str(a.seq_len), str(a.group), a.recipe, str(int(a.shuffle))],
+                           dict(env, OMP_WAIT_POLICY="PASSIVE"), "llm-compressor")
+            r["process_s"] = wall
+        r["load_before"], r["load_after"] = load, os.getloadavg()[0]
+        r["nice"] = os.nice(0)
+        r["date"] = time.strftime("%Y-%m-%d %H:%M")
+        Path(f"{dst}.json").write_text(json.dumps(r))
+        print(side, dst.name, r, file=sys.stderr)
     if a.no_table:
         return
     got = {}
@@ -372,7 +383,7 @@ def main():
         ours = [ppl[n] for n in sorted(got["ours"])]
         if len(ours) > 1:
             rows.append(f"qformats: median {statistics.median(ours):.3f}, min {min(ours):.3f}, max {max(ours):.3f} "
-                        f"({len(ours)} sample orders); median / their median "
+                        f"({len(ours)} runs: sample orders, or repeats with --pairs); median / their median "
                         f"{statistics.median(ours) / med:.4f} (goal <= 1.005).")
         t_med = statistics.median(x["oneshot_s"] for x in got["theirs"].values())
         c_med = statistics.median(x["oneshot_cpu_s"] for x in got["theirs"].values())
@@ -383,6 +394,18 @@ def main():
                         f"(goal <= 0.5); VmHWM {r['vmhwm_mib'] / m_med:.2f} (goal <= 0.5)")
             if "phases" in r:
                 rows += ["", *phase_table(r["phases"], r["cpu_s"], r["wall_s"], 30), ""]
+    if a.pairs:  # this invocation's runs only: the same window on both sides
+        mine = {side: [json.loads(Path(f"{d}.json").read_text()) for sd, d, _ in todo if sd == side]
+                for side in ("ours", "theirs")}
+        wo = [r["wall_s"] for r in mine["ours"]]
+        wt = [r["oneshot_s"] for r in mine["theirs"]]
+        rows += ["", f"Interleaved ({a.pairs} pairs, {a.pause:.0f} s pauses): ours wall {min(wo):.1f}–{max(wo):.1f} s, "
+                     f"median {statistics.median(wo):.1f}; their oneshot {min(wt):.1f}–{max(wt):.1f} s, median "
+                     f"{statistics.median(wt):.1f}; ratio of medians {statistics.median(wo) / statistics.median(wt):.3f}"
+                     f" (goal <= 0.5); ours CPU s median {statistics.median(r['cpu_s'] for r in mine['ours']):.1f}, "
+                     f"theirs {statistics.median(r['oneshot_cpu_s'] for r in mine['theirs']):.1f}; VmHWM "
+                     f"{max(r['vmhwm_mib'] for r in mine['ours']):.0f} / "
+                     f"{statistics.median(r['vmhwm_mib'] for r in mine['theirs']):.0f} MiB."]
     print("\n".join(rows))
 
 
