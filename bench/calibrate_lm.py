@@ -297,6 +297,8 @@ def main():
     scheme, title = (x.format(group=a.group) for x in RECIPES[a.recipe])
     tag = f"{a.data}-{a.recipe}"
     seeds = [int(x) for x in a.seeds.split(",")]
+    if a.pairs and (a.side != "both" or a.runs != 1):
+        raise SystemExit("--pairs times both sides itself: it takes neither --side nor --runs")
     if a.pairs:  # (side, directory, seed), alternately
         todo = [x for k in range(a.pairs) for x in (("ours", work / f"{tag}-ours-r{k + 1}", seeds[0]),
                                                     ("theirs", work / f"{tag}-theirs-{a.first_run + k}", None))]
