@@ -279,6 +279,8 @@ def main():
     ap.add_argument("--llmc-python", default="/work/oneshot/bin/python")
     ap.add_argument("--work", default=None)
     a = ap.parse_args()
+    if a.pairs and (a.side != "both" or a.runs != 1):
+        raise SystemExit("--pairs times both sides itself: it takes neither --side nor --runs")
     root = Path(__file__).resolve().parents[1]
     work = Path(a.work or tempfile.mkdtemp(prefix="qformats-calib-lm-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -297,8 +299,6 @@ def main():
     scheme, title = (x.format(group=a.group) for x in RECIPES[a.recipe])
     tag = f"{a.data}-{a.recipe}"
     seeds = [int(x) for x in a.seeds.split(",")]
-    if a.pairs and (a.side != "both" or a.runs != 1):
-        raise SystemExit("--pairs times both sides itself: it takes neither --side nor --runs")
     if a.pairs:  # (side, directory, seed), alternately
         todo = [x for k in range(a.pairs) for x in (("ours", work / f"{tag}-ours-r{k + 1}", seeds[0]),
                                                     ("theirs", work / f"{tag}-theirs-{a.first_run + k}", None))]
