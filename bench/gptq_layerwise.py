@@ -14,7 +14,10 @@ runs) with the same layers' inputs and Hessians recorded. Then, per layer:
 - Hessians: ||H_ours - H_theirs|| / ||H_theirs|| (theirs rescaled to E[x x^T]: * #samples / (2 tokens));
 - scales: identical or not; codes: the fraction equal, from the two checkpoints (every layer);
 - isolated: our `gptq_quantize` on *their* weight and Hessian (the modifier's inputs) against their output:
-  the fraction of equal codes, so the algorithm's share is told apart from the inputs' share.
+  the fraction of equal codes, so the algorithm's share is told apart from the inputs' share;
+- objective (every projection): GPTQ's loss tr(dW^T H' dW) (H' the damped Hessian), each side on its own H, ours /
+  theirs: a systematic difference between the two pipelines would show as a ratio away from 1 over many layers,
+  where the codes themselves part by error feedback from layer 1 on.
 
     python bench/gptq_layerwise.py --src DIR --ids IDS.json --work DIR [--layers 0,1,2,15,29] [--shuffle]
 """
@@ -72,6 +75,7 @@ def torch_side(src: str, ids_file: str, out: str, layers, group: int, shuffle: b
 
     orig_prepare, orig_quantize = gbase.prepare_batch, gbase.quantize_weight
     current = []
+    errors = {}  # every module: the loss quantize_weight returns, 1/2 sum ((w - q) / d)^2
 
     def prepare_batch(batch, batch_qparams, hessians_by_module, num_samples_by_module):
         current[:] = [names[m] for m in batch]
@@ -87,6 +91,8 @@ def torch_side(src: str, ids_file: str, out: str, layers, group: int, shuffle: b
         saved = {n: (weights[j].clone(), hessians[j].clone(), scale[j].clone()) for j, n in keep}
         q, losses, fb = orig_quantize(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize,
                                       percdamp)
+        for j, n in enumerate(mods):
+            errors[n] = float(losses[j])
         for j, n in keep:
             w, h, s = saved[n]
             dump[n] = {"w": w.numpy(), "h": h.numpy(), "scale": s.float().numpy(), "q": q[j].float().numpy(),
@@ -108,6 +114,8 @@ def torch_side(src: str, ids_file: str, out: str, layers, group: int, shuffle: b
     for i in layers:
         for k, x in zip(perm, seen[i]):
             arrays[f"x{i}_{k}"] = x
+    for n, e in errors.items():
+        arrays[f"{n}:error"] = np.float64(e)
     for n, d in dump.items():
         for key, v in d.items():
             arrays[f"{n}:{key}"] = np.asarray(v)
@@ -119,7 +127,11 @@ def our_side(src: Path, text: Path, tokens: int, out: Path, layers, group: int) 
     import qformats.models.decoder.calibration as cal
     from converters.pipelines.calibrate import quantize_calibrated_lm
 
-    inputs, hs = {}, {}
+    import jax.numpy as jnp
+
+    from qformats.quantize import dequantize
+
+    inputs, hs, objective = {}, {}, {}
     orig_cd, orig_qg = cal.calibrate_decoder, cal.quantize_group
     state = {"layer": -1}
 
@@ -136,7 +148,14 @@ def our_side(src: Path, text: Path, tokens: int, out: Path, layers, group: int) 
     def quantize_group(kernels, schemes, h, *args, **kw):
         if state["layer"] in layers and h is not None:
             hs[(state["layer"], next(iter(kernels)))] = np.asarray(h)
-        return orig_qg(kernels, schemes, h, *args, **kw)
+        got = orig_qg(kernels, schemes, h, *args, **kw)
+        if h is not None:  # tr(dW^T H' dW), H' = H + 0.01 mean(diag H) I: GPTQ's objective on its damped H
+            hd = np.asarray(h, np.float64)
+            hd = hd + 0.01 * np.mean(np.diag(hd)) * np.eye(hd.shape[0])
+            for r, (q, _) in got.items():
+                dw = np.asarray(dequantize(q, jnp.float32), np.float64) - np.asarray(kernels[r], np.float64)
+                objective[(state["layer"], r)] = float(np.sum(dw * (hd @ dw)))
+        return got
 
     cal.calibrate_decoder, cal.quantize_group = calibrate_decoder, quantize_group
     try:
@@ -144,7 +163,7 @@ def our_side(src: Path, text: Path, tokens: int, out: Path, layers, group: int) 
                                       calibration_tokens=tokens, seed=None, overwrite=True)
     finally:
         cal.calibrate_decoder, cal.quantize_group = orig_cd, orig_qg
-    return {"inputs": inputs, "h": hs, "info": info}
+    return {"inputs": inputs, "h": hs, "info": info, "objective": objective}
 
 
 def _codes(ck, name):
@@ -243,6 +262,23 @@ def main() -> None:
         print(row, flush=True)
         rows.append(row)
     (work / "layerwise.md").write_text("\n".join(rows) + "\n")
+    # GPTQ's objective, each side on its own H (after layer 0 the H differ as the inputs do): llm-compressor's
+    # loss 1/2 sum ((w - q) / d)^2 = 1/2 tr(dW H' dW^T) (d: the diagonal of H'^-1's Cholesky factor) on its H =
+    # 2 sum x x^T / #samples; ours tr(dW^T H' dW) on H = sum x x^T / tokens: scaled by tokens / #samples
+    ratios, lines = [], ["", "| layer | " + " | ".join(PROJ) + " | all |", "| --- |" + " ---: |" * (len(PROJ) + 1)]
+    for i in range(n_layers):
+        o = [ours["objective"][(i, p.replace(".", "/"))] * tokens / nsamples for p in PROJ]
+        t = [float(th[f"model.layers.{i}.{p}:error"]) for p in PROJ]
+        ratios += [x / y for x, y in zip(o, t)]
+        lines.append(f"| {i} | " + " | ".join(f"{x / y:.4f}" for x, y in zip(o, t)) + f" | {sum(o) / sum(t):.4f} |")
+    r = np.log(np.array(ratios))
+    lines += ["", f"GPTQ objective, ours / theirs over {r.size} projections: geometric mean {np.exp(r.mean()):.4f} "
+                  f"(standard error of the mean log {r.std(ddof=1) / np.sqrt(r.size):.4f}), median "
+                  f"{np.exp(np.median(r)):.4f}, ours above theirs in {int((r > 0).sum())}; layer 0 (the same H up to "
+                  f"summation order): {' '.join(f'{x:.5f}' for x in np.exp(r[:len(PROJ)]))}"]
+    print("\n".join(lines))
+    with open(work / "layerwise.md", "a") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
