@@ -44,7 +44,8 @@ of one length (`pack_batches`: each token attends only to the earlier tokens of 
 per sample) or, with pack=False, right-padded to a bucket length; padding positions are zeroed at every
 projection's input, so they add nothing to H, and the real tokens' activations are those of each sample alone.
 Each group's H = sum x x^T is summed on the host from the inputs the calibration pass captures (BLAS syrk), batch j's
-while the device runs batch j+1 (the same sums in the same order, on both cores at once).
+while the device runs batches j+1.. (`CALIBRATION_AHEAD`), the last batch's as the groups' searches start (a group's
+as soon as its H is complete): the same sums in the same order, on both cores at once.
 Each layer's projections are built with paths relative to the layer, so every layer has the same graph and each
 (batch, length) shape compiles once for the whole model (packed: one shape).
 
@@ -53,6 +54,8 @@ Takes a `CausalLM` and token arrays, quantizes it in place; no file I/O (convert
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import functools
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -121,34 +124,79 @@ class _Masked(nnx.Module):
         return self.inner(x)
 
 
-def _host_moments(taps, sums: Dict[str, np.ndarray], products: Dict[int, np.ndarray],
-                  inside: Optional[str] = None) -> None:
-    """Adds x^T x of each input sown by a layer's tapped projections (`_Masked` with tap) in one pass (`taps`, as
-    nnx.capture returns them) to `sums[path]` (float32 [K, K]; path relative to the layer).
+def _tap_items(taps, inside: Optional[str] = None) -> List[Tuple[str, object]]:
+    """(path relative to the layer, sown Variable or tuple) of each input a layer's tapped projections (`_Masked`
+    with tap) sowed in one pass (`taps`, as nnx.capture returns them). `inside`: the attribute name of a `_CalibMoE`
+    wrapping the layer's MoE block, whose taps (the shared expert's) are keyed at the block's own path
+    ("mlp/shared_expert/gate_proj", not "mlp/block/shared_expert/gate_proj")."""
+    items = []
+    for path, var in nnx.to_flat_state(taps):  # path: the _Masked module's, then "x"; value: the sown tuple
+        rel = "/".join(str(p) for p in path[:-1])
+        if inside is not None and rel.startswith(f"{inside}/block/"):
+            rel = f"{inside}/" + rel[len(f"{inside}/block/"):]
+        items.append((rel, var))
+    return items
 
-    On the host: NumPy's `x.T @ x` is BLAS syrk (one triangle, half the multiply-adds of XLA:CPU's general product),
-    on one BLAS thread (`gptq._one_blas_thread`). `inside`: the attribute name of a `_CalibMoE` wrapping the layer's
-    MoE block, whose taps (the shared expert's) are keyed at the block's own path ("mlp/shared_expert/gate_proj",
-    not "mlp/block/shared_expert/gate_proj"). `products`: a scratch [K, K] per K that each product is written into
+
+def _tap_width(item) -> int:
+    """The input width K of a `_tap_items` item (its x x^T costs tokens * K^2 multiply-adds)."""
+    var = item[1]
+    values = var.get_value() if isinstance(var, nnx.Variable) else var
+    return int(values[0].shape[-1]) if values else 0
+
+
+def _add_moments(rel: str, var, sums: Dict[str, np.ndarray], products: Dict[int, np.ndarray]) -> None:
+    """sums[rel] += x^T x (float32 [K, K]) of each input in one `_tap_items` item, x its [tokens, K] rows.
+
+    On the host: NumPy's `x.T @ x` is BLAS syrk (one triangle, half the multiply-adds of XLA:CPU's general product);
+    the caller holds `gptq._one_blas_thread`. `products`: a scratch [K, K] per K that each product is written into
     before it is added (the caller's, kept across calls): the same syrk and the same sums, bit for bit, without a
     fresh 9 MiB block (K = 1536) mapped and zeroed for every batch."""
+    for x in (var.get_value() if isinstance(var, nnx.Variable) else var):
+        a = np.asarray(x)
+        a = a.reshape(-1, a.shape[-1]).astype(np.float32, copy=False)
+        if rel not in sums:
+            sums[rel] = a.T @ a
+        else:
+            k = a.shape[1]
+            if k not in products:
+                products[k] = np.empty((k, k), np.float32)
+            sums[rel] += np.matmul(a.T, a, out=products[k])
+    if isinstance(var, nnx.Variable):  # flax keeps the captured Variables referenced: let go of the arrays
+        var.set_value(())
+
+
+def _host_moments(taps, sums: Dict[str, np.ndarray], products: Dict[int, np.ndarray],
+                  inside: Optional[str] = None) -> None:
+    """Adds x^T x of each input sown in one pass (`taps`) to `sums[path]` (`_tap_items`, `_add_moments`), on one
+    BLAS thread (`gptq._one_blas_thread`)."""
     with _one_blas_thread():
-        for path, var in nnx.to_flat_state(taps):  # path: the _Masked module's, then "x"; value: the sown tuple
-            rel = "/".join(str(p) for p in path[:-1])
-            if inside is not None and rel.startswith(f"{inside}/block/"):
-                rel = f"{inside}/" + rel[len(f"{inside}/block/"):]
-            for x in (var.get_value() if isinstance(var, nnx.Variable) else var):
-                a = np.asarray(x)
-                a = a.reshape(-1, a.shape[-1]).astype(np.float32, copy=False)
-                if rel not in sums:
-                    sums[rel] = a.T @ a
-                else:
-                    k = a.shape[1]
-                    if k not in products:
-                        products[k] = np.empty((k, k), np.float32)
-                    sums[rel] += np.matmul(a.T, a, out=products[k])
-            if isinstance(var, nnx.Variable):  # flax keeps the captured Variables referenced: let go of the arrays
-                var.set_value(())
+        for rel, var in _tap_items(taps, inside):
+            _add_moments(rel, var, sums, products)
+
+
+def _search_as_summed(groups, last, sums: Dict[str, np.ndarray], products: Dict[int, np.ndarray],
+                      inside: Optional[str], search: Callable, workers: int, where: str, weight_search: str) -> list:
+    """[search(group) for group in groups], each group's search started as soon as its H is complete: the last
+    batch's taps (`last`, or None) are summed here, narrowest input first, while the searches of the groups already
+    complete run on `workers` threads (the last batch's x x^T would otherwise leave a core idle: the device is done).
+    The same sums and the same searches as summing everything first. Call under `gptq._one_blas_thread`.
+
+    Raises ModelError (once every started search has returned) when a group's first member recorded no input."""
+    items = sorted(_tap_items(last, inside), key=_tap_width) if last is not None else []
+    later = {rel for rel, _ in items}
+    by_first = {group[0]: group for group in groups}
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        started = {g[0]: pool.submit(search, g) for g in groups if g[0] in sums and g[0] not in later}
+        for rel, var in items:
+            _add_moments(rel, var, sums, products)
+            if rel in by_first and rel not in started:
+                started[rel] = pool.submit(search, by_first[rel])
+        for group in groups:
+            if group[0] not in started:  # never a silent round-to-nearest
+                raise ModelError(f"{where}/{group[0]}: the calibration pass recorded no input statistics for this "
+                                 f"projection's {weight_search} search")
+        return [started[g[0]].result() for g in groups]
 
 
 def _get(layer, rel: str):
@@ -288,6 +336,12 @@ def _layer_inputs(config, batches: Batches, j: int, window):
     return cos, sin, mask
 
 
+CALIBRATION_AHEAD = 2
+"""How many batches `calibrate_decoder`'s calibration pass dispatches to the device past the one whose x x^T the host
+is summing (`_host_moments`, in batch order: the same sums whatever the value): with 1 the device waits for the
+host's next dispatch whenever its batch finishes first; each one more keeps one more batch's sown inputs alive
+(25.5 MiB a batch of 2048 SmolLM2 tokens)."""
+
 SEARCH_WORKERS = 2
 """How many of a layer's projection groups (q/k/v, o, gate/up, down: one H each) `calibrate_decoder` searches at once
 (GPTQ and the other H-driven searches), from as many threads: one search's column loop, host factorizations and
@@ -346,7 +400,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         `converters.process.trim_malloc`: the temporaries of one phase, its first compilation included, handed back
         before the next).
       timings: optional dict; the wall seconds of each phase are added to it under "embed", "load layer",
-        "transform", "calibration pass", "weight search", "propagation" (every layer but the last: the last one's
+        "transform", "calibration pass" (the last batch's host sums, which overlap the searches, counted in the
+        weight search), "weight search", "propagation" (every layer but the last: the last one's
         outputs feed no layer, so its propagation pass is skipped), "store layer", and the process's CPU
         seconds under the same name + " cpu" (compilations included: each phase waits for its results before
         the clock is read, so the figures add up to the call's time); the same after the first layer under
@@ -476,7 +531,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         # shape would make its second batch (of every layer) a second compilation
         _set_valid(layer, valid[0])
         inside = None if moe is None else moe.name
-        pending = None  # batch j-1's taps: summed on the host while the device runs batch j (dispatched first)
+        pending = collections.deque()  # taps of dispatched batches, summed on the host CALIBRATION_AHEAD behind
         for j, (x, v) in enumerate(zip(xs, valid) if not skip else ()):
             args = (layer, x, v, *layer_inputs(j, window))
             if kv_static:
@@ -486,13 +541,13 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
                 out, taps = _calibration_pass(*args, keep)
             if keep:
                 xs[j] = out
-            if pending is not None:
-                _host_moments(pending, sums, products, inside)
-            pending = taps
+            pending.append(taps)
             del taps
-        if pending is not None:
-            _host_moments(pending, sums, products, inside)
-        del pending
+            if len(pending) > CALIBRATION_AHEAD:
+                _host_moments(pending.popleft(), sums, products, inside)
+        while len(pending) > (1 if weight_search != RTN else 0):  # the last batch's: summed as the searches start
+            _host_moments(pending.popleft(), sums, products, inside)
+        last = pending.popleft() if pending else None
         if kv_static:
             kv_scales.append(tuple(scale_from_amax(a) for a in amax))
         moe_stats = None if moe is None else moe.finish(layer)  # the MoE block back in place, its statistics out
@@ -501,18 +556,20 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             between_phases()
         shared = fused_global_scales(floats, ss.weights) if weight_search in (RTN, "gptq") else {}
         results = {}
-        for group in groups:
-            if weight_search != RTN and group[0] not in sums:  # never a silent round-to-nearest
-                raise ModelError(f"model/layers/{i}/{group[0]}: the calibration pass recorded no input statistics "
-                                 f"for this projection's {weight_search} search")
 
         def search(group, tokens=np.float32(batches.tokens)):
             h = jnp.asarray(sums[group[0]] / tokens) if group[0] in sums else None
             return quantize_group({r: floats[r] for r in group}, ss, h, weight_search, gptq, guard, shared)
 
-        # the groups' searches two at a time (`SEARCH_WORKERS`); one BLAS thread around both (their own limits nest)
+        # the groups' searches two at a time (`SEARCH_WORKERS`), each as soon as its H is complete; one BLAS thread
+        # around them all (their own limits nest)
         with _one_blas_thread():
-            found = each(search, groups, SEARCH_WORKERS if weight_search != RTN else 1)
+            if weight_search == RTN:
+                found = each(search, groups, 1)
+            else:
+                found = _search_as_summed(groups, last, sums, products, inside, search, SEARCH_WORKERS,
+                                          f"model/layers/{i}", weight_search)
+        del last
         for group, got in zip(groups, found):
             results.update(got)
             first = _get(layer, group[0]).inner

@@ -74,6 +74,39 @@ def test_groups_searched_side_by_side_give_the_same_codes(monkeypatch):
     same_codes(*got)
 
 
+def test_host_sums_ahead_and_overlapped_give_the_same_codes(monkeypatch):
+    """CALIBRATION_AHEAD (batches dispatched past the one the host sums) and the last batch's sums overlapped with
+    the searches (`_search_as_summed`) give the codes of summing every batch first, then searching one group after
+    the other."""
+    from qformats.models.decoder import calibration
+
+    def all_first(groups, last, sums, products, inside, search, workers, where, weight_search):
+        if last is not None:
+            calibration._host_moments(last, sums, products, inside)
+        return [search(g) for g in groups]
+
+    got = []
+    for ahead, overlapped in ((1, False), (2, True), (3, True)):
+        monkeypatch.setattr(calibration, "CALIBRATION_AHEAD", ahead)
+        if not overlapped:
+            monkeypatch.setattr(calibration, "_search_as_summed", all_first)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(calibration, "CALIBRATION_AHEAD", ahead)
+        m = model()
+        calibrate_decoder(m, samples(8, 16), SCHEME, weight_search="gptq", tokens_per_batch=32)  # 4 batches
+        got.append(weights(m))
+    same_codes(got[0], got[1])
+    same_codes(got[0], got[2])
+
+
+def test_search_without_statistics_is_refused():
+    from qformats.models.decoder.calibration import _search_as_summed
+
+    with pytest.raises(ModelError, match="model/layers/3/mlp/down_proj: the calibration pass recorded no input"):
+        _search_as_summed([("mlp/down_proj",)], None, {}, {}, None, lambda g: g, 2, "model/layers/3", "gptq")
+
+
 def test_padding_changes_nothing():
     """Samples of mixed length, padded into buckets, give the codes of the same samples batched unpadded
     (different lengths in separate calls would compile separately; here: one length per batch)."""
