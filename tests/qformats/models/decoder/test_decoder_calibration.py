@@ -87,15 +87,13 @@ def test_host_sums_ahead_and_overlapped_give_the_same_codes(monkeypatch):
 
     got = []
     for ahead, overlapped in ((1, False), (2, True), (3, True)):
-        monkeypatch.setattr(calibration, "CALIBRATION_AHEAD", ahead)
-        if not overlapped:
-            monkeypatch.setattr(calibration, "_search_as_summed", all_first)
-        else:
-            monkeypatch.undo()
-            monkeypatch.setattr(calibration, "CALIBRATION_AHEAD", ahead)
-        m = model()
-        calibrate_decoder(m, samples(8, 16), SCHEME, weight_search="gptq", tokens_per_batch=32)  # 4 batches
-        got.append(weights(m))
+        with monkeypatch.context() as mp:
+            mp.setattr(calibration, "CALIBRATION_AHEAD", ahead)
+            if not overlapped:
+                mp.setattr(calibration, "_search_as_summed", all_first)
+            m = model()
+            calibrate_decoder(m, samples(8, 16), SCHEME, weight_search="gptq", tokens_per_batch=32)  # 4 batches
+            got.append(weights(m))
     same_codes(got[0], got[1])
     same_codes(got[0], got[2])
 
