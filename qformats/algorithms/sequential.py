@@ -153,10 +153,13 @@ def pack_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 2048,
 
 def packed_mask(positions: np.ndarray, segments: np.ndarray, window: Optional[int] = None) -> np.ndarray:
     """[B, T, T] visibility of a packed batch (`pack_batches`): key k is seen by query p iff both are in the same
-    segment and positions[k] <= positions[p] (and positions[k] > positions[p] - window with a sliding window)."""
+    segment and positions[k] <= positions[p] (and positions[k] > positions[p] - window with a sliding window), and
+    no query sees a later column (for the real tokens that follows; padding's queries see the padding up to their own
+    column: the mask is causal by column, as `Attention` without a cache assumes)."""
     same = segments[:, :, None] == segments[:, None, :]
     qp, kp = positions[:, :, None], positions[:, None, :]
-    mask = same & (kp <= qp)
+    cols = np.arange(segments.shape[1])
+    mask = same & (kp <= qp) & (cols[None, :] <= cols[:, None])[None]
     if window is not None:
         mask &= kp > qp - window
     return mask

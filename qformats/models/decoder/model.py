@@ -355,19 +355,48 @@ whole calibration. Elsewhere (GPU: a loop would serialize what the device runs s
 whole; an empty tuple turns the loop off."""
 
 
-def _attend(q, k, v, mask, *, scale, sink, dtype):
-    """softmax(q k^T * scale, masked) v for query rows q [B, G, M, D] (M = r * T: the r query heads of each KV head
-    stacked), keys / values k, v [B, G, S, D], mask [B, 1, M, S] or [M, S] (True = visible; masked logits ->
-    float32's minimum). Scores and softmax in float32; `sink` [1, G, M, 1] (or None): one more logit per row that
-    joins each softmax and whose probability is dropped after it. Returns [B, G, M, D] in `dtype`."""
-    scores = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
+CAUSAL_BLOCK = 64
+"""Query block of `Attention` without a cache on `SEQUENCE_LOOP_BACKENDS` (`_attend`'s `block`): the queries of
+columns [c0, c0 + CAUSAL_BLOCK) take the keys of columns [0, c0 + CAUSAL_BLOCK) only, about 5/8 of the score and
+value products for T = 256 (the keys left out would get probability exactly 0). Measured (2 cores, SmolLM2, 8 x 256
+tokens): attention 15.6 -> 10.6 ms a batch; a Python-docs GPTQ calibration's bytes unchanged (`cmp`). None: off."""
+
+
+def _attend_all(q, k, v, mask, scale, sink, dtype, rows: str):
+    """`_attend` on all its keys; `rows` names the query axes before D ("bgm", or "bgrc" for [B, G, r, T, D])."""
+    scores = jnp.einsum(f"{rows}d,bgsd->{rows}s", q, k.astype(q.dtype), preferred_element_type=jnp.float32)
     scores = jnp.where(mask, scores * scale, jnp.finfo(jnp.float32).min)
     if sink is not None:
         full = jnp.concatenate([scores, jnp.broadcast_to(sink, scores.shape[:-1] + (1,))], axis=-1)
         probs = jax.nn.softmax(full, axis=-1)[..., :-1].astype(dtype)
     else:
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    return jnp.einsum("bgms,bgsd->bgmd", probs, v.astype(dtype))
+    return jnp.einsum(f"{rows}s,bgsd->{rows}d", probs, v.astype(dtype))
+
+
+def _attend(q, k, v, mask, *, scale, sink, dtype, block: Optional[int] = None):
+    """softmax(q k^T * scale, masked) v for query rows q [B, G, M, D] (M = r * T: the r query heads of each KV head
+    stacked), keys / values k, v [B, G, S, D], mask [B, 1, M, S] or [M, S] (True = visible; masked logits ->
+    float32's minimum). Scores and softmax in float32; `sink` [1, G, M, 1] (or None): one more logit per row that
+    joins each softmax and whose probability is dropped after it. Returns [B, G, M, D] in `dtype`.
+
+    `block` (S = T, and a mask causal by column: query column c sees no key column > c): the queries of columns
+    [c0, c1) (c1 = min(c0 + block, T)) against the keys of columns [0, c1) only; the keys left out are masked for
+    them, so the same softmax (they would get probability exactly 0) for fewer products."""
+    s = k.shape[2]
+    if block is None or s <= block or q.shape[2] != s * (q.shape[2] // s):
+        return _attend_all(q, k, v, mask, scale, sink, dtype, "bgm")
+    b, g, m, d = q.shape
+    r = m // s
+    q5 = q.reshape(b, g, r, s, d)  # rows (r, t)
+    mask5 = mask.reshape(mask.shape[:-2] + (r, s, s))
+    sink5 = None if sink is None else sink.reshape(sink.shape[:2] + (r, s, 1))
+    outs = []
+    for c0 in range(0, s, block):
+        c1 = min(c0 + block, s)
+        outs.append(_attend_all(q5[:, :, :, c0:c1], k[:, :, :c1], v[:, :, :c1], mask5[..., c0:c1, :c1], scale,
+                                None if sink5 is None else sink5[..., c0:c1, :], dtype, "bgrc"))
+    return jnp.concatenate(outs, axis=3).reshape(b, g, m, d)
 
 
 # ----------------------------------------------------------------------------------------------- modules
@@ -400,8 +429,10 @@ class Attention(nnx.Module):
         self.rotations = nnx.data(None)
 
     def __call__(self, x, cos, sin, mask, kv=None, start=0):
-        """x [B, T, d]; cos/sin [T, D] or [B, T, D]; mask [T, S] or [B, T, S] (True = visible); kv: this layer's
-        (keys, values) cache buffers [B, G, S, D] (written at `start`: a scalar, or [B] per row) or None (S = T).
+        """x [B, T, d]; cos/sin [T, D] or [B, T, D]; mask [T, S] or [B, T, S] (True = visible; without a cache
+        causal by column: token t sees no later column, as `attention_mask` and `packed_mask` give); kv: this
+        layer's (keys, values) cache buffers [B, G, S, D] (written at `start`: a scalar, or [B] per row) or None
+        (S = T).
         Returns (output [B, T, d], (keys, values))."""
         b, t, _ = x.shape
         g, hd = self.num_kv_heads, self.head_dim
@@ -432,7 +463,10 @@ class Attention(nnx.Module):
             sink = self.sinks.get_value().astype(jnp.float32).reshape(g, r, 1, 1)
             sink = jnp.broadcast_to(sink, (g, r, t, 1)).reshape(1, g, r * t, 1)
         attend = functools.partial(_attend, scale=hd ** -0.5, sink=sink, dtype=x.dtype)
-        if b > 1 and t > 1 and jax.default_backend() in SEQUENCE_LOOP_BACKENDS:
+        loop = t > 1 and jax.default_backend() in SEQUENCE_LOOP_BACKENDS
+        if loop and kv is None:  # no cache: S = T and the mask causal by column (the docstring above)
+            attend = functools.partial(attend, block=CAUSAL_BLOCK)
+        if b > 1 and loop:
             shared = mask.ndim == 2
             out = jax.lax.map(lambda a: attend(a[0][None], a[1][None], a[2][None], mask if shared else a[3][None])[0],
                               (q, k, v) if shared else (q, k, v, mask))

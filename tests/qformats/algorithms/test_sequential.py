@@ -73,5 +73,8 @@ def test_pack_batches_rows_positions_segments():
     assert m[1, 30, 29] and m[1, 30, 30] and not m[1, 30, 31] and not m[1, 29, 28] and m[1, 28, 0]
     w = packed_mask(pos, seg, window=2)
     assert w[1, 31, 30] and not w[1, 31, 29]
+    cols = np.arange(40)
+    assert not (m & (cols[None, :] > cols[:, None])).any()  # causal by column, padding's queries included
+    assert m[1, 38, 37] and m[1, 38, 38] and not m[1, 37, 38]  # padding sees the padding up to its own column
     c = pack_batches([np.arange(1, 9)] * 5, tokens_per_batch=16, bucket=8)  # 5 rows, 2 a batch -> 3 batches of 2
     assert [a.shape for a in c.ids] == [(2, 8)] * 3 and c.valid[2].sum() == 8

@@ -1,4 +1,5 @@
-"""Attention one sequence at a time (`SEQUENCE_LOOP_BACKENDS`, XLA:CPU) against the whole batch at once."""
+"""Attention one sequence at a time (`SEQUENCE_LOOP_BACKENDS`, XLA:CPU) against the whole batch at once, and in causal
+query blocks (`CAUSAL_BLOCK`) against all keys."""
 
 import jax
 import jax.numpy as jnp
@@ -71,3 +72,34 @@ def test_cached_prefill_loops_and_decode_does_not():
     np.testing.assert_array_equal(np.asarray(kv[0]), np.asarray(kv_ref[0]))
     step = (x[:, :1], cos[:1], sin[:1], mask[:1], cache, 0)  # one new token: nothing to loop over
     assert "scan" not in run(attn, ("cpu",), *step)[1]
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("block", [4, 5, 64])  # T = 12: three blocks, a short last block, one block (all keys)
+def test_causal_query_blocks_equal_all_keys(sinks, per_row, block):
+    g, r = 2, 3
+    ks = jax.random.split(jax.random.PRNGKey(3), 4)
+    q = jax.random.normal(ks[0], (B, g, r * T, HD))
+    k, v = (jax.random.normal(kk, (B, g, T, HD)) for kk in ks[1:3])
+    mask = inputs(per_row)[3]
+    mask = jnp.tile(mask, (r, 1)) if mask.ndim == 2 else jnp.tile(mask, (1, r, 1))[:, None]  # rows (r, t)
+    sink = jax.random.normal(ks[3], (1, g, r * T, 1)) if sinks else None
+    kw = dict(scale=HD ** -0.5, sink=sink, dtype=jnp.float32)
+    got = jax.jit(lambda *a: M._attend(*a, **kw, block=block))(q, k, v, mask)
+    ref = jax.jit(lambda *a: M._attend(*a, **kw))(q, k, v, mask)
+    # the keys a block leaves out have probability exactly 0; the sums run over fewer terms: float32 roundoff
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-6)
+
+
+def test_blocks_only_without_a_cache():
+    attn, (x, cos, sin, mask) = attention(False), inputs(False)
+    old = M.CAUSAL_BLOCK
+    M.CAUSAL_BLOCK = 4
+    try:
+        dots = lambda *a: str(jax.make_jaxpr(lambda *b: attn(*b))(*a)).count("dot_general")
+        assert dots(x, cos, sin, mask) == 4 + 2 * 3  # four projections, scores and values in 3 blocks of 4
+        cache = (jnp.zeros((B, 2, 16, HD)), jnp.zeros((B, 2, 16, HD)))
+        assert dots(x, cos, sin, jnp.asarray(np.tril(np.ones((T, 16), bool))), cache, 0) == 4 + 2
+    finally:
+        M.CAUSAL_BLOCK = old
