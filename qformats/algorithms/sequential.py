@@ -93,12 +93,17 @@ def make_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 8192,
     return Batches(tuple(ids), tuple(valid), int(sum(np.asarray(s).size for s in samples)))
 
 
-def pack_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 2048, bucket: int = 32) -> Batches:
+def pack_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 2048, bucket: int = 32,
+                 shape_cost: int = 0) -> Batches:
     """Samples (1-D int token arrays) -> Batches with several samples per row: one row length
     T = bucket * ceil(longest sample / bucket), samples placed into rows first-fit in decreasing length (ties in
     sample order), the rows split into n = ceil(rows / B0) batches of B = ceil(rows / n) rows each
     (B0 = max(1, tokens_per_batch // T); empty rows pad the last batch). One [B, T] shape for every batch, so the
     layer passes compile once, and far fewer padded positions than one sample per row when lengths vary.
+
+    `shape_cost` > 0 (in token positions, as in `make_batches`: what one more shape's compilations cost): when the
+    last batch's empty rows hold more than shape_cost positions it keeps its own rows only, [B', T] with B' < B (a
+    second shape; the empty rows would only add zeros to every statistic).
 
     Each token keeps its position within its sample (`Batches.positions`) and attends to its own sample only
     (`Batches.segments`, `packed_mask`): the layer's output on a packed row equals its output on each sample alone
@@ -128,14 +133,16 @@ def pack_batches(samples: Sequence[np.ndarray], *, tokens_per_batch: int = 2048,
         free[r] -= s.size
     n = -(-len(rows) // max(1, tokens_per_batch // t))
     b = -(-len(rows) // n)
-    rows += [[] for _ in range(n * b - len(rows))]
+    if shape_cost <= 0 or (n * b - len(rows)) * t <= shape_cost:
+        rows += [[] for _ in range(n * b - len(rows))]
     ids, valid, pos, seg = [], [], [], []
     for j in range(0, len(rows), b):
-        a = np.zeros((b, t), np.int32)
-        v = np.zeros((b, t), bool)
-        p = np.zeros((b, t), np.int32)
-        g = np.full((b, t), -1, np.int32)
-        for r, row in enumerate(rows[j:j + b]):
+        chunk = rows[j:j + b]
+        a = np.zeros((len(chunk), t), np.int32)
+        v = np.zeros(a.shape, bool)
+        p = np.zeros(a.shape, np.int32)
+        g = np.full(a.shape, -1, np.int32)
+        for r, row in enumerate(chunk):
             c = 0
             for k, s in enumerate(row):
                 a[r, c:c + s.size] = s

@@ -383,8 +383,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
       pack: several samples per row (`pack_batches`: one batch shape, so each layer pass compiles once, and
         few padded positions; each sample attends to itself only, so the statistics are those of one sample a
         row); False: one sample a row (`make_batches`, with the options below).
-      tokens_per_batch, bucket, max_padding, shape_cost: batching (`make_batches`; with `pack`, tokens_per_batch
-        and bucket only). shape_cost None: the
+      tokens_per_batch, bucket, max_padding, shape_cost: batching (`make_batches`; with `pack`, `pack_batches`:
+        all but max_padding, and shape_cost only without a transform). shape_cost None: the
         layer passes' compilation cost in token positions, SHAPE_COST_PARAMS / (layers * parameters per layer)
         (one [B, T] shape's two compilations cost about what running that many positions through every layer
         does: measured on SmolLM2, ~200 positions); 0: bucket merging by max_padding only. A layer pass's temporaries grow with the
@@ -449,7 +449,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
     if isinstance(samples, Batches):
         batches = samples
     elif pack:
-        batches = pack_batches(samples, tokens_per_batch=tokens_per_batch, bucket=bucket)
+        # with a transform one shape: its float statistics (AWQ's means) reduce over whole batches, and a last batch
+        # without its empty rows would move them by roundoff
+        batches = pack_batches(samples, tokens_per_batch=tokens_per_batch, bucket=bucket,
+                               shape_cost=shape_cost if transform is None else 0)
     else:
         batches = make_batches(samples, tokens_per_batch=tokens_per_batch, bucket=bucket, max_padding=max_padding,
                                shape_cost=shape_cost)

@@ -195,3 +195,26 @@ def test_propagation_on_weights_dequantized_once_is_bit_exact(scheme, monkeypatc
     C._propagate(layer, each_batch, lambda j: (cos, sin, mask))
     for a, b in zip(once, each_batch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("recipe", ["gptq", "awq", "smoothquant"])
+def test_packed_last_batch_without_its_empty_rows_gives_the_same_codes(recipe):
+    """`pack_batches`' shape_cost: a last batch of its real rows only (a second shape) gives the codes of the same
+    batch filled up with empty rows (every statistic adds zeros for them); with a transform (AWQ, SmoothQuant)
+    `calibrate_decoder` keeps one shape (AWQ's means would move by roundoff: their reductions span whole batches)."""
+    from qformats.algorithms.sequential import pack_batches
+    from qformats.models.decoder.calibration import awq_transform, smoothquant_transform
+
+    s = samples(13, 16)  # 13 rows of 16, 4 a batch: 4 batches, the last of 1 row (+ 3 empty rows)
+    assert [a.shape[0] for a in pack_batches(s, tokens_per_batch=64, bucket=16, shape_cost=47).ids] == [4, 4, 4, 1]
+    assert [a.shape[0] for a in pack_batches(s, tokens_per_batch=64, bucket=16, shape_cost=48).ids] == [4] * 4
+    scheme = "W8A8" if recipe == "smoothquant" else SCHEME
+    got = []
+    for cost in (0, 1):
+        m = model()
+        transform = {"gptq": None, "awq": awq_transform(SCHEME, n_grid=8),
+                     "smoothquant": smoothquant_transform(0.5)}[recipe]
+        calibrate_decoder(m, s, scheme, weight_search="rtn" if recipe == "awq" else "gptq", transform=transform,
+                          tokens_per_batch=64, bucket=16, shape_cost=cost)
+        got.append(weights(m))
+    same_codes(got[0], got[1])
