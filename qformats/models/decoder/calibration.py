@@ -219,30 +219,43 @@ def _set_valid(layer, valid) -> None:
             m.valid.set_value(valid.astype(jnp.float32))
 
 
-@functools.partial(nnx.jit, static_argnames=("keep_output",))
-def _calibration_pass(layer, x, valid, cos, sin, mask, keep_output):
-    """Runs the calibrating layer (its projections record their statistics); returns (its output, the inputs its
-    tapped projections sowed: `_host_moments`), the output only with `keep_output`: otherwise XLA drops what no
-    statistic needs (down_proj's product and the residual after it)."""
+# The layer passes are jax.jit functions of (graphdef, state), not nnx.jit ones of the layer: nnx.jit returns every
+# variable of the module as an output, so each run copied the layer's weights (14 MiB on SmolLM2) into fresh buffers.
+@functools.partial(jax.jit, static_argnames=("graphdef", "keep_output", "kv_scheme"))
+def _calibration_run(graphdef, state, x, valid, cos, sin, mask, keep_output, kv_scheme=None):
+    """`_calibration_pass` on the split layer: (output or None, taps, its non-Param state after the run, the KV
+    ranges or None)."""
+    layer = nnx.merge(graphdef, state)
     _set_valid(layer, valid)
-    out, taps = nnx.capture(lambda m: m(x, cos, sin, mask)[0], nnx.Intermediate)(layer)
-    return (out if keep_output else None), taps
+    (out, kv), taps = nnx.capture(lambda m: m(x, cos, sin, mask), nnx.Intermediate)(layer)
+    amax = None
+    if kv_scheme is not None:  # kv: the layer's (keys, values)
+        real = valid[:, None, :, None]
+        amax = tuple(amax_of(jnp.where(real, s, jnp.zeros((), s.dtype)), kv_scheme) for s in kv[:2])
+    return (out if keep_output else None), taps, nnx.state(layer, nnx.Not(nnx.Param)), amax
 
 
-@functools.partial(nnx.jit, static_argnames=("kv_scheme", "keep_output"))
-def _calibration_pass_kv(layer, x, valid, cos, sin, mask, kv_scheme, keep_output):
-    """The calibration pass, plus max |state| of the keys / values this batch's real tokens put into the cache
-    (shapes `kv_scheme.scale_shape`: per tensor or per KV head)."""
-    _set_valid(layer, valid)
-    (out, (k, v)), taps = nnx.capture(lambda m: m(x, cos, sin, mask), nnx.Intermediate)(layer)
-    real = valid[:, None, :, None]
-    amax = tuple(amax_of(jnp.where(real, s, jnp.zeros((), s.dtype)), kv_scheme) for s in (k, v))
-    return (out if keep_output else None), taps, amax
+def _calibration_pass(layer, x, valid, cos, sin, mask, keep_output, kv_scheme=None):
+    """Runs the calibrating layer (its projections record their statistics, written back into `layer`); returns
+    (its output, the inputs its tapped projections sowed: `_host_moments`), the output only with `keep_output`:
+    otherwise XLA drops what no statistic needs (down_proj's product and the residual after it). With `kv_scheme`,
+    also max |state| of the keys / values this batch's real tokens put into the cache (shapes
+    `kv_scheme.scale_shape`: per tensor or per KV head)."""
+    graphdef, state = nnx.split(layer)
+    out, taps, stats, amax = _calibration_run(graphdef, state, x, valid, cos, sin, mask, keep_output, kv_scheme)
+    nnx.update(layer, stats)
+    return (out, taps) if kv_scheme is None else (out, taps, amax)
 
 
-@nnx.jit
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _forward_state(graphdef, state, x, cos, sin, mask):
+    """The layer's output for x, the layer split (graphdef, state) once for many batches."""
+    return nnx.merge(graphdef, state)(x, cos, sin, mask)[0]
+
+
 def _forward(layer, x, cos, sin, mask):
-    return layer(x, cos, sin, mask)[0]
+    """The layer's output for x (`_forward_state` on the layer split)."""
+    return _forward_state(*nnx.split(layer), x, cos, sin, mask)
 
 
 class _Dequantized(nnx.Module):
@@ -297,8 +310,9 @@ def _propagate(layer, xs, layer_inputs) -> None:
                 if _dequantizable(lin, jax.ShapeDtypeStruct((rows, lin.kernel.get_value().shape[0]), dtype)):
                     swapped[rel] = lin
                     _set(layer, rel, _Dequantized(lin, dtype))
+        graphdef, state = nnx.split(layer)
         for j in range(len(xs)):
-            xs[j] = _forward(layer, xs[j], *layer_inputs(j))
+            xs[j] = _forward_state(graphdef, state, xs[j], *layer_inputs(j))
     finally:
         for rel, lin in swapped.items():
             _set(layer, rel, lin)
@@ -538,7 +552,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         for j, (x, v) in enumerate(zip(xs, valid) if not skip else ()):
             args = (layer, x, v, *layer_inputs(j, window))
             if kv_static:
-                out, taps, cur = _calibration_pass_kv(*args, kv_cache, keep)
+                out, taps, cur = _calibration_pass(*args, keep, kv_cache)
                 amax = cur if amax is None else tuple(jnp.maximum(a, c) for a, c in zip(amax, cur))
             else:
                 out, taps = _calibration_pass(*args, keep)
