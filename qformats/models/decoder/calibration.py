@@ -1555,13 +1555,22 @@ class _RangeTap(nnx.Module):
         return y
 
 
-@nnx.jit
-def _range_pass(layer, x, valid, cos, sin, mask):
-    """Records the mapped norms' output ranges; returns nothing, so XLA drops what they do not need (the MLP)."""
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _range_run(graphdef, state, x, valid, cos, sin, mask):
+    """`_range_pass` on the split layer: its non-Param state after the run (the ranges; XLA drops what they do not
+    need, the MLP)."""
+    layer = nnx.merge(graphdef, state)
     for _, m in nnx.iter_modules(layer):
         if isinstance(m, _RangeTap):
             m.valid.set_value(valid)
     layer(x, cos, sin, mask)
+    return nnx.state(layer, nnx.Not(nnx.Param))
+
+
+def _range_pass(layer, x, valid, cos, sin, mask):
+    """Records the mapped norms' output ranges into their taps (`_RangeTap`) in `layer` (a jax.jit function of the
+    split layer, as `_calibration_pass`: no copy of its weights out of every run)."""
+    nnx.update(layer, _range_run(*nnx.split(layer), x, valid, cos, sin, mask))
 
 
 def smoothquant_transform(alpha: float, moe: Optional[bool] = None) -> Callable:
