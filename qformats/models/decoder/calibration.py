@@ -221,13 +221,16 @@ def _set_valid(layer, valid) -> None:
 
 # The layer passes are jax.jit functions of (graphdef, state), not nnx.jit ones of the layer: nnx.jit returns every
 # variable of the module as an output, so each run copied the layer's weights (14 MiB on SmolLM2) into fresh buffers.
-@functools.partial(jax.jit, static_argnames=("graphdef", "keep_output", "kv_scheme"))
-def _calibration_run(graphdef, state, x, valid, cos, sin, mask, keep_output, kv_scheme=None):
+@functools.partial(jax.jit, static_argnames=("graphdef", "keep_output", "kv_scheme", "rows"))
+def _calibration_run(graphdef, state, x, valid, cos, sin, mask, keep_output, kv_scheme=None, rows=None):
     """`_calibration_pass` on the split layer: (output or None, taps, its non-Param state after the run, the KV
     ranges or None)."""
     layer = nnx.merge(graphdef, state)
     _set_valid(layer, valid)
     (out, kv), taps = nnx.capture(lambda m: m(x, cos, sin, mask), nnx.Intermediate)(layer)
+    b = x.shape[0]
+    if rows is not None and rows != b:  # [B', T, K] or [B' T, K] -> B = rows: zero rows after the real ones
+        taps = jax.tree.map(lambda a: jnp.pad(a, [(0, a.shape[0] // b * (rows - b))] + [(0, 0)] * (a.ndim - 1)), taps)
     amax = None
     if kv_scheme is not None:  # kv: the layer's (keys, values)
         real = valid[:, None, :, None]
@@ -235,14 +238,17 @@ def _calibration_run(graphdef, state, x, valid, cos, sin, mask, keep_output, kv_
     return (out if keep_output else None), taps, nnx.state(layer, nnx.Not(nnx.Param)), amax
 
 
-def _calibration_pass(layer, x, valid, cos, sin, mask, keep_output, kv_scheme=None):
+def _calibration_pass(layer, x, valid, cos, sin, mask, keep_output, kv_scheme=None, rows=None):
     """Runs the calibrating layer (its projections record their statistics, written back into `layer`); returns
     (its output, the inputs its tapped projections sowed: `_host_moments`), the output only with `keep_output`:
     otherwise XLA drops what no statistic needs (down_proj's product and the residual after it). With `kv_scheme`,
     also max |state| of the keys / values this batch's real tokens put into the cache (shapes
-    `kv_scheme.scale_shape`: per tensor or per KV head)."""
+    `kv_scheme.scale_shape`: per tensor or per KV head). `rows`: the taps of a batch of fewer rows (`pack_batches`'
+    last) padded with zero rows to that many, so the host's x^T x runs on the shape, and gives the bits, of the
+    batch filled up with empty rows (BLAS splits the summed dimension by its length)."""
     graphdef, state = nnx.split(layer)
-    out, taps, stats, amax = _calibration_run(graphdef, state, x, valid, cos, sin, mask, keep_output, kv_scheme)
+    out, taps, stats, amax = _calibration_run(graphdef, state, x, valid, cos, sin, mask, keep_output, kv_scheme,
+                                              rows)
     nnx.update(layer, stats)
     return (out, taps) if kv_scheme is None else (out, taps, amax)
 
@@ -398,7 +404,7 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         few padded positions; each sample attends to itself only, so the statistics are those of one sample a
         row); False: one sample a row (`make_batches`, with the options below).
       tokens_per_batch, bucket, max_padding, shape_cost: batching (`make_batches`; with `pack`, `pack_batches`:
-        all but max_padding, and shape_cost only without a transform). shape_cost None: the
+        all but max_padding, and shape_cost only without a transform or experts). shape_cost None: the
         layer passes' compilation cost in token positions, SHAPE_COST_PARAMS / (layers * parameters per layer)
         (one [B, T] shape's two compilations cost about what running that many positions through every layer
         does: measured on SmolLM2, ~200 positions); 0: bucket merging by max_padding only. A layer pass's temporaries grow with the
@@ -463,10 +469,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
     if isinstance(samples, Batches):
         batches = samples
     elif pack:
-        # with a transform one shape: its float statistics (AWQ's means) reduce over whole batches, and a last batch
-        # without its empty rows would move them by roundoff
+        # with a transform or a mixture of experts one shape: their float statistics (AWQ's means, the experts' H)
+        # reduce over whole batches on the device, and a last batch without its empty rows would move them by roundoff
         batches = pack_batches(samples, tokens_per_batch=tokens_per_batch, bucket=bucket,
-                               shape_cost=shape_cost if transform is None else 0)
+                               shape_cost=shape_cost if transform is None and model.config.moe is None else 0)
     else:
         batches = make_batches(samples, tokens_per_batch=tokens_per_batch, bucket=bucket, max_padding=max_padding,
                                shape_cost=shape_cost)
@@ -498,6 +504,8 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
             tables[key] = _layer_inputs(cfg, batches, j, window)
         return tables[key]
 
+    # packed batches (one row length): a last batch of fewer rows has its taps padded to a whole batch's rows
+    full = max(a.shape[0] for a in batches.ids) if batches.positions is not None else None
     clock = _Clock(timings)
     xs = [_embed(model, jnp.asarray(ids)) if embed is None else jnp.asarray(embed(ids)) for ids in batches.ids]
     valid = [jnp.asarray(v) for v in batches.valid]
@@ -552,10 +560,10 @@ def calibrate_decoder(model: CausalLM, samples, scheme, *, weight_search: str = 
         for j, (x, v) in enumerate(zip(xs, valid) if not skip else ()):
             args = (layer, x, v, *layer_inputs(j, window))
             if kv_static:
-                out, taps, cur = _calibration_pass(*args, keep, kv_cache)
+                out, taps, cur = _calibration_pass(*args, keep, kv_cache, rows=full)
                 amax = cur if amax is None else tuple(jnp.maximum(a, c) for a, c in zip(amax, cur))
             else:
-                out, taps = _calibration_pass(*args, keep)
+                out, taps = _calibration_pass(*args, keep, rows=full)
             if keep:
                 xs[j] = out
             pending.append(taps)

@@ -94,6 +94,9 @@ def test_host_sums_ahead_and_overlapped_give_the_same_codes(monkeypatch):
             m = model()
             calibrate_decoder(m, samples(8, 16), SCHEME, weight_search="gptq", tokens_per_batch=32)  # 4 batches
             got.append(weights(m))
+        if recipe != "awq":  # (AWQ + round-to-nearest sums no x^T x)
+            assert {shape[0] for shape in summed} == {4}, summed  # every batch's taps: 4 rows
+        summed.clear()
     same_codes(got[0], got[1])
     same_codes(got[0], got[2])
 
@@ -198,12 +201,20 @@ def test_propagation_on_weights_dequantized_once_is_bit_exact(scheme, monkeypatc
 
 
 @pytest.mark.parametrize("recipe", ["gptq", "awq", "smoothquant"])
-def test_packed_last_batch_without_its_empty_rows_gives_the_same_codes(recipe):
+def test_packed_last_batch_without_its_empty_rows_gives_the_same_codes(recipe, monkeypatch):
     """`pack_batches`' shape_cost: a last batch of its real rows only (a second shape) gives the codes of the same
-    batch filled up with empty rows (every statistic adds zeros for them); with a transform (AWQ, SmoothQuant)
-    `calibrate_decoder` keeps one shape (AWQ's means would move by roundoff: their reductions span whole batches)."""
+    batch filled up with empty rows (every statistic adds zeros for them; its taps come back padded to a whole
+    batch's rows, so the host's x^T x sums the same shapes); with a transform (AWQ, SmoothQuant) `calibrate_decoder`
+    keeps one shape (AWQ's means would move by roundoff: their reductions span whole batches)."""
     from qformats.algorithms.sequential import pack_batches
+    from qformats.models.decoder import calibration
     from qformats.models.decoder.calibration import awq_transform, smoothquant_transform
+
+    summed = []
+    add = calibration._add_moments
+    monkeypatch.setattr(calibration, "_add_moments", lambda rel, var, *a: (
+        summed.extend(x.shape for x in (var.get_value() if isinstance(var, nnx.Variable) else var)),
+        add(rel, var, *a))[1])
 
     s = samples(13, 16)  # 13 rows of 16, 4 a batch: 4 batches, the last of 1 row (+ 3 empty rows)
     assert [a.shape[0] for a in pack_batches(s, tokens_per_batch=64, bucket=16, shape_cost=47).ids] == [4, 4, 4, 1]
@@ -217,4 +228,7 @@ def test_packed_last_batch_without_its_empty_rows_gives_the_same_codes(recipe):
         calibrate_decoder(m, s, scheme, weight_search="rtn" if recipe == "awq" else "gptq", transform=transform,
                           tokens_per_batch=64, bucket=16, shape_cost=cost)
         got.append(weights(m))
+        if recipe != "awq":  # (AWQ + round-to-nearest sums no x^T x)
+            assert {shape[0] for shape in summed} == {4}, summed  # every batch's taps: 4 rows
+        summed.clear()
     same_codes(got[0], got[1])
