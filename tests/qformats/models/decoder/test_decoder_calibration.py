@@ -94,9 +94,6 @@ def test_host_sums_ahead_and_overlapped_give_the_same_codes(monkeypatch):
             m = model()
             calibrate_decoder(m, samples(8, 16), SCHEME, weight_search="gptq", tokens_per_batch=32)  # 4 batches
             got.append(weights(m))
-        if recipe != "awq":  # (AWQ + round-to-nearest sums no x^T x)
-            assert {shape[0] for shape in summed} == {4}, summed  # every batch's taps: 4 rows
-        summed.clear()
     same_codes(got[0], got[1])
     same_codes(got[0], got[2])
 
