@@ -109,7 +109,9 @@ def enable_compile_cache(enabled: bool = True) -> Optional[Path]:
     jax.config.jax_compilation_cache_dir already set, that directory is kept (returned); with `enabled` False or
     QFORMATS_COMPILE_CACHE=0 nothing changes. In the directory it turns on, every program is cached
     (jax_persistent_cache_min_compile_time_secs 0, unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS is set; JAX's
-    default, 1 s, leaves out the dozens of small programs a calibration compiles: ~2 CPU s a run)."""
+    default, 1 s, leaves out the dozens of small programs a calibration compiles: ~2 CPU s a run). On CPU, XLA's GPU
+    caches stay off (jax_persistent_cache_enable_xla_caches "none", unless JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES is
+    set): they would put the directory's path into every cache key, and a cache moved or copied would never hit."""
     import jax
 
     current = jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
@@ -127,6 +129,10 @@ def enable_compile_cache(enabled: bool = True) -> Optional[Path]:
     jax.config.update("jax_compilation_cache_dir", str(path))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES" not in os.environ and jax.default_backend() == "cpu":
+        # XLA's own caches are GPU ones; left on, they put this directory's path into every program's compile
+        # options, so into every cache key: a cache moved or copied to another path would never hit
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     return path
 
 

@@ -269,6 +269,28 @@ def test_a_configured_cache_wins(tmp_path, monkeypatch):
     assert compile_cache_dir() == tmp_path / "elsewhere"
 
 
+def test_a_copied_cache_hits(tmp_path):
+    """On CPU the cache keys do not hold the cache directory's path (XLA's GPU caches stay off): a program compiled
+    into one directory is a cache hit from a copy of it elsewhere."""
+    import shutil
+    import subprocess
+    import sys
+
+    code = ("from converters.cli.common import enable_compile_cache; enable_compile_cache(); import jax, jax.numpy as jnp; "
+            "jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0)).block_until_ready()")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(JAX_LOG_COMPILES="1", JAX_PLATFORMS="cpu")
+    logs = []
+    for d in ("a", "b"):
+        if d == "b":
+            shutil.copytree(tmp_path / "a", tmp_path / "b")
+        env["QFORMATS_COMPILE_CACHE"] = str(tmp_path / d)
+        logs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                                   timeout=120).stderr)
+    assert "Persistent compilation cache hit" not in logs[0] and any((tmp_path / "a").iterdir())
+    assert "Persistent compilation cache hit for 'jit__lambda'" in logs[1], logs[1][-2000:]
+
+
 def test_help_names_the_cache_directory(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("QFORMATS_COMPILE_CACHE", raising=False)
