@@ -276,8 +276,8 @@ def test_a_copied_cache_hits(tmp_path):
     import subprocess
     import sys
 
-    code = ("from converters.cli.common import enable_compile_cache; enable_compile_cache(); import jax, jax.numpy as jnp; "
-            "jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0)).block_until_ready()")
+    code = ("from converters.cli.common import enable_compile_cache; enable_compile_cache(); import jax; "
+            "import jax.numpy as jnp; jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0)).block_until_ready()")
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     env.update(JAX_LOG_COMPILES="1", JAX_PLATFORMS="cpu")
     logs = []
