@@ -81,7 +81,7 @@ from qformats.models.decoder.moe import DeepseekRouter, MoEBlock, MoEConfig, act
 from qformats.models.decoder.params import interleave_gate_up
 from qformats.matching import resolve_scheme
 from qformats.nn import CalibStat, QLinear
-from qformats.nn.projection import add_bias, dot
+from qformats.nn.projection import add_bias
 from qformats.nn.experts import Experts, QExperts
 from qformats.qarray import QArray
 from qformats.plan import check_fits
@@ -268,20 +268,27 @@ class _Dequantized(nnx.Module):
     """A packed QLinear's weight-only forward pass on its weight dequantized once, for a pass that runs one layer
     over many batches: y = dot(x, W) + b, W = dequantize(q) in the compute dtype (the layer's `dtype`, else x's):
     `dispatch.xla_qdot`'s path for more than FUSED_GEMV_ROWS rows, the same values, without a dequantize (and its
-    temporaries, mapped afresh on XLA:CPU) in every batch's run."""
+    temporaries, mapped afresh on XLA:CPU) in every batch's run. W is kept as W^T [N, K], the layout `dequantize`
+    makes it in (QArray.tshape) and xla_qdot's dot reads: XLA:CPU picks its dot kernel by the operand's layout, and
+    on an AVX-512 CPU the kernel for a [K, N] operand sums in another order (other bits)."""
 
     def __init__(self, lin: QLinear, dtype):
         self.dtype = lin.dtype
-        self.weight = nnx.Variable(_dequantize(lin.kernel.get_value(), dtype))
+        self.weight_t = nnx.Variable(_dequantize_t(lin.kernel.get_value(), dtype))
         self.bias = None if lin.bias is None else nnx.Variable(lin.bias.get_value())
 
     def __call__(self, x):
         if self.dtype is not None:
             x = x.astype(self.dtype)
-        return add_bias(dot(x, self.weight.get_value()), None if self.bias is None else self.bias.get_value())
+        y = jax.lax.dot_general(x, self.weight_t.get_value(), (((x.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32).astype(x.dtype)
+        return add_bias(y, None if self.bias is None else self.bias.get_value())
 
 
-_dequantize = jax.jit(dequantize, static_argnames=("dtype",))
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _dequantize_t(q, dtype):
+    """dequantize(q, dtype=dtype)^T: [N, K] for a [K, N] QArray."""
+    return jnp.swapaxes(dequantize(q, dtype=dtype), 0, 1)
 
 
 def _dequantizable(lin, x) -> bool:
@@ -1281,7 +1288,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
         over the real tokens (float32), that of the attention summed over chunks of rows and that of the MLP over
         chunks of tokens, largest |x| first (`AWQ_CHUNK_TOKENS`).
       record: optional list; one dict per applied mapping is appended ({"layer", "smooth", "balances", "ratio",
-        "duo", "scales", "x_mean", "errors" (the loss at each grid point; None where the race pruned it),
+        "duo", "scales", "x_mean", "w_mean" (None without duo scaling), "errors" (the loss at each grid point; None where the race pruned it),
         "initial_error", "best_error", "evaluated" (the fraction of the race's terms evaluated)}).
 
     The transform returns the float layer's outputs from the pass that captured the mappings' inputs (before any
@@ -1373,7 +1380,7 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
             if record is not None:
                 record.append({"layer": index, "smooth": m.smooth, "balances": m.balances, "ratio": found.ratio,
                                "duo": found.duo, "scales": np.asarray(best), "x_mean": x_mean,
-                               "errors": found.errors, "initial_error": found.initial_error,
+                               "w_mean": None if w_mean is None else np.asarray(w_mean), "errors": found.errors, "initial_error": found.initial_error,
                                "best_error": found.best_error, "evaluated": found.evaluated})
 
         for m in head:
