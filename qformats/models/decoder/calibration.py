@@ -1288,8 +1288,9 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
         over the real tokens (float32), that of the attention summed over chunks of rows and that of the MLP over
         chunks of tokens, largest |x| first (`AWQ_CHUNK_TOKENS`).
       record: optional list; one dict per applied mapping is appended ({"layer", "smooth", "balances", "ratio",
-        "duo", "scales", "x_mean", "w_mean" (None without duo scaling), "errors" (the loss at each grid point; None where the race pruned it),
-        "initial_error", "best_error", "evaluated" (the fraction of the race's terms evaluated)}).
+        "duo", "scales", "x_mean", "w_mean" (None without duo scaling), "errors" (the loss at each grid point; None
+        where the race pruned it), "initial_error", "best_error", "evaluated" (the fraction of the race's terms
+        evaluated)}).
 
     The transform returns the float layer's outputs from the pass that captured the mappings' inputs (before any
     fold): `calibrate_decoder` propagates them under round-to-nearest with float propagation (the folded layer
@@ -1380,7 +1381,8 @@ def awq_transform(scheme, *, n_grid: int = 20, duo_scaling: awq.DuoScaling = Tru
             if record is not None:
                 record.append({"layer": index, "smooth": m.smooth, "balances": m.balances, "ratio": found.ratio,
                                "duo": found.duo, "scales": np.asarray(best), "x_mean": x_mean,
-                               "w_mean": None if w_mean is None else np.asarray(w_mean), "errors": found.errors, "initial_error": found.initial_error,
+                               "w_mean": None if w_mean is None else np.asarray(w_mean), "errors": found.errors,
+                               "initial_error": found.initial_error,
                                "best_error": found.best_error, "evaluated": found.evaluated})
 
         for m in head:

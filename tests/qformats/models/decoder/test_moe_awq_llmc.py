@@ -14,10 +14,10 @@ q/k/v/o codes 99.7-100% equal); each expert's up -> down mapping agrees (down_pr
 the block mapping (post_attention_layernorm over the router and the experts' gate / up) takes the same x_mean and
 w_mean (their scales are our candidate scales at their grid point within 1.7e-7) but another grid point (layer 0:
 ratio 0.222 theirs, 0.167 ours, whose loss is 4% lower in our evaluation of the block): their loss of the MoE block
-differs from ours by more than rounding, not resolved; gate / up codes 81-91% equal, 91.8% of all codes. On an AVX-512 CPU
-the ulps of its float32 sums move layer 0's attention mapping to the neighbouring grid point (0.222 ours, 0.333 theirs, 0.02%
-apart in our loss): 89.8% of all codes. Bounds: layer 0's input_layernorm within 1e-6 of theirs, or their grid point's loss
-within NEAR_TIE of ours; all codes >= MIN_EQUAL.
+differs from ours by more than rounding, not resolved; gate / up codes 81-91% equal, 91.8% of all codes. On an
+AVX-512 CPU the ulps of its float32 sums move layer 0's attention mapping to the neighbouring grid point (0.222 ours,
+0.333 theirs, 0.02% apart in our loss): 89.8% of all codes. Bounds: layer 0's input_layernorm within 1e-6 of theirs,
+or their grid point's loss within NEAR_TIE of ours; all codes >= MIN_EQUAL.
 """
 
 import sys
