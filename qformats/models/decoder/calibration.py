@@ -81,7 +81,7 @@ from qformats.models.decoder.moe import DeepseekRouter, MoEBlock, MoEConfig, act
 from qformats.models.decoder.params import interleave_gate_up
 from qformats.matching import resolve_scheme
 from qformats.nn import CalibStat, QLinear
-from qformats.nn.projection import add_bias
+from qformats.nn.projection import add_bias, dot
 from qformats.nn.experts import Experts, QExperts
 from qformats.qarray import QArray
 from qformats.plan import check_fits
@@ -280,9 +280,8 @@ class _Dequantized(nnx.Module):
     def __call__(self, x):
         if self.dtype is not None:
             x = x.astype(self.dtype)
-        y = jax.lax.dot_general(x, self.weight_t.get_value(), (((x.ndim - 1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32).astype(x.dtype)
-        return add_bias(y, None if self.bias is None else self.bias.get_value())
+        # the transpose folds into the dot, as the one of xla_qdot's dequantized weight does
+        return add_bias(dot(x, self.weight_t.get_value().T), None if self.bias is None else self.bias.get_value())
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
